@@ -1,0 +1,166 @@
+#include "common/job_spec.h"
+
+#include <google/protobuf/io/tokenizer.h>
+#include <google/protobuf/text_format.h>
+
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace geotrain {
+namespace {
+
+// Collects textproto parse errors as "line:col: message".
+class ErrorCollector : public google::protobuf::io::ErrorCollector {
+ public:
+  void AddError(int line, int column, const std::string& message) override {
+    errors_.push_back(absl::StrCat(line + 1, ":", column + 1, ": ", message));
+  }
+  void AddWarning(int line, int column, const std::string& message) override {
+    AddError(line, column, message);
+  }
+  std::string Joined() const { return absl::StrJoin(errors_, "; "); }
+
+ private:
+  std::vector<std::string> errors_;
+};
+
+absl::Status Invalid(const std::string& what) {
+  return absl::InvalidArgumentError(what);
+}
+
+}  // namespace
+
+void ApplyJobDefaults(v1::JobSpec* job) {
+  if (job->name().empty()) job->set_name("job");
+  if (job->schedule() == v1::SCHEDULE_UNSPECIFIED) {
+    job->set_schedule(v1::SCHEDULE_SYNC);
+  }
+  if (job->microbatches() == 0) job->set_microbatches(4);
+  if (job->microbatch_size() == 0) job->set_microbatch_size(16);
+  if (job->min_workers() == 0) job->set_min_workers(1);
+  if (job->eval_batches() == 0) job->set_eval_batches(8);
+  if (job->lease_ms() == 0) job->set_lease_ms(5000);
+  v1::Optimizer* opt = job->mutable_optimizer();
+  if (opt->kind() == v1::Optimizer::KIND_UNSPECIFIED) {
+    opt->set_kind(v1::Optimizer::KIND_ADAMW);
+  }
+  if (opt->lr() == 0) opt->set_lr(1e-3);
+  if (opt->beta1() == 0) opt->set_beta1(0.9);
+  if (opt->beta2() == 0) opt->set_beta2(0.999);
+  if (job->has_gpt()) {
+    v1::GptModel* gpt = job->mutable_gpt();
+    if (gpt->mlp_ratio() == 0) gpt->set_mlp_ratio(4);
+  }
+  if (job->has_text()) {
+    v1::TextData* text = job->mutable_text();
+    if (text->paths().empty()) text->add_paths("/usr/share/games/fortunes");
+    if (text->validation_fraction() == 0) text->set_validation_fraction(0.05);
+  }
+  if (job->has_fashion_mnist() && job->fashion_mnist().dir().empty()) {
+    job->mutable_fashion_mnist()->set_dir("/usr/share/datasets/fashion-mnist");
+  }
+}
+
+absl::Status ValidateJobSpec(const v1::JobSpec& job) {
+  if (job.model_case() == v1::JobSpec::MODEL_NOT_SET) {
+    return Invalid("no model: set `gpt { ... }` or `mlp { ... }`");
+  }
+  if (job.data_case() == v1::JobSpec::DATA_NOT_SET) {
+    return Invalid("no data: set `text { ... }` or `fashion_mnist { ... }`");
+  }
+  if (job.has_gpt()) {
+    const v1::GptModel& gpt = job.gpt();
+    if (gpt.context() <= 0 || gpt.d_model() <= 0 || gpt.heads() <= 0 ||
+        gpt.blocks() <= 0) {
+      return Invalid(
+          "gpt: context, d_model, heads and blocks must all be positive");
+    }
+    if (gpt.d_model() % gpt.heads() != 0) {
+      return Invalid(absl::StrCat("gpt: d_model (", gpt.d_model(),
+                                  ") must be a multiple of heads (",
+                                  gpt.heads(), ")"));
+    }
+    if (gpt.mlp_ratio() <= 0) return Invalid("gpt: mlp_ratio must be > 0");
+    if (!job.has_text()) {
+      return Invalid("a gpt model trains on `text` data");
+    }
+  }
+  if (job.has_mlp()) {
+    for (int width : job.mlp().hidden()) {
+      if (width <= 0) return Invalid("mlp: every hidden width must be > 0");
+    }
+    if (!job.has_fashion_mnist()) {
+      return Invalid("an mlp model trains on `fashion_mnist` data");
+    }
+  }
+  if (job.has_text()) {
+    const double f = job.text().validation_fraction();
+    if (f <= 0 || f >= 0.5) {
+      return Invalid("text: validation_fraction must be in (0, 0.5)");
+    }
+  }
+  if (job.steps() <= 0) return Invalid("steps must be > 0");
+  if (job.microbatches() <= 0) return Invalid("microbatches must be > 0");
+  if (job.microbatch_size() <= 0) return Invalid("microbatch_size must be > 0");
+  if (job.min_workers() <= 0) return Invalid("min_workers must be > 0");
+  if (job.max_stages() < 0) return Invalid("max_stages must be >= 0");
+  if (job.eval_every() < 0) return Invalid("eval_every must be >= 0");
+  if (job.eval_batches() < 0) return Invalid("eval_batches must be >= 0");
+  if (job.lease_ms() < 200) return Invalid("lease_ms must be >= 200");
+  if (job.schedule() != v1::SCHEDULE_SYNC) {
+    return Invalid(absl::StrCat("schedule ", ScheduleName(job.schedule()),
+                                " is not supported; use sync"));
+  }
+  const v1::Optimizer& opt = job.optimizer();
+  if (opt.lr() <= 0) return Invalid("optimizer.lr must be > 0");
+  if (opt.weight_decay() < 0) return Invalid("optimizer.weight_decay < 0");
+  if (opt.beta1() <= 0 || opt.beta1() >= 1 || opt.beta2() <= 0 ||
+      opt.beta2() >= 1) {
+    return Invalid("optimizer betas must be in (0, 1)");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::JobSpec> ParseJobSpec(const std::string& text,
+                                         const std::string& source) {
+  v1::JobSpec job;
+  google::protobuf::TextFormat::Parser parser;
+  ErrorCollector errors;
+  parser.RecordErrorsTo(&errors);
+  if (!parser.ParseFromString(text, &job)) {
+    return Invalid(absl::StrCat(source, ": ", errors.Joined()));
+  }
+  ApplyJobDefaults(&job);
+  absl::Status valid = ValidateJobSpec(job);
+  if (!valid.ok()) {
+    return Invalid(absl::StrCat(source, ": ", valid.message()));
+  }
+  return job;
+}
+
+absl::StatusOr<v1::JobSpec> LoadJobSpec(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return ParseJobSpec(buffer.str(), path);
+}
+
+std::string ScheduleName(v1::Schedule schedule) {
+  switch (schedule) {
+    case v1::SCHEDULE_SYNC:
+      return "sync";
+    default:
+      return absl::StrCat("schedule#", static_cast<int>(schedule));
+  }
+}
+
+absl::StatusOr<v1::Schedule> ParseSchedule(const std::string& name) {
+  if (name == "sync") return v1::SCHEDULE_SYNC;
+  return Invalid(absl::StrCat("unknown schedule '", name, "' (known: sync)"));
+}
+
+}  // namespace geotrain

@@ -1,0 +1,71 @@
+// One logical message on a Link stream (header + tensor payload bytes), its
+// split into ~1 MiB frames and its reassembly. Torch-free: tensors here are
+// bytes described by TensorHeaders.
+#ifndef GEOTRAIN_COMMON_LINK_MESSAGE_H_
+#define GEOTRAIN_COMMON_LINK_MESSAGE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/model_profile.h"
+#include "geotrain/v1/stage.pb.h"
+
+namespace geotrain {
+
+// Frames carry at most this much tensor payload each.
+inline constexpr size_t kFrameBytes = 1 << 20;
+// A message larger than this is refused before any of it is buffered.
+inline constexpr uint64_t kMaxMessageBytes = 1ull << 30;
+
+struct LinkMessage {
+  v1::LinkHeader header;
+  std::string payload;  // tensors' payloads, concatenated in header order
+};
+
+// Bytes of one element of `dtype`, 0 for unknown dtypes.
+size_t DTypeSize(v1::DType dtype);
+
+// Splits `message` into frames of at most `frame_bytes` payload each. A
+// message without payload is one frame.
+std::vector<v1::LinkFrame> SplitIntoFrames(const LinkMessage& message,
+                                           size_t frame_bytes = kFrameBytes);
+
+// Reassembles messages from frames, one message at a time. Not thread-safe.
+class FrameAssembler {
+ public:
+  explicit FrameAssembler(uint64_t max_message_bytes = kMaxMessageBytes)
+      : max_message_bytes_(max_message_bytes) {}
+
+  // Adds one frame. Returns the completed message when `frame` was its last,
+  // nullopt while more frames are due, and INVALID_ARGUMENT when the frames
+  // disagree with the header (sizes, order, limit).
+  absl::StatusOr<std::optional<LinkMessage>> Add(v1::LinkFrame frame);
+
+ private:
+  uint64_t max_message_bytes_;
+  bool in_message_ = false;
+  uint64_t expected_bytes_ = 0;
+  LinkMessage current_;
+};
+
+// Checks one tensor header: known dtype and codec, non-negative dims, and a
+// payload size that matches shape * dtype.
+absl::Status CheckTensorHeader(const v1::TensorHeader& header);
+
+// Checks that `header` matches `spec`, except that dimension 0 (the batch)
+// may be anything in [1, spec.shape[0]].
+absl::Status CheckTensorMatches(const v1::TensorHeader& header,
+                                const TensorSpec& spec, const char* what);
+
+// Checks that every float32 element of the tensor at `offset` is finite.
+absl::Status CheckFinite(const v1::TensorHeader& header,
+                         const std::string& payload, size_t offset);
+
+}  // namespace geotrain
+
+#endif  // GEOTRAIN_COMMON_LINK_MESSAGE_H_

@@ -1,0 +1,95 @@
+#include "common/model_profile.h"
+
+namespace geotrain {
+namespace {
+
+constexpr int kFashionPixels = 28 * 28;
+constexpr int kFashionClasses = 10;
+constexpr int kByteVocab = 256;
+
+// Parameters, gradients and two AdamW moments, fp32.
+constexpr uint64_t kBytesPerTrainedParameter = 16;
+
+}  // namespace
+
+int NumLayers(const v1::JobSpec& job) {
+  if (job.has_gpt()) return job.gpt().blocks() + 2;  // embed, blocks, head
+  if (job.has_mlp()) return job.mlp().hidden_size() + 1;
+  return 0;
+}
+
+std::vector<LayerProfile> ProfileLayers(const v1::JobSpec& job) {
+  std::vector<LayerProfile> layers;
+  const double batch = job.microbatch_size() * job.microbatches();
+  if (job.has_gpt()) {
+    const v1::GptModel& g = job.gpt();
+    const double t = g.context(), d = g.d_model();
+    const double hidden = d * g.mlp_ratio();
+    LayerProfile embed;
+    embed.parameter_count = static_cast<uint64_t>((kByteVocab + t) * d);
+    embed.flops_per_sample = 3 * t * d;  // lookups and adds only
+    embed.training_bytes = embed.parameter_count * kBytesPerTrainedParameter +
+                           static_cast<uint64_t>(batch * t * d * 4);
+    layers.push_back(embed);
+    LayerProfile block;
+    block.parameter_count =
+        static_cast<uint64_t>(4 * d * d + 2 * d * hidden + 4 * d + 4 * d);
+    // 6 flops per parameter per token, plus attention scores and mixing.
+    block.flops_per_sample = 6 * t * (4 * d * d + 2 * d * hidden) +
+                             3 * 2 * 2 * t * t * d;
+    block.training_bytes =
+        block.parameter_count * kBytesPerTrainedParameter +
+        static_cast<uint64_t>(batch * t * (10 * d + hidden + g.heads() * t) * 4);
+    for (int i = 0; i < g.blocks(); ++i) layers.push_back(block);
+    LayerProfile head;
+    head.parameter_count = static_cast<uint64_t>(d * kByteVocab + kByteVocab);
+    head.flops_per_sample = 6 * t * d * kByteVocab;
+    head.training_bytes = head.parameter_count * kBytesPerTrainedParameter +
+                          static_cast<uint64_t>(batch * t * kByteVocab * 4 * 2);
+    layers.push_back(head);
+  } else if (job.has_mlp()) {
+    int in = kFashionPixels;
+    for (int i = 0; i <= job.mlp().hidden_size(); ++i) {
+      const int out = i < job.mlp().hidden_size() ? job.mlp().hidden(i)
+                                                  : kFashionClasses;
+      LayerProfile linear;
+      linear.parameter_count = static_cast<uint64_t>(in) * out + out;
+      linear.flops_per_sample = 6.0 * in * out;
+      linear.training_bytes =
+          linear.parameter_count * kBytesPerTrainedParameter +
+          static_cast<uint64_t>(batch * (in + 2 * out) * 4);
+      layers.push_back(linear);
+      in = out;
+    }
+  }
+  return layers;
+}
+
+TensorSpec LayerInputSpec(const v1::JobSpec& job, int layer, int64_t batch) {
+  TensorSpec spec;
+  if (job.has_gpt()) {
+    if (layer == 0) {
+      spec.shape = {batch, job.gpt().context()};
+      spec.dtype = v1::DTYPE_INT64;
+    } else {
+      spec.shape = {batch, job.gpt().context(), job.gpt().d_model()};
+    }
+  } else if (job.has_mlp()) {
+    const int width = layer == 0 ? kFashionPixels : job.mlp().hidden(layer - 1);
+    spec.shape = {batch, width};
+  }
+  return spec;
+}
+
+TensorSpec TargetSpec(const v1::JobSpec& job, int64_t batch) {
+  TensorSpec spec;
+  spec.dtype = v1::DTYPE_INT64;
+  if (job.has_gpt()) {
+    spec.shape = {batch, job.gpt().context()};
+  } else {
+    spec.shape = {batch};
+  }
+  return spec;
+}
+
+}  // namespace geotrain

@@ -1,0 +1,39 @@
+// What the planner and the link validators need to know about a job's model
+// without building it: its partitioning units ("layers"), their cost, and the
+// shapes of the tensors that cross each boundary between layers.
+#ifndef GEOTRAIN_COMMON_MODEL_PROFILE_H_
+#define GEOTRAIN_COMMON_MODEL_PROFILE_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "geotrain/v1/job.pb.h"
+#include "geotrain/v1/tensor.pb.h"
+
+namespace geotrain {
+
+struct LayerProfile {
+  double flops_per_sample = 0;  // forward + backward
+  uint64_t parameter_count = 0;
+  // Bytes a stage holds for this layer while training: parameters, their
+  // gradients and optimizer state, plus activations of in-flight microbatches.
+  uint64_t training_bytes = 0;
+};
+
+struct TensorSpec {
+  std::vector<int64_t> shape;  // dimension 0 is the microbatch size
+  v1::DType dtype = v1::DTYPE_FLOAT32;
+};
+
+int NumLayers(const v1::JobSpec& job);
+std::vector<LayerProfile> ProfileLayers(const v1::JobSpec& job);
+
+// The tensor entering layer `layer` (0 <= layer < NumLayers) for a microbatch
+// of `batch` samples. Layer 0's input is the data itself.
+TensorSpec LayerInputSpec(const v1::JobSpec& job, int layer, int64_t batch);
+// The targets that travel with each activation.
+TensorSpec TargetSpec(const v1::JobSpec& job, int64_t batch);
+
+}  // namespace geotrain
+
+#endif  // GEOTRAIN_COMMON_MODEL_PROFILE_H_

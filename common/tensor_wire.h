@@ -1,0 +1,31 @@
+// Tensor <-> wire (TensorHeader + payload bytes). The only common/ unit that
+// uses LibTorch; callers that include this header include torch themselves.
+#ifndef GEOTRAIN_COMMON_TENSOR_WIRE_H_
+#define GEOTRAIN_COMMON_TENSOR_WIRE_H_
+
+#include <cstddef>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "geotrain/v1/tensor.pb.h"
+
+namespace at {
+class Tensor;
+}  // namespace at
+
+namespace geotrain {
+
+// Appends `tensor`'s elements to `payload` (copied to the CPU, contiguous)
+// and describes them in `header`. Supports float32 and int64.
+absl::Status EncodeTensor(const at::Tensor& tensor, v1::TensorHeader* header,
+                          std::string* payload);
+
+// Decodes the tensor described by `header` from `payload` at `offset` into a
+// new CPU tensor. Checks header consistency and bounds before reading.
+absl::StatusOr<at::Tensor> DecodeTensor(const v1::TensorHeader& header,
+                                        const std::string& payload,
+                                        size_t offset);
+
+}  // namespace geotrain
+
+#endif  // GEOTRAIN_COMMON_TENSOR_WIRE_H_

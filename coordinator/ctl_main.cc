@@ -1,0 +1,101 @@
+// geotrain-ctl: the status CLI.
+//   geotrain-ctl status --coordinator=HOST:PORT [--json] [--timeout_ms=N]
+#include <google/protobuf/util/json_util.h>
+#include <grpcpp/grpcpp.h>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_format.h"
+#include "common/rpc_options.h"
+#include "geotrain/v1/status.grpc.pb.h"
+
+ABSL_FLAG(std::string, coordinator, "127.0.0.1:7070", "coordinator HOST:PORT");
+ABSL_FLAG(bool, json, false, "print the status as JSON");
+ABSL_FLAG(int, timeout_ms, 3000, "deadline of the status call");
+ABSL_FLAG(int, events, 8, "how many recent events to show (table only)");
+
+namespace {
+
+std::string StateName(geotrain::v1::WorkerState state) {
+  std::string name = geotrain::v1::WorkerState_Name(state);
+  const std::string prefix = "WORKER_STATE_";
+  if (name.rfind(prefix, 0) == 0) name = name.substr(prefix.size());
+  for (char& c : name) c = static_cast<char>(std::tolower(c));
+  return name;
+}
+
+void PrintTable(const geotrain::v1::ClusterStatus& s) {
+  std::printf("job %s  state %s  schedule %s  epoch %lu\n", s.job().c_str(),
+              s.state().c_str(), s.schedule().c_str(),
+              static_cast<unsigned long>(s.epoch()));
+  std::printf("step %d/%d  loss %.4f  samples %ld  samples/s %.1f  elapsed %.0fs",
+              s.step(), s.steps(), s.loss(), static_cast<long>(s.samples()),
+              s.samples_per_s(), s.elapsed_s());
+  if (s.val_loss() > 0) std::printf("  val_loss %.4f", s.val_loss());
+  if (s.accuracy() > 0) std::printf("  accuracy %.4f", s.accuracy());
+  std::printf("\n\n%-4s %-12s %-22s %-7s %8s %5s %-8s %-9s %6s %8s %5s\n", "ID",
+              "NAME", "ADDRESS", "DEVICE", "GFLOP/s", "STAGE", "LAYERS",
+              "STATE", "HB_AGE", "RSS_MiB", "STEP");
+  for (const auto& w : s.workers()) {
+    std::string layers =
+        w.stage() >= 0 ? absl::StrFormat("[%d,%d)", w.layer_begin(), w.layer_end())
+                       : "-";
+    std::string stage = w.stage() >= 0 ? std::to_string(w.stage()) : "-";
+    std::printf("%-4s %-12s %-22s %-7s %8.1f %5s %-8s %-9s %5.1fs %8.1f %5d\n",
+                w.id().c_str(), w.name().c_str(), w.address().c_str(),
+                w.device().c_str(), w.gflops(), stage.c_str(), layers.c_str(),
+                StateName(w.state()).c_str(), w.heartbeat_age_s(),
+                w.rss_bytes() / 1048576.0, w.step());
+  }
+  const int shown = std::min(absl::GetFlag(FLAGS_events), s.events_size());
+  if (shown > 0) std::printf("\nrecent events:\n");
+  for (int i = s.events_size() - shown; i < s.events_size(); ++i) {
+    const auto& e = s.events(i);
+    std::printf("  %7.1fs %-11s %-10s %s\n", e.time_s(), e.kind().c_str(),
+                e.worker().c_str(), e.detail().c_str());
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "geotrain-ctl status --coordinator=HOST:PORT [--json]");
+  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  if (args.size() != 2 || std::string(args[1]) != "status") {
+    std::fprintf(stderr, "usage: geotrain-ctl status --coordinator=HOST:PORT [--json]\n");
+    return 2;
+  }
+  const std::string address = absl::GetFlag(FLAGS_coordinator);
+  auto stub = geotrain::v1::Status::NewStub(geotrain::MakeChannel(address));
+  grpc::ClientContext context;
+  context.set_deadline(geotrain::DeadlineFromNow(
+      std::chrono::milliseconds(absl::GetFlag(FLAGS_timeout_ms))));
+  geotrain::v1::ClusterStatus status;
+  grpc::Status rpc = stub->GetClusterStatus(
+      &context, geotrain::v1::ClusterStatusRequest(), &status);
+  if (!rpc.ok()) {
+    std::fprintf(stderr, "geotrain-ctl: cannot get status from %s: %s (%s)\n",
+                 address.c_str(), rpc.error_message().c_str(),
+                 rpc.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED
+                     ? "deadline exceeded: is the coordinator running?"
+                     : "rpc failed");
+    return 1;
+  }
+  if (absl::GetFlag(FLAGS_json)) {
+    std::string json;
+    google::protobuf::util::JsonPrintOptions options;
+    options.preserve_proto_field_names = true;
+    options.always_print_primitive_fields = true;
+    google::protobuf::util::MessageToJsonString(status, &json, options);
+    std::printf("%s\n", json.c_str());
+  } else {
+    PrintTable(status);
+  }
+  return 0;
+}

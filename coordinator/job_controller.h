@@ -1,0 +1,104 @@
+// The coordinator's brain for one job: admits workers (Membership), plans
+// once enough have joined (Planner), publishes plans with epochs, records
+// progress to the metrics log and answers status queries. It knows nothing
+// of gRPC; the service adapters in coordinator_service.h call it.
+//
+// Thread-safe: every public method may be called from any thread.
+#ifndef GEOTRAIN_COORDINATOR_JOB_CONTROLLER_H_
+#define GEOTRAIN_COORDINATOR_JOB_CONTROLLER_H_
+
+#include <cstdint>
+#include <deque>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/clock.h"
+#include "coordinator/membership.h"
+#include "coordinator/state_store.h"
+#include "geotrain/v1/coordinator.pb.h"
+#include "geotrain/v1/job.pb.h"
+#include "geotrain/v1/status.pb.h"
+
+namespace geotrain {
+
+struct JobControllerOptions {
+  v1::JobSpec job;               // validated, defaults applied
+  std::string state_dir;         // required
+  std::string metrics_log_path;  // one JSON line per step/eval; empty: none
+  const Clock* clock = nullptr;  // not owned; must outlive the controller
+  int heartbeat_ms = 1000;
+};
+
+class JobController {
+ public:
+  static absl::StatusOr<std::unique_ptr<JobController>> Create(
+      JobControllerOptions options);
+
+  v1::JoinResponse Join(const v1::JoinRequest& request);
+  // False when the worker is unknown or dead (it must join again).
+  bool Heartbeat(const v1::HeartbeatRequest& request);
+  void Leave(const std::string& worker_id);
+
+  // Blocks until a plan with an epoch above `after_epoch` is published or
+  // `timeout` passes (nullopt). A plan with job_done ends the watch.
+  std::optional<v1::Plan> WaitForPlan(uint64_t after_epoch,
+                                      absl::Duration timeout);
+
+  // Refuses reports of another epoch or of a step that is not new
+  // (FAILED_PRECONDITION) and of unknown workers (NOT_FOUND).
+  absl::Status ReportStep(const v1::StepReport& report);
+  absl::Status ReportEval(const v1::EvalReport& report);
+  absl::Status ReportDone(const v1::DoneReport& report);
+
+  // Expires leases and plans when enough workers are live. Call periodically.
+  void Tick();
+
+  v1::ClusterStatus Status() const;
+  bool done() const;
+  // Wakes every WaitForPlan caller; later calls return at once.
+  void Shutdown();
+
+ private:
+  explicit JobController(JobControllerOptions options, StateStore store);
+
+  double ElapsedS() const;
+  void MaybePlanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void PublishLocked(v1::Plan plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AddEventLocked(const std::string& kind, const std::string& worker,
+                      const std::string& detail)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void WriteMetricsLocked(const std::string& line)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::string NameOf(const std::string& worker_id) const;
+
+  const JobControllerOptions options_;
+  const int64_t start_ms_;
+  Membership membership_;
+
+  mutable absl::Mutex mu_;
+  StateStore store_ ABSL_GUARDED_BY(mu_);
+  std::ofstream metrics_ ABSL_GUARDED_BY(mu_);
+  std::optional<v1::Plan> plan_ ABSL_GUARDED_BY(mu_);
+  bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
+  std::set<std::string> done_workers_ ABSL_GUARDED_BY(mu_);
+  int step_ ABSL_GUARDED_BY(mu_) = 0;
+  double loss_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t samples_ ABSL_GUARDED_BY(mu_) = 0;
+  double training_start_s_ ABSL_GUARDED_BY(mu_) = -1;
+  std::deque<std::pair<double, int64_t>> recent_ ABSL_GUARDED_BY(mu_);
+  double val_loss_ ABSL_GUARDED_BY(mu_) = 0;
+  double accuracy_ ABSL_GUARDED_BY(mu_) = 0;
+  std::deque<v1::Event> events_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace geotrain
+
+#endif  // GEOTRAIN_COORDINATOR_JOB_CONTROLLER_H_

@@ -1,0 +1,60 @@
+// Which workers belong to the job, and whether their leases are current.
+#ifndef GEOTRAIN_COORDINATOR_MEMBERSHIP_H_
+#define GEOTRAIN_COORDINATOR_MEMBERSHIP_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "common/clock.h"
+#include "geotrain/v1/coordinator.pb.h"
+#include "geotrain/v1/status.pb.h"
+
+namespace geotrain {
+
+struct WorkerRecord {
+  std::string id;  // "w<join order>", unique for the coordinator's lifetime
+  std::string name;
+  std::string address;
+  v1::DeviceInfo device;
+  int join_order = 0;
+  int64_t joined_ms = 0;
+  int64_t last_heartbeat_ms = 0;
+  uint64_t rss_bytes = 0;
+  int step = 0;
+  bool alive = true;
+  std::string end_reason;  // why it is no longer alive
+};
+
+// Keeps worker records and leases. A worker whose last heartbeat (or join)
+// is older than the lease is dead once ExpireLeases() runs. Thread-safe.
+class Membership {
+ public:
+  Membership(const Clock* clock, int64_t lease_ms);
+
+  // Admits a worker and returns its record.
+  WorkerRecord Join(const std::string& name, const std::string& address,
+                    const v1::DeviceInfo& device);
+  // Renews the lease. False when the worker is unknown or already dead.
+  bool Heartbeat(const std::string& id, uint64_t rss_bytes, int step);
+  // Ends the lease now. False when unknown or already dead.
+  bool Leave(const std::string& id, const std::string& reason);
+  // Marks every worker whose lease ran out as dead; returns them.
+  std::vector<WorkerRecord> ExpireLeases();
+
+  // All workers ever admitted, in join order.
+  std::vector<WorkerRecord> Snapshot() const;
+  std::vector<WorkerRecord> LiveWorkers() const;
+  int64_t lease_ms() const { return lease_ms_; }
+
+ private:
+  const Clock* clock_;
+  const int64_t lease_ms_;
+  mutable absl::Mutex mu_;
+  std::vector<WorkerRecord> workers_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace geotrain
+
+#endif  // GEOTRAIN_COORDINATOR_MEMBERSHIP_H_

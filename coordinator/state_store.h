@@ -1,0 +1,35 @@
+// The coordinator's state directory: the current plan (replaced atomically:
+// write, fsync, rename) and an append-only event log. Thread-compatible.
+#ifndef GEOTRAIN_COORDINATOR_STATE_STORE_H_
+#define GEOTRAIN_COORDINATOR_STATE_STORE_H_
+
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "geotrain/v1/coordinator.pb.h"
+
+namespace geotrain {
+
+class StateStore {
+ public:
+  // Creates `dir` if needed and checks that it is writable.
+  static absl::StatusOr<StateStore> Open(const std::string& dir);
+
+  absl::Status WritePlan(const v1::Plan& plan);
+  absl::Status AppendEvent(const std::string& line);
+  const std::string& dir() const { return dir_; }
+
+ private:
+  explicit StateStore(std::string dir) : dir_(std::move(dir)) {}
+  std::string dir_;
+};
+
+// Writes `contents` to `path` so that readers see the old or the new file,
+// never a torn one: temp file, fsync, rename, fsync of the directory.
+absl::Status WriteFileAtomically(const std::string& path,
+                                 const std::string& contents);
+
+}  // namespace geotrain
+
+#endif  // GEOTRAIN_COORDINATOR_STATE_STORE_H_
