@@ -118,7 +118,6 @@ absl::Status JobController::ReportStep(const v1::StepReport& report) {
         "step ", report.step(), " already reported (at ", step_, ")"));
   }
   const double now = ElapsedS();
-  if (training_start_s_ < 0) training_start_s_ = now;
   step_ = report.step();
   loss_ = report.loss();
   samples_ += report.samples();
@@ -238,6 +237,7 @@ void JobController::MaybePlanLocked() {
                     NameOf(r.worker_id));
   }
   AddEventLocked("planned", "", absl::StrCat("epoch 1: ", summary));
+  training_start_s_ = ElapsedS();
   PublishLocked(std::move(plan));
 }
 

@@ -1,0 +1,133 @@
+#include "worker/coordinator_client.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_format.h"
+#include "common/grpc_status.h"
+#include "common/logging.h"
+#include "common/rpc_options.h"
+
+namespace geotrain {
+
+CoordinatorClient::CoordinatorClient(std::string address)
+    : address_(std::move(address)),
+      stub_(v1::Coordinator::NewStub(MakeChannel(address_))) {}
+
+absl::StatusOr<v1::JoinResponse> CoordinatorClient::JoinWithRetry(
+    const v1::JoinRequest& request, const std::atomic<bool>& stop,
+    absl::Duration give_up_after) {
+  const absl::Time give_up = absl::Now() + give_up_after;
+  absl::Duration backoff = absl::Milliseconds(500);
+  while (!stop) {
+    grpc::ClientContext context;
+    context.set_deadline(DeadlineFromNow(kControlRpcTimeout));
+    v1::JoinResponse response;
+    const grpc::Status status = stub_->Join(&context, request, &response);
+    if (status.ok()) {
+      worker_id_ = response.worker_id();
+      return response;
+    }
+    const bool retryable = status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+                           status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
+    if (!retryable) {
+      return absl::Status(FromGrpcStatus(status).code(),
+                          absl::StrFormat("coordinator at %s refused the join: %s",
+                                          address_, status.error_message()));
+    }
+    if (absl::Now() + backoff > give_up) {
+      return absl::UnavailableError(absl::StrFormat(
+          "cannot reach coordinator at %s: %s", address_, status.error_message()));
+    }
+    GT_LOG(Warning) << "cannot reach coordinator at " << address_ << " ("
+                    << status.error_message() << "); retrying in "
+                    << absl::FormatDuration(backoff);
+    absl::SleepFor(backoff);
+    backoff = std::min(backoff * 2, absl::Seconds(10));
+  }
+  return absl::CancelledError("stopped before joining");
+}
+
+void CoordinatorClient::SetAssignment(const std::string& worker_id, uint64_t epoch) {
+  worker_id_ = worker_id;
+  epoch_ = epoch;
+}
+
+absl::StatusOr<bool> CoordinatorClient::Heartbeat(uint64_t rss_bytes) {
+  grpc::ClientContext context;
+  context.set_deadline(DeadlineFromNow(kControlRpcTimeout));
+  v1::HeartbeatRequest request;
+  request.set_worker_id(worker_id_);
+  request.set_rss_bytes(rss_bytes);
+  request.set_step(step_);
+  request.set_epoch(epoch_);
+  v1::HeartbeatResponse response;
+  const grpc::Status status = stub_->Heartbeat(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response.known();
+}
+
+std::unique_ptr<grpc::ClientReader<v1::Plan>> CoordinatorClient::WatchPlan(
+    grpc::ClientContext* context) {
+  v1::WatchPlanRequest request;
+  request.set_worker_id(worker_id_);
+  return stub_->WatchPlan(context, request);
+}
+
+absl::Status CoordinatorClient::ReportDone(int step) {
+  grpc::ClientContext context;
+  context.set_deadline(DeadlineFromNow(kControlRpcTimeout));
+  v1::DoneReport request;
+  request.set_worker_id(worker_id_);
+  request.set_step(step);
+  v1::ReportAck ack;
+  return FromGrpcStatus(stub_->ReportDone(&context, request, &ack));
+}
+
+void CoordinatorClient::Leave() {
+  grpc::ClientContext context;
+  context.set_deadline(DeadlineFromNow(kControlRpcTimeout));
+  v1::LeaveRequest request;
+  request.set_worker_id(worker_id_);
+  v1::LeaveResponse response;
+  stub_->Leave(&context, request, &response);
+}
+
+void CoordinatorClient::StepFinished(int step, double loss, int64_t samples) {
+  grpc::ClientContext context;
+  context.set_deadline(DeadlineFromNow(kControlRpcTimeout));
+  v1::StepReport report;
+  report.set_worker_id(worker_id_);
+  report.set_epoch(epoch_);
+  report.set_step(step);
+  report.set_loss(loss);
+  report.set_samples(samples);
+  v1::ReportAck ack;
+  const grpc::Status status = stub_->ReportStep(&context, report, &ack);
+  if (!status.ok()) {
+    GT_LOG(Warning) << "step " << step << " report failed: " << status.error_message();
+  }
+}
+
+void CoordinatorClient::EvalFinished(int step, const EvalResult& result) {
+  grpc::ClientContext context;
+  context.set_deadline(DeadlineFromNow(kControlRpcTimeout));
+  v1::EvalReport report;
+  report.set_worker_id(worker_id_);
+  report.set_epoch(epoch_);
+  report.set_step(step);
+  report.set_val_loss(result.loss);
+  report.set_has_accuracy(result.accuracy >= 0);
+  report.set_accuracy(std::max(0.0, result.accuracy));
+  report.set_samples(result.samples);
+  v1::ReportAck ack;
+  const grpc::Status status = stub_->ReportEval(&context, report, &ack);
+  GT_LOG(Info) << absl::StrFormat("eval at step %d: val_loss %.4f%s", step, result.loss,
+                                  result.accuracy >= 0
+                                      ? absl::StrFormat(" accuracy %.4f", result.accuracy)
+                                      : "");
+  if (!status.ok()) {
+    GT_LOG(Warning) << "eval report failed: " << status.error_message();
+  }
+}
+
+}  // namespace geotrain

@@ -1,0 +1,55 @@
+// The worker's side of the Coordinator service: join with backoff,
+// heartbeats, the plan watch, and progress reports. Every unary call has a
+// deadline (rpc_options.h). Thread-safe after SetAssignment().
+#ifndef GEOTRAIN_WORKER_COORDINATOR_CLIENT_H_
+#define GEOTRAIN_WORKER_COORDINATOR_CLIENT_H_
+
+#include <atomic>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "geotrain/v1/coordinator.grpc.pb.h"
+#include "worker/pipeline_driver.h"
+
+namespace geotrain {
+
+class CoordinatorClient final : public ProgressSink {
+ public:
+  explicit CoordinatorClient(std::string address);
+
+  // Joins, retrying with exponential backoff (0.5 s doubling to 10 s) and
+  // logging the address it cannot reach, until it succeeds, `stop` is set,
+  // or `give_up_after` passes (infinite by default).
+  absl::StatusOr<v1::JoinResponse> JoinWithRetry(
+      const v1::JoinRequest& request, const std::atomic<bool>& stop,
+      absl::Duration give_up_after = absl::InfiniteDuration());
+
+  // Sets the worker id and plan epoch that reports carry.
+  void SetAssignment(const std::string& worker_id, uint64_t epoch);
+
+  absl::StatusOr<bool> Heartbeat(uint64_t rss_bytes);
+  // Opens the plan stream. `context` must outlive the reader.
+  std::unique_ptr<grpc::ClientReader<v1::Plan>> WatchPlan(grpc::ClientContext* context);
+  absl::Status ReportDone(int step);
+  void Leave();
+
+  // ProgressSink: reports go to the coordinator; failures are logged.
+  void StepFinished(int step, double loss, int64_t samples) override;
+  void EvalFinished(int step, const EvalResult& result) override;
+  void StageProgress(int step) override { step_ = step; }
+
+  const std::string& address() const { return address_; }
+
+ private:
+  const std::string address_;
+  std::unique_ptr<v1::Coordinator::Stub> stub_;
+  std::string worker_id_;
+  std::atomic<uint64_t> epoch_{0};
+  std::atomic<int> step_{0};
+};
+
+}  // namespace geotrain
+
+#endif  // GEOTRAIN_WORKER_COORDINATOR_CLIENT_H_

@@ -1,0 +1,250 @@
+#include "worker/link_stream.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+#include "common/grpc_status.h"
+#include "common/logging.h"
+#include "common/rpc_options.h"
+
+namespace geotrain {
+namespace {
+
+grpc::Status Refuse(grpc::StatusCode code, const std::string& peer,
+                    absl::string_view reason) {
+  GT_LOG(Warning) << "refused link from " << peer << ": " << reason;
+  return grpc::Status(code, std::string(reason));
+}
+
+template <typename Stream>
+bool WriteMessage(Stream* stream, const LinkMessage& message) {
+  for (const v1::LinkFrame& frame : SplitIntoFrames(message)) {
+    if (!stream->Write(frame)) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+v1::LinkHeader MakeHello(uint64_t epoch, int from_stage) {
+  v1::LinkHeader hello;
+  hello.set_kind(v1::MESSAGE_KIND_HELLO);
+  hello.set_epoch(epoch);
+  hello.set_from_stage(from_stage);
+  return hello;
+}
+
+void UpstreamLinkServer::Activate(std::shared_ptr<const LinkValidator> validator,
+                                  Inbox* inbox) {
+  absl::MutexLock lock(&mu_);
+  validator_ = std::move(validator);
+  inbox_ = inbox;
+}
+
+void UpstreamLinkServer::Shutdown() {
+  absl::MutexLock lock(&mu_);
+  shutdown_ = true;
+  if (context_ != nullptr) context_->TryCancel();
+}
+
+grpc::Status UpstreamLinkServer::Link(
+    grpc::ServerContext* context,
+    grpc::ServerReaderWriter<v1::LinkFrame, v1::LinkFrame>* stream) {
+  const std::string peer = context->peer();
+  v1::LinkFrame hello;
+  if (!stream->Read(&hello)) return grpc::Status::CANCELLED;
+  std::shared_ptr<const LinkValidator> validator;
+  Inbox* inbox = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    validator = validator_;
+    inbox = inbox_;
+    if (shutdown_) return Refuse(grpc::StatusCode::UNAVAILABLE, peer, "shutting down");
+    if (validator == nullptr) {
+      return Refuse(grpc::StatusCode::FAILED_PRECONDITION, peer,
+                    "this worker has no stage in a plan yet");
+    }
+    if (!hello.has_header()) {
+      return Refuse(grpc::StatusCode::INVALID_ARGUMENT, peer,
+                    "first frame of a link has no header");
+    }
+    absl::Status valid = validator->CheckHello(hello.header());
+    if (!valid.ok()) {
+      return Refuse(grpc::StatusCode::INVALID_ARGUMENT, peer, valid.message());
+    }
+    if (stream_ != nullptr) {
+      return Refuse(grpc::StatusCode::ALREADY_EXISTS, peer,
+                    "an upstream link is already open");
+    }
+    LinkMessage ack;
+    ack.header = MakeHello(validator->epoch(), validator->stage());
+    if (!WriteMessage(stream, ack)) return grpc::Status::CANCELLED;
+    stream_ = stream;
+    context_ = context;
+  }
+  GT_LOG(Info) << "accepted upstream link from " << peer;
+  absl::Status served = ServeAccepted(context, stream, *validator, inbox);
+  {
+    absl::MutexLock lock(&mu_);
+    stream_ = nullptr;
+    context_ = nullptr;
+  }
+  if (served.code() == absl::StatusCode::kInvalidArgument) {
+    return Refuse(grpc::StatusCode::INVALID_ARGUMENT, peer, served.message());
+  }
+  return ToGrpcStatus(served);
+}
+
+absl::Status UpstreamLinkServer::ServeAccepted(
+    grpc::ServerContext* context,
+    grpc::ServerReaderWriter<v1::LinkFrame, v1::LinkFrame>* stream,
+    const LinkValidator& validator, Inbox* inbox) {
+  FrameAssembler assembler;
+  v1::LinkFrame frame;
+  while (stream->Read(&frame)) {
+    absl::StatusOr<std::optional<LinkMessage>> added = assembler.Add(std::move(frame));
+    if (!added.ok()) return added.status();
+    if (!added->has_value()) continue;
+    LinkMessage& message = **added;
+    absl::Status valid = validator.CheckFromUpstream(message);
+    if (!valid.ok()) return valid;
+    if (!inbox->Push({true, std::move(message), absl::OkStatus()})) {
+      return absl::CancelledError("worker is stopping");
+    }
+  }
+  if (context->IsCancelled()) return absl::CancelledError("link cancelled");
+  return absl::OkStatus();
+}
+
+absl::Status UpstreamLinkServer::Send(const LinkMessage& message) {
+  absl::MutexLock lock(&mu_);
+  auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return shutdown_ || stream_ != nullptr;
+  };
+  mu_.AwaitWithTimeout(absl::Condition(&ready), connect_wait_);
+  if (stream_ == nullptr) {
+    return absl::UnavailableError("no upstream link to send to");
+  }
+  if (!WriteMessage(stream_, message)) {
+    return absl::UnavailableError("upstream link broke while sending");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<DownstreamLinkClient>> DownstreamLinkClient::Connect(
+    const std::string& address, std::shared_ptr<const LinkValidator> validator,
+    Inbox* inbox, absl::Duration timeout) {
+  std::unique_ptr<DownstreamLinkClient> client(new DownstreamLinkClient());
+  client->address_ = address;
+  client->validator_ = validator;
+  client->inbox_ = inbox;
+  client->stub_ = v1::Stage::NewStub(MakeChannel(address));
+  const absl::Time deadline = absl::Now() + timeout;
+  absl::Duration backoff = absl::Milliseconds(100);
+  LinkMessage hello;
+  hello.header = MakeHello(validator->epoch(), validator->stage());
+  while (true) {
+    client->context_ = std::make_unique<grpc::ClientContext>();
+    // The stream lives as long as training; liveness is checked by keepalive
+    // (rpc_options.cc) rather than a deadline.
+    client->stream_ = client->stub_->Link(client->context_.get());
+    v1::LinkFrame ack;
+    if (WriteMessage(client->stream_.get(), hello) && client->stream_->Read(&ack) &&
+        ack.has_header() && ack.header().kind() == v1::MESSAGE_KIND_HELLO) {
+      break;
+    }
+    client->context_->TryCancel();
+    const grpc::Status finished = client->stream_->Finish();
+    const bool retryable = finished.error_code() == grpc::StatusCode::UNAVAILABLE ||
+                           finished.error_code() == grpc::StatusCode::FAILED_PRECONDITION ||
+                           finished.error_code() == grpc::StatusCode::ALREADY_EXISTS ||
+                           finished.error_code() == grpc::StatusCode::CANCELLED;
+    if (!retryable) {
+      return absl::Status(FromGrpcStatus(finished).code(),
+                          absl::StrCat("link to ", address, " refused: ",
+                                       finished.error_message()));
+    }
+    if (absl::Now() + backoff > deadline) {
+      return absl::UnavailableError(absl::StrCat("cannot open a link to ", address,
+                                                 ": ", finished.error_message()));
+    }
+    GT_LOG(Info) << "link to " << address << " not ready (" << finished.error_message()
+                 << "); retrying in " << absl::FormatDuration(backoff);
+    absl::SleepFor(backoff);
+    backoff = std::min(backoff * 2, absl::Seconds(2));
+  }
+  GT_LOG(Info) << "opened downstream link to " << address;
+  DownstreamLinkClient* raw = client.get();
+  client->reader_ = std::thread([raw] { raw->ReadLoop(); });
+  return client;
+}
+
+void DownstreamLinkClient::ReadLoop() {
+  FrameAssembler assembler;
+  v1::LinkFrame frame;
+  absl::Status failure;
+  while (failure.ok() && stream_->Read(&frame)) {
+    absl::StatusOr<std::optional<LinkMessage>> added = assembler.Add(std::move(frame));
+    if (!added.ok()) {
+      failure = added.status();
+      break;
+    }
+    if (!added->has_value()) continue;
+    absl::Status valid = validator_->CheckFromDownstream(**added);
+    if (!valid.ok()) {
+      failure = valid;
+      break;
+    }
+    if (!inbox_->Push({false, std::move(**added), absl::OkStatus()})) return;
+  }
+  bool closed;
+  {
+    absl::MutexLock lock(&write_mu_);
+    closed = closed_;
+  }
+  if (!failure.ok()) {
+    GT_LOG(Error) << "refused message from downstream " << address_ << ": "
+                  << failure.message();
+    context_->TryCancel();
+  } else if (!closed) {
+    failure = absl::UnavailableError(
+        absl::StrCat("downstream link to ", address_, " ended unexpectedly"));
+  }
+  if (!failure.ok()) inbox_->Push({false, LinkMessage(), failure});
+}
+
+absl::Status DownstreamLinkClient::Send(const LinkMessage& message) {
+  absl::MutexLock lock(&write_mu_);
+  if (closed_) return absl::FailedPreconditionError("link closed");
+  if (!WriteMessage(stream_.get(), message)) {
+    return absl::UnavailableError(
+        absl::StrCat("downstream link to ", address_, " broke while sending"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DownstreamLinkClient::Close() {
+  {
+    absl::MutexLock lock(&write_mu_);
+    if (closed_) return absl::OkStatus();
+    closed_ = true;
+    stream_->WritesDone();
+  }
+  if (reader_.joinable()) reader_.join();
+  return FromGrpcStatus(stream_->Finish());
+}
+
+DownstreamLinkClient::~DownstreamLinkClient() {
+  bool closed;
+  {
+    absl::MutexLock lock(&write_mu_);
+    closed = closed_;
+    closed_ = true;
+  }
+  if (!closed && context_ != nullptr) context_->TryCancel();
+  if (reader_.joinable()) reader_.join();
+  if (!closed && stream_ != nullptr) stream_->Finish();
+}
+
+}  // namespace geotrain

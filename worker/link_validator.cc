@@ -1,0 +1,85 @@
+#include "worker/link_validator.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/model_profile.h"
+#include "common/status_macros.h"
+
+namespace geotrain {
+
+LinkValidator::LinkValidator(const v1::JobSpec& job, uint64_t epoch, int stage,
+                             int layer_begin, int layer_end)
+    : job_(job),
+      epoch_(epoch),
+      stage_(stage),
+      layer_begin_(layer_begin),
+      layer_end_(layer_end) {}
+
+absl::Status LinkValidator::CheckEpoch(const v1::LinkHeader& header) const {
+  if (header.epoch() != epoch_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "message of plan epoch ", header.epoch(), " refused: this stage runs epoch ",
+        epoch_));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LinkValidator::CheckHello(const v1::LinkHeader& hello) const {
+  if (hello.kind() != v1::MESSAGE_KIND_HELLO) {
+    return absl::InvalidArgumentError("a link stream must open with HELLO");
+  }
+  RETURN_IF_ERROR(CheckEpoch(hello));
+  if (hello.from_stage() != stage_ - 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "HELLO from stage ", hello.from_stage(), " but stage ", stage_,
+        " accepts links only from stage ", stage_ - 1));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LinkValidator::CheckFromUpstream(const LinkMessage& message) const {
+  const v1::LinkHeader& h = message.header;
+  RETURN_IF_ERROR(CheckEpoch(h));
+  switch (h.kind()) {
+    case v1::MESSAGE_KIND_ACTIVATION:
+    case v1::MESSAGE_KIND_EVAL: {
+      if (h.tensors_size() != 2) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "activation message with ", h.tensors_size(), " tensors; expected 2"));
+      }
+      const int64_t batch = job_.microbatch_size();
+      RETURN_IF_ERROR(CheckTensorMatches(
+          h.tensors(0), LayerInputSpec(job_, layer_begin_, batch), "activation"));
+      RETURN_IF_ERROR(CheckTensorMatches(h.tensors(1), TargetSpec(job_, batch), "targets"));
+      if (h.tensors(0).shape(0) != h.tensors(1).shape(0)) {
+        return absl::InvalidArgumentError("activation and targets differ in batch size");
+      }
+      return CheckFinite(h.tensors(0), message.payload, 0);
+    }
+    case v1::MESSAGE_KIND_EVAL_END:
+    case v1::MESSAGE_KIND_DONE:
+      if (h.tensors_size() != 0) {
+        return absl::InvalidArgumentError("control message carries tensors");
+      }
+      return absl::OkStatus();
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          "message kind ", v1::MessageKind_Name(h.kind()), " may not flow downstream"));
+  }
+}
+
+absl::Status LinkValidator::CheckFromDownstream(const LinkMessage& message) const {
+  const v1::LinkHeader& h = message.header;
+  RETURN_IF_ERROR(CheckEpoch(h));
+  if (h.kind() != v1::MESSAGE_KIND_GRADIENT) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "message kind ", v1::MessageKind_Name(h.kind()), " may not flow upstream"));
+  }
+  if (h.tensors_size() != 1) {
+    return absl::InvalidArgumentError("gradient message must carry one tensor");
+  }
+  RETURN_IF_ERROR(CheckTensorMatches(
+      h.tensors(0), LayerInputSpec(job_, layer_end_, job_.microbatch_size()), "gradient"));
+  return CheckFinite(h.tensors(0), message.payload, 0);
+}
+
+}  // namespace geotrain

@@ -1,0 +1,41 @@
+// Decides whether a message that arrived on a link may be used: the plan
+// epoch, the sender's stage, the kind for its direction, and every tensor's
+// shape, dtype, size and finiteness against what the plan implies.
+// Immutable after construction; thread-safe.
+#ifndef GEOTRAIN_WORKER_LINK_VALIDATOR_H_
+#define GEOTRAIN_WORKER_LINK_VALIDATOR_H_
+
+#include "absl/status/status.h"
+#include "common/link_message.h"
+#include "geotrain/v1/job.pb.h"
+
+namespace geotrain {
+
+class LinkValidator {
+ public:
+  // `layer_begin`/`layer_end`: the receiving stage's layers.
+  LinkValidator(const v1::JobSpec& job, uint64_t epoch, int stage,
+                int layer_begin, int layer_end);
+
+  // A message from the upstream neighbour (activations, eval, control).
+  absl::Status CheckFromUpstream(const LinkMessage& message) const;
+  // A message from the downstream neighbour (gradients).
+  absl::Status CheckFromDownstream(const LinkMessage& message) const;
+  // The HELLO that opens a stream from upstream.
+  absl::Status CheckHello(const v1::LinkHeader& hello) const;
+
+  uint64_t epoch() const { return epoch_; }
+  int stage() const { return stage_; }
+
+ private:
+  absl::Status CheckEpoch(const v1::LinkHeader& header) const;
+
+  v1::JobSpec job_;
+  uint64_t epoch_;
+  int stage_;
+  int layer_begin_, layer_end_;
+};
+
+}  // namespace geotrain
+
+#endif  // GEOTRAIN_WORKER_LINK_VALIDATOR_H_

@@ -1,0 +1,65 @@
+// geotrain-worker: joins a coordinator and serves one pipeline stage.
+#include <pthread.h>
+#include <signal.h>
+
+#include <cstdio>
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "common/logging.h"
+#include "worker/worker.h"
+
+ABSL_FLAG(std::string, coordinator, "127.0.0.1:7070", "coordinator HOST:PORT");
+ABSL_FLAG(std::string, listen, "0.0.0.0:0", "HOST:PORT for the Stage service (port 0: any)");
+ABSL_FLAG(std::string, advertise, "", "HOST[:PORT] that peers should dial (default: from --listen)");
+ABSL_FLAG(std::string, device, "auto", "auto, cpu, cuda or cuda:N");
+ABSL_FLAG(int, threads, 0, "LibTorch compute threads (0: LibTorch's default)");
+ABSL_FLAG(std::string, name, "", "worker name shown in status (default: its id)");
+ABSL_FLAG(int, join_timeout_s, 0, "give up joining after this long (0: keep trying)");
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "geotrain-worker --coordinator=HOST:PORT [--listen=HOST:PORT] [--device=auto] "
+      "[--threads=N] [--name=NAME]");
+  absl::ParseCommandLine(argc, argv);
+  geotrain::WorkerOptions options;
+  options.coordinator = absl::GetFlag(FLAGS_coordinator);
+  options.listen = absl::GetFlag(FLAGS_listen);
+  options.advertise = absl::GetFlag(FLAGS_advertise);
+  options.device = absl::GetFlag(FLAGS_device);
+  options.threads = absl::GetFlag(FLAGS_threads);
+  options.name = absl::GetFlag(FLAGS_name);
+  if (absl::GetFlag(FLAGS_join_timeout_s) > 0) {
+    options.join_timeout = absl::Seconds(absl::GetFlag(FLAGS_join_timeout_s));
+  }
+  geotrain::SetLogPrefix(options.name.empty() ? "worker" : options.name);
+
+  // Signals are taken by one thread that asks the worker to stop; every other
+  // thread (gRPC's included) has them blocked.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  geotrain::Worker worker(options);
+  std::thread signal_thread([&] {
+    int received = 0;
+    sigwait(&signals, &received);
+    if (received == SIGINT || received == SIGTERM) {
+      GT_LOG(Info) << "signal " << received << ": stopping";
+      worker.Stop();
+    }
+  });
+  signal_thread.detach();
+
+  const absl::Status status = worker.Run();
+  if (!status.ok()) {
+    GT_LOG(Error) << status.message();
+    return status.code() == absl::StatusCode::kCancelled ? 130 : 1;
+  }
+  GT_LOG(Info) << "done";
+  return 0;
+}

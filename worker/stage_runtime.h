@@ -1,0 +1,90 @@
+// The compute layer of one pipeline stage: owns the stage's layers and
+// optimizer, runs forward and backward for microbatches given as
+// LinkMessages, and keeps each training microbatch's autograd graph until its
+// backward. Every LibTorch exception is caught here and returned as a Status;
+// this header does not include LibTorch.
+//
+// Not thread-safe: one thread (the pipeline driver) calls it.
+#ifndef GEOTRAIN_WORKER_STAGE_RUNTIME_H_
+#define GEOTRAIN_WORKER_STAGE_RUNTIME_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "common/link_message.h"
+#include "geotrain/v1/job.pb.h"
+
+namespace geotrain {
+
+struct StagePlacement {
+  int stage = 0;
+  int num_stages = 1;
+  int layer_begin = 0;
+  int layer_end = 0;
+};
+
+struct RuntimeOptions {
+  std::string device = "cpu";  // "cpu", "cuda", "cuda:N" (already resolved)
+};
+
+struct LastStageResult {
+  double loss = 0;
+  std::optional<LinkMessage> gradient;  // for upstream; none on stage 0
+};
+
+struct EvalResult {
+  double loss = 0;        // mean over every element evaluated
+  double accuracy = -1;   // classifiers only, else -1
+  int64_t samples = 0;
+};
+
+class StageRuntime {
+ public:
+  static absl::StatusOr<std::unique_ptr<StageRuntime>> Create(
+      const v1::JobSpec& job, const StagePlacement& placement,
+      const RuntimeOptions& options);
+  ~StageRuntime();
+
+  bool is_first() const;
+  bool is_last() const;
+
+  // Stage 0 only: microbatch `index` of step `step` (training), or held-out
+  // microbatch `index`, as an input message of tensors [inputs, targets].
+  absl::StatusOr<LinkMessage> LoadTrainMicrobatch(int step, int index);
+  absl::StatusOr<LinkMessage> LoadEvalMicrobatch(int index);
+  int num_eval_microbatches() const;
+
+  // Non-last stages. For ACTIVATION input, runs forward and keeps the graph
+  // until Backward() for the same microbatch; for EVAL input, forward only.
+  // Returns the message for downstream (activation + targets).
+  absl::StatusOr<LinkMessage> Forward(const LinkMessage& input);
+  // Non-last stages: backward of the microbatch named by `gradient`, whose
+  // single tensor is d(loss)/d(our output). Returns the gradient for
+  // upstream, or nullopt on stage 0.
+  absl::StatusOr<std::optional<LinkMessage>> Backward(const LinkMessage& gradient);
+
+  // Last stage, training: forward, loss (scaled by 1/microbatches), backward.
+  absl::StatusOr<LastStageResult> ForwardLoss(const LinkMessage& input);
+  // Last stage, evaluation: accumulates loss (and accuracy) of `input`.
+  absl::Status EvalForward(const LinkMessage& input);
+  EvalResult TakeEvalResult();
+
+  // Optimizer step over the gradients accumulated since the last one.
+  absl::Status ApplyUpdate();
+
+  // Training microbatches whose forward ran and whose backward has not.
+  size_t pending_microbatches() const;
+  std::string device() const;
+
+ private:
+  struct Impl;
+  explicit StageRuntime(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace geotrain
+
+#endif  // GEOTRAIN_WORKER_STAGE_RUNTIME_H_
