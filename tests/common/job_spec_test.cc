@@ -1,0 +1,90 @@
+#include "common/job_spec.h"
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <string>
+
+namespace geotrain {
+namespace {
+
+constexpr char kValidGpt[] = R"(
+  name: "t"
+  gpt { context: 16 d_model: 32 heads: 4 blocks: 2 }
+  text { paths: "/tmp" }
+  steps: 10
+)";
+
+TEST(JobSpecTest, ParsesAndFillsDefaults) {
+  absl::StatusOr<v1::JobSpec> job = ParseJobSpec(kValidGpt, "job.textproto");
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->schedule(), v1::SCHEDULE_SYNC);
+  EXPECT_EQ(job->microbatches(), 4);
+  EXPECT_EQ(job->lease_ms(), 5000);
+  EXPECT_EQ(job->optimizer().kind(), v1::Optimizer::KIND_ADAMW);
+  EXPECT_EQ(job->gpt().mlp_ratio(), 4);
+  EXPECT_DOUBLE_EQ(job->text().validation_fraction(), 0.05);
+}
+
+struct BadJobCase {
+  const char* name;
+  const char* text;
+  const char* expected_fragment;
+};
+
+class BadJobTest : public testing::TestWithParam<BadJobCase> {};
+
+TEST_P(BadJobTest, RefusedWithFileAndReason) {
+  absl::StatusOr<v1::JobSpec> job = ParseJobSpec(GetParam().text, "jobs/bad.textproto");
+  ASSERT_FALSE(job.ok());
+  EXPECT_EQ(job.status().code(), absl::StatusCode::kInvalidArgument);
+  const std::string message(job.status().message());
+  EXPECT_NE(message.find("jobs/bad.textproto"), std::string::npos) << message;
+  EXPECT_NE(message.find(GetParam().expected_fragment), std::string::npos) << message;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, BadJobTest,
+    testing::Values(
+        BadJobCase{"syntax", "name: \"x\" gpt { context: }", "1:"},
+        BadJobCase{"unknown_field", "nmae: \"x\"", "nmae"},
+        BadJobCase{"no_model", "text { } steps: 1", "no model"},
+        BadJobCase{"no_data", "gpt { context: 8 d_model: 8 heads: 2 blocks: 1 } steps: 1",
+                   "no data"},
+        BadJobCase{"heads_do_not_divide",
+                   "gpt { context: 8 d_model: 10 heads: 4 blocks: 1 } text {} steps: 1",
+                   "multiple of heads"},
+        BadJobCase{"gpt_on_images",
+                   "gpt { context: 8 d_model: 8 heads: 2 blocks: 1 } fashion_mnist {} "
+                   "steps: 1",
+                   "text"},
+        BadJobCase{"mlp_on_text", "mlp { hidden: 8 } text {} steps: 1", "fashion_mnist"},
+        BadJobCase{"no_steps", "mlp { hidden: 8 } fashion_mnist {}", "steps"},
+        BadJobCase{"negative_lr",
+                   "mlp { hidden: 8 } fashion_mnist {} steps: 1 optimizer { lr: -1 }",
+                   "lr"},
+        BadJobCase{"zero_width", "mlp { hidden: 0 } fashion_mnist {} steps: 1", "hidden"},
+        BadJobCase{"short_lease", "mlp { hidden: 8 } fashion_mnist {} steps: 1 lease_ms: 5",
+                   "lease_ms"}),
+    [](const testing::TestParamInfo<BadJobCase>& info) { return info.param.name; });
+
+TEST(JobSpecTest, MissingFileIsNamed) {
+  absl::StatusOr<v1::JobSpec> job = LoadJobSpec("/nonexistent/job.textproto");
+  ASSERT_FALSE(job.ok());
+  EXPECT_NE(job.status().message().find("/nonexistent/job.textproto"), std::string::npos);
+}
+
+TEST(JobSpecTest, ShippedJobsAreValid) {
+  for (const char* path : {"deploy/jobs/gpt-tiny.textproto", "deploy/jobs/fmnist-mlp.textproto"}) {
+    absl::StatusOr<v1::JobSpec> job = LoadJobSpec(std::string(GEOTRAIN_SOURCE_DIR) + "/" + path);
+    EXPECT_TRUE(job.ok()) << path << ": " << job.status();
+  }
+}
+
+TEST(JobSpecTest, ScheduleNamesRoundTrip) {
+  EXPECT_EQ(*ParseSchedule(ScheduleName(v1::SCHEDULE_SYNC)), v1::SCHEDULE_SYNC);
+  EXPECT_FALSE(ParseSchedule("gpipe-ish").ok());
+}
+
+}  // namespace
+}  // namespace geotrain

@@ -1,0 +1,164 @@
+#include "coordinator/job_controller.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "common/job_spec.h"
+
+namespace geotrain {
+namespace {
+
+class JobControllerTest : public testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = testing::TempDir() + "/job_controller_" +
+           testing::UnitTest::GetInstance()->current_test_info()->name();
+    std::filesystem::remove_all(dir_);
+    auto job = ParseJobSpec(
+        "gpt { context: 8 d_model: 16 heads: 2 blocks: 2 } text {} steps: 3 "
+        "min_workers: 2 lease_ms: 1000",
+        "test");
+    ASSERT_TRUE(job.ok()) << job.status();
+    JobControllerOptions options;
+    options.job = *job;
+    options.state_dir = dir_;
+    options.metrics_log_path = dir_ + "/metrics.jsonl";
+    options.clock = &clock_;
+    auto controller = JobController::Create(options);
+    ASSERT_TRUE(controller.ok()) << controller.status();
+    controller_ = std::move(*controller);
+  }
+
+  v1::JoinResponse Join(const std::string& name) {
+    v1::JoinRequest request;
+    request.set_name(name);
+    request.set_address(name + ":1");
+    request.mutable_device()->set_matmul_gflops(10);
+    return controller_->Join(request);
+  }
+
+  std::string ReadFile(const std::string& path) {
+    std::ifstream in(path);
+    std::stringstream s;
+    s << in.rdbuf();
+    return s.str();
+  }
+
+  FakeClock clock_{0};
+  std::string dir_;
+  std::unique_ptr<JobController> controller_;
+};
+
+TEST_F(JobControllerTest, PlansOnceEnoughWorkersJoined) {
+  Join("a");
+  EXPECT_FALSE(controller_->WaitForPlan(0, absl::ZeroDuration()).has_value());
+  EXPECT_EQ(controller_->Status().state(), "waiting");
+  Join("b");
+  std::optional<v1::Plan> plan = controller_->WaitForPlan(0, absl::ZeroDuration());
+  ASSERT_TRUE(plan.has_value());
+  EXPECT_EQ(plan->epoch(), 1u);
+  ASSERT_EQ(plan->stages_size(), 2);
+  EXPECT_EQ(plan->stages(0).address(), "a:1");
+  EXPECT_EQ(plan->stages(1).layer_end(), 4);
+  EXPECT_NE(ReadFile(dir_ + "/plan.textproto").find("epoch: 1"), std::string::npos);
+
+  // A third worker is a standby.
+  Join("c");
+  v1::ClusterStatus status = controller_->Status();
+  ASSERT_EQ(status.workers_size(), 3);
+  EXPECT_EQ(status.workers(0).state(), v1::WORKER_STATE_TRAINING);
+  EXPECT_EQ(status.workers(2).state(), v1::WORKER_STATE_STANDBY);
+  EXPECT_EQ(status.workers(2).stage(), -1);
+}
+
+TEST_F(JobControllerTest, ReportsOfOtherEpochsOrOldStepsAreRefused) {
+  v1::JoinResponse a = Join("a");
+  Join("b");
+  v1::StepReport report;
+  report.set_worker_id(a.worker_id());
+  report.set_epoch(7);
+  report.set_step(1);
+  EXPECT_EQ(controller_->ReportStep(report).code(), absl::StatusCode::kFailedPrecondition);
+  report.set_epoch(1);
+  report.set_loss(2.5);
+  report.set_samples(64);
+  EXPECT_TRUE(controller_->ReportStep(report).ok());
+  EXPECT_EQ(controller_->ReportStep(report).code(), absl::StatusCode::kFailedPrecondition);
+  clock_.AdvanceMs(500);
+  report.set_step(2);
+  report.set_loss(2.0);
+  EXPECT_TRUE(controller_->ReportStep(report).ok());
+  v1::ClusterStatus status = controller_->Status();
+  EXPECT_EQ(status.step(), 2);
+  EXPECT_DOUBLE_EQ(status.loss(), 2.0);
+  EXPECT_EQ(status.samples(), 128);
+  EXPECT_NEAR(status.samples_per_s(), 128.0, 1e-6);
+  const std::string metrics = ReadFile(dir_ + "/metrics.jsonl");
+  EXPECT_NE(metrics.find("{\"step\":1,\"loss\":2.5,\"samples\":64,\"time_s\":0.000"),
+            std::string::npos)
+      << metrics;
+  EXPECT_NE(metrics.find("\"step\":2,\"loss\":2,\"samples\":128,\"time_s\":0.500"),
+            std::string::npos)
+      << metrics;
+}
+
+TEST_F(JobControllerTest, EvalIsLogged) {
+  v1::JoinResponse a = Join("a");
+  Join("b");
+  v1::EvalReport eval;
+  eval.set_worker_id(a.worker_id());
+  eval.set_epoch(1);
+  eval.set_step(3);
+  eval.set_val_loss(1.5);
+  eval.set_has_accuracy(true);
+  eval.set_accuracy(0.875);
+  ASSERT_TRUE(controller_->ReportEval(eval).ok());
+  EXPECT_NE(ReadFile(dir_ + "/metrics.jsonl")
+                .find("{\"eval\":true,\"step\":3,\"val_loss\":1.5,\"samples\":0,\"accuracy\":0.875000"),
+            std::string::npos);
+}
+
+TEST_F(JobControllerTest, JobEndsWhenEveryStageIsDone) {
+  v1::JoinResponse a = Join("a");
+  v1::JoinResponse b = Join("b");
+  v1::DoneReport done;
+  done.set_worker_id(a.worker_id());
+  ASSERT_TRUE(controller_->ReportDone(done).ok());
+  EXPECT_FALSE(controller_->done());
+  done.set_worker_id("w42");
+  EXPECT_EQ(controller_->ReportDone(done).code(), absl::StatusCode::kNotFound);
+  done.set_worker_id(b.worker_id());
+  ASSERT_TRUE(controller_->ReportDone(done).ok());
+  EXPECT_TRUE(controller_->done());
+  std::optional<v1::Plan> final_plan = controller_->WaitForPlan(1, absl::ZeroDuration());
+  ASSERT_TRUE(final_plan.has_value());
+  EXPECT_TRUE(final_plan->job_done());
+  EXPECT_EQ(final_plan->epoch(), 2u);
+  EXPECT_EQ(controller_->Status().state(), "done");
+}
+
+TEST_F(JobControllerTest, SilentWorkerIsLost) {
+  Join("a");
+  clock_.AdvanceMs(1500);
+  controller_->Tick();
+  v1::ClusterStatus status = controller_->Status();
+  EXPECT_EQ(status.workers(0).state(), v1::WORKER_STATE_DEAD);
+  bool lost_event = false;
+  for (const v1::Event& e : status.events()) lost_event |= e.kind() == "lost";
+  EXPECT_TRUE(lost_event);
+  EXPECT_NE(ReadFile(dir_ + "/events.log").find("\"kind\":\"lost\""), std::string::npos);
+}
+
+TEST(JobControllerCreateTest, UnwritableStateDirIsAnError) {
+  FakeClock clock;
+  JobControllerOptions options;
+  options.state_dir = "/proc/geotrain-cannot-exist";
+  options.clock = &clock;
+  EXPECT_FALSE(JobController::Create(options).ok());
+}
+
+}  // namespace
+}  // namespace geotrain

@@ -1,0 +1,41 @@
+#include "coordinator/state_store.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+namespace geotrain {
+namespace {
+
+std::string Read(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+TEST(StateStoreTest, WritesPlanAtomicallyAndAppendsEvents) {
+  const std::string dir = testing::TempDir() + "/state_store_test/nested";
+  std::filesystem::remove_all(testing::TempDir() + "/state_store_test");
+  absl::StatusOr<StateStore> store = StateStore::Open(dir);
+  ASSERT_TRUE(store.ok()) << store.status();
+  v1::Plan plan;
+  plan.set_epoch(3);
+  ASSERT_TRUE(store->WritePlan(plan).ok());
+  plan.set_epoch(4);
+  ASSERT_TRUE(store->WritePlan(plan).ok());
+  EXPECT_EQ(Read(dir + "/plan.textproto"), "epoch: 4\n");
+  EXPECT_FALSE(std::filesystem::exists(dir + "/plan.textproto.tmp"));
+  ASSERT_TRUE(store->AppendEvent("one").ok());
+  ASSERT_TRUE(store->AppendEvent("two").ok());
+  EXPECT_EQ(Read(dir + "/events.log"), "one\ntwo\n");
+}
+
+TEST(StateStoreTest, UnusableDirectoryIsAnError) {
+  EXPECT_FALSE(StateStore::Open("/proc/self/geotrain").ok());
+}
+
+}  // namespace
+}  // namespace geotrain

@@ -1,0 +1,109 @@
+#include "worker/link_validator.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <limits>
+
+#include "common/job_spec.h"
+
+namespace geotrain {
+namespace {
+
+v1::JobSpec Job() {
+  return *ParseJobSpec(
+      "gpt { context: 4 d_model: 8 heads: 2 blocks: 2 } text {} steps: 1 "
+      "microbatch_size: 2",
+      "test");
+}
+
+void AddTensor(LinkMessage* m, std::vector<int64_t> shape, v1::DType dtype) {
+  v1::TensorHeader* t = m->header.add_tensors();
+  size_t n = 1;
+  for (int64_t d : shape) {
+    t->add_shape(d);
+    n *= d;
+  }
+  t->set_dtype(dtype);
+  t->set_codec(v1::CODEC_NONE);
+  t->set_payload_bytes(n * DTypeSize(dtype));
+  m->payload.append(n * DTypeSize(dtype), '\0');
+}
+
+// Stage 1 of 3 holds layers [1, 3): its input is a [B, 4, 8] activation and
+// its output (what gradients refer to) is also [B, 4, 8].
+LinkMessage Activation(std::vector<int64_t> shape = {2, 4, 8},
+                       v1::DType dtype = v1::DTYPE_FLOAT32) {
+  LinkMessage m;
+  m.header.set_kind(v1::MESSAGE_KIND_ACTIVATION);
+  m.header.set_epoch(5);
+  AddTensor(&m, shape, dtype);
+  AddTensor(&m, {shape.empty() ? 0 : shape[0], 4}, v1::DTYPE_INT64);
+  return m;
+}
+
+v1::LinkHeader Hello(uint64_t epoch, int from_stage) {
+  v1::LinkHeader h;
+  h.set_kind(v1::MESSAGE_KIND_HELLO);
+  h.set_epoch(epoch);
+  h.set_from_stage(from_stage);
+  return h;
+}
+
+TEST(LinkValidatorTest, AcceptsWhatThePlanImplies) {
+  LinkValidator v(Job(), 5, 1, 1, 3);
+  EXPECT_TRUE(v.CheckFromUpstream(Activation()).ok());
+  EXPECT_TRUE(v.CheckFromUpstream(Activation({1, 4, 8})).ok()) << "short last batch";
+  EXPECT_TRUE(v.CheckHello(Hello(5, 0)).ok());
+  LinkMessage done;
+  done.header.set_kind(v1::MESSAGE_KIND_DONE);
+  done.header.set_epoch(5);
+  EXPECT_TRUE(v.CheckFromUpstream(done).ok());
+  LinkMessage grad;
+  grad.header.set_kind(v1::MESSAGE_KIND_GRADIENT);
+  grad.header.set_epoch(5);
+  AddTensor(&grad, {2, 4, 8}, v1::DTYPE_FLOAT32);
+  EXPECT_TRUE(v.CheckFromDownstream(grad).ok());
+}
+
+TEST(LinkValidatorTest, RefusesHelloOfWrongEpochOrStage) {
+  LinkValidator v(Job(), 5, 1, 1, 3);
+  EXPECT_EQ(v.CheckHello(Hello(4, 0)).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(v.CheckHello(Hello(5, 1)).code(), absl::StatusCode::kInvalidArgument);
+  v1::LinkHeader not_hello = Hello(5, 0);
+  not_hello.set_kind(v1::MESSAGE_KIND_ACTIVATION);
+  EXPECT_EQ(v.CheckHello(not_hello).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(LinkValidatorTest, RefusesWrongShapeDtypeEpochKindAndValues) {
+  LinkValidator v(Job(), 5, 1, 1, 3);
+  EXPECT_EQ(v.CheckFromUpstream(Activation({2, 4, 9})).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(v.CheckFromUpstream(Activation({3, 4, 8})).code(), absl::StatusCode::kInvalidArgument)
+      << "batch above microbatch_size";
+  EXPECT_EQ(v.CheckFromUpstream(Activation({2, 4, 8}, v1::DTYPE_INT64)).code(),
+            absl::StatusCode::kInvalidArgument);
+  LinkMessage old_epoch = Activation();
+  old_epoch.header.set_epoch(4);
+  EXPECT_EQ(v.CheckFromUpstream(old_epoch).code(), absl::StatusCode::kInvalidArgument);
+  LinkMessage gradient_downstream = Activation();
+  gradient_downstream.header.set_kind(v1::MESSAGE_KIND_GRADIENT);
+  EXPECT_EQ(v.CheckFromUpstream(gradient_downstream).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(v.CheckFromDownstream(Activation()).code(), absl::StatusCode::kInvalidArgument);
+  LinkMessage nan = Activation();
+  const float bad = std::numeric_limits<float>::infinity();
+  std::memcpy(nan.payload.data() + 12, &bad, 4);
+  EXPECT_EQ(v.CheckFromUpstream(nan).code(), absl::StatusCode::kInvalidArgument);
+  LinkMessage missing_targets = Activation();
+  missing_targets.header.mutable_tensors()->RemoveLast();
+  EXPECT_EQ(v.CheckFromUpstream(missing_targets).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(LinkValidatorTest, FirstStageInputIsTokens) {
+  LinkValidator v(Job(), 1, 1, 0, 1);  // a stage whose first layer is the embedding
+  LinkMessage tokens = Activation({2, 4}, v1::DTYPE_INT64);
+  tokens.header.set_epoch(1);
+  EXPECT_TRUE(v.CheckFromUpstream(tokens).ok());
+}
+
+}  // namespace
+}  // namespace geotrain

@@ -1,0 +1,164 @@
+#include "worker/stage_runtime.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <fstream>
+
+#include "common/job_spec.h"
+#include "common/tensor_wire.h"
+#include "worker/models.h"
+
+namespace geotrain {
+namespace {
+
+class StageRuntimeTest : public testing::Test {
+ protected:
+  void SetUp() override {
+    corpus_ = testing::TempDir() + "/stage_runtime_corpus.txt";
+    std::ofstream out(corpus_);
+    for (int i = 0; i < 400; ++i) out << "the quick brown fox " << i << " jumps over the lazy dog\n";
+    out.close();
+    auto job = ParseJobSpec(
+        "gpt { context: 16 d_model: 32 heads: 4 blocks: 2 } text { paths: \"" + corpus_ +
+            "\" } steps: 4 microbatches: 2 microbatch_size: 4 seed: 7",
+        "test");
+    ASSERT_TRUE(job.ok()) << job.status();
+    job_ = *job;
+  }
+
+  std::unique_ptr<StageRuntime> Make(int stage, int stages, int begin, int end) {
+    auto runtime = StageRuntime::Create(job_, {stage, stages, begin, end}, {"cpu"});
+    EXPECT_TRUE(runtime.ok()) << runtime.status();
+    return std::move(*runtime);
+  }
+
+  std::string corpus_;
+  v1::JobSpec job_;
+};
+
+TEST_F(StageRuntimeTest, LayerWeightsDependOnlyOnSeedAndIndex) {
+  auto whole = BuildLayers(job_, 0, 4);
+  auto part = BuildLayers(job_, 2, 3);
+  auto a = whole[2]->parameters();
+  auto b = part[0]->parameters();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i]));
+  EXPECT_FALSE(torch::equal(whole[1]->named_parameters()["qkv.weight"],
+                            whole[2]->named_parameters()["qkv.weight"]));
+}
+
+// Two stages exchanging messages compute the same losses, for several
+// optimizer steps, as one stage holding every layer.
+TEST_F(StageRuntimeTest, TwoStagesMatchOneStage) {
+  auto single = Make(0, 1, 0, 4);
+  auto first = Make(0, 2, 0, 2);
+  auto second = Make(1, 2, 2, 4);
+  for (int step = 0; step < job_.steps(); ++step) {
+    for (int mb = 0; mb < job_.microbatches(); ++mb) {
+      auto input = single->LoadTrainMicrobatch(step, mb);
+      ASSERT_TRUE(input.ok());
+      auto reference = single->ForwardLoss(*input);
+      ASSERT_TRUE(reference.ok()) << reference.status();
+      EXPECT_FALSE(reference->gradient.has_value()) << "stage 0 has no upstream";
+
+      auto activation = first->Forward(*first->LoadTrainMicrobatch(step, mb));
+      ASSERT_TRUE(activation.ok()) << activation.status();
+      EXPECT_EQ(first->pending_microbatches(), 1u);
+      auto result = second->ForwardLoss(*activation);
+      ASSERT_TRUE(result.ok()) << result.status();
+      EXPECT_NEAR(result->loss, reference->loss, 1e-5 * std::abs(reference->loss));
+      ASSERT_TRUE(result->gradient.has_value());
+      auto upstream = first->Backward(*result->gradient);
+      ASSERT_TRUE(upstream.ok()) << upstream.status();
+      EXPECT_FALSE(upstream->has_value());
+      EXPECT_EQ(first->pending_microbatches(), 0u);
+    }
+    ASSERT_TRUE(single->ApplyUpdate().ok());
+    ASSERT_TRUE(first->ApplyUpdate().ok());
+    ASSERT_TRUE(second->ApplyUpdate().ok());
+  }
+}
+
+// The gradient a stage sends upstream is d(loss)/d(input): checked against
+// a central finite difference along a random direction.
+TEST_F(StageRuntimeTest, InputGradientMatchesFiniteDifference) {
+  job_.set_microbatches(1);
+  auto first = Make(0, 2, 0, 1);
+  auto last = Make(1, 2, 1, 4);
+  auto activation = first->Forward(*first->LoadTrainMicrobatch(0, 0));
+  ASSERT_TRUE(activation.ok());
+  auto result = last->ForwardLoss(*activation);
+  ASSERT_TRUE(result.ok());
+  torch::Tensor grad = *DecodeTensor(result->gradient->header.tensors(0),
+                                     result->gradient->payload, 0);
+  torch::Tensor x = *DecodeTensor(activation->header.tensors(0), activation->payload, 0);
+  const size_t targets_offset = activation->header.tensors(0).payload_bytes();
+  torch::Tensor targets =
+      *DecodeTensor(activation->header.tensors(1), activation->payload, targets_offset);
+
+  torch::NoGradGuard no_grad;
+  torch::manual_seed(3);
+  torch::Tensor direction = torch::randn_like(x);
+  direction /= direction.norm();
+  auto layers = BuildLayers(job_, 1, 4);
+  // float32 throughout (as trained); eps balances truncation and rounding.
+  auto loss_at = [&](const torch::Tensor& input) {
+    torch::Tensor h = input;
+    for (auto& layer : layers) h = layer->forward(h);
+    return ComputeLoss(job_, h, targets).item<double>();
+  };
+  const double eps = 1e-2;
+  const double numeric = (loss_at(x + eps * direction) - loss_at(x - eps * direction)) / (2 * eps);
+  const double analytic = (grad * direction).sum().item<double>();
+  EXPECT_NEAR(analytic, numeric, 0.02 * std::abs(numeric) + 1e-4);
+}
+
+TEST_F(StageRuntimeTest, GradientForUnknownMicrobatchIsRefused) {
+  auto first = Make(0, 2, 0, 2);
+  LinkMessage gradient;
+  gradient.header.set_kind(v1::MESSAGE_KIND_GRADIENT);
+  gradient.header.set_microbatch(99);
+  EXPECT_EQ(first->Backward(gradient).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(StageRuntimeTest, MalformedTensorIsAnErrorNotACrash) {
+  auto second = Make(1, 2, 2, 4);
+  LinkMessage bad;
+  bad.header.set_kind(v1::MESSAGE_KIND_ACTIVATION);
+  v1::TensorHeader* t = bad.header.add_tensors();
+  t->add_shape(4);
+  t->add_shape(16);
+  t->add_shape(31);  // wrong width: the layer's matmul throws inside LibTorch
+  t->set_dtype(v1::DTYPE_FLOAT32);
+  t->set_codec(v1::CODEC_NONE);
+  t->set_payload_bytes(4 * 16 * 31 * 4);
+  bad.payload.assign(4 * 16 * 31 * 4, '\0');
+  v1::TensorHeader* targets = bad.header.add_tensors();
+  targets->add_shape(4);
+  targets->add_shape(16);
+  targets->set_dtype(v1::DTYPE_INT64);
+  targets->set_codec(v1::CODEC_NONE);
+  targets->set_payload_bytes(4 * 16 * 8);
+  bad.payload.append(4 * 16 * 8, '\0');
+  auto result = second->ForwardLoss(bad);
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kInternal);
+}
+
+TEST_F(StageRuntimeTest, EvaluationAveragesOverElements) {
+  auto single = Make(0, 1, 0, 4);
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(single->EvalForward(*single->LoadEvalMicrobatch(i)).ok());
+  EvalResult result = single->TakeEvalResult();
+  EXPECT_EQ(result.samples, 12);
+  EXPECT_GT(result.loss, 3.0);  // untrained byte model: near ln(256) = 5.5
+  EXPECT_LT(result.accuracy, 0);
+  EXPECT_EQ(single->TakeEvalResult().samples, 0) << "taking resets";
+}
+
+TEST_F(StageRuntimeTest, UnknownDeviceIsAnError) {
+  auto runtime = StageRuntime::Create(job_, {0, 1, 0, 4}, {"tpu"});
+  EXPECT_FALSE(runtime.ok());
+}
+
+}  // namespace
+}  // namespace geotrain
