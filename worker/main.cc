@@ -56,9 +56,13 @@ int main(int argc, char** argv) {
   signal_thread.detach();
 
   const absl::Status status = worker.Run();
+  if (status.code() == absl::StatusCode::kCancelled) {
+    GT_LOG(Info) << "stopped";
+    return 0;
+  }
   if (!status.ok()) {
     GT_LOG(Error) << status.message();
-    return status.code() == absl::StatusCode::kCancelled ? 130 : 1;
+    return 1;
   }
   GT_LOG(Info) << "done";
   return 0;

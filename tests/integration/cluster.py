@@ -1,0 +1,165 @@
+"""Starts real geotrain processes on loopback for integration tests.
+
+Every process is started in its own session and killed (SIGKILL after a
+grace period) when the Cluster closes, whatever the test did. Waits poll a
+condition with a deadline; nothing sleeps for a fixed time.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+
+SOURCE_DIR = os.environ.get(
+    "GEOTRAIN_SOURCE_DIR",
+    os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+BIN_DIR = os.environ.get("GEOTRAIN_BIN_DIR", os.path.join(SOURCE_DIR, "build", "bin"))
+
+
+def binary(name):
+    return os.path.join(BIN_DIR, name)
+
+
+def job_path(name):
+    return os.path.join(SOURCE_DIR, "deploy", "jobs", name)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(condition, timeout, what, interval=0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+class Process:
+    def __init__(self, args, log_path):
+        self.args = args
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.popen = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def log(self):
+        with open(self.log_path, "r", errors="replace") as f:
+            return f.read()
+
+    def alive(self):
+        return self.popen.poll() is None
+
+    def stop(self, sig=signal.SIGTERM, grace=5.0):
+        if self.alive():
+            try:
+                self.popen.send_signal(sig)
+                self.popen.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        self._log.close()
+
+
+class Cluster:
+    """A coordinator on 127.0.0.1:<port 0> and any number of workers."""
+
+    def __init__(self, job, coordinator_flags=(), workdir=None):
+        self.dir = workdir or tempfile.mkdtemp(prefix="geotrain-it-")
+        self.job = job
+        self.coordinator_flags = list(coordinator_flags)
+        self.coordinator = None
+        self.workers = []
+        self.port = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    @property
+    def address(self):
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def metrics_path(self):
+        return os.path.join(self.dir, "state", "metrics.jsonl")
+
+    def start_coordinator(self):
+        port_file = os.path.join(self.dir, "port")
+        args = [binary("geotrain-coordinator"), "--listen=127.0.0.1:0",
+                f"--port_file={port_file}", f"--job={self.job}",
+                f"--state_dir={os.path.join(self.dir, 'state')}"] + self.coordinator_flags
+        self.coordinator = Process(args, os.path.join(self.dir, "coordinator.log"))
+
+        def port():
+            if not self.coordinator.alive():
+                raise RuntimeError("coordinator exited:\n" + self.coordinator.log())
+            try:
+                with open(port_file) as f:
+                    text = f.read().strip()
+                return int(text) if text else None
+            except FileNotFoundError:
+                return None
+
+        self.port = wait_for(port, 30, "the coordinator's port")
+        return self
+
+    def start_worker(self, name, extra=()):
+        args = [binary("geotrain-worker"), f"--coordinator={self.address}",
+                "--listen=127.0.0.1:0", "--device=cpu", "--threads=1",
+                f"--name={name}"] + list(extra)
+        worker = Process(args, os.path.join(self.dir, f"{name}.log"))
+        self.workers.append(worker)
+        return worker
+
+    def status(self, timeout_ms=3000):
+        out = subprocess.run([binary("geotrain-ctl"), "status", f"--coordinator={self.address}",
+                              "--json", f"--timeout_ms={timeout_ms}"],
+                             capture_output=True, text=True, timeout=30)
+        if out.returncode != 0:
+            raise RuntimeError(f"geotrain-ctl failed: {out.stderr}")
+        return json.loads(out.stdout)
+
+    def metrics(self):
+        try:
+            with open(self.metrics_path) as f:
+                return [json.loads(line) for line in f if line.strip()]
+        except FileNotFoundError:
+            return []
+
+    def steps(self):
+        return [m for m in self.metrics() if not m.get("eval")]
+
+    def evals(self):
+        return [m for m in self.metrics() if m.get("eval")]
+
+    def wait_done(self, timeout):
+        def done():
+            for p in self.workers:
+                if p.popen.poll() not in (None, 0):
+                    raise RuntimeError(f"{p.args[-1]} exited with {p.popen.returncode}:\n"
+                                       + p.log()[-3000:])
+            if not self.coordinator.alive() and self.coordinator.popen.returncode != 0:
+                raise RuntimeError("coordinator failed:\n" + self.coordinator.log()[-3000:])
+            return self.status()["state"] == "done"
+        wait_for(done, timeout, "the job to finish", interval=0.5)
+
+    def dump_logs(self):
+        parts = []
+        for p in ([self.coordinator] if self.coordinator else []) + self.workers:
+            parts.append(f"==== {p.log_path}\n{p.log()[-4000:]}")
+        return "\n".join(parts)
+
+    def close(self):
+        for p in self.workers + ([self.coordinator] if self.coordinator else []):
+            p.stop()

@@ -1,0 +1,119 @@
+"""Bad input gets a clear error, a non-zero exit where it is fatal, and
+loses nothing where it is not."""
+import os
+import subprocess
+import tempfile
+import time
+import unittest
+
+from cluster import Cluster, Process, binary, free_port, job_path, wait_for
+
+
+def run(args, timeout=30):
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+
+
+class BadJobFileTest(unittest.TestCase):
+    CASES = {
+        "syntax.textproto": ('name: "x"\ngpt { context: }\n', "2:"),
+        "unknown_field.textproto": ('name: "x"\nmodle { }\n', "modle"),
+        "inconsistent.textproto": (
+            'gpt { context: 8 d_model: 10 heads: 4 blocks: 1 }\ntext {}\nsteps: 3\n',
+            "multiple of heads"),
+        "no_steps.textproto": ('mlp { hidden: 8 }\nfashion_mnist {}\n', "steps"),
+    }
+
+    def test_coordinator_names_file_and_problem(self):
+        d = tempfile.mkdtemp(prefix="geotrain-badjob-")
+        for name, (text, fragment) in self.CASES.items():
+            path = os.path.join(d, name)
+            with open(path, "w") as f:
+                f.write(text)
+            out = run([binary("geotrain-coordinator"), "--listen=127.0.0.1:0",
+                       f"--job={path}", f"--state_dir={d}/state"])
+            self.assertNotEqual(out.returncode, 0, name)
+            self.assertIn(path, out.stderr, name)
+            self.assertIn(fragment, out.stderr, name)
+
+    def test_missing_job_file(self):
+        out = run([binary("geotrain-coordinator"), "--job=/nonexistent/j.textproto"])
+        self.assertNotEqual(out.returncode, 0)
+        self.assertIn("/nonexistent/j.textproto", out.stderr)
+
+    def test_flag_override_that_breaks_the_job(self):
+        out = run([binary("geotrain-coordinator"), "--listen=127.0.0.1:0",
+                   f"--job={job_path('gpt-tiny.textproto')}", "--schedule=bogus",
+                   f"--state_dir={tempfile.mkdtemp()}"])
+        self.assertNotEqual(out.returncode, 0)
+        self.assertIn("bogus", out.stderr)
+
+
+class UnknownFlagTest(unittest.TestCase):
+    def test_every_binary_refuses_unknown_flags(self):
+        for name in ("geotrain-coordinator", "geotrain-worker", "geotrain-ctl"):
+            out = run([binary(name), "--no_such_flag=1"])
+            self.assertNotEqual(out.returncode, 0, name)
+            self.assertIn("no_such_flag", out.stderr, name)
+
+
+class UnreachableCoordinatorTest(unittest.TestCase):
+    def test_worker_retries_with_backoff_then_joins(self):
+        port = free_port()
+        d = tempfile.mkdtemp(prefix="geotrain-unreachable-")
+        worker = Process([binary("geotrain-worker"), f"--coordinator=127.0.0.1:{port}",
+                          "--listen=127.0.0.1:0", "--device=cpu", "--threads=1",
+                          "--name=patient"], os.path.join(d, "worker.log"))
+        coordinator = None
+        try:
+            wait_for(lambda: worker.log().count("cannot reach coordinator") >= 2, 30,
+                     "two logged join attempts")
+            self.assertIn(f"127.0.0.1:{port}", worker.log())
+            self.assertIn("retrying in", worker.log())
+            self.assertTrue(worker.alive())
+            coordinator = Process([binary("geotrain-coordinator"), f"--listen=127.0.0.1:{port}",
+                                   f"--job={job_path('fmnist-mlp.textproto')}",
+                                   "--min_workers=2", f"--state_dir={d}/state"],
+                                  os.path.join(d, "coordinator.log"))
+            wait_for(lambda: "joined" in worker.log(), 30, "the worker to join")
+        finally:
+            worker.stop()
+            if coordinator:
+                coordinator.stop()
+
+    def test_worker_gives_up_after_join_timeout(self):
+        port = free_port()
+        start = time.monotonic()
+        out = run([binary("geotrain-worker"), f"--coordinator=127.0.0.1:{port}",
+                   "--listen=127.0.0.1:0", "--device=cpu", "--join_timeout_s=2"], timeout=60)
+        self.assertNotEqual(out.returncode, 0)
+        self.assertIn(f"cannot reach coordinator at 127.0.0.1:{port}", out.stderr)
+        self.assertLess(time.monotonic() - start, 30)
+
+
+class CtlTest(unittest.TestCase):
+    def test_status_against_nothing_fails_within_deadline(self):
+        port = free_port()
+        start = time.monotonic()
+        out = run([binary("geotrain-ctl"), "status", f"--coordinator=127.0.0.1:{port}",
+                   "--timeout_ms=1500"])
+        elapsed = time.monotonic() - start
+        self.assertNotEqual(out.returncode, 0)
+        self.assertIn(f"127.0.0.1:{port}", out.stderr)
+        self.assertLess(elapsed, 1.5 + 3.0)
+
+    def test_usage_error(self):
+        out = run([binary("geotrain-ctl"), "frobnicate"])
+        self.assertEqual(out.returncode, 2)
+        self.assertIn("usage", out.stderr)
+
+
+class DeviceTest(unittest.TestCase):
+    def test_unknown_device_is_refused(self):
+        out = run([binary("geotrain-worker"), "--device=tpu", "--coordinator=127.0.0.1:1"])
+        self.assertNotEqual(out.returncode, 0)
+        self.assertIn("--device=tpu", out.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)

@@ -1,0 +1,119 @@
+"""Real coordinator and worker processes training over gRPC on loopback."""
+import os
+import subprocess
+import unittest
+
+from cluster import Cluster, binary, job_path, wait_for
+
+
+class PipelineTest(unittest.TestCase):
+    def test_three_workers_train_and_report_status(self):
+        with Cluster(job_path("gpt-tiny.textproto"),
+                     ["--steps=15", "--min_workers=3"]) as c:
+            c.start_coordinator()
+            waiting = c.status()
+            self.assertEqual(waiting["state"], "waiting")
+            for i in range(3):
+                c.start_worker(f"w{i}")
+            try:
+                c.wait_done(timeout=180)
+            except Exception:
+                print(c.dump_logs())
+                raise
+            status = c.status()
+            self.assertEqual(status["state"], "done")
+            self.assertEqual(status["step"], 15)
+            self.assertEqual(sorted(w["name"] for w in status["workers"]), ["w0", "w1", "w2"])
+            self.assertEqual(sorted(w["stage"] for w in status["workers"]), [0, 1, 2])
+            for w in status["workers"]:
+                self.assertEqual(w["state"], "WORKER_STATE_DONE")
+                self.assertEqual(w["device"], "cpu")
+                self.assertGreater(w["gflops"], 0)
+                self.assertLess(w["layer_begin"], w["layer_end"])
+            # Stages cover the model's 6 layers contiguously.
+            ranges = sorted((w["layer_begin"], w["layer_end"]) for w in status["workers"])
+            self.assertEqual(ranges[0][0], 0)
+            self.assertEqual(ranges[-1][1], 6)
+            for a, b in zip(ranges, ranges[1:]):
+                self.assertEqual(a[1], b[0])
+            kinds = [e["kind"] for e in status["events"]]
+            for kind in ("joined", "planned", "job_done"):
+                self.assertIn(kind, kinds)
+
+            steps = c.steps()
+            self.assertEqual([m["step"] for m in steps], list(range(1, 16)))
+            for m in steps:
+                for key in ("loss", "samples", "time_s"):
+                    self.assertIn(key, m)
+            self.assertEqual(steps[-1]["samples"], 15 * 4 * 16)
+            self.assertLess(steps[-1]["loss"], steps[0]["loss"])
+            evals = c.evals()
+            self.assertEqual(len(evals), 1)
+            self.assertEqual(evals[0]["step"], 15)
+            self.assertGreater(evals[0]["val_loss"], 0)
+
+            table = subprocess.run([binary("geotrain-ctl"), "status",
+                                    f"--coordinator={c.address}"],
+                                   capture_output=True, text=True, timeout=30)
+            self.assertEqual(table.returncode, 0, table.stderr)
+            for text in ("gpt-tiny", "STAGE", "GFLOP/s", "w0", "done"):
+                self.assertIn(text, table.stdout)
+            for w in c.workers:
+                w.popen.wait(timeout=30)
+                self.assertEqual(w.popen.returncode, 0, w.log()[-2000:])
+            self.assertTrue(os.path.exists(os.path.join(c.dir, "state", "plan.textproto")))
+
+    def test_sync_pipeline_matches_single_process(self):
+        """The sync schedule over 3 workers gives the same per-step losses as 1."""
+        losses = {}
+        for workers in (1, 3):
+            with Cluster(job_path("gpt-tiny.textproto"),
+                         ["--steps=12", f"--min_workers={workers}", "--seed=5"]) as c:
+                c.start_coordinator()
+                for i in range(workers):
+                    c.start_worker(f"w{i}")
+                try:
+                    c.wait_done(timeout=180)
+                except Exception:
+                    print(c.dump_logs())
+                    raise
+                self.assertEqual(len(c.status()["workers"]), workers)
+                losses[workers] = [m["loss"] for m in c.steps()]
+        self.assertEqual(len(losses[1]), 12)
+        self.assertEqual(len(losses[3]), 12)
+        for step, (one, three) in enumerate(zip(losses[1], losses[3]), start=1):
+            self.assertLessEqual(abs(one - three) / abs(one), 1e-4,
+                                 f"step {step}: 1 worker {one}, 3 workers {three}")
+        print("per-step losses, 1 worker vs 3 workers:")
+        for step, (one, three) in enumerate(zip(losses[1], losses[3]), start=1):
+            print(f"  step {step:2d}: {one:.7f} {three:.7f}")
+
+    def test_standby_worker_is_reported(self):
+        with Cluster(job_path("fmnist-mlp.textproto"),
+                     ["--steps=100000", "--min_workers=2"]) as c:
+            c.start_coordinator()
+            for i in range(2):
+                c.start_worker(f"w{i}")
+            wait_for(lambda: c.status()["state"] == "training", 60, "a plan")
+            spare = c.start_worker("spare")
+
+            def spare_status():
+                for w in c.status()["workers"]:
+                    if w["name"] == "spare":
+                        return w
+                return None
+
+            joined = wait_for(spare_status, 60, "the spare to join")
+            self.assertEqual(joined["state"], "WORKER_STATE_STANDBY")
+            self.assertEqual(joined["stage"], -1)
+            self.assertEqual(c.status()["state"], "training")
+            wait_for(lambda: "standby" in spare.log(), 30, "the spare to log standby")
+            # A standby stopped by SIGTERM leaves cleanly; training goes on.
+            spare.stop()
+            self.assertEqual(spare.popen.returncode, 0, spare.log()[-2000:])
+            self.assertEqual(spare_status()["state"], "WORKER_STATE_LEFT")
+            self.assertEqual(c.status()["state"], "training")
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
