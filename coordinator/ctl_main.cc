@@ -16,6 +16,7 @@
 
 ABSL_FLAG(std::string, coordinator, "127.0.0.1:7070", "coordinator HOST:PORT");
 ABSL_FLAG(bool, json, false, "print the status as JSON");
+ABSL_FLAG(bool, brief, false, "print one line: state, step, loss, samples/s");
 ABSL_FLAG(int, timeout_ms, 3000, "deadline of the status call");
 ABSL_FLAG(int, events, 8, "how many recent events to show (table only)");
 
@@ -27,6 +28,19 @@ std::string StateName(geotrain::v1::WorkerState state) {
   if (name.rfind(prefix, 0) == 0) name = name.substr(prefix.size());
   for (char& c : name) c = static_cast<char>(std::tolower(c));
   return name;
+}
+
+void PrintBrief(const geotrain::v1::ClusterStatus& s) {
+  int training = 0;
+  for (const auto& w : s.workers()) {
+    training += w.state() == geotrain::v1::WORKER_STATE_TRAINING;
+  }
+  std::printf("[%6.1fs] %-8s step %4d/%d  loss %.4f  samples/s %7.1f  workers %d/%d",
+              s.elapsed_s(), s.state().c_str(), s.step(), s.steps(), s.loss(),
+              s.samples_per_s(), training, s.workers_size());
+  if (s.val_loss() > 0) std::printf("  val_loss %.4f", s.val_loss());
+  if (s.accuracy() > 0) std::printf("  accuracy %.4f", s.accuracy());
+  std::printf("\n");
 }
 
 void PrintTable(const geotrain::v1::ClusterStatus& s) {
@@ -65,10 +79,10 @@ void PrintTable(const geotrain::v1::ClusterStatus& s) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "geotrain-ctl status --coordinator=HOST:PORT [--json]");
+      "geotrain-ctl status --coordinator=HOST:PORT [--json | --brief]");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2 || std::string(args[1]) != "status") {
-    std::fprintf(stderr, "usage: geotrain-ctl status --coordinator=HOST:PORT [--json]\n");
+    std::fprintf(stderr, "usage: geotrain-ctl status --coordinator=HOST:PORT [--json | --brief]\n");
     return 2;
   }
   const std::string address = absl::GetFlag(FLAGS_coordinator);
@@ -94,6 +108,8 @@ int main(int argc, char** argv) {
     options.always_print_primitive_fields = true;
     google::protobuf::util::MessageToJsonString(status, &json, options);
     std::printf("%s\n", json.c_str());
+  } else if (absl::GetFlag(FLAGS_brief)) {
+    PrintBrief(status);
   } else {
     PrintTable(status);
   }

@@ -74,8 +74,15 @@ grpc::Status UpstreamLinkServer::Link(
       return Refuse(grpc::StatusCode::INVALID_ARGUMENT, peer, valid.message());
     }
     if (stream_ != nullptr) {
-      return Refuse(grpc::StatusCode::ALREADY_EXISTS, peer,
-                    "an upstream link is already open");
+      // The upstream neighbour reconnected (its old stream may be dead
+      // without this side having noticed yet): the newer stream wins.
+      GT_LOG(Info) << "replacing the open upstream link with one from " << peer;
+      context_->TryCancel();
+      auto old_gone = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stream_ == nullptr; };
+      if (!mu_.AwaitWithTimeout(absl::Condition(&old_gone), absl::Seconds(5))) {
+        return Refuse(grpc::StatusCode::ALREADY_EXISTS, peer,
+                      "an upstream link is already open");
+      }
     }
     LinkMessage ack;
     ack.header = MakeHello(validator->epoch(), validator->stage());

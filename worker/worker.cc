@@ -169,6 +169,8 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
     if (!closed.ok()) GT_LOG(Warning) << "closing downstream link: " << closed.message();
   }
   GT_LOG(Info) << "stage " << mine.stage() << " finished " << job_.steps() << " steps";
+  // A last heartbeat so that the status shows the final step and memory.
+  (void)coordinator_.Heartbeat(ResidentBytes());
   RETURN_IF_ERROR(coordinator_.ReportDone(job_.steps()));
   return absl::OkStatus();
 }
