@@ -43,6 +43,7 @@ void ApplyJobDefaults(v1::JobSpec* job) {
   if (job->min_workers() == 0) job->set_min_workers(1);
   if (job->eval_batches() == 0) job->set_eval_batches(8);
   if (job->lease_ms() == 0) job->set_lease_ms(5000);
+  if (job->update_every() == 0) job->set_update_every(1);
   v1::Optimizer* opt = job->mutable_optimizer();
   if (opt->kind() == v1::Optimizer::KIND_UNSPECIFIED) {
     opt->set_kind(v1::Optimizer::KIND_ADAMW);
@@ -110,9 +111,15 @@ absl::Status ValidateJobSpec(const v1::JobSpec& job) {
   if (job.eval_every() < 0) return Invalid("eval_every must be >= 0");
   if (job.eval_batches() < 0) return Invalid("eval_batches must be >= 0");
   if (job.lease_ms() < 200) return Invalid("lease_ms must be >= 200");
-  if (job.schedule() != v1::SCHEDULE_SYNC) {
-    return Invalid(absl::StrCat("schedule ", ScheduleName(job.schedule()),
-                                " is not supported; use sync"));
+  if (job.schedule() != v1::SCHEDULE_SYNC && job.schedule() != v1::SCHEDULE_ASYNC_STASH &&
+      job.schedule() != v1::SCHEDULE_ASYNC_2BW) {
+    return Invalid(absl::StrCat("unknown schedule ", ScheduleName(job.schedule())));
+  }
+  if (job.in_flight() < 0) return Invalid("in_flight must be >= 0");
+  if (job.update_every() <= 0) return Invalid("update_every must be > 0");
+  if (job.microbatches() % job.update_every() != 0) {
+    return Invalid(absl::StrCat("update_every (", job.update_every(),
+                                ") must divide microbatches (", job.microbatches(), ")"));
   }
   const v1::Optimizer& opt = job.optimizer();
   if (opt.lr() <= 0) return Invalid("optimizer.lr must be > 0");
@@ -153,6 +160,10 @@ std::string ScheduleName(v1::Schedule schedule) {
   switch (schedule) {
     case v1::SCHEDULE_SYNC:
       return "sync";
+    case v1::SCHEDULE_ASYNC_STASH:
+      return "async-stash";
+    case v1::SCHEDULE_ASYNC_2BW:
+      return "async-2bw";
     default:
       return absl::StrCat("schedule#", static_cast<int>(schedule));
   }
@@ -160,7 +171,10 @@ std::string ScheduleName(v1::Schedule schedule) {
 
 absl::StatusOr<v1::Schedule> ParseSchedule(const std::string& name) {
   if (name == "sync") return v1::SCHEDULE_SYNC;
-  return Invalid(absl::StrCat("unknown schedule '", name, "' (known: sync)"));
+  if (name == "async-stash") return v1::SCHEDULE_ASYNC_STASH;
+  if (name == "async-2bw") return v1::SCHEDULE_ASYNC_2BW;
+  return Invalid(absl::StrCat("unknown schedule '", name,
+                              "' (known: sync, async-stash, async-2bw)"));
 }
 
 }  // namespace geotrain

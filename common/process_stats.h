@@ -8,6 +8,8 @@ namespace geotrain {
 
 // Resident set size of this process in bytes (0 if unknown).
 uint64_t ResidentBytes();
+// Peak resident set size (VmHWM) of this process in bytes (0 if unknown).
+uint64_t PeakResidentBytes();
 // MemAvailable of the machine in bytes (0 if unknown).
 uint64_t AvailableMemoryBytes();
 

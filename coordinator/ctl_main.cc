@@ -66,6 +66,16 @@ void PrintTable(const geotrain::v1::ClusterStatus& s) {
                 StateName(w.state()).c_str(), w.heartbeat_age_s(),
                 w.rss_bytes() / 1048576.0, w.step());
   }
+  std::printf("\n%-4s %5s %-11s %8s %9s %9s %9s %7s %9s %10s\n", "ID", "STAGE", "SCHEDULE",
+              "VERSIONS", "W_MiB", "STALE_MAX", "STALE_AVG", "BUBBLE", "MB/s", "BUSY_ms/MB");
+  for (const auto& w : s.workers()) {
+    if (w.stage() < 0 || w.schedule().empty()) continue;
+    std::printf("%-4s %5d %-11s %4d/%-3d %9.2f %9ld %9.2f %7.3f %9.2f %10.1f\n", w.id().c_str(),
+                w.stage(), w.schedule().c_str(), w.weight_versions(), w.max_weight_versions(),
+                w.weight_bytes() / 1048576.0, static_cast<long>(w.staleness_max()),
+                w.staleness_mean(), w.bubble_fraction(), w.microbatches_per_s(),
+                w.compute_s_per_microbatch() * 1000);
+  }
   const int shown = std::min(absl::GetFlag(FLAGS_events), s.events_size());
   if (shown > 0) std::printf("\nrecent events:\n");
   for (int i = s.events_size() - shown; i < s.events_size(); ++i) {

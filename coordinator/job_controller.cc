@@ -83,8 +83,8 @@ v1::JoinResponse JobController::Join(const v1::JoinRequest& request) {
 }
 
 bool JobController::Heartbeat(const v1::HeartbeatRequest& request) {
-  return membership_.Heartbeat(request.worker_id(), request.rss_bytes(),
-                               request.step());
+  return membership_.Heartbeat(request.worker_id(), request.rss_bytes(), request.step(),
+                               request.stats());
 }
 
 void JobController::Leave(const std::string& worker_id) {
@@ -280,6 +280,18 @@ v1::ClusterStatus JobController::Status() const {
     out->set_rss_bytes(w.rss_bytes);
     out->set_step(w.step);
     out->set_heartbeat_age_s((now_ms - w.last_heartbeat_ms) / 1000.0);
+    const v1::StageStats& stats = w.stats;
+    out->set_schedule(stats.schedule());
+    out->set_weight_versions(stats.weight_versions());
+    out->set_max_weight_versions(stats.max_weight_versions());
+    out->set_weight_bytes(stats.weight_bytes());
+    out->set_staleness_max(stats.staleness_max());
+    out->set_staleness_mean(stats.staleness_mean());
+    out->set_bubble_fraction(stats.bubble_fraction());
+    out->set_microbatches_per_s(stats.microbatches_per_s());
+    out->set_compute_s_per_microbatch(stats.compute_s_per_microbatch());
+    out->set_microbatches(stats.microbatches());
+    out->set_peak_rss_bytes(stats.peak_rss_bytes());
     if (plan_.has_value()) {
       for (const v1::StageAssignment& s : plan_->stages()) {
         if (s.worker_id() != w.id) continue;

@@ -23,8 +23,8 @@ WorkerRecord Membership::Join(const std::string& name,
   return record;
 }
 
-bool Membership::Heartbeat(const std::string& id, uint64_t rss_bytes,
-                           int step) {
+bool Membership::Heartbeat(const std::string& id, uint64_t rss_bytes, int step,
+                           const v1::StageStats& stats) {
   absl::MutexLock lock(&mu_);
   for (WorkerRecord& w : workers_) {
     if (w.id != id) continue;
@@ -32,6 +32,7 @@ bool Membership::Heartbeat(const std::string& id, uint64_t rss_bytes,
     w.last_heartbeat_ms = clock_->NowMs();
     w.rss_bytes = rss_bytes;
     w.step = step;
+    w.stats = stats;
     return true;
   }
   return false;

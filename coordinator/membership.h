@@ -23,6 +23,7 @@ struct WorkerRecord {
   int64_t last_heartbeat_ms = 0;
   uint64_t rss_bytes = 0;
   int step = 0;
+  v1::StageStats stats;  // from the latest heartbeat
   bool alive = true;
   std::string end_reason;  // why it is no longer alive
 };
@@ -37,7 +38,8 @@ class Membership {
   WorkerRecord Join(const std::string& name, const std::string& address,
                     const v1::DeviceInfo& device);
   // Renews the lease. False when the worker is unknown or already dead.
-  bool Heartbeat(const std::string& id, uint64_t rss_bytes, int step);
+  bool Heartbeat(const std::string& id, uint64_t rss_bytes, int step,
+                 const v1::StageStats& stats = v1::StageStats());
   // Ends the lease now. False when unknown or already dead.
   bool Leave(const std::string& id, const std::string& reason);
   // Marks every worker whose lease ran out as dead; returns them.

@@ -52,7 +52,8 @@ void CoordinatorClient::SetAssignment(const std::string& worker_id, uint64_t epo
   epoch_ = epoch;
 }
 
-absl::StatusOr<bool> CoordinatorClient::Heartbeat(uint64_t rss_bytes) {
+absl::StatusOr<bool> CoordinatorClient::Heartbeat(uint64_t rss_bytes,
+                                                  const v1::StageStats& stats) {
   grpc::ClientContext context;
   context.set_deadline(DeadlineFromNow(kControlRpcTimeout));
   v1::HeartbeatRequest request;
@@ -60,6 +61,7 @@ absl::StatusOr<bool> CoordinatorClient::Heartbeat(uint64_t rss_bytes) {
   request.set_rss_bytes(rss_bytes);
   request.set_step(step_);
   request.set_epoch(epoch_);
+  *request.mutable_stats() = stats;
   v1::HeartbeatResponse response;
   const grpc::Status status = stub_->Heartbeat(&context, request, &response);
   if (!status.ok()) return FromGrpcStatus(status);

@@ -29,7 +29,7 @@ class CoordinatorClient final : public ProgressSink {
   // Sets the worker id and plan epoch that reports carry.
   void SetAssignment(const std::string& worker_id, uint64_t epoch);
 
-  absl::StatusOr<bool> Heartbeat(uint64_t rss_bytes);
+  absl::StatusOr<bool> Heartbeat(uint64_t rss_bytes, const v1::StageStats& stats);
   // Opens the plan stream. `context` must outlive the reader.
   std::unique_ptr<grpc::ClientReader<v1::Plan>> WatchPlan(grpc::ClientContext* context);
   absl::Status ReportDone(int step);

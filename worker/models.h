@@ -15,10 +15,19 @@
 
 namespace geotrain {
 
-// One partitioning unit: a module with a single tensor in and out.
+// One partitioning unit: a single tensor in and out. The module owns the
+// initial parameters; Forward() is functional so that a stage can run it with
+// any stashed weight version (no in-place parameter swaps under live graphs).
 class Layer : public torch::nn::Module {
  public:
-  virtual torch::Tensor forward(const torch::Tensor& input) = 0;
+  // `params` are this layer's parameters in the order of parameters().
+  virtual torch::Tensor Forward(const torch::Tensor& input,
+                                at::ArrayRef<torch::Tensor> params) const = 0;
+  torch::Tensor forward(const torch::Tensor& input) { return Forward(input, parameters()); }
+
+ protected:
+  // Position of the parameter `name` in parameters(); call after registering.
+  size_t IndexOf(const std::string& name) const;
 };
 
 // Builds layers [begin, end) of the job's model on the CPU.

@@ -1,32 +1,70 @@
 #include "worker/pipeline_driver.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "common/job_spec.h"
 #include "common/logging.h"
+#include "common/process_stats.h"
 #include "common/status_macros.h"
 
 namespace geotrain {
+
+ScheduleConfig ConfigureSchedule(const v1::JobSpec& job, int num_stages) {
+  ScheduleConfig config;
+  const int stages = std::max(1, num_stages);
+  const int window = job.in_flight() > 0 ? job.in_flight() : stages;
+  switch (job.schedule()) {
+    case v1::SCHEDULE_ASYNC_STASH:
+      config.window = window;
+      config.update_every = std::max(1, job.update_every());
+      config.flush = false;
+      config.max_weight_versions = window;
+      break;
+    case v1::SCHEDULE_ASYNC_2BW:
+      config.window = std::min(window, job.microbatches());
+      config.update_every = job.microbatches();
+      config.flush = false;
+      config.max_weight_versions = 2;
+      break;
+    default:  // sync
+      config.window = stages;
+      config.update_every = job.microbatches();
+      config.flush = true;
+      config.max_weight_versions = 1;
+      break;
+  }
+  return config;
+}
 
 PipelineDriver::PipelineDriver(const v1::JobSpec& job,
                                const PipelineDriverOptions& options,
                                StageRuntime* runtime, MessageSink* upstream,
                                MessageSink* downstream, Inbox* inbox,
-                               ProgressSink* progress)
+                               ProgressSink* progress, StatsBoard* stats)
     : job_(job),
       options_(options),
       runtime_(runtime),
       upstream_(upstream),
       downstream_(downstream),
       inbox_(inbox),
-      progress_(progress) {}
+      progress_(progress),
+      stats_(stats) {}
 
 absl::Status PipelineDriver::Run() {
+  start_ = absl::Now();
+  idle_ = absl::ZeroDuration();
+  backwards_ = static_cast<int64_t>(options_.start_step) * job_.microbatches();
+  samples_.push_back({start_, idle_, backwards_});
+  PublishStats();
   return options_.stage == 0 ? RunFirstStage() : RunLaterStage();
 }
 
 absl::StatusOr<InboundMessage> PipelineDriver::NextMessage() {
+  const absl::Time waiting = absl::Now();
   std::optional<InboundMessage> in = inbox_->Pop();
+  idle_ += absl::Now() - waiting;
   if (!in.has_value()) return absl::CancelledError("worker is stopping");
   if (!in->error.ok()) return in->error;
   return *std::move(in);
@@ -46,53 +84,71 @@ absl::Status PipelineDriver::SendUp(LinkMessage message) {
   return upstream_->Send(message);
 }
 
-absl::Status PipelineDriver::FinishStep(int step) {
-  RETURN_IF_ERROR(runtime_->ApplyUpdate());
-  if (runtime_->is_last()) {
-    const int64_t samples =
-        static_cast<int64_t>(job_.microbatches()) * job_.microbatch_size();
-    progress_->StepFinished(step, step_loss_sum_ / step_microbatches_, samples);
-    step_loss_sum_ = 0;
-    step_microbatches_ = 0;
+absl::Status PipelineDriver::AfterBackward(double loss) {
+  ++backwards_;
+  if (++backwards_since_update_ == options_.schedule.update_every) {
+    RETURN_IF_ERROR(runtime_->ApplyUpdate());
+    backwards_since_update_ = 0;
   }
-  step_backwards_ = 0;
+  if (runtime_->is_last()) {
+    step_loss_sum_ += loss;
+    ++step_losses_;
+  }
+  const absl::Time now = absl::Now();
+  samples_.push_back({now, idle_, backwards_});
+  while (samples_.size() > 2 && now - samples_[1].time > options_.stats_window) {
+    samples_.pop_front();
+  }
+  PublishStats();
+  const int microbatches = job_.microbatches();
+  if (backwards_ % microbatches != 0) return absl::OkStatus();
+  const int step = static_cast<int>(backwards_ / microbatches);
+  if (runtime_->is_last()) {
+    progress_->StepFinished(step, step_loss_sum_ / std::max(1, step_losses_),
+                            static_cast<int64_t>(microbatches) * job_.microbatch_size());
+    step_loss_sum_ = 0;
+    step_losses_ = 0;
+  }
   progress_->StageProgress(step);
+  if (options_.stage == 0 &&
+      (step == job_.steps() || (job_.eval_every() > 0 && step % job_.eval_every() == 0))) {
+    RETURN_IF_ERROR(RunEvaluation(step));
+  }
   return absl::OkStatus();
 }
 
 absl::Status PipelineDriver::RunFirstStage() {
   const int microbatches = job_.microbatches();
-  const int window = std::max(1, options_.num_stages);
-  for (int step = options_.start_step; step < job_.steps(); ++step) {
-    int issued = 0, finished = 0, in_flight = 0;
-    while (finished < microbatches) {
-      while (issued < microbatches && in_flight < window) {
-        ASSIGN_OR_RETURN(LinkMessage input, runtime_->LoadTrainMicrobatch(step, issued++));
-        if (runtime_->is_last()) {
-          ASSIGN_OR_RETURN(LastStageResult result, runtime_->ForwardLoss(input));
-          step_loss_sum_ += result.loss;
-          ++step_microbatches_;
-          ++finished;
-          continue;
-        }
-        ASSIGN_OR_RETURN(LinkMessage activation, runtime_->Forward(input));
-        RETURN_IF_ERROR(SendDown(std::move(activation)));
-        ++in_flight;
+  const ScheduleConfig& schedule = options_.schedule;
+  const int64_t end = static_cast<int64_t>(job_.steps()) * microbatches;
+  int64_t next = backwards_;
+  int in_flight = 0;
+  while (backwards_ < end) {
+    // With a flush, step s+1 starts only after step s has fully returned.
+    const int64_t issue_limit =
+        schedule.flush ? std::min(end, (backwards_ / microbatches + 1) * microbatches) : end;
+    while (next < issue_limit && in_flight < schedule.window) {
+      const int step = static_cast<int>(next / microbatches);
+      ASSIGN_OR_RETURN(LinkMessage input,
+                       runtime_->LoadTrainMicrobatch(step, static_cast<int>(next % microbatches)));
+      ++next;
+      if (runtime_->is_last()) {  // a single-stage pipeline
+        ASSIGN_OR_RETURN(LastStageResult result, runtime_->ForwardLoss(input));
+        RETURN_IF_ERROR(AfterBackward(result.loss));
+        continue;
       }
-      if (finished == microbatches) break;
-      ASSIGN_OR_RETURN(InboundMessage in, NextMessage());
-      if (in.from_upstream) {
-        return absl::InternalError("stage 0 received a message from upstream");
-      }
-      ASSIGN_OR_RETURN(std::optional<LinkMessage> up, runtime_->Backward(in.message));
-      --in_flight;
-      ++finished;
+      ASSIGN_OR_RETURN(LinkMessage activation, runtime_->Forward(input));
+      RETURN_IF_ERROR(SendDown(std::move(activation)));
+      ++in_flight;
     }
-    RETURN_IF_ERROR(FinishStep(step + 1));
-    const bool last_step = step + 1 == job_.steps();
-    if (last_step || (job_.eval_every() > 0 && (step + 1) % job_.eval_every() == 0)) {
-      RETURN_IF_ERROR(RunEvaluation(step + 1));
+    if (backwards_ == end || in_flight == 0) continue;
+    ASSIGN_OR_RETURN(InboundMessage in, NextMessage());
+    if (in.from_upstream) {
+      return absl::InternalError("stage 0 received a message from upstream");
     }
+    ASSIGN_OR_RETURN(std::optional<LinkMessage> up, runtime_->Backward(in.message));
+    --in_flight;
+    RETURN_IF_ERROR(AfterBackward(0));
   }
   if (!runtime_->is_last()) {
     LinkMessage done;
@@ -125,7 +181,6 @@ absl::Status PipelineDriver::RunEvaluation(int step) {
 }
 
 absl::Status PipelineDriver::RunLaterStage() {
-  const int microbatches = job_.microbatches();
   while (true) {
     ASSIGN_OR_RETURN(InboundMessage in, NextMessage());
     const v1::LinkHeader& header = in.message.header;
@@ -134,10 +189,7 @@ absl::Status PipelineDriver::RunLaterStage() {
         if (runtime_->is_last()) {
           ASSIGN_OR_RETURN(LastStageResult result, runtime_->ForwardLoss(in.message));
           RETURN_IF_ERROR(SendUp(*std::move(result.gradient)));
-          step_loss_sum_ += result.loss;
-          if (++step_microbatches_ == microbatches) {
-            RETURN_IF_ERROR(FinishStep(header.step() + 1));
-          }
+          RETURN_IF_ERROR(AfterBackward(result.loss));
         } else {
           ASSIGN_OR_RETURN(LinkMessage activation, runtime_->Forward(in.message));
           RETURN_IF_ERROR(SendDown(std::move(activation)));
@@ -146,9 +198,7 @@ absl::Status PipelineDriver::RunLaterStage() {
       case v1::MESSAGE_KIND_GRADIENT: {
         ASSIGN_OR_RETURN(std::optional<LinkMessage> up, runtime_->Backward(in.message));
         RETURN_IF_ERROR(SendUp(*std::move(up)));
-        if (++step_backwards_ == microbatches) {
-          RETURN_IF_ERROR(FinishStep(header.step() + 1));
-        }
+        RETURN_IF_ERROR(AfterBackward(0));
         break;
       }
       case v1::MESSAGE_KIND_EVAL:
@@ -174,6 +224,31 @@ absl::Status PipelineDriver::RunLaterStage() {
             "unexpected message kind ", v1::MessageKind_Name(header.kind())));
     }
   }
+}
+
+void PipelineDriver::PublishStats() {
+  if (stats_ == nullptr) return;
+  const StashStats stash = runtime_->stash_stats();
+  v1::StageStats stats;
+  stats.set_schedule(ScheduleName(job_.schedule()));
+  stats.set_weight_versions(stash.versions_alive);
+  stats.set_max_weight_versions(stash.max_versions_alive);
+  stats.set_weight_bytes(stash.bytes_alive);
+  stats.set_staleness_max(stash.staleness_max);
+  stats.set_staleness_mean(stash.staleness_mean);
+  stats.set_microbatches(backwards_);
+  stats.set_peak_rss_bytes(PeakResidentBytes());
+  const Sample& first = samples_.front();
+  const Sample& last = samples_.back();
+  const double wall = absl::ToDoubleSeconds(last.time - first.time);
+  const int64_t done = last.backwards - first.backwards;
+  if (wall > 0) {
+    const double idle = absl::ToDoubleSeconds(last.idle - first.idle);
+    stats.set_bubble_fraction(std::clamp(idle / wall, 0.0, 1.0));
+    stats.set_microbatches_per_s(done / wall);
+    if (done > 0) stats.set_compute_s_per_microbatch((wall - idle) / done);
+  }
+  stats_->Set(stats);
 }
 
 }  // namespace geotrain

@@ -1,19 +1,27 @@
 // Runs the pipeline schedule of one stage: decides what to compute next,
 // calls StageRuntime, and moves messages between the inbox and the links.
 //
-// Schedule `sync` (1F1B with a flush): stage 0 keeps at most W = #stages
-// microbatches of the current step in flight, feeding a new forward each
-// time a gradient returns; every stage applies one optimizer update after
-// the step's M backwards, before it reads the next message, so step s+1
-// always sees step s's weights. Middle and last stages only react to what
-// arrives. Torch-free; runs on one thread.
+// Every schedule is the same loop with three knobs (ScheduleConfig):
+//   window W      stage 0 keeps at most W training microbatches in flight;
+//   update_every  each stage applies an update after this many backwards;
+//   flush         stage 0 starts step s+1 only when step s has fully returned.
+// `sync` is (W = #stages, k = M, flush): one update per step, every
+// microbatch of a step sees the same weights, so it matches one process.
+// `async-stash` is (W, k, no flush) with weight stashing in StageRuntime;
+// `async-2bw` is (min(W, M), M, no flush), which keeps at most two weight
+// versions alive. Middle and last stages only react to what arrives; the
+// window bounds every queue. Torch-free; runs on one thread, except
+// StatsBoard, which other threads read.
 #ifndef GEOTRAIN_WORKER_PIPELINE_DRIVER_H_
 #define GEOTRAIN_WORKER_PIPELINE_DRIVER_H_
 
-#include <atomic>
 #include <cstdint>
+#include <deque>
 
 #include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "geotrain/v1/coordinator.pb.h"
 #include "geotrain/v1/job.pb.h"
 #include "worker/link_stream.h"
 #include "worker/stage_runtime.h"
@@ -24,12 +32,39 @@ namespace geotrain {
 class ProgressSink {
  public:
   virtual ~ProgressSink() = default;
-  // Called by the last stage after each step (1-based).
+  // Called by the last stage after each step (1-based) of M microbatches.
   virtual void StepFinished(int step, double loss, int64_t samples) = 0;
   // Called by the last stage after an evaluation pass.
   virtual void EvalFinished(int step, const EvalResult& result) = 0;
-  // Called by every stage after its update of `step`.
+  // Called by every stage after its step `step` (M backwards).
   virtual void StageProgress(int step) = 0;
+};
+
+struct ScheduleConfig {
+  int window = 1;
+  int update_every = 1;
+  bool flush = true;
+  int max_weight_versions = 0;  // 0: unbounded
+};
+
+// The knobs for `job`'s schedule on a pipeline of `num_stages`.
+ScheduleConfig ConfigureSchedule(const v1::JobSpec& job, int num_stages);
+
+// The latest StageStats of a stage, shared with the heartbeat thread.
+class StatsBoard {
+ public:
+  void Set(const v1::StageStats& stats) {
+    absl::MutexLock lock(&mu_);
+    stats_ = stats;
+  }
+  v1::StageStats Get() const {
+    absl::MutexLock lock(&mu_);
+    return stats_;
+  }
+
+ private:
+  mutable absl::Mutex mu_;
+  v1::StageStats stats_ ABSL_GUARDED_BY(mu_);
 };
 
 struct PipelineDriverOptions {
@@ -37,15 +72,18 @@ struct PipelineDriverOptions {
   int stage = 0;
   int num_stages = 1;
   int start_step = 0;
+  ScheduleConfig schedule;
+  absl::Duration stats_window = absl::Seconds(10);
 };
 
 class PipelineDriver {
  public:
-  // `upstream`/`downstream` may be null on the first/last stage. None owned;
-  // all must outlive Run().
+  // `upstream`/`downstream` may be null on the first/last stage; `stats`
+  // may be null. None owned; all must outlive Run().
   PipelineDriver(const v1::JobSpec& job, const PipelineDriverOptions& options,
                  StageRuntime* runtime, MessageSink* upstream,
-                 MessageSink* downstream, Inbox* inbox, ProgressSink* progress);
+                 MessageSink* downstream, Inbox* inbox, ProgressSink* progress,
+                 StatsBoard* stats = nullptr);
 
   // Trains until the job's last step (stage 0) or until DONE arrives.
   // Returns an error when a link breaks or computing fails.
@@ -55,10 +93,13 @@ class PipelineDriver {
   absl::Status RunFirstStage();
   absl::Status RunLaterStage();
   absl::Status RunEvaluation(int step);
+  // Bookkeeping after one microbatch's backward on this stage: updates,
+  // step boundaries, evaluation (stage 0), reports and statistics.
+  absl::Status AfterBackward(double loss);
   absl::StatusOr<InboundMessage> NextMessage();
   absl::Status SendDown(LinkMessage message);
   absl::Status SendUp(LinkMessage message);
-  absl::Status FinishStep(int step);
+  void PublishStats();
 
   const v1::JobSpec job_;
   const PipelineDriverOptions options_;
@@ -67,12 +108,23 @@ class PipelineDriver {
   MessageSink* downstream_;
   Inbox* inbox_;
   ProgressSink* progress_;
+  StatsBoard* stats_;
 
-  // Last stage: losses of the current step so far.
-  double step_loss_sum_ = 0;
-  int step_microbatches_ = 0;
-  // Middle stages: backwards done in the current step.
-  int step_backwards_ = 0;
+  int64_t backwards_ = 0;               // microbatches finished on this stage
+  int backwards_since_update_ = 0;
+  double step_loss_sum_ = 0;            // last stage: losses of this step
+  int step_losses_ = 0;
+
+  // Statistics: cumulative idle time, and samples (time, idle, backwards)
+  // for figures over a recent window.
+  absl::Time start_;
+  absl::Duration idle_;
+  struct Sample {
+    absl::Time time;
+    absl::Duration idle;
+    int64_t backwards;
+  };
+  std::deque<Sample> samples_;
 };
 
 }  // namespace geotrain

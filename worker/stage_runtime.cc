@@ -9,22 +9,34 @@
 #include "common/tensor_wire.h"
 #include "worker/datasets.h"
 #include "worker/models.h"
+#include "worker/optimizer.h"
+#include "worker/weight_stash.h"
 
 namespace geotrain {
 
 struct StageRuntime::Impl {
   v1::JobSpec job;
   StagePlacement placement;
+  RuntimeOptions options;
   torch::Device device{torch::kCPU};
   std::vector<std::shared_ptr<Layer>> layers;
-  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  std::vector<size_t> layer_offsets;  // first parameter of each layer
+  std::unique_ptr<WeightStash> stash;
+  std::unique_ptr<OutOfPlaceOptimizer> optimizer;
   std::unique_ptr<Dataset> dataset;  // stage 0 only
+  std::vector<torch::Tensor> gradient_sum;
+  int64_t gradient_count = 0;
 
   struct Pending {
     torch::Tensor input;   // requires grad on stages > 0
     torch::Tensor output;  // graph root
+    int64_t version = 0;   // weight version the forward used
+    int64_t weight_counter_sum = 0;  // in-place modification counters then
   };
   std::map<uint64_t, Pending> pending;
+  int64_t staleness_max = 0;
+  int64_t staleness_sum = 0;
+  int64_t backwards_checked = 0;
 
   double eval_loss_sum = 0;
   int64_t eval_elements = 0;
@@ -34,9 +46,48 @@ struct StageRuntime::Impl {
   bool is_first() const { return placement.stage == 0; }
   bool is_last() const { return placement.stage == placement.num_stages - 1; }
 
-  torch::Tensor RunLayers(torch::Tensor x) {
-    for (auto& layer : layers) x = layer->forward(x);
+  torch::Tensor RunLayers(torch::Tensor x, const std::vector<torch::Tensor>& params) {
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const size_t begin = layer_offsets[i];
+      const size_t end = i + 1 < layers.size() ? layer_offsets[i + 1] : params.size();
+      x = layers[i]->Forward(x, at::ArrayRef<torch::Tensor>(params.data() + begin, end - begin));
+    }
     return x;
+  }
+
+  static int64_t CounterSum(const std::vector<torch::Tensor>& tensors) {
+    int64_t sum = 0;
+    for (const torch::Tensor& t : tensors) sum += t._version();
+    return sum;
+  }
+
+  // d(root)/d(params of `version`) accumulated into gradient_sum; returns
+  // d(root)/d(input) when `input` requires grad.
+  absl::StatusOr<torch::Tensor> Differentiate(const torch::Tensor& root,
+                                              const torch::Tensor& seed,
+                                              const torch::Tensor& input, int64_t version) {
+    const std::vector<torch::Tensor>& params = stash->Get(version);
+    std::vector<torch::Tensor> inputs = params;
+    const bool wants_input = input.defined() && input.requires_grad();
+    if (wants_input) inputs.push_back(input);
+    std::vector<torch::Tensor> seeds;
+    if (seed.defined()) seeds.push_back(seed);
+    std::vector<torch::Tensor> grads = torch::autograd::grad(
+        {root}, inputs, seeds, /*retain_graph=*/false, /*create_graph=*/false,
+        /*allow_unused=*/true);
+    if (gradient_sum.empty()) {
+      for (const torch::Tensor& p : params) gradient_sum.push_back(torch::zeros_like(p));
+    }
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (grads[i].defined()) gradient_sum[i].add_(grads[i]);
+    }
+    ++gradient_count;
+    const int64_t staleness = stash->current_version() - version;
+    staleness_max = std::max(staleness_max, staleness);
+    staleness_sum += staleness;
+    ++backwards_checked;
+    RETURN_IF_ERROR(stash->Release(version));
+    return wants_input ? grads.back() : torch::Tensor();
   }
 
   // Decodes tensor `i` of `message` onto the stage's device.
@@ -61,6 +112,7 @@ struct StageRuntime::Impl {
     out.header.set_step(like.step());
     out.header.set_epoch(like.epoch());
     out.header.set_from_stage(placement.stage);
+    *out.header.mutable_weight_versions() = like.weight_versions();
     for (const torch::Tensor& t : tensors) {
       RETURN_IF_ERROR(EncodeTensor(t, out.header.add_tensors(), &out.payload));
     }
@@ -94,27 +146,18 @@ absl::StatusOr<std::unique_ptr<StageRuntime>> StageRuntime::Create(
   auto impl = std::make_unique<Impl>();
   impl->job = job;
   impl->placement = placement;
+  impl->options = options;
   return GuardTorch("building stage", [&]() -> absl::StatusOr<std::unique_ptr<StageRuntime>> {
     impl->device = torch::Device(options.device);
     impl->layers = BuildLayers(job, placement.layer_begin, placement.layer_end);
     std::vector<torch::Tensor> parameters;
     for (auto& layer : impl->layers) {
       layer->to(impl->device);
-      layer->train();
+      impl->layer_offsets.push_back(parameters.size());
       for (const torch::Tensor& p : layer->parameters()) parameters.push_back(p);
     }
-    const v1::Optimizer& opt = job.optimizer();
-    if (opt.kind() == v1::Optimizer::KIND_SGD) {
-      impl->optimizer = std::make_unique<torch::optim::SGD>(
-          parameters, torch::optim::SGDOptions(opt.lr())
-                          .momentum(opt.momentum())
-                          .weight_decay(opt.weight_decay()));
-    } else {
-      impl->optimizer = std::make_unique<torch::optim::AdamW>(
-          parameters, torch::optim::AdamWOptions(opt.lr())
-                          .betas({opt.beta1(), opt.beta2()})
-                          .weight_decay(opt.weight_decay()));
-    }
+    impl->stash = std::make_unique<WeightStash>(std::move(parameters));
+    impl->optimizer = MakeOptimizer(job.optimizer());
     if (placement.stage == 0) {
       ASSIGN_OR_RETURN(impl->dataset, OpenDataset(job));
     }
@@ -160,16 +203,21 @@ absl::StatusOr<LinkMessage> StageRuntime::Forward(const LinkMessage& input) {
     ASSIGN_OR_RETURN(torch::Tensor targets, s.Decode(input, 1));
     if (!train) {
       torch::NoGradGuard no_grad;
-      return s.MakeMessage(input.header, v1::MESSAGE_KIND_EVAL, {s.RunLayers(x), targets});
+      return s.MakeMessage(input.header, v1::MESSAGE_KIND_EVAL,
+                           {s.RunLayers(x, s.stash->Get(s.stash->current_version())), targets});
     }
     if (s.pending.count(input.header.microbatch()) > 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           "microbatch ", input.header.microbatch(), " already in flight"));
     }
     if (!s.is_first()) x.requires_grad_(true);
-    torch::Tensor y = s.RunLayers(x);
-    s.pending[input.header.microbatch()] = {x, y};
-    return s.MakeMessage(input.header, v1::MESSAGE_KIND_ACTIVATION, {y, targets});
+    const int64_t version = s.stash->Acquire();
+    const std::vector<torch::Tensor>& params = s.stash->Get(version);
+    torch::Tensor y = s.RunLayers(x, params);
+    s.pending[input.header.microbatch()] = {x, y, version, Impl::CounterSum(params)};
+    v1::LinkHeader header = input.header;
+    header.add_weight_versions(version);
+    return s.MakeMessage(header, v1::MESSAGE_KIND_ACTIVATION, {y, targets});
   });
 }
 
@@ -184,15 +232,32 @@ absl::StatusOr<std::optional<LinkMessage>> StageRuntime::Backward(
   }
   Impl::Pending pending = std::move(it->second);
   s.pending.erase(it);
+  const int stage = s.placement.stage;
+  if (gradient.header.weight_versions_size() <= stage ||
+      gradient.header.weight_versions(stage) != pending.version) {
+    (void)s.stash->Release(pending.version);
+    return absl::InvalidArgumentError(absl::StrCat(
+        "gradient of microbatch ", gradient.header.microbatch(), " names weight version ",
+        gradient.header.weight_versions_size() > stage ? gradient.header.weight_versions(stage)
+                                                       : -1,
+        " for stage ", stage, " but its forward used version ", pending.version));
+  }
+  // The stashed weights must be exactly as the forward saw them.
+  if (!s.stash->alive(pending.version) ||
+      Impl::CounterSum(s.stash->Get(pending.version)) != pending.weight_counter_sum) {
+    return absl::InternalError(absl::StrCat("weight version ", pending.version,
+                                            " changed or vanished before its backward"));
+  }
   return GuardTorch("backward", [&]() -> absl::StatusOr<std::optional<LinkMessage>> {
     ASSIGN_OR_RETURN(torch::Tensor grad, s.Decode(gradient, 0));
     if (!grad.sizes().equals(pending.output.sizes())) {
       return absl::InvalidArgumentError("gradient shape differs from the activation");
     }
-    torch::autograd::backward({pending.output}, {grad});
+    ASSIGN_OR_RETURN(torch::Tensor input_grad,
+                     s.Differentiate(pending.output, grad, pending.input, pending.version));
     if (s.is_first()) return std::optional<LinkMessage>();
     ASSIGN_OR_RETURN(LinkMessage up, s.MakeMessage(gradient.header, v1::MESSAGE_KIND_GRADIENT,
-                                                   {pending.input.grad()}));
+                                                   {input_grad}));
     return std::optional<LinkMessage>(std::move(up));
   });
 }
@@ -203,13 +268,17 @@ absl::StatusOr<LastStageResult> StageRuntime::ForwardLoss(const LinkMessage& inp
     ASSIGN_OR_RETURN(torch::Tensor x, s.Decode(input, 0));
     ASSIGN_OR_RETURN(torch::Tensor targets, s.Decode(input, 1));
     if (!s.is_first()) x.requires_grad_(true);
-    torch::Tensor loss = ComputeLoss(s.job, s.RunLayers(x), targets);
-    (loss / s.job.microbatches()).backward();
+    const int64_t version = s.stash->Acquire();
+    torch::Tensor loss = ComputeLoss(s.job, s.RunLayers(x, s.stash->Get(version)), targets);
+    ASSIGN_OR_RETURN(torch::Tensor input_grad,
+                     s.Differentiate(loss, torch::Tensor(), x, version));
     LastStageResult result;
     result.loss = loss.item<double>();
     if (!s.is_first()) {
-      ASSIGN_OR_RETURN(result.gradient, s.MakeMessage(input.header, v1::MESSAGE_KIND_GRADIENT,
-                                                      {x.grad()}));
+      v1::LinkHeader header = input.header;
+      header.add_weight_versions(version);
+      ASSIGN_OR_RETURN(result.gradient,
+                       s.MakeMessage(header, v1::MESSAGE_KIND_GRADIENT, {input_grad}));
     }
     return result;
   });
@@ -221,7 +290,7 @@ absl::Status StageRuntime::EvalForward(const LinkMessage& input) {
     torch::NoGradGuard no_grad;
     ASSIGN_OR_RETURN(torch::Tensor x, s.Decode(input, 0));
     ASSIGN_OR_RETURN(torch::Tensor targets, s.Decode(input, 1));
-    torch::Tensor output = s.RunLayers(x);
+    torch::Tensor output = s.RunLayers(x, s.stash->Get(s.stash->current_version()));
     const int64_t batch = targets.size(0);
     const int64_t elements = LossElements(s.job, batch);
     s.eval_loss_sum += ComputeLoss(s.job, output, targets).item<double>() * elements;
@@ -247,11 +316,37 @@ EvalResult StageRuntime::TakeEvalResult() {
 }
 
 absl::Status StageRuntime::ApplyUpdate() {
-  return GuardTorch("optimizer step", [&]() -> absl::Status {
-    impl_->optimizer->step();
-    impl_->optimizer->zero_grad();
+  Impl& s = *impl_;
+  if (s.gradient_count == 0) return absl::OkStatus();
+  RETURN_IF_ERROR(GuardTorch("optimizer step", [&]() -> absl::Status {
+    for (torch::Tensor& g : s.gradient_sum) g.div_(static_cast<double>(s.gradient_count));
+    s.stash->Publish(s.optimizer->Step(s.stash->Get(s.stash->current_version()), s.gradient_sum));
+    for (torch::Tensor& g : s.gradient_sum) g.zero_();
+    s.gradient_count = 0;
     return absl::OkStatus();
-  });
+  }));
+  const int limit = s.options.max_weight_versions;
+  if (limit > 0 && static_cast<int>(s.stash->versions_alive()) > limit) {
+    return absl::InternalError(absl::StrCat(s.stash->versions_alive(),
+                                            " weight versions alive; the schedule allows ",
+                                            limit));
+  }
+  return absl::OkStatus();
+}
+
+StashStats StageRuntime::stash_stats() const {
+  const Impl& s = *impl_;
+  StashStats stats;
+  stats.current_version = s.stash->current_version();
+  stats.versions_alive = static_cast<int>(s.stash->versions_alive());
+  stats.max_versions_alive = static_cast<int>(s.stash->max_versions_alive());
+  stats.bytes_alive = s.stash->bytes_alive();
+  stats.references = s.stash->references();
+  stats.staleness_max = s.staleness_max;
+  stats.staleness_mean =
+      s.backwards_checked > 0 ? static_cast<double>(s.staleness_sum) / s.backwards_checked : 0;
+  stats.backwards_checked = s.backwards_checked;
+  return stats;
 }
 
 }  // namespace geotrain

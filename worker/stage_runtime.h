@@ -1,8 +1,11 @@
-// The compute layer of one pipeline stage: owns the stage's layers and
-// optimizer, runs forward and backward for microbatches given as
-// LinkMessages, and keeps each training microbatch's autograd graph until its
-// backward. Every LibTorch exception is caught here and returned as a Status;
-// this header does not include LibTorch.
+// The compute layer of one pipeline stage: owns the stage's layers, its
+// versioned weights (WeightStash) and an out-of-place optimizer, runs forward
+// and backward for microbatches given as LinkMessages, and keeps each training
+// microbatch's autograd graph, and the weight version it used, until its
+// backward. The backward differentiates with respect to exactly that version
+// (torch::autograd::grad, per microbatch) and checks that nothing modified it.
+// Every LibTorch exception is caught here and returned as a Status; this
+// header does not include LibTorch.
 //
 // Not thread-safe: one thread (the pipeline driver) calls it.
 #ifndef GEOTRAIN_WORKER_STAGE_RUNTIME_H_
@@ -28,6 +31,21 @@ struct StagePlacement {
 
 struct RuntimeOptions {
   std::string device = "cpu";  // "cpu", "cuda", "cuda:N" (already resolved)
+  // Most weight versions that may be alive at once (0: no limit). Exceeding
+  // it is an internal error: the schedule broke its own guarantee.
+  int max_weight_versions = 0;
+};
+
+// Weight stashing figures of one stage.
+struct StashStats {
+  int64_t current_version = 0;
+  int versions_alive = 0;
+  int max_versions_alive = 0;
+  uint64_t bytes_alive = 0;
+  int64_t references = 0;          // in-flight microbatches holding a version
+  int64_t staleness_max = 0;       // updates between a forward and its backward
+  double staleness_mean = 0;
+  int64_t backwards_checked = 0;   // backwards whose weight version was verified
 };
 
 struct LastStageResult {
@@ -66,14 +84,16 @@ class StageRuntime {
   // upstream, or nullopt on stage 0.
   absl::StatusOr<std::optional<LinkMessage>> Backward(const LinkMessage& gradient);
 
-  // Last stage, training: forward, loss (scaled by 1/microbatches), backward.
+  // Last stage, training: forward, loss, backward (gradients accumulate).
   absl::StatusOr<LastStageResult> ForwardLoss(const LinkMessage& input);
   // Last stage, evaluation: accumulates loss (and accuracy) of `input`.
   absl::Status EvalForward(const LinkMessage& input);
   EvalResult TakeEvalResult();
 
-  // Optimizer step over the gradients accumulated since the last one.
+  // Optimizer step with the mean of the gradients accumulated since the last
+  // one; publishes a new weight version. No-op without gradients.
   absl::Status ApplyUpdate();
+  StashStats stash_stats() const;
 
   // Training microbatches whose forward ran and whose backward has not.
   size_t pending_microbatches() const;

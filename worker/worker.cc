@@ -5,6 +5,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/job_spec.h"
 #include "common/logging.h"
 #include "common/process_stats.h"
 #include "common/rpc_options.h"
@@ -140,8 +141,10 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
                << mine.layer_begin() << "," << mine.layer_end() << "), epoch "
                << plan.epoch();
   StagePlacement placement{mine.stage(), num_stages, mine.layer_begin(), mine.layer_end()};
+  const ScheduleConfig schedule = ConfigureSchedule(job_, num_stages);
   RuntimeOptions runtime_options;
   runtime_options.device = device_name_;
+  runtime_options.max_weight_versions = schedule.max_weight_versions;
   ASSIGN_OR_RETURN(std::unique_ptr<StageRuntime> runtime,
                    StageRuntime::Create(job_, placement, runtime_options));
   auto validator = std::make_shared<const LinkValidator>(
@@ -160,9 +163,13 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
   driver_options.stage = mine.stage();
   driver_options.num_stages = num_stages;
   driver_options.start_step = plan.start_step();
+  driver_options.schedule = schedule;
+  GT_LOG(Info) << "schedule " << ScheduleName(job_.schedule()) << ": window " << schedule.window
+               << ", update every " << schedule.update_every << " backward(s)"
+               << (schedule.flush ? ", flush each step" : ", no flush");
   PipelineDriver driver(job_, driver_options, runtime.get(),
                         mine.stage() > 0 ? &link_server_ : nullptr, downstream.get(),
-                        &inbox_, &coordinator_);
+                        &inbox_, &coordinator_, &stats_);
   RETURN_IF_ERROR(driver.Run());
   if (downstream) {
     absl::Status closed = downstream->Close();
@@ -170,14 +177,14 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
   }
   GT_LOG(Info) << "stage " << mine.stage() << " finished " << job_.steps() << " steps";
   // A last heartbeat so that the status shows the final step and memory.
-  (void)coordinator_.Heartbeat(ResidentBytes());
+  (void)coordinator_.Heartbeat(ResidentBytes(), stats_.Get());
   RETURN_IF_ERROR(coordinator_.ReportDone(job_.steps()));
   return absl::OkStatus();
 }
 
 void Worker::HeartbeatLoop(int interval_ms) {
   while (!stop_) {
-    absl::StatusOr<bool> known = coordinator_.Heartbeat(ResidentBytes());
+    absl::StatusOr<bool> known = coordinator_.Heartbeat(ResidentBytes(), stats_.Get());
     if (!known.ok()) {
       GT_LOG(Warning) << "heartbeat to " << coordinator_.address()
                       << " failed: " << known.status().message();

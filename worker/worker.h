@@ -61,6 +61,7 @@ class Worker {
   std::string worker_id_;
   v1::JobSpec job_;
   Inbox inbox_{64};
+  StatsBoard stats_;
 
   std::thread heartbeat_thread_;
   std::thread watch_thread_;

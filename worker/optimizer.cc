@@ -1,0 +1,79 @@
+#include "worker/optimizer.h"
+
+#include <cmath>
+
+namespace geotrain {
+namespace {
+
+class AdamW : public OutOfPlaceOptimizer {
+ public:
+  explicit AdamW(const v1::Optimizer& spec) : spec_(spec) {}
+
+  std::vector<torch::Tensor> Step(const std::vector<torch::Tensor>& params,
+                                  const std::vector<torch::Tensor>& grads) override {
+    torch::NoGradGuard no_grad;
+    if (m_.empty()) {
+      for (const torch::Tensor& p : params) {
+        m_.push_back(torch::zeros_like(p));
+        v_.push_back(torch::zeros_like(p));
+      }
+    }
+    ++t_;
+    const double lr = spec_.lr(), b1 = spec_.beta1(), b2 = spec_.beta2();
+    const double correction1 = 1 - std::pow(b1, t_);
+    const double correction2 = 1 - std::pow(b2, t_);
+    std::vector<torch::Tensor> next;
+    next.reserve(params.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+      m_[i].mul_(b1).add_(grads[i], 1 - b1);
+      v_[i].mul_(b2).addcmul_(grads[i], grads[i], 1 - b2);
+      torch::Tensor denom = (v_[i] / correction2).sqrt_().add_(kEps);
+      torch::Tensor p = params[i].detach() * (1 - lr * spec_.weight_decay());
+      next.push_back(p.addcdiv_(m_[i], denom, -lr / correction1));
+    }
+    return next;
+  }
+
+ private:
+  static constexpr double kEps = 1e-8;
+  v1::Optimizer spec_;
+  std::vector<torch::Tensor> m_, v_;
+  int64_t t_ = 0;
+};
+
+class Sgd : public OutOfPlaceOptimizer {
+ public:
+  explicit Sgd(const v1::Optimizer& spec) : spec_(spec) {}
+
+  std::vector<torch::Tensor> Step(const std::vector<torch::Tensor>& params,
+                                  const std::vector<torch::Tensor>& grads) override {
+    torch::NoGradGuard no_grad;
+    std::vector<torch::Tensor> next;
+    for (size_t i = 0; i < params.size(); ++i) {
+      torch::Tensor g = grads[i] + spec_.weight_decay() * params[i].detach();
+      if (spec_.momentum() > 0) {
+        if (buffers_.size() <= i) {
+          buffers_.push_back(g.clone());
+        } else {
+          buffers_[i].mul_(spec_.momentum()).add_(g);
+        }
+        g = buffers_[i];
+      }
+      next.push_back(params[i].detach() - spec_.lr() * g);
+    }
+    return next;
+  }
+
+ private:
+  v1::Optimizer spec_;
+  std::vector<torch::Tensor> buffers_;
+};
+
+}  // namespace
+
+std::unique_ptr<OutOfPlaceOptimizer> MakeOptimizer(const v1::Optimizer& spec) {
+  if (spec.kind() == v1::Optimizer::KIND_SGD) return std::make_unique<Sgd>(spec);
+  return std::make_unique<AdamW>(spec);
+}
+
+}  // namespace geotrain

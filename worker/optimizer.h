@@ -1,0 +1,29 @@
+// Out-of-place optimizers: Step() returns new parameter tensors and leaves
+// the given ones untouched, so stashed versions stay valid. State (moments)
+// belongs to the optimizer and advances once per Step(). Not thread-safe.
+#ifndef GEOTRAIN_WORKER_OPTIMIZER_H_
+#define GEOTRAIN_WORKER_OPTIMIZER_H_
+
+#include <torch/torch.h>
+
+#include <memory>
+#include <vector>
+
+#include "geotrain/v1/job.pb.h"
+
+namespace geotrain {
+
+class OutOfPlaceOptimizer {
+ public:
+  virtual ~OutOfPlaceOptimizer() = default;
+  // REQUIRES: grads[i] has params[i]'s shape.
+  virtual std::vector<torch::Tensor> Step(const std::vector<torch::Tensor>& params,
+                                          const std::vector<torch::Tensor>& grads) = 0;
+};
+
+// AdamW (decoupled weight decay) or SGD with momentum, as the job says.
+std::unique_ptr<OutOfPlaceOptimizer> MakeOptimizer(const v1::Optimizer& spec);
+
+}  // namespace geotrain
+
+#endif  // GEOTRAIN_WORKER_OPTIMIZER_H_
