@@ -8,6 +8,7 @@
 #include "common/job_spec.h"
 #include "common/tensor_wire.h"
 #include "worker/models.h"
+#include "worker/weight_stash.h"
 
 namespace geotrain {
 namespace {
@@ -112,6 +113,108 @@ TEST_F(StageRuntimeTest, InputGradientMatchesFiniteDifference) {
   const double numeric = (loss_at(x + eps * direction) - loss_at(x - eps * direction)) / (2 * eps);
   const double analytic = (grad * direction).sum().item<double>();
   EXPECT_NEAR(analytic, numeric, 0.02 * std::abs(numeric) + 1e-4);
+}
+
+// Message of one float tensor (and int64 targets) as stage 0 would send it.
+LinkMessage ActivationMessage(uint64_t microbatch, const torch::Tensor& x, v1::MessageKind kind,
+                              std::vector<int64_t> versions) {
+  LinkMessage m;
+  m.header.set_kind(kind);
+  m.header.set_microbatch(microbatch);
+  for (int64_t v : versions) m.header.add_weight_versions(v);
+  EXPECT_TRUE(EncodeTensor(x, m.header.add_tensors(), &m.payload).ok());
+  if (kind == v1::MESSAGE_KIND_ACTIVATION) {
+    EXPECT_TRUE(EncodeTensor(torch::zeros({x.size(0), x.size(1)}, torch::kInt64),
+                             m.header.add_tensors(), &m.payload)
+                    .ok());
+  }
+  return m;
+}
+
+torch::Tensor FirstTensor(const LinkMessage& m) {
+  return *DecodeTensor(m.header.tensors(0), m.payload, 0);
+}
+
+// d(<seed, layers(x)>)/dx with the given layers' own (initial) weights.
+torch::Tensor RecomputeInputGradient(const std::vector<std::shared_ptr<Layer>>& layers,
+                                     torch::Tensor x, const torch::Tensor& seed) {
+  x = x.clone().requires_grad_(true);
+  torch::Tensor y = x;
+  for (const auto& layer : layers) y = layer->forward(y);
+  return torch::autograd::grad({y}, {x}, {seed})[0];
+}
+
+// A middle stage runs microbatch A's forward on version 0, then an update
+// makes version 1, then A's backward runs: its gradient must be the one
+// recomputed from version 0's weights (the stash), not from version 1's.
+TEST_F(StageRuntimeTest, BackwardUsesTheStashedWeightsOfItsForward) {
+  auto middle = Make(1, 3, 1, 3);
+  torch::manual_seed(11);
+  const torch::Tensor xa = torch::randn({4, 16, 32});
+  const torch::Tensor xb = torch::randn({4, 16, 32});
+  const torch::Tensor xc = torch::randn({4, 16, 32});
+  auto out_a = middle->Forward(ActivationMessage(1, xa, v1::MESSAGE_KIND_ACTIVATION, {0}));
+  auto out_b = middle->Forward(ActivationMessage(2, xb, v1::MESSAGE_KIND_ACTIVATION, {0}));
+  ASSERT_TRUE(out_a.ok() && out_b.ok());
+  EXPECT_EQ(out_a->header.weight_versions(1), 0);
+
+  // B's backward, then an update: version 1 is current, A still holds 0.
+  const torch::Tensor seed_b = torch::randn({4, 16, 32});
+  auto grad_b = middle->Backward(
+      ActivationMessage(2, seed_b, v1::MESSAGE_KIND_GRADIENT, {0, 0}));
+  ASSERT_TRUE(grad_b.ok()) << grad_b.status();
+  ASSERT_TRUE(middle->ApplyUpdate().ok());
+  StashStats stats = middle->stash_stats();
+  EXPECT_EQ(stats.current_version, 1);
+  EXPECT_EQ(stats.versions_alive, 2);
+  auto out_c = middle->Forward(ActivationMessage(3, xc, v1::MESSAGE_KIND_ACTIVATION, {0}));
+  ASSERT_TRUE(out_c.ok());
+  EXPECT_EQ(out_c->header.weight_versions(1), 1);
+
+  const auto version0 = BuildLayers(job_, 1, 3);  // the initial weights
+  const torch::Tensor seed_a = torch::randn({4, 16, 32});
+  auto grad_a = middle->Backward(
+      ActivationMessage(1, seed_a, v1::MESSAGE_KIND_GRADIENT, {0, 0}));
+  ASSERT_TRUE(grad_a.ok()) << grad_a.status();
+  EXPECT_TRUE(torch::allclose(FirstTensor(**grad_a),
+                              RecomputeInputGradient(version0, xa, seed_a), 1e-5, 1e-6));
+  stats = middle->stash_stats();
+  EXPECT_EQ(stats.versions_alive, 1) << "version 0 freed with its last microbatch";
+  EXPECT_EQ(stats.staleness_max, 1);
+
+  // C ran on version 1, whose weights differ: the version-0 recomputation
+  // does not match it, so the check above can tell versions apart.
+  const torch::Tensor seed_c = torch::randn({4, 16, 32});
+  auto grad_c = middle->Backward(
+      ActivationMessage(3, seed_c, v1::MESSAGE_KIND_GRADIENT, {0, 1}));
+  ASSERT_TRUE(grad_c.ok()) << grad_c.status();
+  EXPECT_FALSE(torch::allclose(FirstTensor(**grad_c),
+                               RecomputeInputGradient(version0, xc, seed_c), 1e-5, 1e-6));
+  EXPECT_EQ(middle->stash_stats().references, 0);
+}
+
+TEST_F(StageRuntimeTest, GradientNamingAnotherVersionIsRefused) {
+  auto middle = Make(1, 3, 1, 3);
+  const torch::Tensor x = torch::randn({4, 16, 32});
+  ASSERT_TRUE(middle->Forward(ActivationMessage(5, x, v1::MESSAGE_KIND_ACTIVATION, {0})).ok());
+  auto refused = middle->Backward(
+      ActivationMessage(5, torch::randn({4, 16, 32}), v1::MESSAGE_KIND_GRADIENT, {0, 7}));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(middle->stash_stats().references, 0) << "the refused microbatch is dropped";
+}
+
+TEST_F(StageRuntimeTest, TooManyVersionsIsAnError) {
+  RuntimeOptions options;
+  options.max_weight_versions = 1;
+  auto middle = std::move(*StageRuntime::Create(job_, {1, 3, 1, 3}, options));
+  const torch::Tensor x = torch::randn({4, 16, 32});
+  ASSERT_TRUE(middle->Forward(ActivationMessage(1, x, v1::MESSAGE_KIND_ACTIVATION, {0})).ok());
+  ASSERT_TRUE(middle->Forward(ActivationMessage(2, x, v1::MESSAGE_KIND_ACTIVATION, {0})).ok());
+  ASSERT_TRUE(middle
+                  ->Backward(ActivationMessage(1, torch::randn({4, 16, 32}),
+                                               v1::MESSAGE_KIND_GRADIENT, {0, 0}))
+                  .ok());
+  EXPECT_EQ(middle->ApplyUpdate().code(), absl::StatusCode::kInternal);
 }
 
 TEST_F(StageRuntimeTest, GradientForUnknownMicrobatchIsRefused) {

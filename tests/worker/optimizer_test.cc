@@ -1,0 +1,58 @@
+#include "worker/optimizer.h"
+
+#include <gtest/gtest.h>
+
+namespace geotrain {
+namespace {
+
+// The out-of-place optimizers follow LibTorch's own, step for step, and never
+// touch the tensors they are given.
+TEST(OptimizerTest, AdamWMatchesLibTorchAndIsOutOfPlace) {
+  v1::Optimizer spec;
+  spec.set_kind(v1::Optimizer::KIND_ADAMW);
+  spec.set_lr(0.01);
+  spec.set_beta1(0.9);
+  spec.set_beta2(0.999);
+  spec.set_weight_decay(0.1);
+  torch::manual_seed(0);
+  torch::Tensor reference = torch::randn({5, 3}).requires_grad_(true);
+  torch::optim::AdamW torch_adamw({reference}, torch::optim::AdamWOptions(0.01)
+                                                   .betas({0.9, 0.999})
+                                                   .weight_decay(0.1));
+  std::vector<torch::Tensor> ours = {reference.detach().clone()};
+  auto optimizer = MakeOptimizer(spec);
+  for (int step = 0; step < 5; ++step) {
+    torch::Tensor grad = torch::randn({5, 3});
+    reference.mutable_grad() = grad.clone();
+    torch_adamw.step();
+    const torch::Tensor before = ours[0].clone();
+    std::vector<torch::Tensor> next = optimizer->Step(ours, {grad});
+    EXPECT_TRUE(torch::equal(ours[0], before)) << "input modified at step " << step;
+    ours = next;
+    EXPECT_TRUE(torch::allclose(ours[0], reference.detach(), 1e-5, 1e-6)) << "step " << step;
+  }
+}
+
+TEST(OptimizerTest, SgdWithMomentumMatchesLibTorch) {
+  v1::Optimizer spec;
+  spec.set_kind(v1::Optimizer::KIND_SGD);
+  spec.set_lr(0.1);
+  spec.set_momentum(0.9);
+  spec.set_weight_decay(0.01);
+  torch::manual_seed(1);
+  torch::Tensor reference = torch::randn({7}).requires_grad_(true);
+  torch::optim::SGD torch_sgd({reference},
+                              torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.01));
+  std::vector<torch::Tensor> ours = {reference.detach().clone()};
+  auto optimizer = MakeOptimizer(spec);
+  for (int step = 0; step < 5; ++step) {
+    torch::Tensor grad = torch::randn({7});
+    reference.mutable_grad() = grad.clone();
+    torch_sgd.step();
+    ours = optimizer->Step(ours, {grad});
+    EXPECT_TRUE(torch::allclose(ours[0], reference.detach(), 1e-5, 1e-6)) << "step " << step;
+  }
+}
+
+}  // namespace
+}  // namespace geotrain

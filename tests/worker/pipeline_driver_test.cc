@@ -1,0 +1,248 @@
+// Runs real PipelineDrivers and StageRuntimes for every stage in one
+// process, connected by in-memory links, over each schedule. Proves the
+// stash bookkeeping end to end: every backward used its forward's weight
+// version (the runtime checks it and fails otherwise), versions alive stay
+// within the schedule's bound over hundreds of microbatches, and all stashed
+// versions are freed at the end.
+#include "worker/pipeline_driver.h"
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <thread>
+
+#include "common/job_spec.h"
+
+namespace geotrain {
+namespace {
+
+// Delivers messages into another stage's inbox.
+class InboxSink : public MessageSink {
+ public:
+  InboxSink(Inbox* inbox, bool from_upstream) : inbox_(inbox), from_upstream_(from_upstream) {}
+  absl::Status Send(const LinkMessage& message) override {
+    if (!inbox_->Push({from_upstream_, message, absl::OkStatus()})) {
+      return absl::UnavailableError("closed");
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  Inbox* inbox_;
+  bool from_upstream_;
+};
+
+class RecordingProgress : public ProgressSink {
+ public:
+  void StepFinished(int step, double loss, int64_t) override {
+    absl::MutexLock lock(&mu_);
+    losses_.push_back(loss);
+    steps_.push_back(step);
+  }
+  void EvalFinished(int, const EvalResult& result) override {
+    absl::MutexLock lock(&mu_);
+    evals_.push_back(result.loss);
+  }
+  void StageProgress(int) override {}
+  std::vector<double> losses() {
+    absl::MutexLock lock(&mu_);
+    return losses_;
+  }
+  std::vector<int> steps() {
+    absl::MutexLock lock(&mu_);
+    return steps_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<double> losses_;
+  std::vector<int> steps_;
+  std::vector<double> evals_;
+};
+
+struct PipelineRun {
+  std::vector<StashStats> stash;
+  std::vector<v1::StageStats> stats;
+  std::vector<double> losses;
+  std::vector<int> steps;
+};
+
+v1::JobSpec MakeJob(const std::string& corpus, v1::Schedule schedule) {
+  auto job = ParseJobSpec(
+      "gpt { context: 16 d_model: 32 heads: 4 blocks: 2 } text { paths: \"" + corpus +
+          "\" } steps: 60 microbatches: 4 microbatch_size: 4 seed: 3 eval_every: 20 "
+          "eval_batches: 2",
+      "test");
+  EXPECT_TRUE(job.ok()) << job.status();
+  job->set_schedule(schedule);
+  return *job;
+}
+
+// Layers per stage for a 4-layer model on `stages` stages.
+std::vector<std::pair<int, int>> Split(int stages) {
+  if (stages == 1) return {{0, 4}};
+  if (stages == 2) return {{0, 2}, {2, 4}};
+  return {{0, 1}, {1, 3}, {3, 4}};
+}
+
+PipelineRun RunPipeline(const v1::JobSpec& job, int stages) {
+  const ScheduleConfig schedule = ConfigureSchedule(job, stages);
+  std::vector<std::unique_ptr<StageRuntime>> runtimes;
+  std::vector<std::unique_ptr<Inbox>> inboxes;
+  for (int s = 0; s < stages; ++s) {
+    RuntimeOptions options;
+    options.max_weight_versions = schedule.max_weight_versions;
+    auto runtime = StageRuntime::Create(job, {s, stages, Split(stages)[s].first,
+                                              Split(stages)[s].second},
+                                        options);
+    EXPECT_TRUE(runtime.ok()) << runtime.status();
+    runtimes.push_back(std::move(*runtime));
+    inboxes.push_back(std::make_unique<Inbox>(64));
+  }
+  std::vector<std::unique_ptr<InboxSink>> sinks;
+  RecordingProgress progress;
+  std::vector<StatsBoard> boards(stages);
+  std::vector<absl::Status> results(stages);
+  std::vector<std::thread> threads;
+  for (int s = 0; s < stages; ++s) {
+    MessageSink* up = nullptr;
+    MessageSink* down = nullptr;
+    if (s > 0) {
+      sinks.push_back(std::make_unique<InboxSink>(inboxes[s - 1].get(), false));
+      up = sinks.back().get();
+    }
+    if (s + 1 < stages) {
+      sinks.push_back(std::make_unique<InboxSink>(inboxes[s + 1].get(), true));
+      down = sinks.back().get();
+    }
+    PipelineDriverOptions options;
+    options.stage = s;
+    options.num_stages = stages;
+    options.schedule = schedule;
+    threads.emplace_back([&, s, up, down, options] {
+      PipelineDriver driver(job, options, runtimes[s].get(), up, down, inboxes[s].get(),
+                            &progress, &boards[s]);
+      results[s] = driver.Run();
+      if (!results[s].ok()) {
+        for (auto& inbox : inboxes) inbox->Close();  // unblock the others
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  PipelineRun run;
+  for (int s = 0; s < stages; ++s) {
+    EXPECT_TRUE(results[s].ok()) << "stage " << s << ": " << results[s];
+    run.stash.push_back(runtimes[s]->stash_stats());
+    run.stats.push_back(boards[s].Get());
+  }
+  run.losses = progress.losses();
+  run.steps = progress.steps();
+  return run;
+}
+
+class PipelineDriverTest : public testing::TestWithParam<v1::Schedule> {
+ protected:
+  static void SetUpTestSuite() {
+    corpus_ = new std::string(testing::TempDir() + "/pipeline_driver_corpus.txt");
+    std::ofstream out(*corpus_);
+    for (int i = 0; i < 500; ++i) out << "pack my box with five dozen liquor jugs " << i << "\n";
+  }
+  static std::string* corpus_;
+};
+std::string* PipelineDriverTest::corpus_ = nullptr;
+
+TEST_P(PipelineDriverTest, StashStaysWithinBoundAndIsFreed) {
+  const v1::JobSpec job = MakeJob(*corpus_, GetParam());
+  constexpr int kStages = 3;
+  const ScheduleConfig schedule = ConfigureSchedule(job, kStages);
+  const PipelineRun run = RunPipeline(job, kStages);
+  const int64_t microbatches = int64_t{job.steps()} * job.microbatches();
+  ASSERT_GE(microbatches, 200);
+  ASSERT_EQ(run.steps.size(), static_cast<size_t>(job.steps()));
+  for (int s = 0; s < kStages; ++s) {
+    const StashStats& stash = run.stash[s];
+    SCOPED_TRACE(testing::Message() << "stage " << s);
+    // Every backward was checked against its forward's version.
+    EXPECT_EQ(stash.backwards_checked, microbatches);
+    EXPECT_LE(stash.max_versions_alive, schedule.max_weight_versions);
+    // All stashed versions freed: only the current one is left, unreferenced.
+    EXPECT_EQ(stash.versions_alive, 1);
+    EXPECT_EQ(stash.references, 0);
+    EXPECT_EQ(stash.current_version, microbatches / schedule.update_every);
+    EXPECT_EQ(run.stats[s].microbatches(), microbatches);
+    EXPECT_EQ(run.stats[s].max_weight_versions(), stash.max_versions_alive);
+  }
+  switch (GetParam()) {
+    case v1::SCHEDULE_SYNC:
+      EXPECT_EQ(schedule.max_weight_versions, 1);
+      for (const StashStats& s : run.stash) EXPECT_EQ(s.staleness_max, 0);
+      break;
+    case v1::SCHEDULE_ASYNC_STASH:
+      EXPECT_EQ(schedule.max_weight_versions, kStages);
+      // Stage 0 really ran ahead: its backwards saw newer weights than their
+      // forwards, and it needed more than one version.
+      EXPECT_GT(run.stash[0].staleness_max, 0);
+      EXPECT_GT(run.stash[0].max_versions_alive, 1);
+      EXPECT_EQ(run.stash[kStages - 1].staleness_max, 0);
+      break;
+    case v1::SCHEDULE_ASYNC_2BW:
+      EXPECT_EQ(schedule.max_weight_versions, 2);
+      EXPECT_EQ(run.stash[0].max_versions_alive, 2);
+      EXPECT_LE(run.stash[0].staleness_max, 1);
+      break;
+    default:
+      FAIL();
+  }
+  // It learned something.
+  EXPECT_LT(run.losses.back(), run.losses.front());
+}
+
+INSTANTIATE_TEST_SUITE_P(Schedules, PipelineDriverTest,
+                         testing::Values(v1::SCHEDULE_SYNC, v1::SCHEDULE_ASYNC_STASH,
+                                         v1::SCHEDULE_ASYNC_2BW),
+                         [](const testing::TestParamInfo<v1::Schedule>& info) {
+                           return std::string(info.param == v1::SCHEDULE_SYNC ? "sync"
+                                              : info.param == v1::SCHEDULE_ASYNC_STASH
+                                                  ? "async_stash"
+                                                  : "async_2bw");
+                         });
+
+TEST_F(PipelineDriverTest, SyncOverThreeStagesMatchesOneStage) {
+  v1::JobSpec job = MakeJob(*corpus_, v1::SCHEDULE_SYNC);
+  job.set_steps(10);
+  const PipelineRun one = RunPipeline(job, 1);
+  const PipelineRun three = RunPipeline(job, 3);
+  ASSERT_EQ(one.losses.size(), 10u);
+  ASSERT_EQ(three.losses.size(), 10u);
+  for (size_t i = 0; i < one.losses.size(); ++i) {
+    EXPECT_NEAR(three.losses[i], one.losses[i], 1e-4 * std::abs(one.losses[i])) << "step " << i;
+  }
+}
+
+TEST(ConfigureScheduleTest, KnobsFollowTheJob) {
+  v1::JobSpec job;
+  job.set_microbatches(4);
+  job.set_schedule(v1::SCHEDULE_SYNC);
+  ScheduleConfig sync = ConfigureSchedule(job, 3);
+  EXPECT_EQ(sync.window, 3);
+  EXPECT_EQ(sync.update_every, 4);
+  EXPECT_TRUE(sync.flush);
+
+  job.set_schedule(v1::SCHEDULE_ASYNC_STASH);
+  job.set_update_every(2);
+  job.set_in_flight(6);
+  ScheduleConfig stash = ConfigureSchedule(job, 3);
+  EXPECT_EQ(stash.window, 6);
+  EXPECT_EQ(stash.update_every, 2);
+  EXPECT_FALSE(stash.flush);
+  EXPECT_EQ(stash.max_weight_versions, 6);
+
+  job.set_schedule(v1::SCHEDULE_ASYNC_2BW);
+  ScheduleConfig two = ConfigureSchedule(job, 3);
+  EXPECT_EQ(two.window, 4) << "capped at M so that two versions suffice";
+  EXPECT_EQ(two.update_every, 4);
+  EXPECT_EQ(two.max_weight_versions, 2);
+}
+
+}  // namespace
+}  // namespace geotrain
