@@ -25,11 +25,12 @@ class AdamW : public OutOfPlaceOptimizer {
     std::vector<torch::Tensor> next;
     next.reserve(params.size());
     for (size_t i = 0; i < params.size(); ++i) {
-      m_[i].mul_(b1).add_(grads[i], 1 - b1);
+      m_[i].lerp_(grads[i], 1 - b1);
       v_[i].mul_(b2).addcmul_(grads[i], grads[i], 1 - b2);
-      torch::Tensor denom = (v_[i] / correction2).sqrt_().add_(kEps);
-      torch::Tensor p = params[i].detach() * (1 - lr * spec_.weight_decay());
-      next.push_back(p.addcdiv_(m_[i], denom, -lr / correction1));
+      // sqrt(v / c2) + eps = (sqrt(v) + eps * sqrt(c2)) / sqrt(c2).
+      torch::Tensor denom = v_[i].sqrt().add_(kEps * std::sqrt(correction2));
+      torch::Tensor p = params[i].detach().mul(1 - lr * spec_.weight_decay());
+      next.push_back(p.addcdiv_(m_[i], denom, -lr * std::sqrt(correction2) / correction1));
     }
     return next;
   }

@@ -75,11 +75,16 @@ struct StageRuntime::Impl {
     std::vector<torch::Tensor> grads = torch::autograd::grad(
         {root}, inputs, seeds, /*retain_graph=*/false, /*create_graph=*/false,
         /*allow_unused=*/true);
-    if (gradient_sum.empty()) {
-      for (const torch::Tensor& p : params) gradient_sum.push_back(torch::zeros_like(p));
-    }
+    // The first gradient since an update is kept as is (no zero-fill pass);
+    // later ones are added to it.
+    if (gradient_count == 0) gradient_sum.assign(params.size(), torch::Tensor());
     for (size_t i = 0; i < params.size(); ++i) {
-      if (grads[i].defined()) gradient_sum[i].add_(grads[i]);
+      if (!grads[i].defined()) continue;
+      if (gradient_sum[i].defined()) {
+        gradient_sum[i].add_(grads[i]);
+      } else {
+        gradient_sum[i] = grads[i];
+      }
     }
     ++gradient_count;
     const int64_t staleness = stash->current_version() - version;
@@ -319,9 +324,16 @@ absl::Status StageRuntime::ApplyUpdate() {
   Impl& s = *impl_;
   if (s.gradient_count == 0) return absl::OkStatus();
   RETURN_IF_ERROR(GuardTorch("optimizer step", [&]() -> absl::Status {
-    for (torch::Tensor& g : s.gradient_sum) g.div_(static_cast<double>(s.gradient_count));
-    s.stash->Publish(s.optimizer->Step(s.stash->Get(s.stash->current_version()), s.gradient_sum));
-    for (torch::Tensor& g : s.gradient_sum) g.zero_();
+    const std::vector<torch::Tensor>& params = s.stash->Get(s.stash->current_version());
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (!s.gradient_sum[i].defined()) {
+        s.gradient_sum[i] = torch::zeros_like(params[i]);
+      } else if (s.gradient_count > 1) {
+        s.gradient_sum[i].div_(static_cast<double>(s.gradient_count));
+      }
+    }
+    s.stash->Publish(s.optimizer->Step(params, s.gradient_sum));
+    s.gradient_sum.clear();
     s.gradient_count = 0;
     return absl::OkStatus();
   }));
