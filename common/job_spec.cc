@@ -124,6 +124,12 @@ absl::Status ValidateJobSpec(const v1::JobSpec& job) {
   const v1::Optimizer& opt = job.optimizer();
   if (opt.lr() <= 0) return Invalid("optimizer.lr must be > 0");
   if (opt.weight_decay() < 0) return Invalid("optimizer.weight_decay < 0");
+  if (opt.warmup_fraction() < 0 || opt.warmup_fraction() >= 1) {
+    return Invalid("optimizer.warmup_fraction must be in [0, 1)");
+  }
+  if (opt.min_lr_fraction() < 0 || opt.min_lr_fraction() > 1) {
+    return Invalid("optimizer.min_lr_fraction must be in [0, 1]");
+  }
   if (opt.beta1() <= 0 || opt.beta1() >= 1 || opt.beta2() <= 0 ||
       opt.beta2() >= 1) {
     return Invalid("optimizer betas must be in (0, 1)");

@@ -1,5 +1,6 @@
 #include "worker/optimizer.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace geotrain {
@@ -10,7 +11,8 @@ class AdamW : public OutOfPlaceOptimizer {
   explicit AdamW(const v1::Optimizer& spec) : spec_(spec) {}
 
   std::vector<torch::Tensor> Step(const std::vector<torch::Tensor>& params,
-                                  const std::vector<torch::Tensor>& grads) override {
+                                  const std::vector<torch::Tensor>& grads,
+                                  double lr_scale) override {
     torch::NoGradGuard no_grad;
     if (m_.empty()) {
       for (const torch::Tensor& p : params) {
@@ -19,7 +21,7 @@ class AdamW : public OutOfPlaceOptimizer {
       }
     }
     ++t_;
-    const double lr = spec_.lr(), b1 = spec_.beta1(), b2 = spec_.beta2();
+    const double lr = spec_.lr() * lr_scale, b1 = spec_.beta1(), b2 = spec_.beta2();
     const double correction1 = 1 - std::pow(b1, t_);
     const double correction2 = 1 - std::pow(b2, t_);
     std::vector<torch::Tensor> next;
@@ -47,8 +49,10 @@ class Sgd : public OutOfPlaceOptimizer {
   explicit Sgd(const v1::Optimizer& spec) : spec_(spec) {}
 
   std::vector<torch::Tensor> Step(const std::vector<torch::Tensor>& params,
-                                  const std::vector<torch::Tensor>& grads) override {
+                                  const std::vector<torch::Tensor>& grads,
+                                  double lr_scale) override {
     torch::NoGradGuard no_grad;
+    const double lr = spec_.lr() * lr_scale;
     std::vector<torch::Tensor> next;
     for (size_t i = 0; i < params.size(); ++i) {
       torch::Tensor g = grads[i] + spec_.weight_decay() * params[i].detach();
@@ -60,7 +64,7 @@ class Sgd : public OutOfPlaceOptimizer {
         }
         g = buffers_[i];
       }
-      next.push_back(params[i].detach() - spec_.lr() * g);
+      next.push_back(params[i].detach() - lr * g);
     }
     return next;
   }
@@ -71,6 +75,16 @@ class Sgd : public OutOfPlaceOptimizer {
 };
 
 }  // namespace
+
+double LearningRateScale(const v1::Optimizer& spec, double progress) {
+  progress = std::clamp(progress, 0.0, 1.0);
+  const double warmup = spec.warmup_fraction();
+  if (warmup > 0 && progress < warmup) return progress / warmup;
+  if (spec.decay() != v1::Optimizer::DECAY_COSINE) return 1.0;
+  const double t = warmup < 1 ? (progress - warmup) / (1 - warmup) : 1.0;
+  const double floor = spec.min_lr_fraction();
+  return floor + (1 - floor) * 0.5 * (1 + std::cos(M_PI * t));
+}
 
 std::unique_ptr<OutOfPlaceOptimizer> MakeOptimizer(const v1::Optimizer& spec) {
   if (spec.kind() == v1::Optimizer::KIND_SGD) return std::make_unique<Sgd>(spec);

@@ -16,10 +16,16 @@ namespace geotrain {
 class OutOfPlaceOptimizer {
  public:
   virtual ~OutOfPlaceOptimizer() = default;
-  // REQUIRES: grads[i] has params[i]'s shape.
+  // REQUIRES: grads[i] has params[i]'s shape. The learning rate used is
+  // the job's lr times `lr_scale`.
   virtual std::vector<torch::Tensor> Step(const std::vector<torch::Tensor>& params,
-                                          const std::vector<torch::Tensor>& grads) = 0;
+                                          const std::vector<torch::Tensor>& grads,
+                                          double lr_scale = 1.0) = 0;
 };
+
+// The learning-rate multiplier of `spec`'s schedule once `progress` (the
+// fraction of the run's samples seen, in [0, 1]) has been reached.
+double LearningRateScale(const v1::Optimizer& spec, double progress);
 
 // AdamW (decoupled weight decay) or SGD with momentum, as the job says.
 std::unique_ptr<OutOfPlaceOptimizer> MakeOptimizer(const v1::Optimizer& spec);

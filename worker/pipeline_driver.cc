@@ -87,7 +87,10 @@ absl::Status PipelineDriver::SendUp(LinkMessage message) {
 absl::Status PipelineDriver::AfterBackward(double loss) {
   ++backwards_;
   if (++backwards_since_update_ == options_.schedule.update_every) {
-    RETURN_IF_ERROR(runtime_->ApplyUpdate());
+    // The learning-rate schedule's position is the fraction of the run's
+    // microbatches finished here, so every schedule follows the same curve.
+    const double total = static_cast<double>(job_.steps()) * job_.microbatches();
+    RETURN_IF_ERROR(runtime_->ApplyUpdate(backwards_ / total));
     backwards_since_update_ = 0;
   }
   if (runtime_->is_last()) {

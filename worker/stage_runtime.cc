@@ -320,7 +320,7 @@ EvalResult StageRuntime::TakeEvalResult() {
   return result;
 }
 
-absl::Status StageRuntime::ApplyUpdate() {
+absl::Status StageRuntime::ApplyUpdate(double progress) {
   Impl& s = *impl_;
   if (s.gradient_count == 0) return absl::OkStatus();
   RETURN_IF_ERROR(GuardTorch("optimizer step", [&]() -> absl::Status {
@@ -332,7 +332,8 @@ absl::Status StageRuntime::ApplyUpdate() {
         s.gradient_sum[i].div_(static_cast<double>(s.gradient_count));
       }
     }
-    s.stash->Publish(s.optimizer->Step(params, s.gradient_sum));
+    s.stash->Publish(s.optimizer->Step(params, s.gradient_sum,
+                                       LearningRateScale(s.job.optimizer(), progress)));
     s.gradient_sum.clear();
     s.gradient_count = 0;
     return absl::OkStatus();

@@ -92,7 +92,9 @@ class StageRuntime {
 
   // Optimizer step with the mean of the gradients accumulated since the last
   // one; publishes a new weight version. No-op without gradients.
-  absl::Status ApplyUpdate();
+  // `progress` (fraction of the run's samples seen) drives the job's
+  // learning-rate schedule.
+  absl::Status ApplyUpdate(double progress = 0);
   StashStats stash_stats() const;
 
   // Training microbatches whose forward ran and whose backward has not.

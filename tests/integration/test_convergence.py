@@ -1,12 +1,12 @@
-"""The shipped jobs learn: the demo GPT on 3 workers and the Fashion-MNIST
-MLP on 2 workers, run in full over real processes."""
+"""The shipped jobs learn under every schedule: the demo GPT on 3 workers
+and the Fashion-MNIST MLP on 2 workers, run in full over real processes."""
 import unittest
 
 from cluster import Cluster, job_path
 
 
-def run_job(test, job, workers):
-    with Cluster(job_path(job)) as c:
+def run_job(test, job, workers, schedule="sync"):
+    with Cluster(job_path(job), [f"--schedule={schedule}"]) as c:
         c.start_coordinator()
         for i in range(workers):
             c.start_worker(f"w{i}")
@@ -15,18 +15,22 @@ def run_job(test, job, workers):
         except Exception:
             print(c.dump_logs())
             raise
-        test.assertEqual(len(c.status()["workers"]), workers)
-        return c.steps(), c.evals()
+        status = c.status()
+        test.assertEqual(len(status["workers"]), workers)
+        for w in status["workers"]:
+            test.assertEqual(w["schedule"], schedule)
+        return c.steps(), c.evals(), status
 
 
 class ConvergenceTest(unittest.TestCase):
     def test_demo_gpt_on_three_workers(self):
-        steps, evals = run_job(self, "gpt-tiny.textproto", 3)
+        steps, evals, _ = run_job(self, "gpt-tiny.textproto", 3)
         first = steps[0]["loss"]
         last = sum(m["loss"] for m in steps[-10:]) / 10
         drop = 1 - last / first
-        print(f"gpt-tiny: {len(steps)} steps, loss {first:.3f} -> {last:.3f} "
-              f"(mean of last 10), drop {drop:.1%}, val_loss {evals[-1]['val_loss']:.3f}, "
+        sync_val = evals[-1]["val_loss"]
+        print(f"gpt-tiny sync: {len(steps)} steps, loss {first:.3f} -> {last:.3f} "
+              f"(mean of last 10), drop {drop:.1%}, val_loss {sync_val:.4f}, "
               f"{steps[-1]['samples'] / steps[-1]['time_s']:.0f} samples/s")
         self.assertGreaterEqual(drop, 0.40)
 
@@ -39,14 +43,30 @@ class ConvergenceTest(unittest.TestCase):
                   f"{final[name] / 2**20:.1f} MiB at step {steps[-1]['step']} ({growth:+.1%})")
             self.assertLessEqual(growth, 0.10, f"{name} grew {growth:.1%}")
 
+        # async-stash after the same number of samples: within 3% of sync.
+        a_steps, a_evals, status = run_job(self, "gpt-tiny.textproto", 3, "async-stash")
+        self.assertEqual(a_steps[-1]["samples"], steps[-1]["samples"])
+        async_val = a_evals[-1]["val_loss"]
+        print(f"gpt-tiny async-stash: val_loss {async_val:.4f} vs sync {sync_val:.4f} "
+              f"({async_val / sync_val - 1:+.2%}), "
+              f"{a_steps[-1]['samples'] / a_steps[-1]['time_s']:.0f} samples/s")
+        self.assertLessEqual(abs(async_val / sync_val - 1), 0.03)
+        stage0 = next(w for w in status["workers"] if w["stage"] == 0)
+        self.assertGreater(int(stage0["staleness_max"]), 0)
+        self.assertLessEqual(stage0["max_weight_versions"], 3)
+
     def test_fashion_mnist_mlp_on_two_workers(self):
-        steps, evals = run_job(self, "fmnist-mlp.textproto", 2)
-        accuracy = evals[-1]["accuracy"]
-        print(f"fmnist-mlp: {len(steps)} steps, {steps[-1]['samples']} samples, "
-              f"test accuracy {accuracy:.4f} on {evals[-1]['samples']} images, "
-              f"val_loss {evals[-1]['val_loss']:.4f}")
-        self.assertEqual(evals[-1]["samples"], 10000)
-        self.assertGreaterEqual(accuracy, 0.85)
+        accuracy = {}
+        for schedule in ("sync", "async-stash", "async-2bw"):
+            steps, evals, _ = run_job(self, "fmnist-mlp.textproto", 2, schedule)
+            accuracy[schedule] = evals[-1]["accuracy"]
+            print(f"fmnist-mlp {schedule}: {len(steps)} steps, {steps[-1]['samples']} samples, "
+                  f"test accuracy {accuracy[schedule]:.4f} on {evals[-1]['samples']} images, "
+                  f"val_loss {evals[-1]['val_loss']:.4f}")
+            self.assertEqual(evals[-1]["samples"], 10000)
+            self.assertGreaterEqual(accuracy[schedule], 0.85, schedule)
+        for schedule in ("async-stash", "async-2bw"):
+            self.assertLessEqual(abs(accuracy[schedule] - accuracy["sync"]), 0.01, schedule)
 
 
 if __name__ == "__main__":

@@ -88,6 +88,45 @@ class PipelineTest(unittest.TestCase):
         for step, (one, three) in enumerate(zip(losses[1], losses[3]), start=1):
             print(f"  step {step:2d}: {one:.7f} {three:.7f}")
 
+    def test_async_schedule_reports_stage_figures(self):
+        with Cluster(job_path("fmnist-mlp.textproto"),
+                     ["--steps=600", "--schedule=async-stash"]) as c:
+            c.start_coordinator()
+            for i in range(2):
+                c.start_worker(f"w{i}")
+            # Figures while training, from the heartbeats.
+            def busy():
+                s = c.status()
+                return s if s["step"] >= 200 and s["state"] == "training" else None
+            try:
+                status = wait_for(busy, 120, "training to be under way")
+            except Exception:
+                print(c.dump_logs())
+                raise
+            for w in status["workers"]:
+                for key in ("weight_versions", "staleness_max", "bubble_fraction",
+                            "microbatches_per_s", "weight_bytes", "staleness_mean"):
+                    self.assertIn(key, w)
+                self.assertEqual(w["schedule"], "async-stash")
+                self.assertGreaterEqual(w["weight_versions"], 1)
+                self.assertLessEqual(w["max_weight_versions"], 2, "W = 2 stages")
+                self.assertGreater(int(w["weight_bytes"]), 0)
+                self.assertGreaterEqual(w["bubble_fraction"], 0)
+                self.assertLessEqual(w["bubble_fraction"], 1)
+                self.assertGreater(w["microbatches_per_s"], 0)
+            stage0 = next(w for w in status["workers"] if w["stage"] == 0)
+            last = next(w for w in status["workers"] if w["stage"] == 1)
+            self.assertEqual(int(stage0["staleness_max"]), 1, "one update between F and B")
+            self.assertEqual(int(last["staleness_max"]), 0, "the last stage runs F and B at once")
+            table = subprocess.run([binary("geotrain-ctl"), "status",
+                                    f"--coordinator={c.address}"],
+                                   capture_output=True, text=True, timeout=30)
+            for text in ("SCHEDULE", "STALE_MAX", "BUBBLE", "async-stash"):
+                self.assertIn(text, table.stdout)
+            c.wait_done(timeout=120)
+            for w in c.status()["workers"]:
+                self.assertEqual(w["weight_versions"], 1, "stashed versions freed at the end")
+
     def test_standby_worker_is_reported(self):
         with Cluster(job_path("fmnist-mlp.textproto"),
                      ["--steps=100000", "--min_workers=2"]) as c:

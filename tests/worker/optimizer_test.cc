@@ -54,5 +54,29 @@ TEST(OptimizerTest, SgdWithMomentumMatchesLibTorch) {
   }
 }
 
+TEST(LearningRateScaleTest, WarmupThenCosine) {
+  v1::Optimizer spec;
+  EXPECT_DOUBLE_EQ(LearningRateScale(spec, 0.3), 1.0) << "constant by default";
+  spec.set_warmup_fraction(0.1);
+  spec.set_decay(v1::Optimizer::DECAY_COSINE);
+  spec.set_min_lr_fraction(0.1);
+  EXPECT_DOUBLE_EQ(LearningRateScale(spec, 0.0), 0.0);
+  EXPECT_DOUBLE_EQ(LearningRateScale(spec, 0.05), 0.5);
+  EXPECT_DOUBLE_EQ(LearningRateScale(spec, 0.1), 1.0);
+  EXPECT_NEAR(LearningRateScale(spec, 0.55), 0.55, 1e-12) << "half way down the cosine";
+  EXPECT_NEAR(LearningRateScale(spec, 1.0), 0.1, 1e-12);
+  EXPECT_NEAR(LearningRateScale(spec, 7.0), 0.1, 1e-12) << "clamped";
+}
+
+TEST(OptimizerTest, LearningRateScaleScalesTheStep) {
+  v1::Optimizer spec;
+  spec.set_kind(v1::Optimizer::KIND_SGD);
+  spec.set_lr(1.0);
+  auto optimizer = MakeOptimizer(spec);
+  std::vector<torch::Tensor> next =
+      optimizer->Step({torch::ones({3})}, {torch::ones({3})}, 0.25);
+  EXPECT_TRUE(torch::allclose(next[0], torch::full({3}, 0.75)));
+}
+
 }  // namespace
 }  // namespace geotrain
