@@ -115,7 +115,7 @@ absl::Status PipelineDriver::AfterBackward(double loss) {
   progress_->StageProgress(step);
   if (options_.stage == 0 &&
       (step == job_.steps() || (job_.eval_every() > 0 && step % job_.eval_every() == 0))) {
-    RETURN_IF_ERROR(RunEvaluation(step));
+    eval_due_ = step;  // RunFirstStage runs it once the pipeline has drained
   }
   return absl::OkStatus();
 }
@@ -126,11 +126,19 @@ absl::Status PipelineDriver::RunFirstStage() {
   const int64_t end = static_cast<int64_t>(job_.steps()) * microbatches;
   int64_t next = backwards_;
   int in_flight = 0;
-  while (backwards_ < end) {
+  while (true) {
+    // An evaluation waits for the microbatches in flight to return: no
+    // gradient is then on the way while its burst of forwards fills the
+    // queues, so the burst cannot close a cycle of full queues.
+    if (eval_due_ > 0 && in_flight == 0) {
+      RETURN_IF_ERROR(RunEvaluation(eval_due_));
+      eval_due_ = 0;
+    }
+    if (backwards_ == end) break;
     // With a flush, step s+1 starts only after step s has fully returned.
     const int64_t issue_limit =
         schedule.flush ? std::min(end, (backwards_ / microbatches + 1) * microbatches) : end;
-    while (next < issue_limit && in_flight < schedule.window) {
+    while (eval_due_ == 0 && next < issue_limit && in_flight < schedule.window) {
       const int step = static_cast<int>(next / microbatches);
       ASSIGN_OR_RETURN(LinkMessage input,
                        runtime_->LoadTrainMicrobatch(step, static_cast<int>(next % microbatches)));
@@ -144,7 +152,7 @@ absl::Status PipelineDriver::RunFirstStage() {
       RETURN_IF_ERROR(SendDown(std::move(activation)));
       ++in_flight;
     }
-    if (backwards_ == end || in_flight == 0) continue;
+    if (in_flight == 0) continue;
     ASSIGN_OR_RETURN(InboundMessage in, NextMessage());
     if (in.from_upstream) {
       return absl::InternalError("stage 0 received a message from upstream");

@@ -10,7 +10,8 @@
 // `async-stash` is (W, k, no flush) with weight stashing in StageRuntime;
 // `async-2bw` is (min(W, M), M, no flush), which keeps at most two weight
 // versions alive. Middle and last stages only react to what arrives; the
-// window bounds every queue. Torch-free; runs on one thread, except
+// window bounds every queue. Stage 0 evaluates (every eval_every steps and
+// at the end) once its microbatches in flight have returned. Torch-free; runs on one thread, except
 // StatsBoard, which other threads read.
 #ifndef GEOTRAIN_WORKER_PIPELINE_DRIVER_H_
 #define GEOTRAIN_WORKER_PIPELINE_DRIVER_H_
@@ -112,6 +113,7 @@ class PipelineDriver {
 
   int64_t backwards_ = 0;               // microbatches finished on this stage
   int backwards_since_update_ = 0;
+  int eval_due_ = 0;                    // stage 0: step to evaluate at, or 0
   double step_loss_sum_ = 0;            // last stage: losses of this step
   int step_losses_ = 0;
 

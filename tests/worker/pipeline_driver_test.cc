@@ -85,7 +85,7 @@ std::vector<std::pair<int, int>> Split(int stages) {
   return {{0, 1}, {1, 3}, {3, 4}};
 }
 
-PipelineRun RunPipeline(const v1::JobSpec& job, int stages) {
+PipelineRun RunPipeline(const v1::JobSpec& job, int stages, size_t inbox_capacity = 64) {
   const ScheduleConfig schedule = ConfigureSchedule(job, stages);
   std::vector<std::unique_ptr<StageRuntime>> runtimes;
   std::vector<std::unique_ptr<Inbox>> inboxes;
@@ -97,7 +97,7 @@ PipelineRun RunPipeline(const v1::JobSpec& job, int stages) {
                                         options);
     EXPECT_TRUE(runtime.ok()) << runtime.status();
     runtimes.push_back(std::move(*runtime));
-    inboxes.push_back(std::make_unique<Inbox>(64));
+    inboxes.push_back(std::make_unique<Inbox>(inbox_capacity));
   }
   std::vector<std::unique_ptr<InboxSink>> sinks;
   RecordingProgress progress;
@@ -217,6 +217,21 @@ TEST_F(PipelineDriverTest, SyncOverThreeStagesMatchesOneStage) {
   for (size_t i = 0; i < one.losses.size(); ++i) {
     EXPECT_NEAR(three.losses[i], one.losses[i], 1e-4 * std::abs(one.losses[i])) << "step " << i;
   }
+}
+
+// An evaluation pass far larger than the queues, in the middle of async
+// training over 3 stages, completes. Without the drain before evaluation a
+// cycle of full queues was possible (stage 1 blocked sending forwards to
+// stage 2, stage 2 blocked sending a gradient back); whether it formed
+// depended on timing, so this guards the path rather than reproducing it.
+TEST_F(PipelineDriverTest, EvaluationBurstLargerThanTheQueuesDoesNotDeadlock) {
+  v1::JobSpec job = MakeJob(*corpus_, v1::SCHEDULE_ASYNC_STASH);
+  job.set_steps(12);
+  job.set_eval_every(3);
+  job.set_eval_batches(40);
+  const PipelineRun run = RunPipeline(job, 3, /*inbox_capacity=*/4);
+  EXPECT_EQ(run.steps.size(), 12u);
+  for (const StashStats& s : run.stash) EXPECT_EQ(s.references, 0);
 }
 
 TEST(ConfigureScheduleTest, KnobsFollowTheJob) {
