@@ -29,6 +29,14 @@ class BoundedQueue {
     return true;
   }
 
+  // Push without waiting: false when full or closed.
+  bool TryPush(T item) {
+    absl::MutexLock lock(&mu_);
+    if (closed_ || items_.size() >= capacity_) return false;
+    items_.push_back(std::move(item));
+    return true;
+  }
+
   // nullopt when closed and empty, or when `timeout` passed first.
   std::optional<T> Pop(absl::Duration timeout = absl::InfiniteDuration()) {
     absl::MutexLock lock(&mu_);

@@ -115,7 +115,11 @@ absl::Status ValidateJobSpec(const v1::JobSpec& job) {
       job.schedule() != v1::SCHEDULE_ASYNC_2BW) {
     return Invalid(absl::StrCat("unknown schedule ", ScheduleName(job.schedule())));
   }
-  if (job.in_flight() < 0) return Invalid("in_flight must be >= 0");
+  // Every message of the window must fit a worker's inbox (64) with room for
+  // control messages; beyond that the queues could fill in a cycle.
+  if (job.in_flight() < 0 || job.in_flight() > 32) {
+    return Invalid("in_flight must be in [0, 32]");
+  }
   if (job.update_every() <= 0) return Invalid("update_every must be > 0");
   if (job.microbatches() % job.update_every() != 0) {
     return Invalid(absl::StrCat("update_every (", job.update_every(),

@@ -31,6 +31,9 @@ grpc::Status CoordinatorService::WatchPlan(grpc::ServerContext* context,
         controller_->WaitForPlan(sent_epoch, absl::Milliseconds(500));
     if (!plan.has_value()) {
       if (controller_->done()) return grpc::Status::OK;
+      if (controller_->shutting_down()) {
+        return grpc::Status(grpc::StatusCode::UNAVAILABLE, "coordinator shutting down");
+      }
       continue;
     }
     if (!writer->Write(*plan)) return grpc::Status::CANCELLED;

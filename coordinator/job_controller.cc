@@ -319,6 +319,11 @@ bool JobController::done() const {
   return done_;
 }
 
+bool JobController::shutting_down() const {
+  absl::MutexLock lock(&mu_);
+  return shutdown_;
+}
+
 void JobController::Shutdown() {
   absl::MutexLock lock(&mu_);
   shutdown_ = true;

@@ -62,6 +62,7 @@ class JobController {
 
   v1::ClusterStatus Status() const;
   bool done() const;
+  bool shutting_down() const;
   // Wakes every WaitForPlan caller; later calls return at once.
   void Shutdown();
 

@@ -9,7 +9,7 @@ PACKAGES=(
   libtorch-dev              # LibTorch 1.13 (CPU)
   libopenblas0-openmp       # without it LibTorch's matmuls use reference BLAS (~16x slower)
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  libabsl-dev libgtest-dev libgmock-dev libzstd-dev zlib1g-dev
+  libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev libzstd-dev zlib1g-dev
   fortunes                  # text corpus for the byte-level GPT
   dataset-fashion-mnist     # idx files for the MLP
   procps iproute2 python3

@@ -47,10 +47,7 @@ absl::StatusOr<v1::JoinResponse> CoordinatorClient::JoinWithRetry(
   return absl::CancelledError("stopped before joining");
 }
 
-void CoordinatorClient::SetAssignment(const std::string& worker_id, uint64_t epoch) {
-  worker_id_ = worker_id;
-  epoch_ = epoch;
-}
+void CoordinatorClient::SetEpoch(uint64_t epoch) { epoch_ = epoch; }
 
 absl::StatusOr<bool> CoordinatorClient::Heartbeat(uint64_t rss_bytes,
                                                   const v1::StageStats& stats) {

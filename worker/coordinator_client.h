@@ -1,6 +1,6 @@
 // The worker's side of the Coordinator service: join with backoff,
 // heartbeats, the plan watch, and progress reports. Every unary call has a
-// deadline (rpc_options.h). Thread-safe after SetAssignment().
+// deadline (rpc_options.h). Thread-safe once joined.
 #ifndef GEOTRAIN_WORKER_COORDINATOR_CLIENT_H_
 #define GEOTRAIN_WORKER_COORDINATOR_CLIENT_H_
 
@@ -26,8 +26,9 @@ class CoordinatorClient final : public ProgressSink {
       const v1::JoinRequest& request, const std::atomic<bool>& stop,
       absl::Duration give_up_after = absl::InfiniteDuration());
 
-  // Sets the worker id and plan epoch that reports carry.
-  void SetAssignment(const std::string& worker_id, uint64_t epoch);
+  // Sets the plan epoch that reports carry. (The worker id is set by the
+  // join, before any other thread uses this client.)
+  void SetEpoch(uint64_t epoch);
 
   absl::StatusOr<bool> Heartbeat(uint64_t rss_bytes, const v1::StageStats& stats);
   // Opens the plan stream. `context` must outlive the reader.

@@ -77,6 +77,7 @@ grpc::Status UpstreamLinkServer::Link(
       // The upstream neighbour reconnected (its old stream may be dead
       // without this side having noticed yet): the newer stream wins.
       GT_LOG(Info) << "replacing the open upstream link with one from " << peer;
+      replacing_ = true;
       context_->TryCancel();
       auto old_gone = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stream_ == nullptr; };
       if (!mu_.AwaitWithTimeout(absl::Condition(&old_gone), absl::Seconds(5))) {
@@ -91,11 +92,29 @@ grpc::Status UpstreamLinkServer::Link(
     context_ = context;
   }
   GT_LOG(Info) << "accepted upstream link from " << peer;
-  absl::Status served = ServeAccepted(context, stream, *validator, inbox);
+  int64_t delivered = 0;
+  absl::Status served = ServeAccepted(context, stream, *validator, inbox, &delivered);
+  bool report_broken = false;
   {
     absl::MutexLock lock(&mu_);
     stream_ = nullptr;
     context_ = nullptr;
+    // A Send() still writing to this stream must finish before the stream
+    // goes away; cancelling makes a blocked write fail at once.
+    if (writers_ > 0) context->TryCancel();
+    auto no_writers = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return writers_ == 0; };
+    mu_.Await(absl::Condition(&no_writers));
+    // A link that carried training traffic was cut (not a clean close, a
+    // replacement or our own shutdown): the upstream worker vanished. Tell
+    // the driver rather than let it wait forever.
+    report_broken = delivered > 0 && served.code() == absl::StatusCode::kCancelled &&
+                    !replacing_ && !shutdown_;
+    replacing_ = false;
+  }
+  if (report_broken) {
+    GT_LOG(Error) << "upstream link from " << peer << " broke";
+    inbox->TryPush({true, LinkMessage(),
+                    absl::UnavailableError(absl::StrCat("upstream link from ", peer, " broke"))});
   }
   if (served.code() == absl::StatusCode::kInvalidArgument) {
     return Refuse(grpc::StatusCode::INVALID_ARGUMENT, peer, served.message());
@@ -106,7 +125,7 @@ grpc::Status UpstreamLinkServer::Link(
 absl::Status UpstreamLinkServer::ServeAccepted(
     grpc::ServerContext* context,
     grpc::ServerReaderWriter<v1::LinkFrame, v1::LinkFrame>* stream,
-    const LinkValidator& validator, Inbox* inbox) {
+    const LinkValidator& validator, Inbox* inbox, int64_t* delivered) {
   FrameAssembler assembler;
   v1::LinkFrame frame;
   while (stream->Read(&frame)) {
@@ -119,29 +138,40 @@ absl::Status UpstreamLinkServer::ServeAccepted(
     if (!inbox->Push({true, std::move(message), absl::OkStatus()})) {
       return absl::CancelledError("worker is stopping");
     }
+    ++*delivered;
   }
   if (context->IsCancelled()) return absl::CancelledError("link cancelled");
   return absl::OkStatus();
 }
 
 absl::Status UpstreamLinkServer::Send(const LinkMessage& message) {
+  grpc::ServerReaderWriter<v1::LinkFrame, v1::LinkFrame>* stream = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return shutdown_ || stream_ != nullptr;
+    };
+    mu_.AwaitWithTimeout(absl::Condition(&ready), connect_wait_);
+    if (stream_ == nullptr) {
+      return absl::UnavailableError("no upstream link to send to");
+    }
+    stream = stream_;
+    ++writers_;
+  }
+  bool written;
+  {
+    absl::MutexLock write_lock(&write_mu_);
+    written = WriteMessage(stream, message);
+  }
   absl::MutexLock lock(&mu_);
-  auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return shutdown_ || stream_ != nullptr;
-  };
-  mu_.AwaitWithTimeout(absl::Condition(&ready), connect_wait_);
-  if (stream_ == nullptr) {
-    return absl::UnavailableError("no upstream link to send to");
-  }
-  if (!WriteMessage(stream_, message)) {
-    return absl::UnavailableError("upstream link broke while sending");
-  }
+  --writers_;
+  if (!written) return absl::UnavailableError("upstream link broke while sending");
   return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<DownstreamLinkClient>> DownstreamLinkClient::Connect(
     const std::string& address, std::shared_ptr<const LinkValidator> validator,
-    Inbox* inbox, absl::Duration timeout) {
+    Inbox* inbox, absl::Duration timeout, const std::atomic<bool>* stop) {
   std::unique_ptr<DownstreamLinkClient> client(new DownstreamLinkClient());
   client->address_ = address;
   client->validator_ = validator;
@@ -176,6 +206,7 @@ absl::StatusOr<std::unique_ptr<DownstreamLinkClient>> DownstreamLinkClient::Conn
       return absl::UnavailableError(absl::StrCat("cannot open a link to ", address,
                                                  ": ", finished.error_message()));
     }
+    if (stop != nullptr && *stop) return absl::CancelledError("stopped while connecting");
     GT_LOG(Info) << "link to " << address << " not ready (" << finished.error_message()
                  << "); retrying in " << absl::FormatDuration(backoff);
     absl::SleepFor(backoff);
@@ -219,6 +250,10 @@ void DownstreamLinkClient::ReadLoop() {
         absl::StrCat("downstream link to ", address_, " ended unexpectedly"));
   }
   if (!failure.ok()) inbox_->Push({false, LinkMessage(), failure});
+}
+
+void DownstreamLinkClient::Cancel() {
+  if (context_ != nullptr) context_->TryCancel();
 }
 
 absl::Status DownstreamLinkClient::Send(const LinkMessage& message) {

@@ -13,6 +13,7 @@
 #ifndef GEOTRAIN_WORKER_LINK_STREAM_H_
 #define GEOTRAIN_WORKER_LINK_STREAM_H_
 
+#include <atomic>
 #include <memory>
 #include <string>
 #include <thread>
@@ -67,27 +68,39 @@ class UpstreamLinkServer final : public v1::Stage::Service, public MessageSink {
   absl::Status ServeAccepted(
       grpc::ServerContext* context,
       grpc::ServerReaderWriter<v1::LinkFrame, v1::LinkFrame>* stream,
-      const LinkValidator& validator, Inbox* inbox);
+      const LinkValidator& validator, Inbox* inbox, int64_t* delivered);
 
+  // mu_ guards which stream is current; write_mu_ serialises writes, so a
+  // write blocked by a stalled peer never holds mu_ (Shutdown() and a
+  // reconnecting peer can still cancel it). Order: mu_ is never taken while
+  // holding write_mu_.
   absl::Mutex mu_;
+  absl::Mutex write_mu_;
   std::shared_ptr<const LinkValidator> validator_ ABSL_GUARDED_BY(mu_);
   Inbox* inbox_ ABSL_GUARDED_BY(mu_) = nullptr;
   grpc::ServerReaderWriter<v1::LinkFrame, v1::LinkFrame>* stream_
       ABSL_GUARDED_BY(mu_) = nullptr;
   grpc::ServerContext* context_ ABSL_GUARDED_BY(mu_) = nullptr;
+  int writers_ ABSL_GUARDED_BY(mu_) = 0;  // Send()s using stream_
+  bool replacing_ ABSL_GUARDED_BY(mu_) = false;
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Duration connect_wait_ = absl::Seconds(60);
+  // A reply goes back on the stream its request came on; if that stream is
+  // gone, wait only briefly for the upstream worker to reconnect.
+  absl::Duration connect_wait_ = absl::Seconds(2);
 };
 
 // Dials the downstream neighbour and keeps one Link stream to it.
 class DownstreamLinkClient final : public MessageSink {
  public:
   // Connects and exchanges HELLOs, retrying with backoff while the peer is
-  // unreachable or has not yet seen the plan, for up to `timeout`.
-  // REQUIRES: `inbox` outlives the returned client.
+  // unreachable or has not yet seen the plan, for up to `timeout` or until
+  // `*stop` is set. REQUIRES: `inbox` and `stop` outlive the returned client.
   static absl::StatusOr<std::unique_ptr<DownstreamLinkClient>> Connect(
       const std::string& address, std::shared_ptr<const LinkValidator> validator,
-      Inbox* inbox, absl::Duration timeout);
+      Inbox* inbox, absl::Duration timeout, const std::atomic<bool>* stop);
+
+  // Cancels the stream: a blocked Send() fails. Thread-safe.
+  void Cancel();
   ~DownstreamLinkClient() override;
 
   absl::Status Send(const LinkMessage& message) override;

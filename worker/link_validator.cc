@@ -1,5 +1,7 @@
 #include "worker/link_validator.h"
 
+#include <cstring>
+
 #include "absl/strings/str_cat.h"
 #include "common/model_profile.h"
 #include "common/status_macros.h"
@@ -28,6 +30,9 @@ absl::Status LinkValidator::CheckHello(const v1::LinkHeader& hello) const {
     return absl::InvalidArgumentError("a link stream must open with HELLO");
   }
   RETURN_IF_ERROR(CheckEpoch(hello));
+  if (stage_ == 0) {
+    return absl::InvalidArgumentError("stage 0 has no upstream and accepts no links");
+  }
   if (hello.from_stage() != stage_ - 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "HELLO from stage ", hello.from_stage(), " but stage ", stage_,
@@ -52,6 +57,17 @@ absl::Status LinkValidator::CheckFromUpstream(const LinkMessage& message) const 
       RETURN_IF_ERROR(CheckTensorMatches(h.tensors(1), TargetSpec(job_, batch), "targets"));
       if (h.tensors(0).shape(0) != h.tensors(1).shape(0)) {
         return absl::InvalidArgumentError("activation and targets differ in batch size");
+      }
+      // Targets index the loss: a label out of range would fail inside it.
+      const int64_t classes = job_.has_gpt() ? 256 : 10;
+      const char* targets = message.payload.data() + h.tensors(0).payload_bytes();
+      for (uint64_t i = 0; i < h.tensors(1).payload_bytes() / 8; ++i) {
+        int64_t label;
+        std::memcpy(&label, targets + 8 * i, 8);
+        if (label < 0 || label >= classes) {
+          return absl::InvalidArgumentError(absl::StrCat("target ", label, " outside [0, ",
+                                                         classes, ")"));
+        }
       }
       return CheckFinite(h.tensors(0), message.payload, 0);
     }

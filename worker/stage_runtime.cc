@@ -256,6 +256,7 @@ absl::StatusOr<std::optional<LinkMessage>> StageRuntime::Backward(
   return GuardTorch("backward", [&]() -> absl::StatusOr<std::optional<LinkMessage>> {
     ASSIGN_OR_RETURN(torch::Tensor grad, s.Decode(gradient, 0));
     if (!grad.sizes().equals(pending.output.sizes())) {
+      (void)s.stash->Release(pending.version);
       return absl::InvalidArgumentError("gradient shape differs from the activation");
     }
     ASSIGN_OR_RETURN(torch::Tensor input_grad,

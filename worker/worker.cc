@@ -42,6 +42,7 @@ void Worker::Stop() {
   link_server_.Shutdown();
   absl::MutexLock lock(&mu_);
   if (watch_context_) watch_context_->TryCancel();
+  if (downstream_ != nullptr) downstream_->Cancel();
 }
 
 absl::Status Worker::StartServer() {
@@ -149,15 +150,29 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
                    StageRuntime::Create(job_, placement, runtime_options));
   auto validator = std::make_shared<const LinkValidator>(
       job_, plan.epoch(), mine.stage(), mine.layer_begin(), mine.layer_end());
-  coordinator_.SetAssignment(worker_id_, plan.epoch());
+  coordinator_.SetEpoch(plan.epoch());
   link_server_.Activate(validator, &inbox_);
 
   std::unique_ptr<DownstreamLinkClient> downstream;
   if (mine.stage() + 1 < num_stages) {
     const v1::StageAssignment& next = plan.stages(mine.stage() + 1);
-    ASSIGN_OR_RETURN(downstream, DownstreamLinkClient::Connect(
-                                     next.address(), validator, &inbox_, absl::Seconds(120)));
+    ASSIGN_OR_RETURN(downstream,
+                     DownstreamLinkClient::Connect(next.address(), validator, &inbox_,
+                                                   absl::Seconds(120), &stop_));
+    absl::MutexLock lock(&mu_);
+    downstream_ = downstream.get();
+    if (stop_) downstream_->Cancel();
   }
+  // Unregisters the link before it is destroyed, whatever the exit path;
+  // on errors, closing the inbox first lets its reader thread finish.
+  struct Unregister {
+    Worker* worker;
+    ~Unregister() {
+      worker->inbox_.Close();
+      absl::MutexLock lock(&worker->mu_);
+      worker->downstream_ = nullptr;
+    }
+  } unregister{this};
   PipelineDriverOptions driver_options;
   driver_options.epoch = plan.epoch();
   driver_options.stage = mine.stage();
@@ -203,6 +218,7 @@ void Worker::WatchLoop() {
     grpc::ClientContext* raw = context.get();
     {
       absl::MutexLock lock(&mu_);
+      if (stop_) break;  // Stop() may have run since the loop condition
       watch_context_ = std::move(context);
     }
     std::unique_ptr<grpc::ClientReader<v1::Plan>> reader = coordinator_.WatchPlan(raw);

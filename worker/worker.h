@@ -68,6 +68,7 @@ class Worker {
   absl::Mutex mu_;
   std::unique_ptr<grpc::ClientContext> watch_context_ ABSL_GUARDED_BY(mu_);
   std::optional<v1::Plan> latest_plan_ ABSL_GUARDED_BY(mu_);
+  DownstreamLinkClient* downstream_ ABSL_GUARDED_BY(mu_) = nullptr;  // while training
   bool watch_ended_ ABSL_GUARDED_BY(mu_) = false;
 };
 

@@ -98,6 +98,20 @@ TEST(LinkValidatorTest, RefusesWrongShapeDtypeEpochKindAndValues) {
   EXPECT_EQ(v.CheckFromUpstream(missing_targets).code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST(LinkValidatorTest, StageZeroAcceptsNoLinks) {
+  LinkValidator v(Job(), 5, 0, 0, 1);
+  EXPECT_EQ(v.CheckHello(Hello(5, -1)).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(LinkValidatorTest, RefusesTargetsOutOfRange) {
+  LinkValidator v(Job(), 5, 1, 1, 3);
+  for (int64_t bad : {int64_t{256}, int64_t{-1}}) {
+    LinkMessage m = Activation();
+    std::memcpy(&m.payload[m.header.tensors(0).payload_bytes() + 8], &bad, 8);
+    EXPECT_EQ(v.CheckFromUpstream(m).code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+}
+
 TEST(LinkValidatorTest, FirstStageInputIsTokens) {
   LinkValidator v(Job(), 1, 1, 0, 1);  // a stage whose first layer is the embedding
   LinkMessage tokens = Activation({2, 4}, v1::DTYPE_INT64);
