@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/link_message.h"
 
 namespace geotrain {
 namespace {
@@ -44,6 +45,10 @@ void ApplyJobDefaults(v1::JobSpec* job) {
   if (job->eval_batches() == 0) job->set_eval_batches(8);
   if (job->lease_ms() == 0) job->set_lease_ms(5000);
   if (job->update_every() == 0) job->set_update_every(1);
+  if (job->activation_codec() == v1::CODEC_UNSPECIFIED) job->set_activation_codec(v1::CODEC_NONE);
+  if (job->gradient_codec() == v1::CODEC_UNSPECIFIED) job->set_gradient_codec(v1::CODEC_NONE);
+  if (job->codec_block_size() == 0) job->set_codec_block_size(64);
+  if (job->topk_fraction() == 0) job->set_topk_fraction(0.01);
   v1::Optimizer* opt = job->mutable_optimizer();
   if (opt->kind() == v1::Optimizer::KIND_UNSPECIFIED) {
     opt->set_kind(v1::Optimizer::KIND_ADAMW);
@@ -117,6 +122,16 @@ absl::Status ValidateJobSpec(const v1::JobSpec& job) {
   }
   // Every message of the window must fit a worker's inbox (64) with room for
   // control messages; beyond that the queues could fill in a cycle.
+  for (v1::Codec codec : {job.activation_codec(), job.gradient_codec()}) {
+    bool exact;
+    if (!EncodedSizeBound(codec, 1, job.codec_block_size(), &exact).ok()) {
+      return Invalid(absl::StrCat("unknown codec ", static_cast<int>(codec),
+                                  " or codec_block_size ", job.codec_block_size()));
+    }
+  }
+  if (!(job.topk_fraction() > 0 && job.topk_fraction() <= 1)) {
+    return Invalid("topk_fraction must be in (0, 1]");
+  }
   if (job.in_flight() < 0 || job.in_flight() > 32) {
     return Invalid("in_flight must be in [0, 32]");
   }

@@ -79,15 +79,43 @@ absl::StatusOr<std::optional<LinkMessage>> FrameAssembler::Add(
   return std::optional<LinkMessage>(std::move(current_));
 }
 
+absl::StatusOr<uint64_t> EncodedSizeBound(v1::Codec codec, uint64_t elements,
+                                          uint32_t block_size, bool* exact) {
+  *exact = true;
+  switch (codec) {
+    case v1::CODEC_NONE:
+      return elements * 4;
+    case v1::CODEC_FP16:
+    case v1::CODEC_BF16:
+      return elements * 2;
+    case v1::CODEC_INT8:
+    case v1::CODEC_INT4: {
+      if (block_size == 0 || block_size > (1u << 20)) {
+        return absl::InvalidArgumentError(absl::StrCat("block size ", block_size));
+      }
+      auto block_bytes = [&](uint64_t count) {
+        return 4 + (codec == v1::CODEC_INT8 ? count : (count + 1) / 2);
+      };
+      const uint64_t full = elements / block_size, rest = elements % block_size;
+      return full * block_bytes(block_size) + (rest ? block_bytes(rest) : 0);
+    }
+    case v1::CODEC_TOPK:
+      *exact = false;
+      return 4 + 8 * elements;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown codec ", static_cast<int>(codec)));
+  }
+}
+
 absl::Status CheckTensorHeader(const v1::TensorHeader& header) {
   const size_t element = DTypeSize(header.dtype());
   if (element == 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("unknown dtype ", static_cast<int>(header.dtype())));
   }
-  if (header.codec() != v1::CODEC_NONE) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unknown codec ", static_cast<int>(header.codec())));
+  if (header.codec() != v1::CODEC_NONE && header.dtype() != v1::DTYPE_FLOAT32) {
+    return absl::InvalidArgumentError("codecs other than none apply to float32 only");
   }
   uint64_t elements = 1;
   for (int64_t dim : header.shape()) {
@@ -97,11 +125,36 @@ absl::Status CheckTensorHeader(const v1::TensorHeader& header) {
     }
     elements *= static_cast<uint64_t>(dim);
   }
-  if (elements > kMaxMessageBytes / element ||
-      elements * element != header.payload_bytes()) {
+  if (elements > kMaxMessageBytes / element) {
+    return absl::InvalidArgumentError("shape too large");
+  }
+  if (header.codec() == v1::CODEC_NONE && !header.zstd()) {
+    if (elements * element != header.payload_bytes()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "payload of ", header.payload_bytes(), " bytes does not match shape [",
+          absl::StrJoin(header.shape(), ","), "]"));
+    }
+    return absl::OkStatus();
+  }
+  bool exact = true;
+  absl::StatusOr<uint64_t> bound =
+      header.codec() == v1::CODEC_NONE
+          ? absl::StatusOr<uint64_t>(elements * element)
+          : EncodedSizeBound(header.codec(), elements, header.block_size(), &exact);
+  if (!bound.ok()) return bound.status();
+  if (exact ? header.encoded_bytes() != *bound : header.encoded_bytes() > *bound) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "payload of ", header.payload_bytes(), " bytes does not match shape [",
-        absl::StrJoin(header.shape(), ","), "]"));
+        "encoding of ", header.encoded_bytes(), " bytes does not fit ", elements, " elements (",
+        exact ? "exactly " : "at most ", *bound, ")"));
+  }
+  const uint64_t wire_bound =
+      header.zstd() ? header.encoded_bytes() + header.encoded_bytes() / 128 + 1024
+                    : header.encoded_bytes();
+  if (header.zstd() ? header.payload_bytes() > wire_bound
+                    : header.payload_bytes() != header.encoded_bytes()) {
+    return absl::InvalidArgumentError(absl::StrCat("payload of ", header.payload_bytes(),
+                                                   " bytes for an encoding of ",
+                                                   header.encoded_bytes()));
   }
   return absl::OkStatus();
 }
@@ -133,7 +186,11 @@ absl::Status CheckTensorMatches(const v1::TensorHeader& header,
 
 absl::Status CheckFinite(const v1::TensorHeader& header,
                          const std::string& payload, size_t offset) {
-  if (header.dtype() != v1::DTYPE_FLOAT32) return absl::OkStatus();
+  // Encoded tensors are checked after decoding (tensor_wire.cc).
+  if (header.dtype() != v1::DTYPE_FLOAT32 || header.codec() != v1::CODEC_NONE ||
+      header.zstd()) {
+    return absl::OkStatus();
+  }
   const size_t n = header.payload_bytes() / 4;
   const char* data = payload.data() + offset;
   for (size_t i = 0; i < n; ++i) {

@@ -53,8 +53,15 @@ class FrameAssembler {
   LinkMessage current_;
 };
 
-// Checks one tensor header: known dtype and codec, non-negative dims, and a
-// payload size that matches shape * dtype.
+// Size of the encoding of `elements` float32 values by `codec`: exact for
+// every codec but topk, whose size is at most the returned bound
+// (`*exact` tells which). INVALID_ARGUMENT for unknown codecs or block sizes.
+absl::StatusOr<uint64_t> EncodedSizeBound(v1::Codec codec, uint64_t elements,
+                                          uint32_t block_size, bool* exact);
+
+// Checks one tensor header: known dtype and codec (codecs other than none
+// only for float32), non-negative dims, and payload and encoded sizes that
+// match shape, dtype, codec and block size.
 absl::Status CheckTensorHeader(const v1::TensorHeader& header);
 
 // Checks that `header` matches `spec`, except that dimension 0 (the batch)

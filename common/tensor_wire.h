@@ -15,13 +15,23 @@ class Tensor;
 
 namespace geotrain {
 
-// Appends `tensor`'s elements to `payload` (copied to the CPU, contiguous)
-// and describes them in `header`. Supports float32 and int64.
+// How a float32 tensor is put on the wire (see common/codec.h).
+struct WireEncoding {
+  v1::Codec codec = v1::CODEC_NONE;
+  int block_size = 64;
+  double topk_fraction = 0.01;
+  bool zstd = false;
+};
+
+// Appends `tensor`'s elements to `payload` (copied to the CPU, contiguous,
+// float32 tensors encoded as `encoding` says; other dtypes raw) and
+// describes them in `header`. Supports float32 and int64.
 absl::Status EncodeTensor(const at::Tensor& tensor, v1::TensorHeader* header,
-                          std::string* payload);
+                          std::string* payload, const WireEncoding& encoding = {});
 
 // Decodes the tensor described by `header` from `payload` at `offset` into a
-// new CPU tensor. Checks header consistency and bounds before reading.
+// new CPU tensor. Checks header consistency and bounds before reading, and
+// that a decoded float tensor is finite.
 absl::StatusOr<at::Tensor> DecodeTensor(const v1::TensorHeader& header,
                                         const std::string& payload,
                                         size_t offset);

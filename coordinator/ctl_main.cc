@@ -76,6 +76,20 @@ void PrintTable(const geotrain::v1::ClusterStatus& s) {
                 w.staleness_mean(), w.bubble_fraction(), w.microbatches_per_s(),
                 w.compute_s_per_microbatch() * 1000);
   }
+  bool header = false;
+  for (const auto& w : s.workers()) {
+    for (const auto& l : w.links()) {
+      if (!header) {
+        std::printf("\n%-4s %-10s %-22s %-5s %10s %10s %6s %10s\n", "ID", "DIRECTION", "PEER",
+                    "CODEC", "SENT_MiB", "RAW_MiB", "RATIO", "GOODPUT_Mb/s");
+        header = true;
+      }
+      std::printf("%-4s %-10s %-22s %-5s %10.1f %10.1f %6.2f %10.1f\n", w.id().c_str(),
+                  l.direction().c_str(), l.peer().c_str(), l.codec().c_str(),
+                  l.bytes_sent() / 1048576.0, l.raw_bytes_sent() / 1048576.0,
+                  l.compression_ratio(), l.goodput_bps() / 1e6);
+    }
+  }
   const int shown = std::min(absl::GetFlag(FLAGS_events), s.events_size());
   if (shown > 0) std::printf("\nrecent events:\n");
   for (int i = s.events_size() - shown; i < s.events_size(); ++i) {

@@ -292,6 +292,7 @@ v1::ClusterStatus JobController::Status() const {
     out->set_compute_s_per_microbatch(stats.compute_s_per_microbatch());
     out->set_microbatches(stats.microbatches());
     out->set_peak_rss_bytes(stats.peak_rss_bytes());
+    *out->mutable_links() = stats.links();
     if (plan_.has_value()) {
       for (const v1::StageAssignment& s : plan_->stages()) {
         if (s.worker_id() != w.id) continue;

@@ -13,6 +13,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "common/codec.h"
 #include "common/job_spec.h"
 #include "common/logging.h"
 #include "common/rpc_options.h"
@@ -27,6 +28,8 @@ ABSL_FLAG(int, min_workers, 0, "override the job's min_workers");
 ABSL_FLAG(int, steps, 0, "override the job's steps");
 ABSL_FLAG(std::string, schedule, "", "override the job's schedule (sync)");
 ABSL_FLAG(int64_t, seed, -1, "override the job's seed");
+ABSL_FLAG(std::string, activation_codec, "", "override the job's activation codec (none, fp16, bf16, int8, int4, topk)");
+ABSL_FLAG(std::string, gradient_codec, "", "override the job's gradient codec");
 ABSL_FLAG(std::string, port_file, "", "write the bound port here once serving");
 ABSL_FLAG(bool, exit_when_done, false, "exit once the job has finished");
 
@@ -63,6 +66,14 @@ int main(int argc, char** argv) {
         geotrain::ParseSchedule(absl::GetFlag(FLAGS_schedule));
     if (!schedule.ok()) return Fail(std::string(schedule.status().message()));
     job->set_schedule(*schedule);
+  }
+  for (auto [flag, setter] :
+       {std::pair{absl::GetFlag(FLAGS_activation_codec), &geotrain::v1::JobSpec::set_activation_codec},
+        std::pair{absl::GetFlag(FLAGS_gradient_codec), &geotrain::v1::JobSpec::set_gradient_codec}}) {
+    if (flag.empty()) continue;
+    absl::StatusOr<geotrain::v1::Codec> codec = geotrain::ParseCodecName(flag);
+    if (!codec.ok()) return Fail(std::string(codec.status().message()));
+    ((*job).*setter)(*codec);
   }
   if (absl::Status valid = geotrain::ValidateJobSpec(*job); !valid.ok()) {
     return Fail(absl::StrCat(job_path, " with flag overrides: ", valid.message()));

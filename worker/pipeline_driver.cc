@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "common/codec.h"
 #include "common/job_spec.h"
 #include "common/logging.h"
 #include "common/process_stats.h"
@@ -70,18 +71,34 @@ absl::StatusOr<InboundMessage> PipelineDriver::NextMessage() {
   return *std::move(in);
 }
 
+absl::Status PipelineDriver::CountedSend(MessageSink* sink, const LinkMessage& message,
+                                         LinkCounter* counter) {
+  for (const v1::TensorHeader& t : message.header.tensors()) {
+    uint64_t elements = 1;
+    for (int64_t d : t.shape()) elements *= static_cast<uint64_t>(d);
+    counter->raw_bytes += elements * DTypeSize(t.dtype());
+    if (t.dtype() == v1::DTYPE_FLOAT32) counter->codec = CodecName(t.codec());
+  }
+  counter->bytes += message.payload.size();
+  ++counter->messages;
+  const absl::Time start = absl::Now();
+  absl::Status sent = sink->Send(message);
+  counter->send_time += absl::Now() - start;
+  return sent;
+}
+
 absl::Status PipelineDriver::SendDown(LinkMessage message) {
   if (downstream_ == nullptr) return absl::InternalError("no downstream link");
   message.header.set_epoch(options_.epoch);
   message.header.set_from_stage(options_.stage);
-  return downstream_->Send(message);
+  return CountedSend(downstream_, message, &sent_down_);
 }
 
 absl::Status PipelineDriver::SendUp(LinkMessage message) {
   if (upstream_ == nullptr) return absl::InternalError("no upstream link");
   message.header.set_epoch(options_.epoch);
   message.header.set_from_stage(options_.stage);
-  return upstream_->Send(message);
+  return CountedSend(upstream_, message, &sent_up_);
 }
 
 absl::Status PipelineDriver::AfterBackward(double loss) {
@@ -258,6 +275,24 @@ void PipelineDriver::PublishStats() {
     stats.set_bubble_fraction(std::clamp(idle / wall, 0.0, 1.0));
     stats.set_microbatches_per_s(done / wall);
     if (done > 0) stats.set_compute_s_per_microbatch((wall - idle) / done);
+  }
+  for (const auto& [counter, direction, peer] :
+       {std::tuple{&sent_down_, "downstream", options_.downstream_peer},
+        std::tuple{&sent_up_, "upstream", options_.upstream_peer}}) {
+    if (counter->messages == 0) continue;
+    v1::LinkStats* link = stats.add_links();
+    link->set_peer(peer);
+    link->set_direction(direction);
+    link->set_codec(counter->codec.empty() ? "none" : counter->codec);
+    link->set_bytes_sent(counter->bytes);
+    link->set_raw_bytes_sent(counter->raw_bytes);
+    link->set_messages_sent(counter->messages);
+    if (counter->bytes > 0) {
+      link->set_compression_ratio(static_cast<double>(counter->raw_bytes) / counter->bytes);
+    }
+    const double seconds = absl::ToDoubleSeconds(counter->send_time);
+    link->set_send_s(seconds);
+    if (seconds > 0) link->set_goodput_bps(8.0 * counter->raw_bytes / seconds);
   }
   stats_->Set(stats);
 }

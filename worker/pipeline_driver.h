@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
@@ -75,6 +76,8 @@ struct PipelineDriverOptions {
   int start_step = 0;
   ScheduleConfig schedule;
   absl::Duration stats_window = absl::Seconds(10);
+  std::string upstream_peer;    // for link statistics
+  std::string downstream_peer;
 };
 
 class PipelineDriver {
@@ -127,6 +130,14 @@ class PipelineDriver {
     int64_t backwards;
   };
   std::deque<Sample> samples_;
+  struct LinkCounter {
+    uint64_t bytes = 0, raw_bytes = 0, messages = 0;
+    absl::Duration send_time;
+    std::string codec;
+  };
+  LinkCounter sent_down_, sent_up_;
+  static absl::Status CountedSend(MessageSink* sink, const LinkMessage& message,
+                                  LinkCounter* counter);
 };
 
 }  // namespace geotrain

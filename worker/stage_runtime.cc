@@ -105,12 +105,21 @@ struct StageRuntime::Impl {
     for (int j = 0; j < i; ++j) offset += message.header.tensors(j).payload_bytes();
     ASSIGN_OR_RETURN(torch::Tensor t,
                      DecodeTensor(message.header.tensors(i), message.payload, offset));
+    if (i == 1 && t.numel() > 0) {  // targets index the loss
+      const int64_t classes = job.has_gpt() ? 256 : 10;
+      if (t.min().item<int64_t>() < 0 || t.max().item<int64_t>() >= classes) {
+        return absl::InvalidArgumentError("targets out of range");
+      }
+    }
     return t.to(device);
   }
 
+  // The first tensor is encoded as `encoding` says; the rest (targets)
+  // travel raw.
   absl::StatusOr<LinkMessage> MakeMessage(const v1::LinkHeader& like,
                                           v1::MessageKind kind,
-                                          const std::vector<torch::Tensor>& tensors) {
+                                          const std::vector<torch::Tensor>& tensors,
+                                          const WireEncoding& encoding = {}) {
     LinkMessage out;
     out.header.set_kind(kind);
     out.header.set_microbatch(like.microbatch());
@@ -118,8 +127,13 @@ struct StageRuntime::Impl {
     out.header.set_epoch(like.epoch());
     out.header.set_from_stage(placement.stage);
     *out.header.mutable_weight_versions() = like.weight_versions();
-    for (const torch::Tensor& t : tensors) {
-      RETURN_IF_ERROR(EncodeTensor(t, out.header.add_tensors(), &out.payload));
+    // With compression on, the int64 targets (byte tokens or labels, mostly
+    // zero bytes) are zstd'd too.
+    WireEncoding targets;
+    targets.zstd = encoding.codec != v1::CODEC_NONE || encoding.zstd;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      RETURN_IF_ERROR(EncodeTensor(tensors[i], out.header.add_tensors(), &out.payload,
+                                   i == 0 ? encoding : targets));
     }
     return out;
   }
@@ -209,7 +223,8 @@ absl::StatusOr<LinkMessage> StageRuntime::Forward(const LinkMessage& input) {
     if (!train) {
       torch::NoGradGuard no_grad;
       return s.MakeMessage(input.header, v1::MESSAGE_KIND_EVAL,
-                           {s.RunLayers(x, s.stash->Get(s.stash->current_version())), targets});
+                           {s.RunLayers(x, s.stash->Get(s.stash->current_version())), targets},
+                           s.options.activation_encoding);
     }
     if (s.pending.count(input.header.microbatch()) > 0) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -222,7 +237,8 @@ absl::StatusOr<LinkMessage> StageRuntime::Forward(const LinkMessage& input) {
     s.pending[input.header.microbatch()] = {x, y, version, Impl::CounterSum(params)};
     v1::LinkHeader header = input.header;
     header.add_weight_versions(version);
-    return s.MakeMessage(header, v1::MESSAGE_KIND_ACTIVATION, {y, targets});
+    return s.MakeMessage(header, v1::MESSAGE_KIND_ACTIVATION, {y, targets},
+                         s.options.activation_encoding);
   });
 }
 
@@ -263,7 +279,7 @@ absl::StatusOr<std::optional<LinkMessage>> StageRuntime::Backward(
                      s.Differentiate(pending.output, grad, pending.input, pending.version));
     if (s.is_first()) return std::optional<LinkMessage>();
     ASSIGN_OR_RETURN(LinkMessage up, s.MakeMessage(gradient.header, v1::MESSAGE_KIND_GRADIENT,
-                                                   {input_grad}));
+                                                   {input_grad}, s.options.gradient_encoding));
     return std::optional<LinkMessage>(std::move(up));
   });
 }
@@ -284,7 +300,8 @@ absl::StatusOr<LastStageResult> StageRuntime::ForwardLoss(const LinkMessage& inp
       v1::LinkHeader header = input.header;
       header.add_weight_versions(version);
       ASSIGN_OR_RETURN(result.gradient,
-                       s.MakeMessage(header, v1::MESSAGE_KIND_GRADIENT, {input_grad}));
+                       s.MakeMessage(header, v1::MESSAGE_KIND_GRADIENT, {input_grad},
+                                     s.options.gradient_encoding));
     }
     return result;
   });

@@ -18,6 +18,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/link_message.h"
+#include "common/tensor_wire.h"
 #include "geotrain/v1/job.pb.h"
 
 namespace geotrain {
@@ -34,6 +35,9 @@ struct RuntimeOptions {
   // Most weight versions that may be alive at once (0: no limit). Exceeding
   // it is an internal error: the schedule broke its own guarantee.
   int max_weight_versions = 0;
+  // How outgoing activations and gradients are encoded on the wire.
+  WireEncoding activation_encoding;
+  WireEncoding gradient_encoding;
 };
 
 // Weight stashing figures of one stage.

@@ -146,6 +146,13 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
   RuntimeOptions runtime_options;
   runtime_options.device = device_name_;
   runtime_options.max_weight_versions = schedule.max_weight_versions;
+  for (auto [encoding, codec] : {std::pair{&runtime_options.activation_encoding, job_.activation_codec()},
+                                 std::pair{&runtime_options.gradient_encoding, job_.gradient_codec()}}) {
+    encoding->codec = codec;
+    encoding->block_size = job_.codec_block_size();
+    encoding->topk_fraction = job_.topk_fraction();
+    encoding->zstd = job_.zstd();
+  }
   ASSIGN_OR_RETURN(std::unique_ptr<StageRuntime> runtime,
                    StageRuntime::Create(job_, placement, runtime_options));
   auto validator = std::make_shared<const LinkValidator>(
@@ -179,6 +186,10 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
   driver_options.num_stages = num_stages;
   driver_options.start_step = plan.start_step();
   driver_options.schedule = schedule;
+  if (mine.stage() > 0) driver_options.upstream_peer = plan.stages(mine.stage() - 1).address();
+  if (mine.stage() + 1 < num_stages) {
+    driver_options.downstream_peer = plan.stages(mine.stage() + 1).address();
+  }
   GT_LOG(Info) << "schedule " << ScheduleName(job_.schedule()) << ": window " << schedule.window
                << ", update every " << schedule.update_every << " backward(s)"
                << (schedule.flush ? ", flush each step" : ", no flush");

@@ -71,6 +71,62 @@ TEST(TensorWireTest, RefusesInconsistentHeader) {
             absl::StatusCode::kInvalidArgument);
 }
 
+class EncodedTensorTest : public testing::TestWithParam<std::tuple<v1::Codec, bool>> {};
+
+TEST_P(EncodedTensorTest, RoundTripThroughTheWire) {
+  WireEncoding encoding;
+  encoding.codec = std::get<0>(GetParam());
+  encoding.zstd = std::get<1>(GetParam());
+  encoding.topk_fraction = 0.5;
+  torch::manual_seed(4);
+  torch::Tensor t = torch::randn({3, 70});
+  v1::TensorHeader header;
+  std::string payload;
+  ASSERT_TRUE(EncodeTensor(t, &header, &payload, encoding).ok());
+  EXPECT_EQ(header.codec(), encoding.codec);
+  EXPECT_EQ(header.zstd(), encoding.zstd);
+  EXPECT_EQ(header.payload_bytes(), payload.size());
+  absl::StatusOr<torch::Tensor> back = DecodeTensor(header, payload, 0);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(back->sizes().equals(t.sizes()));
+  const double error = (*back - t).abs().max().item<double>();
+  EXPECT_LE(error, encoding.codec == v1::CODEC_TOPK ? t.abs().max().item<double>() : 0.7);
+  // A truncated payload is refused.
+  payload.resize(payload.size() - 1);
+  EXPECT_EQ(DecodeTensor(header, payload, 0).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+INSTANTIATE_TEST_SUITE_P(Codecs, EncodedTensorTest,
+                         testing::Combine(testing::Values(v1::CODEC_NONE, v1::CODEC_FP16,
+                                                          v1::CODEC_BF16, v1::CODEC_INT8,
+                                                          v1::CODEC_INT4, v1::CODEC_TOPK),
+                                          testing::Bool()));
+
+TEST(TensorWireTest, Int64TargetsCanBeZstdCompressed) {
+  torch::Tensor t = torch::randint(0, 256, {16, 64}, torch::kInt64);
+  WireEncoding encoding;
+  encoding.zstd = true;
+  encoding.codec = v1::CODEC_INT8;  // applies to float32 only
+  v1::TensorHeader header;
+  std::string payload;
+  ASSERT_TRUE(EncodeTensor(t, &header, &payload, encoding).ok());
+  EXPECT_EQ(header.codec(), v1::CODEC_NONE);
+  EXPECT_LT(payload.size(), 16u * 64 * 8 / 3);
+  EXPECT_TRUE(torch::equal(*DecodeTensor(header, payload, 0), t));
+}
+
+TEST(TensorWireTest, DecodedNonFiniteValuesAreRefused) {
+  // An fp16 payload can carry NaN bit patterns; the decoder refuses them.
+  v1::TensorHeader header;
+  header.add_shape(2);
+  header.set_dtype(v1::DTYPE_FLOAT32);
+  header.set_codec(v1::CODEC_FP16);
+  header.set_encoded_bytes(4);
+  header.set_payload_bytes(4);
+  const std::string payload("\x00\x3c\xff\x7f", 4);  // 1.0, NaN
+  EXPECT_EQ(DecodeTensor(header, payload, 0).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(TensorWireTest, RefusesUnsupportedDtype) {
   v1::TensorHeader header;
   std::string payload;

@@ -8,6 +8,8 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <fstream>
 #include <thread>
 
@@ -143,7 +145,9 @@ PipelineRun RunPipeline(const v1::JobSpec& job, int stages, size_t inbox_capacit
 class PipelineDriverTest : public testing::TestWithParam<v1::Schedule> {
  protected:
   static void SetUpTestSuite() {
-    corpus_ = new std::string(testing::TempDir() + "/pipeline_driver_corpus.txt");
+    // One file per process: ctest runs this binary's tests in parallel.
+    corpus_ = new std::string(testing::TempDir() + "/pipeline_driver_corpus." +
+                              std::to_string(getpid()) + ".txt");
     std::ofstream out(*corpus_);
     for (int i = 0; i < 500; ++i) out << "pack my box with five dozen liquor jugs " << i << "\n";
   }

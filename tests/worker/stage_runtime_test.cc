@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <unistd.h>
+
 #include <fstream>
 
 #include "common/job_spec.h"
@@ -16,7 +18,8 @@ namespace {
 class StageRuntimeTest : public testing::Test {
  protected:
   void SetUp() override {
-    corpus_ = testing::TempDir() + "/stage_runtime_corpus.txt";
+    // One file per process: ctest runs this binary's tests in parallel.
+    corpus_ = testing::TempDir() + "/stage_runtime_corpus." + std::to_string(getpid()) + ".txt";
     std::ofstream out(corpus_);
     for (int i = 0; i < 400; ++i) out << "the quick brown fox " << i << " jumps over the lazy dog\n";
     out.close();
