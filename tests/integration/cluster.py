@@ -154,6 +154,19 @@ class Cluster:
             return self.status()["state"] == "done"
         wait_for(done, timeout, "the job to finish", interval=0.5)
 
+    def train(self, workers, timeout=900):
+        """Starts the coordinator and `workers` workers named w0, w1, ...
+        and waits for the job to finish; prints every log if it does not."""
+        self.start_coordinator()
+        for i in range(workers):
+            self.start_worker(f"w{i}")
+        try:
+            self.wait_done(timeout=timeout)
+        except Exception:
+            print(self.dump_logs())
+            raise
+        return self
+
     def dump_logs(self):
         parts = []
         for p in ([self.coordinator] if self.coordinator else []) + self.workers:

@@ -8,15 +8,7 @@ from cluster import Cluster, job_path
 def wire_bytes(test, codec):
     with Cluster(job_path("gpt-tiny.textproto"),
                  ["--steps=6", f"--activation_codec={codec}", f"--gradient_codec={codec}"]) as c:
-        c.start_coordinator()
-        for i in range(3):
-            c.start_worker(f"w{i}")
-        try:
-            c.wait_done(timeout=300)
-        except Exception:
-            print(c.dump_logs())
-            raise
-        status = c.status()
+        status = c.train(3, timeout=300).status()
         sent = raw = 0
         for w in status["workers"]:
             for link in w["links"]:
@@ -52,15 +44,7 @@ class CodecWireTest(unittest.TestCase):
         for codec in ("none", "int8"):
             with Cluster(job_path("gpt-tiny.textproto"),
                          [f"--activation_codec={codec}", f"--gradient_codec={codec}"]) as c:
-                c.start_coordinator()
-                for i in range(3):
-                    c.start_worker(f"w{i}")
-                try:
-                    c.wait_done(timeout=900)
-                except Exception:
-                    print(c.dump_logs())
-                    raise
-                val[codec] = c.evals()[-1]["val_loss"]
+                val[codec] = c.train(3).evals()[-1]["val_loss"]
         print(f"gpt-tiny val_loss: none {val['none']:.4f}, int8 {val['int8']:.4f} "
               f"({val['int8'] / val['none'] - 1:+.2%})")
         self.assertLessEqual(abs(val["int8"] / val["none"] - 1), 0.02)

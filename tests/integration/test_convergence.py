@@ -7,15 +7,7 @@ from cluster import Cluster, job_path
 
 def run_job(test, job, workers, schedule="sync"):
     with Cluster(job_path(job), [f"--schedule={schedule}"]) as c:
-        c.start_coordinator()
-        for i in range(workers):
-            c.start_worker(f"w{i}")
-        try:
-            c.wait_done(timeout=900)
-        except Exception:
-            print(c.dump_logs())
-            raise
-        status = c.status()
+        status = c.train(workers).status()
         test.assertEqual(len(status["workers"]), workers)
         for w in status["workers"]:
             test.assertEqual(w["schedule"], schedule)

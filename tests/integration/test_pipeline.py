@@ -69,14 +69,7 @@ class PipelineTest(unittest.TestCase):
         for workers in (1, 3):
             with Cluster(job_path("gpt-tiny.textproto"),
                          ["--steps=12", f"--min_workers={workers}", "--seed=5"]) as c:
-                c.start_coordinator()
-                for i in range(workers):
-                    c.start_worker(f"w{i}")
-                try:
-                    c.wait_done(timeout=180)
-                except Exception:
-                    print(c.dump_logs())
-                    raise
+                c.train(workers, timeout=180)
                 self.assertEqual(len(c.status()["workers"]), workers)
                 losses[workers] = [m["loss"] for m in c.steps()]
         self.assertEqual(len(losses[1]), 12)
