@@ -81,6 +81,10 @@ TensorSpec LayerInputSpec(const v1::JobSpec& job, int layer, int64_t batch) {
   return spec;
 }
 
+int64_t NumTargetClasses(const v1::JobSpec& job) {
+  return job.has_gpt() ? kByteVocab : kFashionClasses;
+}
+
 TensorSpec TargetSpec(const v1::JobSpec& job, int64_t batch) {
   TensorSpec spec;
   spec.dtype = v1::DTYPE_INT64;

@@ -31,6 +31,9 @@ std::vector<LayerProfile> ProfileLayers(const v1::JobSpec& job);
 // The tensor entering layer `layer` (0 <= layer < NumLayers) for a microbatch
 // of `batch` samples. Layer 0's input is the data itself.
 TensorSpec LayerInputSpec(const v1::JobSpec& job, int layer, int64_t batch);
+// Targets are class indices in [0, NumTargetClasses(job)).
+int64_t NumTargetClasses(const v1::JobSpec& job);
+
 // The targets that travel with each activation.
 TensorSpec TargetSpec(const v1::JobSpec& job, int64_t batch);
 

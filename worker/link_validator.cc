@@ -59,7 +59,7 @@ absl::Status LinkValidator::CheckFromUpstream(const LinkMessage& message) const 
         return absl::InvalidArgumentError("activation and targets differ in batch size");
       }
       // Targets index the loss: a label out of range would fail inside it.
-      const int64_t classes = job_.has_gpt() ? 256 : 10;
+      const int64_t classes = NumTargetClasses(job_);
       if (h.tensors(1).zstd()) return absl::OkStatus();  // checked once decoded
       const char* targets = message.payload.data() + h.tensors(0).payload_bytes();
       for (uint64_t i = 0; i < h.tensors(1).payload_bytes() / 8; ++i) {

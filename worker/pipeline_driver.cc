@@ -59,7 +59,9 @@ absl::Status PipelineDriver::Run() {
   backwards_ = static_cast<int64_t>(options_.start_step) * job_.microbatches();
   samples_.push_back({start_, idle_, backwards_});
   PublishStats();
-  return options_.stage == 0 ? RunFirstStage() : RunLaterStage();
+  absl::Status status = options_.stage == 0 ? RunFirstStage() : RunLaterStage();
+  PublishStats();  // the final figures, whatever the throttle skipped
+  return status;
 }
 
 absl::StatusOr<InboundMessage> PipelineDriver::NextMessage() {
@@ -119,7 +121,9 @@ absl::Status PipelineDriver::AfterBackward(double loss) {
   while (samples_.size() > 2 && now - samples_[1].time > options_.stats_window) {
     samples_.pop_front();
   }
-  PublishStats();
+  // Publishing reads /proc and walks the stash: a few times a second is
+  // plenty for heartbeats, and keeps it off the per-microbatch path.
+  if (now - last_published_ >= absl::Milliseconds(200)) PublishStats();
   const int microbatches = job_.microbatches();
   if (backwards_ % microbatches != 0) return absl::OkStatus();
   const int step = static_cast<int>(backwards_ / microbatches);
@@ -256,6 +260,7 @@ absl::Status PipelineDriver::RunLaterStage() {
 
 void PipelineDriver::PublishStats() {
   if (stats_ == nullptr) return;
+  last_published_ = absl::Now();
   const StashStats stash = runtime_->stash_stats();
   v1::StageStats stats;
   stats.set_schedule(ScheduleName(job_.schedule()));

@@ -130,6 +130,7 @@ class PipelineDriver {
     int64_t backwards;
   };
   std::deque<Sample> samples_;
+  absl::Time last_published_ = absl::InfinitePast();
   struct LinkCounter {
     uint64_t bytes = 0, raw_bytes = 0, messages = 0;
     absl::Duration send_time;

@@ -5,6 +5,7 @@
 #include <map>
 
 #include "absl/strings/str_cat.h"
+#include "common/model_profile.h"
 #include "common/status_macros.h"
 #include "common/tensor_wire.h"
 #include "worker/datasets.h"
@@ -106,7 +107,7 @@ struct StageRuntime::Impl {
     ASSIGN_OR_RETURN(torch::Tensor t,
                      DecodeTensor(message.header.tensors(i), message.payload, offset));
     if (i == 1 && t.numel() > 0) {  // targets index the loss
-      const int64_t classes = job.has_gpt() ? 256 : 10;
+      const int64_t classes = NumTargetClasses(job);
       if (t.min().item<int64_t>() < 0 || t.max().item<int64_t>() >= classes) {
         return absl::InvalidArgumentError("targets out of range");
       }

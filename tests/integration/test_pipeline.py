@@ -83,14 +83,17 @@ class PipelineTest(unittest.TestCase):
 
     def test_async_schedule_reports_stage_figures(self):
         with Cluster(job_path("fmnist-mlp.textproto"),
-                     ["--steps=600", "--schedule=async-stash"]) as c:
+                     ["--steps=3000", "--schedule=async-stash"]) as c:
             c.start_coordinator()
             for i in range(2):
                 c.start_worker(f"w{i}")
             # Figures while training, from the heartbeats.
             def busy():
                 s = c.status()
-                return s if s["step"] >= 200 and s["state"] == "training" else None
+                # Heartbeats come every second: wait for ones sent mid-run.
+                fresh = all(int(w["microbatches"]) > 0 and w["microbatches_per_s"] > 0
+                            for w in s["workers"] if w["stage"] >= 0)
+                return s if s["step"] >= 200 and s["state"] == "training" and fresh else None
             try:
                 status = wait_for(busy, 120, "training to be under way")
             except Exception:

@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "common/job_spec.h"
+#include "worker/link_stream.h"
 
 namespace geotrain {
 namespace {
@@ -42,13 +43,7 @@ LinkMessage Activation(std::vector<int64_t> shape = {2, 4, 8},
   return m;
 }
 
-v1::LinkHeader Hello(uint64_t epoch, int from_stage) {
-  v1::LinkHeader h;
-  h.set_kind(v1::MESSAGE_KIND_HELLO);
-  h.set_epoch(epoch);
-  h.set_from_stage(from_stage);
-  return h;
-}
+v1::LinkHeader Hello(uint64_t epoch, int from_stage) { return MakeHello(epoch, from_stage); }
 
 TEST(LinkValidatorTest, AcceptsWhatThePlanImplies) {
   LinkValidator v(Job(), 5, 1, 1, 3);
