@@ -122,6 +122,12 @@ absl::Status ValidateJobSpec(const v1::JobSpec& job) {
   }
   // Every message of the window must fit a worker's inbox (64) with room for
   // control messages; beyond that the queues could fill in a cycle.
+  if (job.adaptive() && job.activation_codec() == v1::CODEC_NONE &&
+      job.gradient_codec() == v1::CODEC_NONE) {
+    return Invalid(
+        "adaptive compression needs a strongest codec to step up to: set activation_codec "
+        "and/or gradient_codec (e.g. CODEC_INT4)");
+  }
   for (v1::Codec codec : {job.activation_codec(), job.gradient_codec()}) {
     bool exact;
     if (!EncodedSizeBound(codec, 1, job.codec_block_size(), &exact).ok()) {

@@ -6,6 +6,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/codec.h"
+#ifdef GEOTRAIN_WITH_CUDA
+#include "common/cuda/block_codec_cuda.h"
+#endif
 #include "common/link_message.h"
 #include "common/status_macros.h"
 
@@ -43,11 +46,77 @@ c10::ScalarType ToTorchDType(v1::DType dtype) {
 
 }  // namespace
 
+bool HasCudaCodecs() {
+#ifdef GEOTRAIN_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+namespace {
+
+bool IsBlockCodec(v1::Codec codec) {
+  return codec == v1::CODEC_INT8 || codec == v1::CODEC_INT4;
+}
+
+// Appends `encoded` (zstd'd if asked) and fills the header's codec fields.
+absl::Status AppendEncoded(absl::string_view encoded, const WireEncoding& encoding,
+                           v1::TensorHeader* header, std::string* payload) {
+  header->set_codec(encoding.codec);
+  header->set_block_size(encoding.block_size);
+  header->set_encoded_bytes(encoded.size());
+  header->set_zstd(encoding.zstd);
+  const size_t start = payload->size();
+  if (encoding.zstd) {
+    RETURN_IF_ERROR(ZstdCompress(encoded, 1, payload));
+  } else {
+    payload->append(encoded.data(), encoded.size());
+  }
+  header->set_payload_bytes(payload->size() - start);
+  return absl::OkStatus();
+}
+
+#ifdef GEOTRAIN_WITH_CUDA
+// int8/int4 of a CUDA float32 tensor, encoded on its device.
+absl::Status EncodeOnDevice(const torch::Tensor& tensor, const WireEncoding& encoding,
+                            v1::TensorHeader* header, std::string* payload) {
+  const torch::Tensor values = tensor.detach().contiguous();
+  const int bits = encoding.codec == v1::CODEC_INT8 ? 8 : 4;
+  const size_t n = static_cast<size_t>(values.numel());
+  const size_t size = cuda::BlockEncodedSize(n, encoding.block_size, bits);
+  torch::Tensor encoded =
+      torch::empty({static_cast<int64_t>(size)}, values.options().dtype(torch::kUInt8));
+  torch::Tensor nonfinite = torch::zeros({1}, values.options().dtype(torch::kInt32));
+  const std::string error = cuda::EncodeBlocksOnDevice(
+      values.data_ptr<float>(), n, encoding.block_size, bits,
+      static_cast<char*>(encoded.data_ptr()), nonfinite.data_ptr<int>());
+  if (!error.empty()) return absl::InternalError(absl::StrCat("CUDA encode: ", error));
+  if (nonfinite.item<int>() != 0) {
+    return absl::InvalidArgumentError("tensor has non-finite values; refusing to encode");
+  }
+  const torch::Tensor host = encoded.to(torch::kCPU);
+  header->Clear();
+  for (int64_t dim : values.sizes()) header->add_shape(dim);
+  header->set_dtype(v1::DTYPE_FLOAT32);
+  return AppendEncoded(
+      absl::string_view(static_cast<const char*>(host.data_ptr()), size), encoding, header,
+      payload);
+}
+#endif
+
+}  // namespace
+
 absl::Status EncodeTensor(const at::Tensor& tensor, v1::TensorHeader* header,
                           std::string* payload, const WireEncoding& encoding) {
   auto dtype = ToWireDType(tensor.scalar_type());
   if (!dtype.ok()) return dtype.status();
   try {
+#ifdef GEOTRAIN_WITH_CUDA
+    if (tensor.is_cuda() && *dtype == v1::DTYPE_FLOAT32 && IsBlockCodec(encoding.codec)) {
+      return EncodeOnDevice(tensor, encoding, header, payload);
+    }
+#endif
     torch::Tensor cpu = tensor.detach().to(torch::kCPU).contiguous();
     header->Clear();
     for (int64_t dim : cpu.sizes()) header->add_shape(dim);
@@ -76,26 +145,18 @@ absl::Status EncodeTensor(const at::Tensor& tensor, v1::TensorHeader* header,
     ASSIGN_OR_RETURN(std::unique_ptr<Codec> codec, MakeCodec(encoding.codec, options));
     std::string encoded;
     RETURN_IF_ERROR(codec->Encode(cpu.data_ptr<float>(), cpu.numel(), &encoded));
-    header->set_codec(encoding.codec);
-    header->set_block_size(encoding.block_size);
-    header->set_encoded_bytes(encoded.size());
-    header->set_zstd(encoding.zstd);
-    const size_t start = payload->size();
-    if (encoding.zstd) {
-      RETURN_IF_ERROR(ZstdCompress(encoded, 1, payload));
-    } else {
-      payload->append(encoded);
-    }
-    header->set_payload_bytes(payload->size() - start);
+    RETURN_IF_ERROR(AppendEncoded(encoded, encoding, header, payload));
   } catch (const c10::Error& e) {
     return absl::InternalError(absl::StrCat("encode: ", e.what_without_backtrace()));
   }
   return absl::OkStatus();
 }
 
-absl::StatusOr<at::Tensor> DecodeTensor(const v1::TensorHeader& header,
-                                        const std::string& payload,
-                                        size_t offset) {
+namespace {
+
+absl::StatusOr<at::Tensor> DecodeTensorOnHostOrDevice(const v1::TensorHeader& header,
+                                                      const std::string& payload,
+                                                      size_t offset, int cuda_device) {
   RETURN_IF_ERROR(CheckTensorHeader(header));
   if (offset > payload.size() ||
       payload.size() - offset < header.payload_bytes()) {
@@ -127,6 +188,32 @@ absl::StatusOr<at::Tensor> DecodeTensor(const v1::TensorHeader& header,
     }
     return out;
   }
+#ifdef GEOTRAIN_WITH_CUDA
+  if (cuda_device >= 0 && IsBlockCodec(header.codec())) {
+    const int bits = header.codec() == v1::CODEC_INT8 ? 8 : 4;
+    const torch::TensorOptions on_device =
+        torch::TensorOptions().device(torch::Device(torch::kCUDA, cuda_device));
+    // CheckTensorHeader has matched encoded_bytes to the shape and block.
+    const torch::Tensor encoded =
+        torch::from_blob(const_cast<char*>(bytes.data()), {static_cast<int64_t>(bytes.size())},
+                         torch::kUInt8)
+            .to(on_device);
+    torch::Tensor decoded = torch::empty(shape, on_device.dtype(torch::kFloat32));
+    torch::Tensor bad_scale = torch::zeros({1}, on_device.dtype(torch::kInt32));
+    const std::string error = cuda::DecodeBlocksOnDevice(
+        static_cast<const char*>(encoded.data_ptr()), static_cast<size_t>(decoded.numel()),
+        static_cast<int>(header.block_size()), bits, decoded.data_ptr<float>(),
+        bad_scale.data_ptr<int>());
+    if (!error.empty()) return absl::InternalError(absl::StrCat("CUDA decode: ", error));
+    if (bad_scale.item<int>() != 0) {
+      return absl::InvalidArgumentError("block scale is negative or not finite");
+    }
+    if (!torch::isfinite(decoded).all().item<bool>()) {
+      return absl::InvalidArgumentError("decoded tensor has non-finite values");
+    }
+    return decoded;
+  }
+#endif
   CodecOptions options;
   options.block_size = static_cast<int>(header.block_size());
   ASSIGN_OR_RETURN(std::unique_ptr<Codec> codec, MakeCodec(header.codec(), options));
@@ -135,6 +222,21 @@ absl::StatusOr<at::Tensor> DecodeTensor(const v1::TensorHeader& header,
     return absl::InvalidArgumentError("decoded tensor has non-finite values");
   }
   return out;
+}
+
+}  // namespace
+
+absl::StatusOr<at::Tensor> DecodeTensor(const v1::TensorHeader& header,
+                                        const std::string& payload, size_t offset,
+                                        int cuda_device) {
+  try {
+    ASSIGN_OR_RETURN(torch::Tensor t, DecodeTensorOnHostOrDevice(header, payload, offset,
+                                                                 cuda_device));
+    if (cuda_device >= 0 && !t.is_cuda()) t = t.to(torch::Device(torch::kCUDA, cuda_device));
+    return t;
+  } catch (const c10::Error& e) {
+    return absl::InternalError(absl::StrCat("decode: ", e.what_without_backtrace()));
+  }
 }
 
 }  // namespace geotrain

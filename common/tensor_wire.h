@@ -25,16 +25,23 @@ struct WireEncoding {
 
 // Appends `tensor`'s elements to `payload` (copied to the CPU, contiguous,
 // float32 tensors encoded as `encoding` says; other dtypes raw) and
-// describes them in `header`. Supports float32 and int64.
+// describes them in `header`. Supports float32 and int64. Built with
+// GEOTRAIN_WITH_CUDA, int8 and int4 encode a CUDA tensor on its device, so
+// only the encoded bytes cross to the host.
 absl::Status EncodeTensor(const at::Tensor& tensor, v1::TensorHeader* header,
                           std::string* payload, const WireEncoding& encoding = {});
 
 // Decodes the tensor described by `header` from `payload` at `offset` into a
-// new CPU tensor. Checks header consistency and bounds before reading, and
-// that a decoded float tensor is finite.
+// new tensor: on the CPU, or with `cuda_device` >= 0 on that CUDA device
+// (int8/int4 decoded there by the CUDA kernels when built with them, the rest
+// decoded on the CPU and copied). Checks header consistency and bounds
+// before reading, and that a decoded float tensor is finite.
 absl::StatusOr<at::Tensor> DecodeTensor(const v1::TensorHeader& header,
                                         const std::string& payload,
-                                        size_t offset);
+                                        size_t offset, int cuda_device = -1);
+
+// Whether this build has the CUDA codec kernels.
+bool HasCudaCodecs();
 
 }  // namespace geotrain
 

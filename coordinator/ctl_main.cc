@@ -80,14 +80,18 @@ void PrintTable(const geotrain::v1::ClusterStatus& s) {
   for (const auto& w : s.workers()) {
     for (const auto& l : w.links()) {
       if (!header) {
-        std::printf("\n%-4s %-10s %-22s %-5s %10s %10s %6s %10s\n", "ID", "DIRECTION", "PEER",
-                    "CODEC", "SENT_MiB", "RAW_MiB", "RATIO", "GOODPUT_Mb/s");
+        std::printf("\n%-4s %-10s %-22s %-5s %9s %9s %9s %6s %8s %8s %7s %8s %8s\n", "ID",
+                    "DIRECTION", "PEER", "CODEC", "SENT_MiB", "RAW_MiB", "RECV_MiB", "RATIO",
+                    "GOODPUT", "LINK", "SEND_S", "LINK_MS", "COMP_MS");
         header = true;
       }
-      std::printf("%-4s %-10s %-22s %-5s %10.1f %10.1f %6.2f %10.1f\n", w.id().c_str(),
-                  l.direction().c_str(), l.peer().c_str(), l.codec().c_str(),
+      std::printf("%-4s %-10s %-22s %-5s %9.1f %9.1f %9.1f %6.2f %8.1f %8.1f %7.2f %8.1f %8.1f\n",
+                  w.id().c_str(), l.direction().c_str(), l.peer().c_str(), l.codec().c_str(),
                   l.bytes_sent() / 1048576.0, l.raw_bytes_sent() / 1048576.0,
-                  l.compression_ratio(), l.goodput_bps() / 1e6);
+                  l.bytes_received() / 1048576.0, l.compression_ratio(), l.goodput_bps() / 1e6,
+                  l.link_rate_bps() / 1e6, l.send_s(), l.link_s_per_microbatch() * 1e3,
+                  l.compute_s_per_microbatch() * 1e3);
+      if (l.adaptive()) std::printf("     codec: %s\n", l.codec_reason().c_str());
     }
   }
   const int shown = std::min(absl::GetFlag(FLAGS_events), s.events_size());

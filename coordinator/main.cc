@@ -30,6 +30,9 @@ ABSL_FLAG(std::string, schedule, "", "override the job's schedule (sync)");
 ABSL_FLAG(int64_t, seed, -1, "override the job's seed");
 ABSL_FLAG(std::string, activation_codec, "", "override the job's activation codec (none, fp16, bf16, int8, int4, topk)");
 ABSL_FLAG(std::string, gradient_codec, "", "override the job's gradient codec");
+ABSL_FLAG(bool, adaptive, false,
+          "adaptive compression: each link steps between none and its direction's codec "
+          "(the strongest allowed) as the link or the compute limits it");
 ABSL_FLAG(std::string, port_file, "", "write the bound port here once serving");
 ABSL_FLAG(bool, exit_when_done, false, "exit once the job has finished");
 
@@ -75,6 +78,7 @@ int main(int argc, char** argv) {
     if (!codec.ok()) return Fail(std::string(codec.status().message()));
     ((*job).*setter)(*codec);
   }
+  if (absl::GetFlag(FLAGS_adaptive)) job->set_adaptive(true);
   if (absl::Status valid = geotrain::ValidateJobSpec(*job); !valid.ok()) {
     return Fail(absl::StrCat(job_path, " with flag overrides: ", valid.message()));
   }

@@ -5,11 +5,16 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
+#include "common/link_rate_meter.h"
 #include "common/logging.h"
 #include "common/rpc_options.h"
 
 namespace geotrain {
 namespace {
+
+// A reader that spent this long handing a message to the inbox was held up
+// by it; what it reads next arrived meanwhile (see LinkRateMeter).
+constexpr absl::Duration kStall = absl::Milliseconds(1);
 
 grpc::Status Refuse(grpc::StatusCode code, const std::string& peer,
                     absl::string_view reason) {
@@ -17,9 +22,14 @@ grpc::Status Refuse(grpc::StatusCode code, const std::string& peer,
   return grpc::Status(code, std::string(reason));
 }
 
+// Frames go back to back; a message of kMinTimedMessageBytes or more is
+// split in at least two, so the receiver can time its dispersion.
 template <typename Stream>
 bool WriteMessage(Stream* stream, const LinkMessage& message) {
-  for (const v1::LinkFrame& frame : SplitIntoFrames(message)) {
+  const size_t size = message.payload.size();
+  const size_t frame_bytes =
+      size >= kMinTimedMessageBytes ? std::min(kFrameBytes, (size + 1) / 2) : kFrameBytes;
+  for (const v1::LinkFrame& frame : SplitIntoFrames(message, frame_bytes)) {
     if (!stream->Write(frame)) return false;
   }
   return true;
@@ -128,16 +138,28 @@ absl::Status UpstreamLinkServer::ServeAccepted(
     const LinkValidator& validator, Inbox* inbox, int64_t* delivered) {
   FrameAssembler assembler;
   v1::LinkFrame frame;
+  bool after_stall = false;
+  absl::Time first_at;
+  uint64_t first_bytes = 0;
   while (stream->Read(&frame)) {
+    if (frame.has_header()) {
+      first_at = absl::Now();
+      first_bytes = frame.data().size();
+    }
     absl::StatusOr<std::optional<LinkMessage>> added = assembler.Add(std::move(frame));
     if (!added.ok()) return added.status();
     if (!added->has_value()) continue;
     LinkMessage& message = **added;
+    const absl::Duration dispersion = absl::Now() - first_at;
+    const uint64_t trailing = message.payload.size() - first_bytes;
     absl::Status valid = validator.CheckFromUpstream(message);
     if (!valid.ok()) return valid;
-    if (!inbox->Push({true, std::move(message), absl::OkStatus()})) {
+    const absl::Time pushing = absl::Now();
+    if (!inbox->Push({true, std::move(message), absl::OkStatus(), trailing, dispersion,
+                      after_stall})) {
       return absl::CancelledError("worker is stopping");
     }
+    after_stall = absl::Now() - pushing > kStall;
     ++*delivered;
   }
   if (context->IsCancelled()) return absl::CancelledError("link cancelled");
@@ -222,19 +244,33 @@ void DownstreamLinkClient::ReadLoop() {
   FrameAssembler assembler;
   v1::LinkFrame frame;
   absl::Status failure;
+  bool after_stall = false;
+  absl::Time first_at;
+  uint64_t first_bytes = 0;
   while (failure.ok() && stream_->Read(&frame)) {
+    if (frame.has_header()) {
+      first_at = absl::Now();
+      first_bytes = frame.data().size();
+    }
     absl::StatusOr<std::optional<LinkMessage>> added = assembler.Add(std::move(frame));
     if (!added.ok()) {
       failure = added.status();
       break;
     }
     if (!added->has_value()) continue;
+    const absl::Duration dispersion = absl::Now() - first_at;
+    const uint64_t trailing = (**added).payload.size() - first_bytes;
     absl::Status valid = validator_->CheckFromDownstream(**added);
     if (!valid.ok()) {
       failure = valid;
       break;
     }
-    if (!inbox_->Push({false, std::move(**added), absl::OkStatus()})) return;
+    const absl::Time pushing = absl::Now();
+    if (!inbox_->Push({false, std::move(**added), absl::OkStatus(), trailing, dispersion,
+                       after_stall})) {
+      return;
+    }
+    after_stall = absl::Now() - pushing > kStall;
   }
   bool closed;
   {

@@ -32,6 +32,12 @@ struct InboundMessage {
   bool from_upstream = false;
   LinkMessage message;
   absl::Status error;  // not OK: the link broke; `message` is empty
+  // For LinkRateMeter: payload after the first frame, the time from the
+  // first frame's arrival to the last's, and whether the reader waited on a
+  // full inbox just before this message.
+  uint64_t trailing_bytes = 0;
+  absl::Duration dispersion;
+  bool after_stall = false;
 };
 using Inbox = BoundedQueue<InboundMessage>;
 

@@ -17,6 +17,9 @@ ABSL_FLAG(std::string, advertise, "", "HOST[:PORT] that peers should dial (defau
 ABSL_FLAG(std::string, device, "auto", "auto, cpu, cuda or cuda:N");
 ABSL_FLAG(int, threads, 0, "LibTorch compute threads (0: LibTorch's default)");
 ABSL_FLAG(std::string, name, "", "worker name shown in status (default: its id)");
+ABSL_FLAG(std::string, route, "",
+          "PEER=VIA[,...]: dial VIA (HOST:PORT, e.g. a geotrain-linkem relay) instead of the "
+          "peer advertised as PEER");
 ABSL_FLAG(int, join_timeout_s, 0, "give up joining after this long (0: keep trying)");
 
 int main(int argc, char** argv) {
@@ -31,6 +34,13 @@ int main(int argc, char** argv) {
   options.device = absl::GetFlag(FLAGS_device);
   options.threads = absl::GetFlag(FLAGS_threads);
   options.name = absl::GetFlag(FLAGS_name);
+  auto routes = geotrain::ParseLinkRoutes(absl::GetFlag(FLAGS_route));
+  if (!routes.ok()) {
+    std::fprintf(stderr, "geotrain-worker: --route: %s\n",
+                 std::string(routes.status().message()).c_str());
+    return 2;
+  }
+  options.routes = *std::move(routes);
   if (absl::GetFlag(FLAGS_join_timeout_s) > 0) {
     options.join_timeout = absl::Seconds(absl::GetFlag(FLAGS_join_timeout_s));
   }

@@ -51,13 +51,22 @@ PipelineDriver::PipelineDriver(const v1::JobSpec& job,
       downstream_(downstream),
       inbox_(inbox),
       progress_(progress),
-      stats_(stats) {}
+      stats_(stats) {
+  if (job_.adaptive()) {
+    AdaptiveCodecOptions adaptive;
+    adaptive.topk_fraction = job_.topk_fraction();
+    down_link_.selector.emplace(CodecLadder(job_.activation_codec()), adaptive);
+    up_link_.selector.emplace(CodecLadder(job_.gradient_codec()), adaptive);
+    runtime_->SetActivationCodec(down_link_.selector->codec());
+    runtime_->SetGradientCodec(up_link_.selector->codec());
+  }
+}
 
 absl::Status PipelineDriver::Run() {
   start_ = absl::Now();
   idle_ = absl::ZeroDuration();
   backwards_ = static_cast<int64_t>(options_.start_step) * job_.microbatches();
-  samples_.push_back({start_, idle_, backwards_});
+  samples_.push_back({start_, idle_, send_total_, backwards_});
   PublishStats();
   absl::Status status = options_.stage == 0 ? RunFirstStage() : RunLaterStage();
   PublishStats();  // the final figures, whatever the throttle skipped
@@ -70,22 +79,83 @@ absl::StatusOr<InboundMessage> PipelineDriver::NextMessage() {
   idle_ += absl::Now() - waiting;
   if (!in.has_value()) return absl::CancelledError("worker is stopping");
   if (!in->error.ok()) return in->error;
+  CountReceived(*in);
   return *std::move(in);
 }
 
-absl::Status PipelineDriver::CountedSend(MessageSink* sink, const LinkMessage& message,
-                                         LinkCounter* counter) {
-  for (const v1::TensorHeader& t : message.header.tensors()) {
+namespace {
+uint64_t RawBytes(const v1::LinkHeader& header) {
+  uint64_t raw = 0;
+  for (const v1::TensorHeader& t : header.tensors()) {
     uint64_t elements = 1;
     for (int64_t d : t.shape()) elements *= static_cast<uint64_t>(d);
-    counter->raw_bytes += elements * DTypeSize(t.dtype());
-    if (t.dtype() == v1::DTYPE_FLOAT32) counter->codec = CodecName(t.codec());
+    raw += elements * DTypeSize(t.dtype());
   }
-  counter->bytes += message.payload.size();
-  ++counter->messages;
+  return raw;
+}
+}  // namespace
+
+void PipelineDriver::CountReceived(const InboundMessage& in) {
+  LinkState& link = in.from_upstream ? up_link_ : down_link_;
+  const LinkMessage& message = in.message;
+  if (message.header.receive_rate_bps() > 0) link.peer_rate_bps = message.header.receive_rate_bps();
+  if (message.payload.empty()) return;
+  link.bytes_received += message.payload.size();
+  link.raw_bytes_received += RawBytes(message.header);
+  link.receive_meter.OnMessage(in.trailing_bytes, in.dispersion, in.after_stall);
+}
+
+double PipelineDriver::RecentComputeSeconds() const {
+  const Sample& first = samples_.front();
+  const Sample& last = samples_.back();
+  const int64_t done = last.backwards - first.backwards;
+  if (done <= 0) return 0;
+  const absl::Duration busy =
+      (last.time - first.time) - (last.idle - first.idle) - (last.send - first.send);
+  return std::max(0.0, absl::ToDoubleSeconds(busy) / done);
+}
+
+void PipelineDriver::ObserveLink(LinkState* link, bool activations) {
+  // One observation every few messages, so that each sees new samples.
+  if (!link->selector || ++link->messages_since_observation < 4) return;
+  link->messages_since_observation = 0;
+  const double link_s =
+      link->peer_rate_bps > 0 ? 8 * link->wire_bytes_per_message / link->peer_rate_bps : 0;
+  if (!link->selector->Observe(link_s, RecentComputeSeconds())) return;
+  const v1::Codec codec = link->selector->codec();
+  if (activations) {
+    runtime_->SetActivationCodec(codec);
+  } else {
+    runtime_->SetGradientCodec(codec);
+  }
+  link->wire_bytes_per_message = 0;  // sizes at the old codec no longer apply
+  GT_LOG(Info) << (activations ? "activations" : "gradients") << ": "
+               << link->selector->reason();
+}
+
+absl::Status PipelineDriver::CountedSend(MessageSink* sink, LinkMessage message,
+                                         LinkState* link) {
+  message.header.set_receive_rate_bps(link->receive_meter.rate_bps());
+  for (const v1::TensorHeader& t : message.header.tensors()) {
+    if (t.dtype() == v1::DTYPE_FLOAT32) link->codec = CodecName(t.codec());
+  }
+  link->raw_bytes += RawBytes(message.header);
+  link->bytes += message.payload.size();
+  ++link->messages;
+  const v1::MessageKind kind = message.header.kind();
+  const bool training = kind == v1::MESSAGE_KIND_ACTIVATION || kind == v1::MESSAGE_KIND_GRADIENT;
+  if (training) {
+    const double bytes = static_cast<double>(message.payload.size());
+    link->wire_bytes_per_message = link->wire_bytes_per_message == 0
+                                       ? bytes
+                                       : 0.75 * link->wire_bytes_per_message + 0.25 * bytes;
+  }
   const absl::Time start = absl::Now();
   absl::Status sent = sink->Send(message);
-  counter->send_time += absl::Now() - start;
+  const absl::Duration took = absl::Now() - start;
+  link->send_time += took;
+  send_total_ += took;
+  if (sent.ok() && training) ObserveLink(link, kind == v1::MESSAGE_KIND_ACTIVATION);
   return sent;
 }
 
@@ -93,14 +163,14 @@ absl::Status PipelineDriver::SendDown(LinkMessage message) {
   if (downstream_ == nullptr) return absl::InternalError("no downstream link");
   message.header.set_epoch(options_.epoch);
   message.header.set_from_stage(options_.stage);
-  return CountedSend(downstream_, message, &sent_down_);
+  return CountedSend(downstream_, std::move(message), &down_link_);
 }
 
 absl::Status PipelineDriver::SendUp(LinkMessage message) {
   if (upstream_ == nullptr) return absl::InternalError("no upstream link");
   message.header.set_epoch(options_.epoch);
   message.header.set_from_stage(options_.stage);
-  return CountedSend(upstream_, message, &sent_up_);
+  return CountedSend(upstream_, std::move(message), &up_link_);
 }
 
 absl::Status PipelineDriver::AfterBackward(double loss) {
@@ -117,7 +187,7 @@ absl::Status PipelineDriver::AfterBackward(double loss) {
     ++step_losses_;
   }
   const absl::Time now = absl::Now();
-  samples_.push_back({now, idle_, backwards_});
+  samples_.push_back({now, idle_, send_total_, backwards_});
   while (samples_.size() > 2 && now - samples_[1].time > options_.stats_window) {
     samples_.pop_front();
   }
@@ -279,25 +349,36 @@ void PipelineDriver::PublishStats() {
     const double idle = absl::ToDoubleSeconds(last.idle - first.idle);
     stats.set_bubble_fraction(std::clamp(idle / wall, 0.0, 1.0));
     stats.set_microbatches_per_s(done / wall);
-    if (done > 0) stats.set_compute_s_per_microbatch((wall - idle) / done);
   }
-  for (const auto& [counter, direction, peer] :
-       {std::tuple{&sent_down_, "downstream", options_.downstream_peer},
-        std::tuple{&sent_up_, "upstream", options_.upstream_peer}}) {
-    if (counter->messages == 0) continue;
-    v1::LinkStats* link = stats.add_links();
-    link->set_peer(peer);
-    link->set_direction(direction);
-    link->set_codec(counter->codec.empty() ? "none" : counter->codec);
-    link->set_bytes_sent(counter->bytes);
-    link->set_raw_bytes_sent(counter->raw_bytes);
-    link->set_messages_sent(counter->messages);
-    if (counter->bytes > 0) {
-      link->set_compression_ratio(static_cast<double>(counter->raw_bytes) / counter->bytes);
+  const double compute_s = RecentComputeSeconds();
+  stats.set_compute_s_per_microbatch(compute_s);
+  const double elapsed = absl::ToDoubleSeconds(absl::Now() - start_);
+  for (const auto& [link, direction, peer] :
+       {std::tuple{&down_link_, "downstream", options_.downstream_peer},
+        std::tuple{&up_link_, "upstream", options_.upstream_peer}}) {
+    if (link->messages == 0 && link->bytes_received == 0) continue;
+    v1::LinkStats* out = stats.add_links();
+    out->set_peer(peer);
+    out->set_direction(direction);
+    out->set_codec(link->codec.empty() ? "none" : link->codec);
+    out->set_bytes_sent(link->bytes);
+    out->set_raw_bytes_sent(link->raw_bytes);
+    out->set_messages_sent(link->messages);
+    if (link->bytes > 0) {
+      out->set_compression_ratio(static_cast<double>(link->raw_bytes) / link->bytes);
     }
-    const double seconds = absl::ToDoubleSeconds(counter->send_time);
-    link->set_send_s(seconds);
-    if (seconds > 0) link->set_goodput_bps(8.0 * counter->raw_bytes / seconds);
+    const double seconds = absl::ToDoubleSeconds(link->send_time);
+    out->set_send_s(seconds);
+    if (elapsed > 0) out->set_goodput_bps(8.0 * link->raw_bytes / elapsed);
+    out->set_bytes_received(link->bytes_received);
+    out->set_raw_bytes_received(link->raw_bytes_received);
+    out->set_link_rate_bps(link->peer_rate_bps);
+    if (link->peer_rate_bps > 0) {
+      out->set_link_s_per_microbatch(8 * link->wire_bytes_per_message / link->peer_rate_bps);
+    }
+    out->set_compute_s_per_microbatch(compute_s);
+    out->set_adaptive(link->selector.has_value());
+    out->set_codec_reason(link->selector ? link->selector->reason() : "fixed by the job");
   }
   stats_->Set(stats);
 }

@@ -18,11 +18,14 @@
 
 #include <cstdint>
 #include <deque>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/adaptive_codec.h"
+#include "common/link_rate_meter.h"
 #include "geotrain/v1/coordinator.pb.h"
 #include "geotrain/v1/job.pb.h"
 #include "worker/link_stream.h"
@@ -127,18 +130,32 @@ class PipelineDriver {
   struct Sample {
     absl::Time time;
     absl::Duration idle;
+    absl::Duration send;
     int64_t backwards;
   };
   std::deque<Sample> samples_;
   absl::Time last_published_ = absl::InfinitePast();
-  struct LinkCounter {
+  // One neighbour link as this stage sees it: what it sent and received,
+  // how fast what it sends arrives (measured by the peer), and, with
+  // `adaptive`, the codec it sends with.
+  struct LinkState {
     uint64_t bytes = 0, raw_bytes = 0, messages = 0;
     absl::Duration send_time;
     std::string codec;
+    uint64_t bytes_received = 0, raw_bytes_received = 0;
+    LinkRateMeter receive_meter;
+    double peer_rate_bps = 0;
+    double wire_bytes_per_message = 0;  // recent training messages sent
+    std::optional<AdaptiveCodecSelector> selector;
+    int messages_since_observation = 0;
   };
-  LinkCounter sent_down_, sent_up_;
-  static absl::Status CountedSend(MessageSink* sink, const LinkMessage& message,
-                                  LinkCounter* counter);
+  LinkState down_link_, up_link_;
+  absl::Duration send_total_;  // time in Send(), all links
+  absl::Status CountedSend(MessageSink* sink, LinkMessage message, LinkState* link);
+  void CountReceived(const InboundMessage& in);
+  // Pure compute per microbatch over the recent window (no idle, no sends).
+  double RecentComputeSeconds() const;
+  void ObserveLink(LinkState* link, bool activations);
 };
 
 }  // namespace geotrain

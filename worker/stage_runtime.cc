@@ -104,8 +104,11 @@ struct StageRuntime::Impl {
     }
     size_t offset = 0;
     for (int j = 0; j < i; ++j) offset += message.header.tensors(j).payload_bytes();
-    ASSIGN_OR_RETURN(torch::Tensor t,
-                     DecodeTensor(message.header.tensors(i), message.payload, offset));
+    // int8/int4 payloads are decoded on the GPU when the build has the
+    // kernels; the rest are decoded on the CPU and copied.
+    const int cuda_device = device.is_cuda() ? std::max<int>(0, device.index()) : -1;
+    ASSIGN_OR_RETURN(torch::Tensor t, DecodeTensor(message.header.tensors(i), message.payload,
+                                                   offset, cuda_device));
     if (i == 1 && t.numel() > 0) {  // targets index the loss
       const int64_t classes = NumTargetClasses(job);
       if (t.min().item<int64_t>() < 0 || t.max().item<int64_t>() >= classes) {
@@ -379,6 +382,14 @@ StashStats StageRuntime::stash_stats() const {
       s.backwards_checked > 0 ? static_cast<double>(s.staleness_sum) / s.backwards_checked : 0;
   stats.backwards_checked = s.backwards_checked;
   return stats;
+}
+
+void StageRuntime::SetActivationCodec(v1::Codec codec) {
+  impl_->options.activation_encoding.codec = codec;
+}
+
+void StageRuntime::SetGradientCodec(v1::Codec codec) {
+  impl_->options.gradient_encoding.codec = codec;
 }
 
 }  // namespace geotrain

@@ -101,6 +101,11 @@ class StageRuntime {
   absl::Status ApplyUpdate(double progress = 0);
   StashStats stash_stats() const;
 
+  // Changes the codec of outgoing activations or gradients from the next
+  // message on (adaptive compression); receivers read it from each header.
+  void SetActivationCodec(v1::Codec codec);
+  void SetGradientCodec(v1::Codec codec);
+
   // Training microbatches whose forward ran and whose backward has not.
   size_t pending_microbatches() const;
   std::string device() const;

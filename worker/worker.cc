@@ -24,7 +24,28 @@ std::pair<std::string, std::string> SplitHostPort(const std::string& address) {
   return {address.substr(0, colon), address.substr(colon + 1)};
 }
 
+bool IsHostPort(const std::string& address) {
+  auto [host, port] = SplitHostPort(address);
+  int number = 0;
+  return !host.empty() && absl::SimpleAtoi(port, &number) && number > 0 && number < 65536;
+}
+
 }  // namespace
+
+absl::StatusOr<std::map<std::string, std::string>> ParseLinkRoutes(const std::string& spec) {
+  std::map<std::string, std::string> routes;
+  for (absl::string_view entry : absl::StrSplit(spec, ',', absl::SkipWhitespace())) {
+    std::vector<std::string> parts = absl::StrSplit(entry, '=');
+    if (parts.size() != 2 || !IsHostPort(parts[0]) || !IsHostPort(parts[1])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("route '", entry, "' is not PEER_HOST:PORT=VIA_HOST:PORT"));
+    }
+    if (!routes.emplace(parts[0], parts[1]).second) {
+      return absl::InvalidArgumentError(absl::StrCat("two routes for peer ", parts[0]));
+    }
+  }
+  return routes;
+}
 
 Worker::Worker(WorkerOptions options)
     : options_(std::move(options)), coordinator_(options_.coordinator) {}
@@ -163,8 +184,13 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
   std::unique_ptr<DownstreamLinkClient> downstream;
   if (mine.stage() + 1 < num_stages) {
     const v1::StageAssignment& next = plan.stages(mine.stage() + 1);
+    std::string dial = next.address();
+    if (auto route = options_.routes.find(dial); route != options_.routes.end()) {
+      dial = route->second;
+      GT_LOG(Info) << "routing the link to " << next.address() << " via " << dial;
+    }
     ASSIGN_OR_RETURN(downstream,
-                     DownstreamLinkClient::Connect(next.address(), validator, &inbox_,
+                     DownstreamLinkClient::Connect(dial, validator, &inbox_,
                                                    absl::Seconds(120), &stop_));
     absl::MutexLock lock(&mu_);
     downstream_ = downstream.get();

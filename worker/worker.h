@@ -13,7 +13,11 @@
 #include <string>
 #include <thread>
 
+#include <map>
+#include <string>
+
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "geotrain/v1/coordinator.pb.h"
 #include "worker/coordinator_client.h"
@@ -28,8 +32,14 @@ struct WorkerOptions {
   std::string device = "auto";
   int threads = 0;
   std::string name;
+  // Peer address (as the plan names it) -> address to dial instead, e.g. a
+  // geotrain-linkem relay in front of that peer.
+  std::map<std::string, std::string> routes;
   absl::Duration join_timeout = absl::InfiniteDuration();
 };
+
+// Parses "PEER=VIA[,PEER=VIA...]" (each a HOST:PORT) into WorkerOptions::routes.
+absl::StatusOr<std::map<std::string, std::string>> ParseLinkRoutes(const std::string& spec);
 
 class Worker {
  public:

@@ -158,9 +158,12 @@ class LinkRefusalTest : public testing::Test {
     }
     v1::LinkFrame in;
     std::vector<v1::LinkFrame> got;
-    // Read until the worker answers what we sent (or ends the stream).
-    const size_t wanted = received ? 2 : 0;
-    while (got.size() < wanted || (!received && got.empty())) {
+    // Read until the worker answers what we sent with a whole message (the
+    // last frame of one after its HELLO), or ends the stream.
+    auto answered = [&] {
+      return received ? got.size() >= 2 && got.back().last() : !got.empty();
+    };
+    while (!answered()) {
       if (!stream->Read(&in)) break;
       got.push_back(in);
     }

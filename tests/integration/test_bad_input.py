@@ -51,7 +51,7 @@ class BadJobFileTest(unittest.TestCase):
 
 class UnknownFlagTest(unittest.TestCase):
     def test_every_binary_refuses_unknown_flags(self):
-        for name in ("geotrain-coordinator", "geotrain-worker", "geotrain-ctl"):
+        for name in ("geotrain-coordinator", "geotrain-worker", "geotrain-ctl", "geotrain-linkem"):
             out = run([binary(name), "--no_such_flag=1"])
             self.assertNotEqual(out.returncode, 0, name)
             self.assertIn("no_such_flag", out.stderr, name)
@@ -113,6 +113,15 @@ class DeviceTest(unittest.TestCase):
         out = run([binary("geotrain-worker"), "--device=tpu", "--coordinator=127.0.0.1:1"])
         self.assertNotEqual(out.returncode, 0)
         self.assertIn("--device=tpu", out.stderr)
+
+
+class RouteTest(unittest.TestCase):
+    def test_malformed_route_is_refused(self):
+        for spec in ("127.0.0.1:9000", "127.0.0.1:9000=nowhere", "a=b=c",
+                     "127.0.0.1:1=127.0.0.1:2,127.0.0.1:1=127.0.0.1:3"):
+            out = run([binary("geotrain-worker"), f"--route={spec}", "--coordinator=127.0.0.1:1"])
+            self.assertEqual(out.returncode, 2, spec)
+            self.assertIn("--route", out.stderr, spec)
 
 
 if __name__ == "__main__":

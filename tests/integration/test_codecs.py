@@ -1,8 +1,34 @@
 """Compressed activations and gradients on real links: wire bytes per
 sample of the demo job under each codec, against none."""
+import os
+import sys
+import tempfile
+import time
 import unittest
 
-from cluster import Cluster, job_path
+from cluster import BIN_DIR, SOURCE_DIR, Cluster, job_path, wait_for
+
+sys.path.insert(0, os.path.join(SOURCE_DIR, "deploy", "wan-lab"))
+import wan_job  # noqa: E402
+
+# Wide activations, little compute: link-bound on a 100 Mb/s link.
+LINK_BOUND_JOB = """
+name: "adaptive-mlp"
+mlp { hidden: 512 hidden: 512 hidden: 512 }
+fashion_mnist { dir: "/usr/share/datasets/fashion-mnist" }
+optimizer { kind: KIND_ADAMW lr: 0.0005 }
+schedule: SCHEDULE_ASYNC_STASH
+steps: 100000
+microbatches: 4
+microbatch_size: 256
+in_flight: 16
+min_workers: 3
+eval_every: 0
+eval_batches: 1
+activation_codec: CODEC_INT4
+gradient_codec: CODEC_INT4
+adaptive: true
+"""
 
 
 def wire_bytes(test, codec):
@@ -48,6 +74,51 @@ class CodecWireTest(unittest.TestCase):
         print(f"gpt-tiny val_loss: none {val['none']:.4f}, int8 {val['int8']:.4f} "
               f"({val['int8'] / val['none'] - 1:+.2%})")
         self.assertLessEqual(abs(val["int8"] / val["none"] - 1), 0.02)
+
+
+class AdaptiveCodecTest(unittest.TestCase):
+    def test_link_bound_links_step_up_and_say_why(self):
+        workdir = tempfile.mkdtemp(prefix="geotrain-adaptive-")
+        job_file = os.path.join(workdir, "job.textproto")
+        with open(job_file, "w") as f:
+            f.write(LINK_BOUND_JOB)
+        with wan_job.WanJob(job_file, 3, ["--delay_ms=5", "--rate_mbit=100"], bin_dir=BIN_DIR,
+                            workdir=workdir) as job:
+            job.start()
+
+            def stepped_up():
+                status = job.status()
+                links = [l for w in (status or {}).get("workers", []) for l in w.get("links", [])]
+                stronger = [l for l in links if l["codec"] != "none"]
+                return links if len(links) == 4 and len(stronger) >= 2 else None
+
+            try:
+                links = wait_for(stepped_up, 180, "links to leave codec none", interval=1)
+            except TimeoutError:
+                print(job.status())
+                raise
+        for link in links:
+            print(f"{link['direction']:>10} {link['codec']:>5}: {link['codec_reason']}")
+            self.assertTrue(link["adaptive"])
+            self.assertIn("codec_reason", link)
+        stepped = [l for l in links if l["codec"] != "none"]
+        for link in stepped:
+            self.assertIn(link["codec"], ("fp16", "int8", "int4"))
+            # The peer measured the relay's rate (100 Mb/s) within 25%.
+            self.assertLess(abs(link["link_rate_bps"] / 100e6 - 1), 0.25, link)
+        self.assertTrue(any("link-bound" in l["codec_reason"] for l in links))
+
+    def test_compute_bound_links_stay_uncompressed(self):
+        with Cluster(job_path("gpt-tiny.textproto"),
+                     ["--steps=20", "--adaptive", "--activation_codec=int4",
+                      "--gradient_codec=int4"]) as c:
+            status = c.train(3, timeout=300).status()
+        links = [l for w in status["workers"] for l in w["links"]]
+        self.assertEqual(len(links), 4)
+        for link in links:
+            self.assertTrue(link["adaptive"])
+            self.assertEqual(link["codec"], "none", link)
+            self.assertIn("compute-bound", link["codec_reason"])
 
 
 if __name__ == "__main__":
