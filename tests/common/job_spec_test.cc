@@ -65,7 +65,10 @@ INSTANTIATE_TEST_SUITE_P(
                    "lr"},
         BadJobCase{"zero_width", "mlp { hidden: 0 } fashion_mnist {} steps: 1", "hidden"},
         BadJobCase{"short_lease", "mlp { hidden: 8 } fashion_mnist {} steps: 1 lease_ms: 5",
-                   "lease_ms"}),
+                   "lease_ms"},
+        BadJobCase{"adaptive_without_a_codec",
+                   "mlp { hidden: 8 } fashion_mnist {} steps: 1 adaptive: true",
+                   "strongest codec"}),
     [](const testing::TestParamInfo<BadJobCase>& info) { return info.param.name; });
 
 TEST(JobSpecTest, MissingFileIsNamed) {
