@@ -44,6 +44,7 @@ void ApplyJobDefaults(v1::JobSpec* job) {
   if (job->min_workers() == 0) job->set_min_workers(1);
   if (job->eval_batches() == 0) job->set_eval_batches(8);
   if (job->lease_ms() == 0) job->set_lease_ms(5000);
+  if (job->checkpoint_every() == 0) job->set_checkpoint_every(10);
   if (job->update_every() == 0) job->set_update_every(1);
   if (job->activation_codec() == v1::CODEC_UNSPECIFIED) job->set_activation_codec(v1::CODEC_NONE);
   if (job->gradient_codec() == v1::CODEC_UNSPECIFIED) job->set_gradient_codec(v1::CODEC_NONE);

@@ -68,6 +68,38 @@ grpc::Status CoordinatorService::ReportDone(grpc::ServerContext*,
   return ToGrpcStatus(controller_->ReportDone(*request));
 }
 
+grpc::Status CoordinatorService::SaveCheckpoint(grpc::ServerContext*,
+                                                grpc::ServerReader<v1::LayerCheckpoint>* reader,
+                                                v1::SaveCheckpointResponse* response) {
+  v1::LayerCheckpoint checkpoint;
+  while (reader->Read(&checkpoint)) {
+    if (absl::Status saved = controller_->SaveCheckpoint(checkpoint); !saved.ok()) {
+      return ToGrpcStatus(saved);
+    }
+    response->set_layers_saved(response->layers_saved() + 1);
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorService::LoadCheckpoint(grpc::ServerContext*,
+                                                const v1::LoadCheckpointRequest* request,
+                                                v1::LayerCheckpoint* response) {
+  absl::StatusOr<v1::LayerCheckpoint> checkpoint =
+      controller_->LoadCheckpoint(request->worker_id(), request->layer());
+  if (!checkpoint.ok()) return ToGrpcStatus(checkpoint.status());
+  *response = *std::move(checkpoint);
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorService::ReportEvent(grpc::ServerContext*, const v1::WorkerEvent* request,
+                                             v1::ReportAck*) {
+  if (request->kind().empty()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "event without a kind");
+  }
+  controller_->RecordWorkerEvent(*request);
+  return grpc::Status::OK;
+}
+
 grpc::Status StatusService::GetClusterStatus(grpc::ServerContext*,
                                              const v1::ClusterStatusRequest*,
                                              v1::ClusterStatus* response) {

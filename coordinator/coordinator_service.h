@@ -35,6 +35,14 @@ class CoordinatorService final : public v1::Coordinator::Service {
   grpc::Status ReportDone(grpc::ServerContext* context,
                           const v1::DoneReport* request,
                           v1::ReportAck* response) override;
+  grpc::Status SaveCheckpoint(grpc::ServerContext* context,
+                              grpc::ServerReader<v1::LayerCheckpoint>* reader,
+                              v1::SaveCheckpointResponse* response) override;
+  grpc::Status LoadCheckpoint(grpc::ServerContext* context,
+                              const v1::LoadCheckpointRequest* request,
+                              v1::LayerCheckpoint* response) override;
+  grpc::Status ReportEvent(grpc::ServerContext* context, const v1::WorkerEvent* request,
+                           v1::ReportAck* response) override;
 
  private:
   JobController* controller_;  // not owned

@@ -39,27 +39,106 @@ absl::StatusOr<std::unique_ptr<JobController>> JobController::Create(
   }
   absl::StatusOr<StateStore> store = StateStore::Open(options.state_dir);
   if (!store.ok()) return store.status();
+  absl::StatusOr<std::unique_ptr<CheckpointStore>> checkpoints =
+      CheckpointStore::Open(options.state_dir);
+  if (!checkpoints.ok()) return checkpoints.status();
   auto controller = std::unique_ptr<JobController>(
-      new JobController(std::move(options), *std::move(store)));
+      new JobController(std::move(options), *std::move(store), *std::move(checkpoints)));
   absl::MutexLock lock(&controller->mu_);
+  if (absl::Status recovered = controller->RecoverLocked(); !recovered.ok()) return recovered;
   if (!controller->options_.metrics_log_path.empty()) {
+    // A recovering coordinator continues the log; a new job starts it.
     controller->metrics_.open(controller->options_.metrics_log_path,
-                              std::ios::out | std::ios::trunc);
+                              controller->recovered_ ? std::ios::out | std::ios::app
+                                                     : std::ios::out | std::ios::trunc);
     if (!controller->metrics_) {
       return absl::UnavailableError(absl::StrCat(
           "cannot write metrics log ", controller->options_.metrics_log_path));
     }
   }
-  controller->AddEventLocked("started", "",
-                             absl::StrCat("job ", controller->options_.job.name()));
+  if (!controller->recovered_) {
+    controller->AddEventLocked("started", "",
+                               absl::StrCat("job ", controller->options_.job.name()));
+  }
+  controller->PersistLocked();
   return controller;
 }
 
-JobController::JobController(JobControllerOptions options, StateStore store)
+JobController::JobController(JobControllerOptions options, StateStore store,
+                             std::unique_ptr<CheckpointStore> checkpoints)
     : options_(std::move(options)),
       start_ms_(options_.clock->NowMs()),
       membership_(options_.clock, options_.job.lease_ms()),
-      store_(std::move(store)) {}
+      store_(std::move(store)),
+      checkpoints_(std::move(checkpoints)) {}
+
+absl::Status JobController::RecoverLocked() {
+  absl::StatusOr<std::optional<v1::CoordinatorState>> state = store_.ReadState();
+  if (!state.ok()) return state.status();
+  absl::StatusOr<std::optional<v1::Plan>> plan = store_.ReadPlan();
+  if (!plan.ok()) return plan.status();
+  if (!state->has_value()) return absl::OkStatus();
+  const v1::CoordinatorState& saved = **state;
+  std::vector<WorkerRecord> records;
+  int live = 0;
+  for (const v1::PersistedMember& m : saved.members()) {
+    WorkerRecord& r = records.emplace_back();
+    r.id = m.id();
+    r.name = m.name();
+    r.address = m.address();
+    r.device = m.device();
+    r.join_order = m.join_order();
+    r.alive = m.alive();
+    r.end_reason = m.end_reason();
+    live += r.alive ? 1 : 0;
+  }
+  membership_.Restore(std::move(records));
+  step_ = saved.step();
+  samples_ = saved.samples();
+  loss_ = saved.loss();
+  val_loss_ = saved.val_loss();
+  accuracy_ = saved.accuracy();
+  done_ = saved.done();
+  if (plan->has_value()) {
+    plan_ = **plan;
+    training_start_s_ = ElapsedS() - saved.training_elapsed_s();
+  }
+  recovered_ = true;
+  std::string layers;
+  for (const auto& [layer, steps] : checkpoints_->Index()) {
+    if (!steps.empty()) absl::StrAppend(&layers, layers.empty() ? "" : ", ", layer, "@", steps.back());
+  }
+  AddEventLocked("recovered", "",
+                 absl::StrCat("from ", store_.dir(), ": epoch ", plan_ ? plan_->epoch() : 0,
+                              ", step ", step_, ", ", live,
+                              " workers expected back, checkpoints (layer@step) ",
+                              layers.empty() ? "none" : layers));
+  return absl::OkStatus();
+}
+
+void JobController::PersistLocked() {
+  v1::CoordinatorState state;
+  for (const WorkerRecord& w : membership_.Snapshot()) {
+    v1::PersistedMember* m = state.add_members();
+    m->set_id(w.id);
+    m->set_name(w.name);
+    m->set_address(w.address);
+    *m->mutable_device() = w.device;
+    m->set_alive(w.alive);
+    m->set_end_reason(w.end_reason);
+    m->set_join_order(w.join_order);
+  }
+  state.set_step(step_);
+  state.set_samples(samples_);
+  state.set_loss(loss_);
+  state.set_training_elapsed_s(training_start_s_ < 0 ? 0 : ElapsedS() - training_start_s_);
+  state.set_val_loss(val_loss_);
+  state.set_accuracy(accuracy_);
+  state.set_done(done_);
+  absl::Status written = store_.WriteState(state);
+  if (!written.ok()) GT_LOG(Warning) << "could not persist state: " << written.message();
+  last_persist_ms_ = options_.clock->NowMs();
+}
 
 double JobController::ElapsedS() const {
   return (options_.clock->NowMs() - start_ms_) / 1000.0;
@@ -78,7 +157,9 @@ v1::JoinResponse JobController::Join(const v1::JoinRequest& request) {
                  absl::StrFormat("%s at %s, %s, %.1f GFLOP/s", record.id,
                                  record.address, request.device().device(),
                                  request.device().matmul_gflops()));
+  MaybeReplanLocked();
   MaybePlanLocked();
+  PersistLocked();
   return response;
 }
 
@@ -91,6 +172,8 @@ void JobController::Leave(const std::string& worker_id) {
   if (membership_.Leave(worker_id, "left")) {
     absl::MutexLock lock(&mu_);
     AddEventLocked("left", NameOf(worker_id), worker_id);
+    MaybeReplanLocked();
+    PersistLocked();
   }
 }
 
@@ -134,6 +217,7 @@ absl::Status JobController::ReportStep(const v1::StepReport& report) {
       "{\"step\":%d,\"loss\":%.8g,\"samples\":%d,\"time_s\":%.3f,"
       "\"rss_bytes\":{%s}}",
       step_, loss_, samples_, now - training_start_s_, rss));
+  if (options_.clock->NowMs() - last_persist_ms_ >= 1000) PersistLocked();
   return absl::OkStatus();
 }
 
@@ -184,6 +268,7 @@ absl::Status JobController::ReportDone(const v1::DoneReport& report) {
   if (!done_ && done_workers_.size() ==
                     static_cast<size_t>(plan_->stages_size())) {
     done_ = true;
+    PersistLocked();
     v1::Plan final_plan = *plan_;
     final_plan.set_epoch(plan_->epoch() + 1);
     final_plan.set_job_done(true);
@@ -199,29 +284,106 @@ void JobController::Tick() {
   for (const WorkerRecord& w : expired) {
     AddEventLocked("lost", w.name, absl::StrCat(w.id, ": ", w.end_reason));
   }
+  MaybeReplanLocked();
   MaybePlanLocked();
+  if (!expired.empty()) PersistLocked();
 }
 
-void JobController::MaybePlanLocked() {
-  if (plan_.has_value() || done_) return;
-  std::vector<WorkerRecord> live = membership_.LiveWorkers();
-  if (static_cast<int>(live.size()) < options_.job.min_workers()) return;
+absl::Status JobController::SaveCheckpoint(const v1::LayerCheckpoint& checkpoint) {
+  if (checkpoint.layer() >= NumLayers(options_.job)) {
+    return absl::InvalidArgumentError(absl::StrCat("checkpoint of layer ", checkpoint.layer(),
+                                                   ": the model has ",
+                                                   NumLayers(options_.job)));
+  }
+  return checkpoints_->Save(checkpoint);
+}
+
+absl::StatusOr<v1::LayerCheckpoint> JobController::LoadCheckpoint(const std::string& worker_id,
+                                                                   int layer) {
+  std::vector<std::string> skipped;
+  absl::StatusOr<v1::LayerCheckpoint> checkpoint = checkpoints_->LoadLatest(layer, &skipped);
+  absl::MutexLock lock(&mu_);
+  for (const std::string& why : skipped) {
+    AddEventLocked("checkpoint_corrupt", "", absl::StrCat(why, "; using an older one"));
+  }
+  if (checkpoint.ok()) {
+    AddEventLocked("restore", NameOf(worker_id),
+                   absl::StrCat("layer ", layer, " from step ", checkpoint->step()));
+  }
+  return checkpoint;
+}
+
+void JobController::RecordWorkerEvent(const v1::WorkerEvent& event) {
+  absl::MutexLock lock(&mu_);
+  AddEventLocked(event.kind(), NameOf(event.worker_id()),
+                 event.peer().empty() ? event.detail()
+                                      : absl::StrCat(event.detail(), " (peer ", event.peer(), ")"));
+}
+
+void JobController::MaybeReplanLocked() {
+  if (!plan_.has_value() || done_ || plan_->job_done()) return;
+  const std::vector<WorkerRecord> live = membership_.LiveWorkers();
+  std::set<std::string> live_ids, in_plan;
+  for (const WorkerRecord& w : live) live_ids.insert(w.id);
+  std::vector<int> orphaned;
+  for (const v1::StageAssignment& s : plan_->stages()) {
+    in_plan.insert(s.worker_id());
+    if (live_ids.count(s.worker_id()) == 0) orphaned.push_back(s.stage());
+  }
+  if (orphaned.empty()) return;
+  std::vector<WorkerRecord> standbys;
+  for (const WorkerRecord& w : live) {
+    if (in_plan.count(w.id) == 0) standbys.push_back(w);
+  }
+  std::sort(standbys.begin(), standbys.end(), [](const WorkerRecord& a, const WorkerRecord& b) {
+    return a.device.matmul_gflops() > b.device.matmul_gflops();
+  });
+  std::string summary;
+  std::optional<v1::Plan> next;
+  if (standbys.size() >= orphaned.size()) {
+    next = *plan_;
+    for (size_t i = 0; i < orphaned.size(); ++i) {
+      v1::StageAssignment* stage = next->mutable_stages(orphaned[i]);
+      absl::StrAppend(&summary, i == 0 ? "" : ", ", "stage ", stage->stage(), ": ",
+                      NameOf(stage->worker_id()), " -> ", standbys[i].name, " (standby)");
+      stage->set_worker_id(standbys[i].id);
+      stage->set_address(standbys[i].address);
+    }
+  } else if (live.empty()) {
+    if (!waiting_for_workers_) {
+      AddEventLocked("waiting", "", "no live worker to re-plan on; waiting for one to join");
+    }
+    waiting_for_workers_ = true;
+    return;
+  } else {
+    next = PartitionLocked(live, &summary);
+    if (!next.has_value()) return;
+    summary = absl::StrCat("no standby; re-partitioned over ", live.size(), " workers: ", summary);
+  }
+  waiting_for_workers_ = false;
+  next->set_epoch(plan_->epoch() + 1);
+  next->set_start_step(step_);
+  AddEventLocked("replanned", "",
+                 absl::StrCat("epoch ", next->epoch(), ", resuming after step ", step_, "; ",
+                              summary));
+  PublishLocked(*std::move(next));
+  PersistLocked();
+}
+
+std::optional<v1::Plan> JobController::PartitionLocked(const std::vector<WorkerRecord>& live,
+                                                       std::string* summary) {
   std::vector<PlannerWorker> candidates;
   for (const WorkerRecord& w : live) {
-    candidates.push_back(
-        {w.id, w.device.matmul_gflops(), w.device.memory_bytes()});
+    candidates.push_back({w.id, w.device.matmul_gflops(), w.device.memory_bytes()});
   }
-  absl::StatusOr<std::vector<StageRange>> ranges = PlanStages(
-      ProfileLayers(options_.job), candidates, options_.job.max_stages());
+  absl::StatusOr<std::vector<StageRange>> ranges =
+      PlanStages(ProfileLayers(options_.job), candidates, options_.job.max_stages());
   if (!ranges.ok()) {
     AddEventLocked("plan_failed", "", std::string(ranges.status().message()));
-    return;
+    return std::nullopt;
   }
   v1::Plan plan;
-  plan.set_epoch(1);
   plan.set_num_layers(NumLayers(options_.job));
-  plan.set_start_step(0);
-  std::string summary;
   for (size_t k = 0; k < ranges->size(); ++k) {
     const StageRange& r = (*ranges)[k];
     v1::StageAssignment* stage = plan.add_stages();
@@ -232,13 +394,25 @@ void JobController::MaybePlanLocked() {
     for (const WorkerRecord& w : live) {
       if (w.id == r.worker_id) stage->set_address(w.address);
     }
-    absl::StrAppend(&summary, k == 0 ? "" : ", ", "stage ", k, " = layers [",
-                    r.layer_begin, ",", r.layer_end, ") on ",
-                    NameOf(r.worker_id));
+    absl::StrAppend(summary, k == 0 ? "" : ", ", "stage ", k, " = layers [", r.layer_begin, ",",
+                    r.layer_end, ") on ", NameOf(r.worker_id));
   }
+  return plan;
+}
+
+void JobController::MaybePlanLocked() {
+  if (plan_.has_value() || done_) return;
+  std::vector<WorkerRecord> live = membership_.LiveWorkers();
+  if (static_cast<int>(live.size()) < options_.job.min_workers()) return;
+  std::string summary;
+  std::optional<v1::Plan> plan = PartitionLocked(live, &summary);
+  if (!plan.has_value()) return;
+  plan->set_epoch(1);
+  plan->set_start_step(0);
   AddEventLocked("planned", "", absl::StrCat("epoch 1: ", summary));
   training_start_s_ = ElapsedS();
-  PublishLocked(std::move(plan));
+  PublishLocked(*std::move(plan));
+  PersistLocked();
 }
 
 void JobController::PublishLocked(v1::Plan plan) {
@@ -292,6 +466,9 @@ v1::ClusterStatus JobController::Status() const {
     out->set_compute_s_per_microbatch(stats.compute_s_per_microbatch());
     out->set_microbatches(stats.microbatches());
     out->set_peak_rss_bytes(stats.peak_rss_bytes());
+    out->set_dropped_microbatches(stats.dropped_microbatches());
+    status.set_dropped_microbatches(status.dropped_microbatches() +
+                                    stats.dropped_microbatches());
     *out->mutable_links() = stats.links();
     if (plan_.has_value()) {
       for (const v1::StageAssignment& s : plan_->stages()) {
@@ -312,6 +489,11 @@ v1::ClusterStatus JobController::Status() const {
     }
   }
   for (const v1::Event& e : events_) *status.add_events() = e;
+  const std::map<int, std::vector<int>> index = checkpoints_->Index();
+  for (int layer = 0; layer < NumLayers(options_.job); ++layer) {
+    auto it = index.find(layer);
+    status.add_checkpoint_steps(it == index.end() || it->second.empty() ? -1 : it->second.back());
+  }
   return status;
 }
 

@@ -20,6 +20,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
+#include "coordinator/checkpoint_store.h"
 #include "coordinator/membership.h"
 #include "coordinator/state_store.h"
 #include "geotrain/v1/coordinator.pb.h"
@@ -57,7 +58,17 @@ class JobController {
   absl::Status ReportEval(const v1::EvalReport& report);
   absl::Status ReportDone(const v1::DoneReport& report);
 
-  // Expires leases and plans when enough workers are live. Call periodically.
+  // Stage checkpoints (CheckpointStore; no lock of the controller is held
+  // for the disk I/O). LoadCheckpoint records a restore event, and an event
+  // for each corrupt file passed over.
+  absl::Status SaveCheckpoint(const v1::LayerCheckpoint& checkpoint);
+  absl::StatusOr<v1::LayerCheckpoint> LoadCheckpoint(const std::string& worker_id, int layer);
+  // A worker's report (restore, drain, dropped microbatches, dead link).
+  void RecordWorkerEvent(const v1::WorkerEvent& event);
+
+  // Expires leases, re-plans around lost workers (a standby takes an
+  // orphaned stage; without one the layers are re-partitioned over the
+  // survivors) and plans when enough workers are live. Call periodically.
   void Tick();
 
   v1::ClusterStatus Status() const;
@@ -67,10 +78,20 @@ class JobController {
   void Shutdown();
 
  private:
-  explicit JobController(JobControllerOptions options, StateStore store);
+  JobController(JobControllerOptions options, StateStore store,
+                std::unique_ptr<CheckpointStore> checkpoints);
+  // Takes over what a previous coordinator persisted in the state dir.
+  absl::Status RecoverLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   double ElapsedS() const;
   void MaybePlanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MaybeReplanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Stages over `live` as the planner partitions them; nullopt (and an
+  // event) when it cannot.
+  std::optional<v1::Plan> PartitionLocked(const std::vector<WorkerRecord>& live,
+                                          std::string* summary)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void PersistLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PublishLocked(v1::Plan plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AddEventLocked(const std::string& kind, const std::string& worker,
                       const std::string& detail)
@@ -85,6 +106,10 @@ class JobController {
 
   mutable absl::Mutex mu_;
   StateStore store_ ABSL_GUARDED_BY(mu_);
+  const std::unique_ptr<CheckpointStore> checkpoints_;  // thread-safe itself
+  int64_t last_persist_ms_ ABSL_GUARDED_BY(mu_) = 0;
+  bool recovered_ ABSL_GUARDED_BY(mu_) = false;
+  bool waiting_for_workers_ ABSL_GUARDED_BY(mu_) = false;
   std::ofstream metrics_ ABSL_GUARDED_BY(mu_);
   std::optional<v1::Plan> plan_ ABSL_GUARDED_BY(mu_);
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;

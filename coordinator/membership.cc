@@ -65,6 +65,16 @@ std::vector<WorkerRecord> Membership::ExpireLeases() {
   return expired;
 }
 
+void Membership::Restore(std::vector<WorkerRecord> records) {
+  absl::MutexLock lock(&mu_);
+  const int64_t now = clock_->NowMs();
+  for (WorkerRecord& record : records) {
+    record.joined_ms = now;
+    record.last_heartbeat_ms = now;
+  }
+  workers_ = std::move(records);
+}
+
 std::vector<WorkerRecord> Membership::Snapshot() const {
   absl::MutexLock lock(&mu_);
   return workers_;

@@ -45,6 +45,10 @@ class Membership {
   // Marks every worker whose lease ran out as dead; returns them.
   std::vector<WorkerRecord> ExpireLeases();
 
+  // Re-admits workers persisted by a previous coordinator: ids and join
+  // order are kept, live ones get a fresh lease from now.
+  void Restore(std::vector<WorkerRecord> records);
+
   // All workers ever admitted, in join order.
   std::vector<WorkerRecord> Snapshot() const;
   std::vector<WorkerRecord> LiveWorkers() const;

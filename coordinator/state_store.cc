@@ -1,5 +1,8 @@
 #include "coordinator/state_store.h"
 
+#include <fstream>
+#include <sstream>
+
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -72,6 +75,35 @@ absl::Status StateStore::WritePlan(const v1::Plan& plan) {
   std::string text;
   google::protobuf::TextFormat::PrintToString(plan, &text);
   return WriteFileAtomically(dir_ + "/plan.textproto", text);
+}
+
+absl::Status StateStore::WriteState(const v1::CoordinatorState& state) {
+  std::string text;
+  google::protobuf::TextFormat::PrintToString(state, &text);
+  return WriteFileAtomically(dir_ + "/state.textproto", text);
+}
+
+namespace {
+template <typename Message>
+absl::StatusOr<std::optional<Message>> ReadTextProto(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return std::optional<Message>();
+  std::stringstream text;
+  text << in.rdbuf();
+  Message message;
+  if (!google::protobuf::TextFormat::ParseFromString(text.str(), &message)) {
+    return absl::DataLossError(absl::StrCat(path, " does not parse"));
+  }
+  return std::optional<Message>(std::move(message));
+}
+}  // namespace
+
+absl::StatusOr<std::optional<v1::Plan>> StateStore::ReadPlan() const {
+  return ReadTextProto<v1::Plan>(dir_ + "/plan.textproto");
+}
+
+absl::StatusOr<std::optional<v1::CoordinatorState>> StateStore::ReadState() const {
+  return ReadTextProto<v1::CoordinatorState>(dir_ + "/state.textproto");
 }
 
 absl::Status StateStore::AppendEvent(const std::string& line) {

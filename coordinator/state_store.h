@@ -3,6 +3,7 @@
 #ifndef GEOTRAIN_COORDINATOR_STATE_STORE_H_
 #define GEOTRAIN_COORDINATOR_STATE_STORE_H_
 
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -17,6 +18,11 @@ class StateStore {
   static absl::StatusOr<StateStore> Open(const std::string& dir);
 
   absl::Status WritePlan(const v1::Plan& plan);
+  absl::Status WriteState(const v1::CoordinatorState& state);
+  // What a previous coordinator left: nullopt when there is none,
+  // DATA_LOSS when a file exists but does not parse.
+  absl::StatusOr<std::optional<v1::Plan>> ReadPlan() const;
+  absl::StatusOr<std::optional<v1::CoordinatorState>> ReadState() const;
   absl::Status AppendEvent(const std::string& line);
   const std::string& dir() const { return dir_; }
 

@@ -24,6 +24,7 @@ absl::StatusOr<v1::JoinResponse> CoordinatorClient::JoinWithRetry(
     v1::JoinResponse response;
     const grpc::Status status = stub_->Join(&context, request, &response);
     if (status.ok()) {
+      absl::MutexLock lock(&mu_);
       worker_id_ = response.worker_id();
       return response;
     }
@@ -49,12 +50,92 @@ absl::StatusOr<v1::JoinResponse> CoordinatorClient::JoinWithRetry(
 
 void CoordinatorClient::SetEpoch(uint64_t epoch) { epoch_ = epoch; }
 
+std::string CoordinatorClient::worker_id() const {
+  absl::MutexLock lock(&mu_);
+  return worker_id_;
+}
+
+CoordinatorClient::~CoordinatorClient() {
+  {
+    absl::MutexLock lock(&mu_);
+    uploader_stop_ = true;
+  }
+  if (uploader_.joinable()) uploader_.join();
+}
+
+absl::Status CoordinatorClient::SaveCheckpoint(const std::vector<v1::LayerCheckpoint>& layers) {
+  grpc::ClientContext context;
+  context.set_deadline(DeadlineFromNow(std::chrono::seconds(30)));
+  v1::SaveCheckpointResponse response;
+  auto writer = stub_->SaveCheckpoint(&context, &response);
+  const std::string id = worker_id();
+  for (v1::LayerCheckpoint layer : layers) {
+    layer.set_worker_id(id);
+    if (!writer->Write(layer)) break;
+  }
+  writer->WritesDone();
+  return FromGrpcStatus(writer->Finish());
+}
+
+absl::StatusOr<v1::LayerCheckpoint> CoordinatorClient::LoadCheckpoint(int layer) {
+  grpc::ClientContext context;
+  context.set_deadline(DeadlineFromNow(std::chrono::seconds(30)));
+  v1::LoadCheckpointRequest request;
+  request.set_worker_id(worker_id());
+  request.set_layer(layer);
+  v1::LayerCheckpoint response;
+  const grpc::Status status = stub_->LoadCheckpoint(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
+void CoordinatorClient::CheckpointReady(std::vector<v1::LayerCheckpoint> layers) {
+  absl::MutexLock lock(&mu_);
+  pending_upload_ = std::move(layers);  // a newer checkpoint replaces one not yet sent
+  if (!uploader_.joinable()) uploader_ = std::thread([this] { UploadLoop(); });
+}
+
+void CoordinatorClient::UploadLoop() {
+  while (true) {
+    std::vector<v1::LayerCheckpoint> layers;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return uploader_stop_ || pending_upload_.has_value();
+      };
+      mu_.Await(absl::Condition(&ready));
+      if (uploader_stop_) return;
+      layers = *std::move(pending_upload_);
+      pending_upload_.reset();
+    }
+    const absl::Status saved = SaveCheckpoint(layers);
+    if (!saved.ok()) {
+      GT_LOG(Warning) << "checkpoint of step " << (layers.empty() ? 0 : layers[0].step())
+                      << " not saved: " << saved.message();
+    }
+  }
+}
+
+void CoordinatorClient::ReportEvent(const std::string& kind, const std::string& detail,
+                                    const std::string& peer) {
+  grpc::ClientContext context;
+  context.set_deadline(DeadlineFromNow(kControlRpcTimeout));
+  v1::WorkerEvent event;
+  event.set_worker_id(worker_id());
+  event.set_kind(kind);
+  event.set_detail(detail);
+  event.set_peer(peer);
+  v1::ReportAck ack;
+  const grpc::Status status = stub_->ReportEvent(&context, event, &ack);
+  if (!status.ok()) GT_LOG(Warning) << "event report failed: " << status.error_message();
+}
+
 absl::StatusOr<bool> CoordinatorClient::Heartbeat(uint64_t rss_bytes,
                                                   const v1::StageStats& stats) {
   grpc::ClientContext context;
   context.set_deadline(DeadlineFromNow(kControlRpcTimeout));
   v1::HeartbeatRequest request;
-  request.set_worker_id(worker_id_);
+  request.set_worker_id(worker_id());
   request.set_rss_bytes(rss_bytes);
   request.set_step(step_);
   request.set_epoch(epoch_);
@@ -68,7 +149,7 @@ absl::StatusOr<bool> CoordinatorClient::Heartbeat(uint64_t rss_bytes,
 std::unique_ptr<grpc::ClientReader<v1::Plan>> CoordinatorClient::WatchPlan(
     grpc::ClientContext* context) {
   v1::WatchPlanRequest request;
-  request.set_worker_id(worker_id_);
+  request.set_worker_id(worker_id());
   return stub_->WatchPlan(context, request);
 }
 
@@ -76,7 +157,7 @@ absl::Status CoordinatorClient::ReportDone(int step) {
   grpc::ClientContext context;
   context.set_deadline(DeadlineFromNow(kControlRpcTimeout));
   v1::DoneReport request;
-  request.set_worker_id(worker_id_);
+  request.set_worker_id(worker_id());
   request.set_step(step);
   v1::ReportAck ack;
   return FromGrpcStatus(stub_->ReportDone(&context, request, &ack));
@@ -86,7 +167,7 @@ void CoordinatorClient::Leave() {
   grpc::ClientContext context;
   context.set_deadline(DeadlineFromNow(kControlRpcTimeout));
   v1::LeaveRequest request;
-  request.set_worker_id(worker_id_);
+  request.set_worker_id(worker_id());
   v1::LeaveResponse response;
   stub_->Leave(&context, request, &response);
 }
@@ -95,7 +176,7 @@ void CoordinatorClient::StepFinished(int step, double loss, int64_t samples) {
   grpc::ClientContext context;
   context.set_deadline(DeadlineFromNow(kControlRpcTimeout));
   v1::StepReport report;
-  report.set_worker_id(worker_id_);
+  report.set_worker_id(worker_id());
   report.set_epoch(epoch_);
   report.set_step(step);
   report.set_loss(loss);
@@ -111,7 +192,7 @@ void CoordinatorClient::EvalFinished(int step, const EvalResult& result) {
   grpc::ClientContext context;
   context.set_deadline(DeadlineFromNow(kControlRpcTimeout));
   v1::EvalReport report;
-  report.set_worker_id(worker_id_);
+  report.set_worker_id(worker_id());
   report.set_epoch(epoch_);
   report.set_step(step);
   report.set_val_loss(result.loss);

@@ -6,7 +6,12 @@
 
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -26,9 +31,10 @@ class CoordinatorClient final : public ProgressSink {
       const v1::JoinRequest& request, const std::atomic<bool>& stop,
       absl::Duration give_up_after = absl::InfiniteDuration());
 
-  // Sets the plan epoch that reports carry. (The worker id is set by the
-  // join, before any other thread uses this client.)
+  // Sets the plan epoch that reports carry. The worker id is set by each
+  // (re)join.
   void SetEpoch(uint64_t epoch);
+  std::string worker_id() const;
 
   absl::StatusOr<bool> Heartbeat(uint64_t rss_bytes, const v1::StageStats& stats);
   // Opens the plan stream. `context` must outlive the reader.
@@ -36,17 +42,36 @@ class CoordinatorClient final : public ProgressSink {
   absl::Status ReportDone(int step);
   void Leave();
 
+  // Stage checkpoints: SaveCheckpoint uploads now (30 s deadline);
+  // CheckpointReady (from the pipeline driver) hands them to a background
+  // uploader that keeps only the newest pending one, so a slow coordinator
+  // never stalls training. LoadCheckpoint: NOT_FOUND when there is none.
+  absl::Status SaveCheckpoint(const std::vector<v1::LayerCheckpoint>& layers);
+  absl::StatusOr<v1::LayerCheckpoint> LoadCheckpoint(int layer);
+  void CheckpointReady(std::vector<v1::LayerCheckpoint> layers) override;
+  // Logged and dropped on failure.
+  void ReportEvent(const std::string& kind, const std::string& detail,
+                   const std::string& peer = "");
+  ~CoordinatorClient() override;
+
   // ProgressSink: reports go to the coordinator; failures are logged.
   void StepFinished(int step, double loss, int64_t samples) override;
   void EvalFinished(int step, const EvalResult& result) override;
   void StageProgress(int step) override { step_ = step; }
+  int stage_step() const { return step_; }
 
   const std::string& address() const { return address_; }
 
  private:
+  void UploadLoop();
+
   const std::string address_;
   std::unique_ptr<v1::Coordinator::Stub> stub_;
-  std::string worker_id_;
+  mutable absl::Mutex mu_;
+  std::string worker_id_ ABSL_GUARDED_BY(mu_);
+  std::optional<std::vector<v1::LayerCheckpoint>> pending_upload_ ABSL_GUARDED_BY(mu_);
+  bool uploader_stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread uploader_;
   std::atomic<uint64_t> epoch_{0};
   std::atomic<int> step_{0};
 };

@@ -46,10 +46,20 @@ v1::LinkHeader MakeHello(uint64_t epoch, int from_stage) {
 }
 
 void UpstreamLinkServer::Activate(std::shared_ptr<const LinkValidator> validator,
-                                  Inbox* inbox) {
+                                  std::shared_ptr<Inbox> inbox) {
   absl::MutexLock lock(&mu_);
   validator_ = std::move(validator);
-  inbox_ = inbox;
+  inbox_ = std::move(inbox);
+}
+
+void UpstreamLinkServer::Deactivate() {
+  absl::MutexLock lock(&mu_);
+  validator_ = nullptr;
+  inbox_ = nullptr;
+  if (context_ != nullptr) {
+    deactivated_ = true;
+    context_->TryCancel();
+  }
 }
 
 void UpstreamLinkServer::Shutdown() {
@@ -65,7 +75,7 @@ grpc::Status UpstreamLinkServer::Link(
   v1::LinkFrame hello;
   if (!stream->Read(&hello)) return grpc::Status::CANCELLED;
   std::shared_ptr<const LinkValidator> validator;
-  Inbox* inbox = nullptr;
+  std::shared_ptr<Inbox> inbox;
   {
     absl::MutexLock lock(&mu_);
     validator = validator_;
@@ -103,7 +113,7 @@ grpc::Status UpstreamLinkServer::Link(
   }
   GT_LOG(Info) << "accepted upstream link from " << peer;
   int64_t delivered = 0;
-  absl::Status served = ServeAccepted(context, stream, *validator, inbox, &delivered);
+  absl::Status served = ServeAccepted(context, stream, *validator, inbox.get(), &delivered);
   bool report_broken = false;
   {
     absl::MutexLock lock(&mu_);
@@ -118,8 +128,9 @@ grpc::Status UpstreamLinkServer::Link(
     // replacement or our own shutdown): the upstream worker vanished. Tell
     // the driver rather than let it wait forever.
     report_broken = delivered > 0 && served.code() == absl::StatusCode::kCancelled &&
-                    !replacing_ && !shutdown_;
+                    !replacing_ && !shutdown_ && !deactivated_;
     replacing_ = false;
+    deactivated_ = false;
   }
   if (report_broken) {
     GT_LOG(Error) << "upstream link from " << peer << " broke";

@@ -56,8 +56,12 @@ class UpstreamLinkServer final : public v1::Stage::Service, public MessageSink {
  public:
   UpstreamLinkServer() = default;
 
-  // REQUIRES: `inbox` outlives this object.
-  void Activate(std::shared_ptr<const LinkValidator> validator, Inbox* inbox);
+  // Accepts streams for `validator`'s plan epoch, delivering to `inbox`
+  // (shared: a stream of an older epoch may still be finishing).
+  void Activate(std::shared_ptr<const LinkValidator> validator, std::shared_ptr<Inbox> inbox);
+  // Ends the active stream, if any, and refuses new ones (as before the
+  // first Activate) until the next Activate: the plan changed.
+  void Deactivate();
 
   grpc::Status Link(grpc::ServerContext* context,
                     grpc::ServerReaderWriter<v1::LinkFrame, v1::LinkFrame>* stream)
@@ -83,12 +87,13 @@ class UpstreamLinkServer final : public v1::Stage::Service, public MessageSink {
   absl::Mutex mu_;
   absl::Mutex write_mu_;
   std::shared_ptr<const LinkValidator> validator_ ABSL_GUARDED_BY(mu_);
-  Inbox* inbox_ ABSL_GUARDED_BY(mu_) = nullptr;
+  std::shared_ptr<Inbox> inbox_ ABSL_GUARDED_BY(mu_);
   grpc::ServerReaderWriter<v1::LinkFrame, v1::LinkFrame>* stream_
       ABSL_GUARDED_BY(mu_) = nullptr;
   grpc::ServerContext* context_ ABSL_GUARDED_BY(mu_) = nullptr;
   int writers_ ABSL_GUARDED_BY(mu_) = 0;  // Send()s using stream_
-  bool replacing_ ABSL_GUARDED_BY(mu_) = false;
+  bool replacing_ ABSL_GUARDED_BY(mu_) = false;    // a newer stream wins
+  bool deactivated_ ABSL_GUARDED_BY(mu_) = false;  // the plan changed
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
   // A reply goes back on the stream its request came on; if that stream is
   // gone, wait only briefly for the upstream worker to reconnect.

@@ -58,8 +58,11 @@ int main(int argc, char** argv) {
   std::thread signal_thread([&] {
     int received = 0;
     sigwait(&signals, &received);
-    if (received == SIGINT || received == SIGTERM) {
-      GT_LOG(Info) << "signal " << received << ": stopping";
+    if (received == SIGTERM) {
+      GT_LOG(Info) << "SIGTERM: draining (the stage goes to a standby), then stopping";
+      worker.Drain();
+    } else if (received == SIGINT) {
+      GT_LOG(Info) << "SIGINT: stopping";
       worker.Stop();
     }
   });
@@ -67,7 +70,7 @@ int main(int argc, char** argv) {
 
   const absl::Status status = worker.Run();
   if (status.code() == absl::StatusCode::kCancelled) {
-    GT_LOG(Info) << "stopped";
+    GT_LOG(Info) << "stopped (" << status.message() << ")";
     return 0;
   }
   if (!status.ok()) {

@@ -37,6 +37,28 @@ class AdamW : public OutOfPlaceOptimizer {
     return next;
   }
 
+  std::vector<std::vector<torch::Tensor>> State() const override {
+    std::vector<std::vector<torch::Tensor>> state;
+    for (size_t i = 0; i < m_.size(); ++i) state.push_back({m_[i], v_[i]});
+    return state;
+  }
+  int64_t steps() const override { return t_; }
+  absl::Status Restore(const std::vector<std::vector<torch::Tensor>>& state,
+                       int64_t steps) override {
+    std::vector<torch::Tensor> m, v;
+    for (const auto& per_param : state) {
+      if (per_param.size() != 2) {
+        return absl::InvalidArgumentError("AdamW keeps two state tensors per parameter");
+      }
+      m.push_back(per_param[0].detach().clone());
+      v.push_back(per_param[1].detach().clone());
+    }
+    m_ = std::move(m);
+    v_ = std::move(v);
+    t_ = steps;
+    return absl::OkStatus();
+  }
+
  private:
   static constexpr double kEps = 1e-8;
   v1::Optimizer spec_;
@@ -66,10 +88,32 @@ class Sgd : public OutOfPlaceOptimizer {
       }
       next.push_back(params[i].detach() - lr * g);
     }
+    ++steps_;
     return next;
   }
 
+  std::vector<std::vector<torch::Tensor>> State() const override {
+    std::vector<std::vector<torch::Tensor>> state;
+    for (const torch::Tensor& b : buffers_) state.push_back({b});
+    return state;
+  }
+  int64_t steps() const override { return steps_; }
+  absl::Status Restore(const std::vector<std::vector<torch::Tensor>>& state,
+                       int64_t steps) override {
+    std::vector<torch::Tensor> buffers;
+    for (const auto& per_param : state) {
+      if (per_param.size() != 1) {
+        return absl::InvalidArgumentError("SGD keeps one state tensor per parameter");
+      }
+      buffers.push_back(per_param[0].detach().clone());
+    }
+    buffers_ = std::move(buffers);
+    steps_ = steps;
+    return absl::OkStatus();
+  }
+
  private:
+  int64_t steps_ = 0;
   v1::Optimizer spec_;
   std::vector<torch::Tensor> buffers_;
 };

@@ -9,6 +9,7 @@
 #include <memory>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "geotrain/v1/job.pb.h"
 
 namespace geotrain {
@@ -21,6 +22,15 @@ class OutOfPlaceOptimizer {
   virtual std::vector<torch::Tensor> Step(const std::vector<torch::Tensor>& params,
                                           const std::vector<torch::Tensor>& grads,
                                           double lr_scale = 1.0) = 0;
+
+  // Per-parameter state, in parameter order (AdamW: {m, v}; SGD: {buffer}
+  // with momentum); empty before the first Step(). For checkpoints.
+  virtual std::vector<std::vector<torch::Tensor>> State() const = 0;
+  virtual int64_t steps() const = 0;
+  // Replaces the state with one of State()'s layout (copied). An empty
+  // `state` resets it. INVALID_ARGUMENT when the layout does not fit.
+  virtual absl::Status Restore(const std::vector<std::vector<torch::Tensor>>& state,
+                               int64_t steps) = 0;
 };
 
 // The learning-rate multiplier of `spec`'s schedule once `progress` (the

@@ -204,6 +204,12 @@ absl::Status PipelineDriver::AfterBackward(double loss) {
     step_losses_ = 0;
   }
   progress_->StageProgress(step);
+  // Checkpoints are taken right after an update, so they hold whole steps.
+  if (job_.checkpoint_every() > 0 && step % job_.checkpoint_every() == 0 &&
+      backwards_since_update_ == 0) {
+    ASSIGN_OR_RETURN(std::vector<v1::LayerCheckpoint> layers, runtime_->ExportCheckpoint(step));
+    progress_->CheckpointReady(std::move(layers));
+  }
   if (options_.stage == 0 &&
       (step == job_.steps() || (job_.eval_every() > 0 && step % job_.eval_every() == 0))) {
     eval_due_ = step;  // RunFirstStage runs it once the pipeline has drained
@@ -341,6 +347,7 @@ void PipelineDriver::PublishStats() {
   stats.set_staleness_mean(stash.staleness_mean);
   stats.set_microbatches(backwards_);
   stats.set_peak_rss_bytes(PeakResidentBytes());
+  stats.set_dropped_microbatches(options_.dropped_microbatches);
   const Sample& first = samples_.front();
   const Sample& last = samples_.back();
   const double wall = absl::ToDoubleSeconds(last.time - first.time);

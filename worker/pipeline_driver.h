@@ -43,6 +43,8 @@ class ProgressSink {
   virtual void EvalFinished(int step, const EvalResult& result) = 0;
   // Called by every stage after its step `step` (M backwards).
   virtual void StageProgress(int step) = 0;
+  // Called every job.checkpoint_every steps with the stage's layers.
+  virtual void CheckpointReady(std::vector<v1::LayerCheckpoint> layers) {}
 };
 
 struct ScheduleConfig {
@@ -81,6 +83,7 @@ struct PipelineDriverOptions {
   absl::Duration stats_window = absl::Seconds(10);
   std::string upstream_peer;    // for link statistics
   std::string downstream_peer;
+  int64_t dropped_microbatches = 0;  // by this worker's earlier re-plans
 };
 
 class PipelineDriver {

@@ -384,6 +384,118 @@ StashStats StageRuntime::stash_stats() const {
   return stats;
 }
 
+int StageRuntime::layer_begin() const { return impl_->placement.layer_begin; }
+int StageRuntime::layer_end() const { return impl_->placement.layer_end; }
+const StagePlacement& StageRuntime::placement() const { return impl_->placement; }
+
+int StageRuntime::DropInFlight() {
+  Impl& s = *impl_;
+  const int dropped = static_cast<int>(s.pending.size());
+  for (const auto& [microbatch, pending] : s.pending) {
+    (void)s.stash->Release(pending.version);
+  }
+  s.pending.clear();
+  s.gradient_sum.clear();
+  s.gradient_count = 0;
+  return dropped;
+}
+
+absl::StatusOr<std::vector<v1::LayerCheckpoint>> StageRuntime::ExportCheckpoint(int step) const {
+  const Impl& s = *impl_;
+  return GuardTorch("exporting a checkpoint",
+                    [&]() -> absl::StatusOr<std::vector<v1::LayerCheckpoint>> {
+    const std::vector<torch::Tensor>& params = s.stash->Get(s.stash->current_version());
+    const std::vector<std::vector<torch::Tensor>> state = s.optimizer->State();
+    std::vector<v1::LayerCheckpoint> out;
+    for (size_t i = 0; i < s.layers.size(); ++i) {
+      const size_t begin = s.layer_offsets[i];
+      const size_t end = i + 1 < s.layers.size() ? s.layer_offsets[i + 1] : params.size();
+      v1::LayerCheckpoint& layer = out.emplace_back();
+      layer.set_layer(s.placement.layer_begin + static_cast<int>(i));
+      layer.set_step(step);
+      layer.set_optimizer_steps(s.optimizer->steps());
+      layer.set_state_per_param(state.empty() ? 0 : static_cast<int>(state[0].size()));
+      std::string* payload = layer.mutable_payload();
+      for (size_t p = begin; p < end; ++p) {
+        RETURN_IF_ERROR(EncodeTensor(params[p], layer.add_params(), payload));
+      }
+      for (size_t p = begin; p < end && !state.empty(); ++p) {
+        for (const torch::Tensor& t : state[p]) {
+          RETURN_IF_ERROR(EncodeTensor(t, layer.add_optimizer_state(), payload));
+        }
+      }
+    }
+    return out;
+  });
+}
+
+absl::Status StageRuntime::RestoreCheckpoint(const std::vector<v1::LayerCheckpoint>& layers) {
+  Impl& s = *impl_;
+  if (!s.pending.empty()) {
+    return absl::FailedPreconditionError("restore with microbatches in flight");
+  }
+  return GuardTorch("restoring a checkpoint", [&]() -> absl::Status {
+    std::vector<torch::Tensor> params = s.stash->Get(s.stash->current_version());
+    std::vector<std::vector<torch::Tensor>> state = s.optimizer->State();
+    int per_param = state.empty() ? 0 : static_cast<int>(state[0].size());
+    for (const v1::LayerCheckpoint& c : layers) {
+      per_param = std::max(per_param, c.state_per_param());
+    }
+    int64_t optimizer_steps = s.optimizer->steps();
+    // Missing state (a layer never checkpointed, or an optimizer that has
+    // not stepped yet) starts from zeros.
+    if (per_param > 0 && state.size() != params.size()) {
+      state.assign(params.size(), {});
+      for (size_t p = 0; p < params.size(); ++p) {
+        for (int k = 0; k < per_param; ++k) state[p].push_back(torch::zeros_like(params[p]));
+      }
+    }
+    for (const v1::LayerCheckpoint& c : layers) {
+      const int i = c.layer() - s.placement.layer_begin;
+      if (i < 0 || i >= static_cast<int>(s.layers.size())) {
+        return absl::InvalidArgumentError(absl::StrCat("checkpoint of layer ", c.layer(),
+                                                       ", not of this stage"));
+      }
+      const size_t begin = s.layer_offsets[i];
+      const size_t end = i + 1 < static_cast<int>(s.layers.size()) ? s.layer_offsets[i + 1]
+                                                                   : params.size();
+      const size_t count = end - begin;
+      if (static_cast<size_t>(c.params_size()) != count ||
+          (c.state_per_param() > 0 &&
+           static_cast<size_t>(c.optimizer_state_size()) != count * c.state_per_param())) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "checkpoint of layer ", c.layer(), " has ", c.params_size(), " parameters, the model ",
+            count));
+      }
+      size_t offset = 0;
+      auto next = [&](const v1::TensorHeader& header,
+                      const torch::Tensor& like) -> absl::StatusOr<torch::Tensor> {
+        ASSIGN_OR_RETURN(torch::Tensor t, DecodeTensor(header, c.payload(), offset));
+        offset += header.payload_bytes();
+        if (t.sizes() != like.sizes()) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "checkpoint of layer ", c.layer(), " does not fit the model's shapes"));
+        }
+        return t.to(like.device());
+      };
+      for (size_t p = 0; p < count; ++p) {
+        ASSIGN_OR_RETURN(params[begin + p], next(c.params(p), params[begin + p]));
+      }
+      for (size_t p = 0; p < count && c.state_per_param() > 0; ++p) {
+        for (int k = 0; k < c.state_per_param(); ++k) {
+          ASSIGN_OR_RETURN(state[begin + p][k],
+                           next(c.optimizer_state(p * c.state_per_param() + k), params[begin + p]));
+        }
+      }
+      optimizer_steps = std::max(optimizer_steps, c.optimizer_steps());
+    }
+    std::vector<torch::Tensor> copies;
+    for (const torch::Tensor& p : params) copies.push_back(p.detach().clone());
+    s.stash->Publish(std::move(copies));
+    return s.optimizer->Restore(state, optimizer_steps);
+  });
+}
+
 void StageRuntime::SetActivationCodec(v1::Codec codec) {
   impl_->options.activation_encoding.codec = codec;
 }

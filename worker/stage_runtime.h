@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "common/link_message.h"
 #include "common/tensor_wire.h"
+#include "geotrain/v1/coordinator.pb.h"
 #include "geotrain/v1/job.pb.h"
 
 namespace geotrain {
@@ -100,6 +101,22 @@ class StageRuntime {
   // learning-rate schedule.
   absl::Status ApplyUpdate(double progress = 0);
   StashStats stash_stats() const;
+
+  // This stage's layers (current weights and optimizer state) as one
+  // checkpoint per layer, labelled `step`.
+  absl::StatusOr<std::vector<v1::LayerCheckpoint>> ExportCheckpoint(int step) const;
+  // Loads checkpoints of any of this stage's layers (the others keep their
+  // weights; optimizer state missing for some starts from zero) and
+  // publishes them as a new weight version. REQUIRES: nothing in flight
+  // (DropInFlight()). INVALID_ARGUMENT when a tensor does not fit the model.
+  absl::Status RestoreCheckpoint(const std::vector<v1::LayerCheckpoint>& layers);
+  // Forgets every training microbatch in flight (their graphs and stashed
+  // weight references are freed) and the gradients accumulated since the
+  // last update; returns how many microbatches were dropped.
+  int DropInFlight();
+  int layer_begin() const;
+  int layer_end() const;
+  const StagePlacement& placement() const;
 
   // Changes the codec of outgoing activations or gradients from the next
   // message on (adaptive compression); receivers read it from each header.

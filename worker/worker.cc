@@ -59,11 +59,30 @@ Worker::~Worker() {
 
 void Worker::Stop() {
   stop_ = true;
-  inbox_.Close();
   link_server_.Shutdown();
   absl::MutexLock lock(&mu_);
+  AbortTrainingLocked();
   if (watch_context_) watch_context_->TryCancel();
+}
+
+void Worker::Drain() {
+  drain_ = true;
+  {
+    absl::MutexLock lock(&mu_);
+    if (training_epoch_ != 0) {
+      GT_LOG(Info) << "draining: handing the stage over before leaving";
+      AbortTrainingLocked();
+      return;
+    }
+  }
+  Stop();  // nothing to hand over
+}
+
+void Worker::AbortTrainingLocked() {
+  abort_ = true;
+  if (inbox_ != nullptr) inbox_->Close();
   if (downstream_ != nullptr) downstream_->Cancel();
+  link_server_.Deactivate();
 }
 
 absl::Status Worker::StartServer() {
@@ -95,13 +114,11 @@ absl::Status Worker::StartServer() {
   return absl::OkStatus();
 }
 
-absl::Status Worker::Run() {
+absl::Status Worker::JoinCoordinator() {
   ASSIGN_OR_RETURN(v1::DeviceInfo device, ProbeDevice(options_.device, options_.threads));
   GT_LOG(Info) << "device " << device.device() << ", " << device.threads()
                << " thread(s), matmul " << device.matmul_gflops() << " GFLOP/s";
   device_name_ = device.device();
-  RETURN_IF_ERROR(StartServer());
-
   v1::JoinRequest join;
   join.set_name(options_.name);
   join.set_address(advertise_);
@@ -110,60 +127,123 @@ absl::Status Worker::Run() {
                    coordinator_.JoinWithRetry(join, stop_, options_.join_timeout));
   worker_id_ = joined.worker_id();
   job_ = joined.job();
+  heartbeat_ms_ = joined.heartbeat_ms();
   GT_LOG(Info) << "joined " << coordinator_.address() << " as " << worker_id_
                << " for job " << job_.name();
-
-  heartbeat_thread_ = std::thread([this, ms = joined.heartbeat_ms()] { HeartbeatLoop(ms); });
-  watch_thread_ = std::thread([this] { WatchLoop(); });
-
-  std::optional<v1::Plan> plan = WaitForAssignment();
-  if (!plan.has_value()) {
-    coordinator_.Leave();
-    return stop_ ? absl::CancelledError("stopped") : absl::OkStatus();
-  }
-  for (const v1::StageAssignment& stage : plan->stages()) {
-    if (stage.worker_id() == worker_id_) {
-      absl::Status trained = Train(*plan, stage);
-      if (!trained.ok()) {
-        GT_LOG(Error) << "stage " << stage.stage() << " failed: " << trained.message();
-        coordinator_.Leave();
-      }
-      return trained;
-    }
-  }
-  return absl::InternalError("assignment vanished");
+  return absl::OkStatus();
 }
 
-std::optional<v1::Plan> Worker::WaitForAssignment() {
+absl::Status Worker::Run() {
+  RETURN_IF_ERROR(StartServer());
+  RETURN_IF_ERROR(JoinCoordinator());
+  heartbeat_thread_ = std::thread([this] { HeartbeatLoop(heartbeat_ms_); });
+  watch_thread_ = std::thread([this] { WatchLoop(); });
+
+  uint64_t last_epoch = 0;  // the newest plan this worker has acted on
+  while (true) {
+    std::optional<v1::Plan> plan = WaitForAssignment(last_epoch);
+    bool rejoin = false;
+    {
+      absl::MutexLock lock(&mu_);
+      rejoin = rejoin_needed_;
+      rejoin_needed_ = false;
+      if (latest_plan_.has_value()) last_epoch = std::max(last_epoch, latest_plan_->epoch());
+    }
+    if (stop_) return absl::CancelledError("stopped");
+    if (rejoin) {
+      // Whatever this worker held belongs to its old identity.
+      runtime_.reset();
+      GT_LOG(Warning) << "joining again as a new worker";
+      RETURN_IF_ERROR(JoinCoordinator());
+      continue;
+    }
+    if (!plan.has_value()) {  // the job is over
+      coordinator_.Leave();
+      return absl::OkStatus();
+    }
+    last_epoch = plan->epoch();
+    const v1::StageAssignment* mine = nullptr;
+    for (const v1::StageAssignment& stage : plan->stages()) {
+      if (stage.worker_id() == worker_id_) mine = &stage;
+    }
+    if (mine == nullptr) continue;
+    const absl::Status trained = Train(*plan, *mine);
+    if (trained.ok()) return absl::OkStatus();
+    if (drain_) return HandOver();
+    if (stop_) return absl::CancelledError("stopped");
+    GT_LOG(Warning) << "stage " << mine->stage() << " of plan epoch " << plan->epoch()
+                    << " ended: " << trained.message() << "; waiting for a new plan";
+    if (trained.code() != absl::StatusCode::kCancelled) {
+      coordinator_.ReportEvent("stage_failed", std::string(trained.message()));
+    }
+  }
+}
+
+absl::Status Worker::HandOver() {
+  const int step = coordinator_.stage_step();
+  if (runtime_ == nullptr) {
+    coordinator_.Leave();
+    return absl::CancelledError("drained (no stage)");
+  }
+  dropped_microbatches_ += runtime_->DropInFlight();
+  absl::StatusOr<std::vector<v1::LayerCheckpoint>> layers = runtime_->ExportCheckpoint(step);
+  absl::Status saved = layers.ok() ? coordinator_.SaveCheckpoint(*layers) : layers.status();
+  if (saved.ok()) {
+    coordinator_.ReportEvent("drain", absl::StrCat("layers [", runtime_->layer_begin(), ",",
+                                                   runtime_->layer_end(), ") saved at step ",
+                                                   step, "; leaving"));
+  } else {
+    GT_LOG(Error) << "drain: the stage could not be saved: " << saved.message();
+    coordinator_.ReportEvent("drain", absl::StrCat("saving the stage failed: ", saved.message()));
+  }
+  coordinator_.Leave();
+  Stop();
+  GT_LOG(Info) << "drained at step " << step;
+  return absl::CancelledError("drained");
+}
+
+std::optional<v1::Plan> Worker::WaitForAssignment(uint64_t after_epoch) {
   absl::MutexLock lock(&mu_);
-  auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (stop_ || watch_ended_) return true;
-    if (!latest_plan_.has_value()) return false;
+  auto ready = [this, after_epoch]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (stop_ || watch_ended_ || rejoin_needed_) return true;
+    if (!latest_plan_.has_value() || latest_plan_->epoch() <= after_epoch) return false;
     if (latest_plan_->job_done()) return true;
     for (const v1::StageAssignment& s : latest_plan_->stages()) {
       if (s.worker_id() == worker_id_) return true;
     }
     return false;
   };
-  bool announced = false;
+  uint64_t announced = 0;
   while (!mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Seconds(1))) {
-    if (latest_plan_.has_value() && !announced) {
+    if (latest_plan_.has_value() && latest_plan_->epoch() != announced) {
       GT_LOG(Info) << "standby: the plan of epoch " << latest_plan_->epoch()
                    << " has no stage for this worker";
-      announced = true;
+      announced = latest_plan_->epoch();
     }
   }
-  if (stop_ || !latest_plan_.has_value() || latest_plan_->job_done()) return std::nullopt;
+  if (stop_ || rejoin_needed_ || !latest_plan_.has_value() || latest_plan_->job_done() ||
+      latest_plan_->epoch() <= after_epoch) {
+    return std::nullopt;
+  }
   return latest_plan_;
 }
 
-absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine) {
-  const int num_stages = plan.stages_size();
-  GT_LOG(Info) << "stage " << mine.stage() << "/" << num_stages << ": layers ["
-               << mine.layer_begin() << "," << mine.layer_end() << "), epoch "
-               << plan.epoch();
-  StagePlacement placement{mine.stage(), num_stages, mine.layer_begin(), mine.layer_end()};
-  const ScheduleConfig schedule = ConfigureSchedule(job_, num_stages);
+absl::Status Worker::PrepareRuntime(const StagePlacement& placement,
+                                    const ScheduleConfig& schedule) {
+  if (runtime_ != nullptr) {
+    const StagePlacement& held = runtime_->placement();
+    if (held.stage == placement.stage && held.num_stages == placement.num_stages &&
+        held.layer_begin == placement.layer_begin && held.layer_end == placement.layer_end) {
+      const int dropped = runtime_->DropInFlight();
+      dropped_microbatches_ += dropped;
+      if (dropped > 0) {
+        coordinator_.ReportEvent("dropped", absl::StrCat(dropped, " microbatches in flight on "
+                                                         "the old route; their weights freed"));
+      }
+      return absl::OkStatus();
+    }
+    runtime_.reset();
+  }
   RuntimeOptions runtime_options;
   runtime_options.device = device_name_;
   runtime_options.max_weight_versions = schedule.max_weight_versions;
@@ -176,10 +256,69 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
   }
   ASSIGN_OR_RETURN(std::unique_ptr<StageRuntime> runtime,
                    StageRuntime::Create(job_, placement, runtime_options));
+  // Every layer that has a checkpoint starts from it; the rest from the
+  // seed (a layer nobody has checkpointed yet).
+  std::vector<v1::LayerCheckpoint> found;
+  std::vector<int> missing;
+  for (int layer = placement.layer_begin; layer < placement.layer_end; ++layer) {
+    absl::StatusOr<v1::LayerCheckpoint> checkpoint = coordinator_.LoadCheckpoint(layer);
+    if (checkpoint.ok()) {
+      found.push_back(*std::move(checkpoint));
+    } else if (checkpoint.status().code() == absl::StatusCode::kNotFound) {
+      missing.push_back(layer);
+    } else {
+      return checkpoint.status();
+    }
+  }
+  if (!found.empty()) RETURN_IF_ERROR(runtime->RestoreCheckpoint(found));
+  std::string detail = absl::StrCat("stage ", placement.stage, ", layers [", placement.layer_begin,
+                                    ",", placement.layer_end, "): ");
+  if (!found.empty()) absl::StrAppend(&detail, found.size(), " restored from step ", found[0].step());
+  if (!missing.empty()) {
+    absl::StrAppend(&detail, found.empty() ? "" : "; ", missing.size(),
+                    " without a checkpoint start from the seed");
+  }
+  GT_LOG(Info) << detail;
+  coordinator_.ReportEvent("restored", detail);
+  runtime_ = std::move(runtime);
+  return absl::OkStatus();
+}
+
+absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine) {
+  const int num_stages = plan.stages_size();
+  GT_LOG(Info) << "stage " << mine.stage() << "/" << num_stages << ": layers ["
+               << mine.layer_begin() << "," << mine.layer_end() << "), epoch "
+               << plan.epoch() << ", from step " << plan.start_step();
+  StagePlacement placement{mine.stage(), num_stages, mine.layer_begin(), mine.layer_end()};
+  const ScheduleConfig schedule = ConfigureSchedule(job_, num_stages);
+  auto inbox = std::make_shared<Inbox>(64);
+  {
+    absl::MutexLock lock(&mu_);
+    if (stop_ || drain_ || rejoin_needed_ ||
+        (latest_plan_.has_value() && latest_plan_->epoch() > plan.epoch())) {
+      return absl::CancelledError("superseded before it started");
+    }
+    abort_ = false;
+    training_epoch_ = plan.epoch();
+    inbox_ = inbox;
+  }
+  // Whatever the exit path: no longer training this epoch.
+  struct Unregister {
+    Worker* worker;
+    ~Unregister() {
+      absl::MutexLock lock(&worker->mu_);
+      if (worker->inbox_ != nullptr) worker->inbox_->Close();
+      worker->inbox_ = nullptr;
+      worker->downstream_ = nullptr;
+      worker->training_epoch_ = 0;
+    }
+  } unregister{this};
+  RETURN_IF_ERROR(PrepareRuntime(placement, schedule));
+  StageRuntime* runtime = runtime_.get();
   auto validator = std::make_shared<const LinkValidator>(
       job_, plan.epoch(), mine.stage(), mine.layer_begin(), mine.layer_end());
   coordinator_.SetEpoch(plan.epoch());
-  link_server_.Activate(validator, &inbox_);
+  link_server_.Activate(validator, inbox);
 
   std::unique_ptr<DownstreamLinkClient> downstream;
   if (mine.stage() + 1 < num_stages) {
@@ -189,29 +328,27 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
       dial = route->second;
       GT_LOG(Info) << "routing the link to " << next.address() << " via " << dial;
     }
-    ASSIGN_OR_RETURN(downstream,
-                     DownstreamLinkClient::Connect(dial, validator, &inbox_,
-                                                   absl::Seconds(120), &stop_));
+    ASSIGN_OR_RETURN(downstream, DownstreamLinkClient::Connect(dial, validator, inbox.get(),
+                                                               absl::Seconds(120), &abort_));
     absl::MutexLock lock(&mu_);
     downstream_ = downstream.get();
-    if (stop_) downstream_->Cancel();
+    if (abort_) downstream_->Cancel();
   }
-  // Unregisters the link before it is destroyed, whatever the exit path;
-  // on errors, closing the inbox first lets its reader thread finish.
-  struct Unregister {
+  // The link is unregistered (under mu_) before it is destroyed.
+  struct UnregisterLink {
     Worker* worker;
-    ~Unregister() {
-      worker->inbox_.Close();
+    ~UnregisterLink() {
       absl::MutexLock lock(&worker->mu_);
       worker->downstream_ = nullptr;
     }
-  } unregister{this};
+  } unregister_link{this};
   PipelineDriverOptions driver_options;
   driver_options.epoch = plan.epoch();
   driver_options.stage = mine.stage();
   driver_options.num_stages = num_stages;
   driver_options.start_step = plan.start_step();
   driver_options.schedule = schedule;
+  driver_options.dropped_microbatches = dropped_microbatches_;
   if (mine.stage() > 0) driver_options.upstream_peer = plan.stages(mine.stage() - 1).address();
   if (mine.stage() + 1 < num_stages) {
     driver_options.downstream_peer = plan.stages(mine.stage() + 1).address();
@@ -219,10 +356,15 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
   GT_LOG(Info) << "schedule " << ScheduleName(job_.schedule()) << ": window " << schedule.window
                << ", update every " << schedule.update_every << " backward(s)"
                << (schedule.flush ? ", flush each step" : ", no flush");
-  PipelineDriver driver(job_, driver_options, runtime.get(),
+  PipelineDriver driver(job_, driver_options, runtime,
                         mine.stage() > 0 ? &link_server_ : nullptr, downstream.get(),
-                        &inbox_, &coordinator_, &stats_);
-  RETURN_IF_ERROR(driver.Run());
+                        inbox.get(), &coordinator_, &stats_);
+  absl::Status ran = driver.Run();
+  if (!ran.ok()) {
+    link_server_.Deactivate();
+    if (downstream) downstream->Cancel();
+    return ran;
+  }
   if (downstream) {
     absl::Status closed = downstream->Close();
     if (!closed.ok()) GT_LOG(Warning) << "closing downstream link: " << closed.message();
@@ -230,8 +372,13 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
   GT_LOG(Info) << "stage " << mine.stage() << " finished " << job_.steps() << " steps";
   // A last heartbeat so that the status shows the final step and memory.
   (void)coordinator_.Heartbeat(ResidentBytes(), stats_.Get());
-  RETURN_IF_ERROR(coordinator_.ReportDone(job_.steps()));
-  return absl::OkStatus();
+  // The coordinator may be restarting: keep trying for a while.
+  absl::Status done = coordinator_.ReportDone(job_.steps());
+  for (int attempt = 0; !done.ok() && attempt < 30 && !stop_; ++attempt) {
+    absl::SleepFor(absl::Seconds(1));
+    done = coordinator_.ReportDone(job_.steps());
+  }
+  return done;
 }
 
 void Worker::HeartbeatLoop(int interval_ms) {
@@ -242,6 +389,11 @@ void Worker::HeartbeatLoop(int interval_ms) {
                       << " failed: " << known.status().message();
     } else if (!*known) {
       GT_LOG(Error) << "the coordinator no longer knows this worker (lease expired)";
+      absl::MutexLock lock(&mu_);
+      if (!rejoin_needed_) {
+        rejoin_needed_ = true;
+        AbortTrainingLocked();
+      }
     }
     for (int waited = 0; waited < interval_ms && !stop_; waited += 50) {
       absl::SleepFor(absl::Milliseconds(50));
@@ -263,9 +415,17 @@ void Worker::WatchLoop() {
     bool done = false;
     while (reader->Read(&plan)) {
       absl::MutexLock lock(&mu_);
+      if (latest_plan_.has_value() && plan.epoch() <= latest_plan_->epoch()) continue;
       GT_LOG(Info) << "plan epoch " << plan.epoch() << (plan.job_done() ? " (job done)" : "");
       done = plan.job_done();
       latest_plan_ = plan;
+      // Every stage of a new plan starts over on the new epoch, except when
+      // the job is done (stages finish on their own then).
+      if (!done && training_epoch_ != 0 && plan.epoch() > training_epoch_) {
+        GT_LOG(Info) << "plan epoch " << plan.epoch() << " supersedes " << training_epoch_
+                     << ": ending the current pipeline";
+        AbortTrainingLocked();
+      }
     }
     const grpc::Status status = reader->Finish();
     if (done) break;

@@ -2,6 +2,15 @@
 // coordinator, heartbeats, watches the plan, builds its stage, opens links
 // and runs the pipeline driver until the job ends.
 //
+// Plans change while it runs: a new plan epoch aborts the pipeline of the
+// old one (its microbatches in flight are dropped and counted) and the
+// worker takes its place in the new plan: with the same stage it keeps its
+// runtime (weights, optimizer state), with a new one it builds the stage
+// and restores its layers from the coordinator's latest checkpoints; with
+// none it is a standby. A worker the coordinator no longer knows (its lease
+// ran out, e.g. after SIGSTOP) joins again as a new standby. Drain()
+// (SIGTERM) hands the stage over: checkpoint now, then leave.
+//
 // Threads: Run()'s caller (plan handling, then the driver), a heartbeat
 // thread, a plan-watch thread, gRPC's server threads and one link reader.
 #ifndef GEOTRAIN_WORKER_WORKER_H_
@@ -22,6 +31,8 @@
 #include "geotrain/v1/coordinator.pb.h"
 #include "worker/coordinator_client.h"
 #include "worker/link_stream.h"
+#include "worker/pipeline_driver.h"
+#include "worker/stage_runtime.h"
 
 namespace geotrain {
 
@@ -51,15 +62,25 @@ class Worker {
   absl::Status Run();
   // Thread-safe; may be called from a signal-handling thread.
   void Stop();
+  // Stops after saving this worker's stage to the coordinator and leaving,
+  // so that a standby takes over without losing its updates. Thread-safe.
+  void Drain();
 
  private:
   absl::Status StartServer();
   void HeartbeatLoop(int interval_ms);
   void WatchLoop();
-  // Waits for a plan that gives this worker a stage; nullopt if the job
-  // ended (or Stop()) first.
-  std::optional<v1::Plan> WaitForAssignment();
+  absl::Status JoinCoordinator();
+  // Waits for a plan newer than `after_epoch` that gives this worker a
+  // stage; nullopt if the job ended, Stop() was called or a re-join is due.
+  std::optional<v1::Plan> WaitForAssignment(uint64_t after_epoch);
   absl::Status Train(const v1::Plan& plan, const v1::StageAssignment& mine);
+  // A runtime for `placement`: the current one if it fits (after dropping
+  // what is in flight), else a new one restored from checkpoints.
+  absl::Status PrepareRuntime(const StagePlacement& placement, const ScheduleConfig& schedule);
+  absl::Status HandOver();
+  // Ends the current pipeline attempt: the driver returns, links close.
+  void AbortTrainingLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const WorkerOptions options_;
   std::atomic<bool> stop_{false};
@@ -70,8 +91,12 @@ class Worker {
   std::string device_name_;  // resolved, e.g. "cpu" or "cuda:0"
   std::string worker_id_;
   v1::JobSpec job_;
-  Inbox inbox_{64};
+  int heartbeat_ms_ = 1000;
   StatsBoard stats_;
+  std::unique_ptr<StageRuntime> runtime_;  // Run()'s thread only
+  int64_t dropped_microbatches_ = 0;       // Run()'s thread only
+  std::atomic<bool> abort_{false};         // the current attempt must end
+  std::atomic<bool> drain_{false};
 
   std::thread heartbeat_thread_;
   std::thread watch_thread_;
@@ -79,6 +104,9 @@ class Worker {
   std::unique_ptr<grpc::ClientContext> watch_context_ ABSL_GUARDED_BY(mu_);
   std::optional<v1::Plan> latest_plan_ ABSL_GUARDED_BY(mu_);
   DownstreamLinkClient* downstream_ ABSL_GUARDED_BY(mu_) = nullptr;  // while training
+  std::shared_ptr<Inbox> inbox_ ABSL_GUARDED_BY(mu_);                // while training
+  uint64_t training_epoch_ ABSL_GUARDED_BY(mu_) = 0;  // 0: not training
+  bool rejoin_needed_ ABSL_GUARDED_BY(mu_) = false;
   bool watch_ended_ ABSL_GUARDED_BY(mu_) = false;
 };
 

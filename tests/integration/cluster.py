@@ -94,9 +94,13 @@ class Cluster:
     def metrics_path(self):
         return os.path.join(self.dir, "state", "metrics.jsonl")
 
-    def start_coordinator(self):
+    def start_coordinator(self, port=0):
+        """Starts (or, after a crash, restarts on the same state dir and
+        `port`) the coordinator."""
         port_file = os.path.join(self.dir, "port")
-        args = [binary("geotrain-coordinator"), "--listen=127.0.0.1:0",
+        if os.path.exists(port_file):
+            os.remove(port_file)
+        args = [binary("geotrain-coordinator"), f"--listen=127.0.0.1:{port}",
                 f"--port_file={port_file}", f"--job={self.job}",
                 f"--state_dir={os.path.join(self.dir, 'state')}"] + self.coordinator_flags
         self.coordinator = Process(args, os.path.join(self.dir, "coordinator.log"))

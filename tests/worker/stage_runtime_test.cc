@@ -266,5 +266,68 @@ TEST_F(StageRuntimeTest, UnknownDeviceIsAnError) {
   EXPECT_FALSE(runtime.ok());
 }
 
+// A checkpoint carries weights and optimizer state: a fresh runtime that
+// restores it continues exactly like the one that wrote it.
+TEST_F(StageRuntimeTest, RestoredCheckpointContinuesIdentically) {
+  auto original = Make(0, 1, 0, 4);
+  auto train_step = [&](StageRuntime* runtime, int step) -> double {
+    double loss = 0;
+    for (int mb = 0; mb < job_.microbatches(); ++mb) {
+      auto result = runtime->ForwardLoss(*runtime->LoadTrainMicrobatch(step, mb));
+      EXPECT_TRUE(result.ok()) << result.status();
+      loss = result->loss;
+    }
+    EXPECT_TRUE(runtime->ApplyUpdate(0.5).ok());
+    return loss;
+  };
+  for (int step = 0; step < 2; ++step) train_step(original.get(), step);
+  auto checkpoint = original->ExportCheckpoint(2);
+  ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
+  ASSERT_EQ(checkpoint->size(), 4u);
+  EXPECT_EQ((*checkpoint)[3].layer(), 3);
+  EXPECT_EQ((*checkpoint)[0].state_per_param(), 2);  // AdamW's m and v
+  EXPECT_EQ((*checkpoint)[0].optimizer_steps(), 2);
+
+  auto restored = Make(0, 1, 0, 4);
+  ASSERT_TRUE(restored->RestoreCheckpoint(*checkpoint).ok());
+  // Same loss on the next step, and the same after another update (which
+  // needs the optimizer's moments to match too).
+  const double after_restore = train_step(restored.get(), 2);
+  EXPECT_DOUBLE_EQ(after_restore, train_step(original.get(), 2));
+  EXPECT_DOUBLE_EQ(train_step(restored.get(), 3), train_step(original.get(), 3));
+
+  // A fresh runtime without the checkpoint does not match: the test can tell.
+  auto fresh = Make(0, 1, 0, 4);
+  EXPECT_NE(train_step(fresh.get(), 2), after_restore);
+}
+
+TEST_F(StageRuntimeTest, RestoreRefusesWhatDoesNotFit) {
+  auto runtime = Make(0, 2, 0, 2);
+  auto other = Make(1, 2, 2, 4);
+  auto foreign = other->ExportCheckpoint(0);
+  ASSERT_TRUE(foreign.ok());
+  // Layer 3 is not this stage's.
+  EXPECT_EQ(runtime->RestoreCheckpoint({(*foreign)[1]}).code(),
+            absl::StatusCode::kInvalidArgument);
+  // The head's tensors (layer 3) relabelled as the embedding (layer 0) do
+  // not fit.
+  v1::LayerCheckpoint relabelled = (*foreign)[1];
+  relabelled.set_layer(0);
+  EXPECT_EQ(runtime->RestoreCheckpoint({relabelled}).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(StageRuntimeTest, DropInFlightFreesStashedVersions) {
+  auto first = Make(0, 2, 0, 2);
+  for (int mb = 0; mb < 2; ++mb) {
+    ASSERT_TRUE(first->Forward(*first->LoadTrainMicrobatch(0, mb)).ok());
+  }
+  EXPECT_EQ(first->pending_microbatches(), 2u);
+  EXPECT_EQ(first->stash_stats().references, 2);
+  EXPECT_EQ(first->DropInFlight(), 2);
+  EXPECT_EQ(first->pending_microbatches(), 0u);
+  EXPECT_EQ(first->stash_stats().references, 0);
+  EXPECT_EQ(first->stash_stats().versions_alive, 1);
+}
+
 }  // namespace
 }  // namespace geotrain

@@ -1,0 +1,159 @@
+#include "coordinator/checkpoint_store.h"
+
+#include <dirent.h>
+#include <sys/stat.h>
+#include <zlib.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
+#include "coordinator/state_store.h"
+
+namespace geotrain {
+namespace {
+
+constexpr char kMagic[] = "GTCKPT01";
+constexpr size_t kMagicBytes = 8;
+constexpr size_t kHeaderBytes = kMagicBytes + 4 + 8;
+
+absl::Status MakeDir(const std::string& path) {
+  if (mkdir(path.c_str(), 0755) != 0 && errno != EEXIST) {
+    return absl::UnavailableError(absl::StrCat("mkdir ", path, ": ", std::strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
+uint32_t Crc32(const std::string& bytes) {
+  return static_cast<uint32_t>(
+      crc32(0L, reinterpret_cast<const Bytef*>(bytes.data()), static_cast<uInt>(bytes.size())));
+}
+
+template <typename T>
+void AppendLittleEndian(std::string* out, T value) {
+  for (size_t i = 0; i < sizeof(T); ++i) out->push_back(static_cast<char>(value >> (8 * i)));
+}
+
+template <typename T>
+T ReadLittleEndian(const char* p) {
+  T value = 0;
+  for (size_t i = 0; i < sizeof(T); ++i) {
+    value |= static_cast<T>(static_cast<unsigned char>(p[i])) << (8 * i);
+  }
+  return value;
+}
+
+absl::StatusOr<v1::LayerCheckpoint> ParseFile(const std::string& path, int layer, int step) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError("cannot open");
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  const std::string data = buffer.str();
+  if (data.size() < kHeaderBytes || data.compare(0, kMagicBytes, kMagic) != 0) {
+    return absl::DataLossError("not a checkpoint file (bad magic or too short)");
+  }
+  const uint32_t crc = ReadLittleEndian<uint32_t>(data.data() + kMagicBytes);
+  const uint64_t length = ReadLittleEndian<uint64_t>(data.data() + kMagicBytes + 4);
+  if (length != data.size() - kHeaderBytes) {
+    return absl::DataLossError(absl::StrCat("body is ", data.size() - kHeaderBytes,
+                                            " bytes, header says ", length));
+  }
+  const std::string body = data.substr(kHeaderBytes);
+  if (Crc32(body) != crc) return absl::DataLossError("checksum mismatch");
+  v1::LayerCheckpoint checkpoint;
+  if (!checkpoint.ParseFromString(body)) return absl::DataLossError("body does not parse");
+  if (checkpoint.layer() != layer || checkpoint.step() != step) {
+    return absl::DataLossError(absl::StrCat("holds layer ", checkpoint.layer(), " step ",
+                                            checkpoint.step(), ", not what its name says"));
+  }
+  return checkpoint;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CheckpointStore>> CheckpointStore::Open(
+    const std::string& state_dir, int keep) {
+  const std::string dir = absl::StrCat(state_dir, "/checkpoints");
+  if (absl::Status made = MakeDir(dir); !made.ok()) return made;
+  return std::unique_ptr<CheckpointStore>(new CheckpointStore(dir, std::max(1, keep)));
+}
+
+std::string CheckpointStore::LayerDir(int layer) const {
+  return absl::StrFormat("%s/layer-%04d", dir_, layer);
+}
+
+std::vector<int> CheckpointStore::StepsOnDisk(int layer) const {
+  std::vector<int> steps;
+  DIR* dir = opendir(LayerDir(layer).c_str());
+  if (dir == nullptr) return steps;
+  while (dirent* entry = readdir(dir)) {
+    absl::string_view name = entry->d_name;
+    int step = 0;
+    if (absl::ConsumePrefix(&name, "step-") && absl::ConsumeSuffix(&name, ".ckpt") &&
+        absl::SimpleAtoi(name, &step)) {
+      steps.push_back(step);
+    }
+  }
+  closedir(dir);
+  std::sort(steps.begin(), steps.end());
+  return steps;
+}
+
+absl::Status CheckpointStore::Save(const v1::LayerCheckpoint& checkpoint) {
+  if (checkpoint.layer() < 0 || checkpoint.step() < 0) {
+    return absl::InvalidArgumentError("checkpoint with a negative layer or step");
+  }
+  std::string body;
+  checkpoint.SerializeToString(&body);
+  std::string file(kMagic, kMagicBytes);
+  AppendLittleEndian<uint32_t>(&file, Crc32(body));
+  AppendLittleEndian<uint64_t>(&file, body.size());
+  file += body;
+  absl::MutexLock lock(&mu_);
+  const std::string layer_dir = LayerDir(checkpoint.layer());
+  if (absl::Status made = MakeDir(layer_dir); !made.ok()) return made;
+  const std::string path = absl::StrFormat("%s/step-%08d.ckpt", layer_dir, checkpoint.step());
+  if (absl::Status written = WriteFileAtomically(path, file); !written.ok()) return written;
+  std::vector<int> steps = StepsOnDisk(checkpoint.layer());
+  for (size_t i = 0; i + keep_ < steps.size(); ++i) {
+    std::remove(absl::StrFormat("%s/step-%08d.ckpt", layer_dir, steps[i]).c_str());
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::LayerCheckpoint> CheckpointStore::LoadLatest(
+    int layer, std::vector<std::string>* skipped) {
+  absl::MutexLock lock(&mu_);
+  std::vector<int> steps = StepsOnDisk(layer);
+  for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
+    const std::string path = absl::StrFormat("%s/step-%08d.ckpt", LayerDir(layer), *it);
+    absl::StatusOr<v1::LayerCheckpoint> checkpoint = ParseFile(path, layer, *it);
+    if (checkpoint.ok()) return checkpoint;
+    if (skipped != nullptr) skipped->push_back(absl::StrCat(path, ": ", checkpoint.status().message()));
+  }
+  return absl::NotFoundError(absl::StrCat("no intact checkpoint of layer ", layer));
+}
+
+std::map<int, std::vector<int>> CheckpointStore::Index() const {
+  absl::MutexLock lock(&mu_);
+  std::map<int, std::vector<int>> index;
+  DIR* dir = opendir(dir_.c_str());
+  if (dir == nullptr) return index;
+  while (dirent* entry = readdir(dir)) {
+    absl::string_view name = entry->d_name;
+    int layer = 0;
+    if (absl::ConsumePrefix(&name, "layer-") && absl::SimpleAtoi(name, &layer)) {
+      index[layer] = StepsOnDisk(layer);
+    }
+  }
+  closedir(dir);
+  return index;
+}
+
+}  // namespace geotrain

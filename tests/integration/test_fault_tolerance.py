@@ -1,0 +1,327 @@
+"""Failures, stragglers and churn on real processes: standbys take over
+lost stages, stages restore from checkpoints, a coordinator restarts on its
+state directory, and a SIGTERM'd worker hands its stage over.
+
+The job is a small GPT (5 layers over 3 stages, sync schedule) with a
+checkpoint every 5 steps and the default 5 s lease.
+"""
+import os
+import random
+import signal
+import statistics
+import time
+import unittest
+
+from cluster import Cluster, wait_for
+
+JOB = """
+name: "ft-gpt"
+gpt { context: 32 d_model: 64 heads: 4 blocks: 3 mlp_ratio: 4 }
+text { paths: "/usr/share/games/fortunes" validation_fraction: 0.05 }
+optimizer { kind: KIND_ADAMW lr: 0.002 weight_decay: 0.01 }
+schedule: SCHEDULE_SYNC
+steps: %(steps)d
+microbatches: 4
+microbatch_size: 16
+seed: 3
+min_workers: 3
+max_stages: 3
+eval_every: 0
+eval_batches: 2
+checkpoint_every: 5
+"""
+
+
+def write_job(directory, steps):
+    path = os.path.join(directory, "job.textproto")
+    with open(path, "w") as f:
+        f.write(JOB % {"steps": steps})
+    return path
+
+
+def loss_margin(steps):
+    """Mean loss of the first 5 steps minus that of the last 10."""
+    losses = [m["loss"] for m in steps]
+    return statistics.mean(losses[:5]) - statistics.mean(losses[-10:])
+
+
+class FaultCluster(Cluster):
+    """A Cluster that starts its workers under fresh names."""
+
+    def __init__(self, steps, coordinator_flags=()):
+        super().__init__(None, coordinator_flags)
+        self.job = write_job(self.dir, steps)
+        self.names = 0
+        self.by_name = {}
+        self.killed = set()
+
+    def kill(self, name):
+        self.by_name[name].popen.kill()
+        self.killed.add(name)
+
+    def wait_done(self, timeout):
+        """Waits for the job to finish; a worker this test did not kill
+        exiting non-zero is a failure."""
+        def done():
+            for name, p in self.by_name.items():
+                if name not in self.killed and p.popen.poll() not in (None, 0):
+                    raise RuntimeError(f"{name} exited with {p.popen.returncode}:\n"
+                                       + p.log()[-3000:])
+            return self.status()["state"] == "done"
+        wait_for(done, timeout, "the job to finish", interval=0.5)
+
+    def add_worker(self):
+        name = f"w{self.names}"
+        self.names += 1
+        self.by_name[name] = self.start_worker(name)
+        return name
+
+    def stage_workers(self, status=None):
+        status = status or self.status()
+        return {w["stage"]: w["name"] for w in status["workers"]
+                if w["stage"] >= 0 and w["state"] == "WORKER_STATE_TRAINING"}
+
+    def step(self):
+        return int(self.status()["step"])
+
+    def wait_step(self, step, timeout):
+        return wait_for(lambda: self.step() >= step and self.step(), timeout,
+                        f"step {step}", interval=0.1)
+
+
+class StandbyTakeoverTest(unittest.TestCase):
+    def test_recovery_time_after_killing_a_middle_stage(self):
+        """kill -9 of stage 1, five times, a fresh worker joining after
+        each as the next standby: time from the kill to the first step
+        completed on the new plan."""
+        with FaultCluster(steps=100000) as c:
+            c.start_coordinator()
+            for _ in range(4):
+                c.add_worker()
+            try:
+                c.wait_step(10, 120)
+                recovery = []
+                for kill in range(5):
+                    status = c.status()
+                    victim = c.stage_workers(status)[1]
+                    epoch, step = int(status["epoch"]), int(status["step"])
+                    killed_at = time.monotonic()
+                    c.kill(victim)
+
+                    def resumed():
+                        s = c.status()
+                        return int(s["epoch"]) > epoch and int(s["step"]) > step + 1
+                    wait_for(resumed, 30, f"training after kill {kill + 1}", interval=0.05)
+                    recovery.append(time.monotonic() - killed_at)
+                    print(f"kill {kill + 1} of {victim}: next step after {recovery[-1]:.1f} s",
+                          flush=True)
+                    c.add_worker()  # the machine comes back, as a standby
+                    c.wait_step(int(c.status()["step"]) + 3, 60)
+            except Exception:
+                print(c.dump_logs())
+                raise
+            status = c.status()
+        median = statistics.median(recovery)
+        print(f"recovery over {len(recovery)} kills: median {median:.1f} s, "
+              f"max {max(recovery):.1f} s, all {[round(r, 1) for r in recovery]}")
+        self.assertLessEqual(median, 10)
+        self.assertLessEqual(max(recovery), 15)
+        kinds = [e["kind"] for e in status["events"]]
+        for kind in ("lost", "replanned", "restored", "restore"):
+            self.assertIn(kind, kinds)
+
+    def test_without_standby_the_layers_are_repartitioned(self):
+        with FaultCluster(steps=100000) as c:
+            c.start_coordinator()
+            for _ in range(3):
+                c.add_worker()
+            try:
+                c.wait_step(8, 120)
+                status = c.status()
+                c.kill(c.stage_workers(status)[2])
+                wait_for(lambda: len(c.stage_workers()) == 2 and
+                         c.step() > int(status["step"]) + 2, 40, "training on 2 stages")
+            except Exception:
+                print(c.dump_logs())
+                raise
+            status = c.status()
+        stages = sorted((w["layer_begin"], w["layer_end"]) for w in status["workers"]
+                        if w["state"] == "WORKER_STATE_TRAINING")
+        self.assertEqual(stages[0][0], 0)
+        self.assertEqual(stages[-1][1], 5)
+        self.assertEqual(stages[0][1], stages[1][0])
+        replans = [e["detail"] for e in status["events"] if e["kind"] == "replanned"]
+        self.assertTrue(any("re-partitioned" in d for d in replans), replans)
+
+
+class ChaosTest(unittest.TestCase):
+    STEPS = 240
+
+    def run_job(self, chaos):
+        rng = random.Random(7)
+        with FaultCluster(steps=self.STEPS) as c:
+            c.start_coordinator()
+            for _ in range(5):  # 3 stages and 2 standbys
+                c.add_worker()
+            stopped = None
+            rss_early = {}
+            try:
+                if chaos:
+                    for fraction in (0.15, 0.35, 0.55):
+                        c.wait_step(int(self.STEPS * fraction), 120)
+                        status = c.status()
+                        if not rss_early:  # the stages' workers before any failure
+                            rss_early = {w["name"]: int(w["rss_bytes"])
+                                         for w in status["workers"] if w["stage"] >= 0}
+                        victim = rng.choice(sorted(c.stage_workers(status).values()))
+                        c.kill(victim)
+                        print(f"step {status['step']}: kill -9 {victim}", flush=True)
+                        c.add_worker()
+                    c.wait_step(int(self.STEPS * 0.7), 120)
+                    status = c.status()
+                    stopped = rng.choice(sorted(c.stage_workers(status).values()))
+                    print(f"step {status['step']}: SIGSTOP {stopped} for 10 s", flush=True)
+                    c.by_name[stopped].popen.send_signal(signal.SIGSTOP)
+                    time.sleep(10)  # the disruption itself lasts 10 s
+                    c.by_name[stopped].popen.send_signal(signal.SIGCONT)
+                c.wait_done(timeout=170)
+            except Exception:
+                print(c.dump_logs())
+                raise
+            status = c.status()
+            steps = c.steps()
+            for name, p in c.by_name.items():
+                if name in c.killed:
+                    continue
+                self.assertIn(p.popen.poll(), (None, 0), f"{name} crashed:\n{p.log()[-2000:]}")
+            return steps, status, rss_early
+
+    def test_training_survives_kills_and_a_stop(self):
+        start = time.monotonic()
+        calm_steps, _, _ = self.run_job(chaos=False)
+        chaos_steps, status, rss_early = self.run_job(chaos=True)
+        print(f"both runs took {time.monotonic() - start:.0f} s")
+        numbers = [int(m["step"]) for m in chaos_steps]
+        self.assertEqual(numbers, sorted(set(numbers)), "a step number repeated or went back")
+        self.assertEqual(numbers[-1], self.STEPS)
+        calm, chaos = loss_margin(calm_steps), loss_margin(chaos_steps)
+        print(f"loss drop: undisturbed {calm:.3f}, with failures {chaos:.3f} "
+              f"({chaos / calm - 1:+.1%})")
+        self.assertGreater(calm, 0)
+        self.assertLessEqual(abs(chaos / calm - 1), 0.10)
+        kinds = [e["kind"] for e in status["events"]]
+        self.assertGreaterEqual(kinds.count("replanned"), 4)
+        # Memory of the workers that held a stage through it all (their
+        # pipelines torn down and rebuilt four times) did not grow.
+        for w in status["workers"]:
+            if w["name"] in rss_early and w["state"] == "WORKER_STATE_DONE":
+                growth = int(w["rss_bytes"]) / rss_early[w["name"]] - 1
+                print(f"{w['name']}: RSS {growth:+.1%} from the first failure to the end")
+                self.assertLess(growth, 0.25, w["name"])
+        self.assertGreater(int(status["dropped_microbatches"]), 0)
+
+
+class CoordinatorRestartTest(unittest.TestCase):
+    def test_kill_and_restart_the_coordinator(self):
+        with FaultCluster(steps=150) as c:
+            c.start_coordinator()
+            port = c.port
+            for _ in range(3):
+                c.add_worker()
+            try:
+                c.wait_step(40, 120)
+                before = c.status()
+                index_before = before["checkpoint_steps"]
+                self.assertTrue(all(s >= 0 for s in index_before), index_before)
+                c.coordinator.popen.kill()
+                c.coordinator.stop()  # reaps it and closes its log
+                time.sleep(2)  # the workers train on without it meanwhile
+                c.start_coordinator(port=port)
+                after = c.status()
+                # It took over the persisted progress (saved at most once a
+                # second, so it may be a few steps behind the workers).
+                self.assertGreater(int(after["step"]), 0)
+                self.assertEqual(int(after["epoch"]), int(before["epoch"]))
+                for layer, step in enumerate(after["checkpoint_steps"]):
+                    self.assertGreaterEqual(step, index_before[layer])
+                c.wait_done(timeout=170)
+            except Exception:
+                print(c.dump_logs())
+                raise
+            status = c.status()
+            numbers = [int(m["step"]) for m in c.steps()]
+        self.assertEqual(numbers, sorted(set(numbers)), "a step number repeated or went back")
+        self.assertEqual(numbers[-1], 150)
+        kinds = [e["kind"] for e in status["events"]]
+        self.assertIn("recovered", kinds)
+        self.assertEqual(int(status["epoch"]), int(before["epoch"]) + 1)  # + the job_done plan
+
+
+class DrainTest(unittest.TestCase):
+    def test_sigterm_hands_the_stage_to_a_standby(self):
+        with FaultCluster(steps=100000) as c:
+            c.start_coordinator()
+            for _ in range(4):
+                c.add_worker()
+            try:
+                c.wait_step(12, 120)
+                status = c.status()
+                leaving = c.stage_workers(status)[1]
+                c.by_name[leaving].popen.send_signal(signal.SIGTERM)
+                self.assertEqual(c.by_name[leaving].popen.wait(timeout=30), 0)
+                step = int(status["step"])
+                wait_for(lambda: c.step() > step + 3, 40, "training after the drain")
+            except Exception:
+                print(c.dump_logs())
+                raise
+            status = c.status()
+        events = status["events"]
+        drain = [e for e in events if e["kind"] == "drain"]
+        self.assertEqual(len(drain), 1, events)
+        self.assertIn("saved at step", drain[0]["detail"])
+        saved_step = int(drain[0]["detail"].split("saved at step ")[1].split(";")[0])
+        restores = [e for e in events if e["kind"] == "restore"
+                    and e["time_s"] > drain[0]["time_s"]]
+        self.assertTrue(restores, events)
+        # The standby restored what the drain saved: no update lost.
+        for e in restores:
+            self.assertEqual(int(e["detail"].split("from step ")[1]), saved_step, e)
+        left = [w for w in status["workers"] if w["name"] == leaving][0]
+        self.assertEqual(left["state"], "WORKER_STATE_LEFT")
+
+
+class CorruptCheckpointTest(unittest.TestCase):
+    def test_a_corrupt_checkpoint_is_passed_over(self):
+        with FaultCluster(steps=100000) as c:
+            c.start_coordinator()
+            for _ in range(4):
+                c.add_worker()
+            try:
+                c.wait_step(12, 120)
+                status = c.status()
+                victim = c.stage_workers(status)[1]
+                begin = [w for w in status["workers"] if w["name"] == victim][0]["layer_begin"]
+                layer_dir = os.path.join(c.dir, "state", "checkpoints", f"layer-{begin:04d}")
+                c.kill(victim)
+                newest = sorted(os.listdir(layer_dir))[-1]
+                with open(os.path.join(layer_dir, newest), "r+b") as f:
+                    f.seek(100)
+                    f.write(b"\xde\xad\xbe\xef")
+                wait_for(lambda: any(e["kind"] == "restore" and
+                                     e["time_s"] > status["elapsed_s"]
+                                     for e in c.status()["events"]), 40, "the restore")
+            except Exception:
+                print(c.dump_logs())
+                raise
+            events = c.status()["events"]
+        corrupt = [e for e in events if e["kind"] == "checkpoint_corrupt"]
+        self.assertTrue(corrupt, events)
+        self.assertIn(newest, corrupt[0]["detail"])
+        restore = [e for e in events if e["kind"] == "restore" and f"layer {begin} " in
+                   e["detail"] + " "][-1]
+        newest_step = int(newest.split("-")[1].split(".")[0])
+        self.assertLess(int(restore["detail"].split("from step ")[1]), newest_step)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
