@@ -316,8 +316,61 @@ absl::StatusOr<v1::LayerCheckpoint> JobController::LoadCheckpoint(const std::str
 void JobController::RecordWorkerEvent(const v1::WorkerEvent& event) {
   absl::MutexLock lock(&mu_);
   AddEventLocked(event.kind(), NameOf(event.worker_id()),
-                 event.peer().empty() ? event.detail()
-                                      : absl::StrCat(event.detail(), " (peer ", event.peer(), ")"));
+                 event.peer().empty()
+                     ? event.detail()
+                     : absl::StrCat(event.detail(), " (peer ", NameOf(event.peer()), ")"));
+  // A lost link on the current plan: the neighbour accused is taken out of
+  // the pipeline (it stays a standby if it is alive). Only the first report
+  // of an epoch counts: the other end of the same link accuses this one.
+  if (event.kind() == "link_lost" && plan_.has_value() && !done_ &&
+      event.epoch() == plan_->epoch()) {
+    SuspendLocked(event.peer(), absl::StrCat("its link from ", NameOf(event.worker_id()),
+                                             " was lost"));
+  }
+}
+
+bool JobController::EligibleStandbyLocked(const WorkerRecord& worker) const {
+  auto suspended = suspended_at_ms_.find(worker.id);
+  // A worker taken out for a lost link may simply be dead (its lease has
+  // not run out yet): it is a standby again once it has sent a heartbeat.
+  return suspended == suspended_at_ms_.end() || worker.last_heartbeat_ms > suspended->second;
+}
+
+void JobController::SuspendLocked(const std::string& worker_id, const std::string& why) {
+  std::set<std::string> in_plan;
+  int stage = -1;
+  for (const v1::StageAssignment& s : plan_->stages()) {
+    in_plan.insert(s.worker_id());
+    if (s.worker_id() == worker_id) stage = s.stage();
+  }
+  if (stage < 0) return;
+  std::optional<WorkerRecord> standby;
+  for (const WorkerRecord& w : membership_.LiveWorkers()) {
+    if (in_plan.count(w.id) == 0 && EligibleStandbyLocked(w) &&
+        (!standby || w.device.matmul_gflops() > standby->device.matmul_gflops())) {
+      standby = w;
+    }
+  }
+  suspended_at_ms_[worker_id] = options_.clock->NowMs();
+  v1::Plan next = *plan_;
+  next.set_epoch(plan_->epoch() + 1);
+  next.set_start_step(step_);
+  std::string summary;
+  if (standby.has_value()) {
+    v1::StageAssignment* s = next.mutable_stages(stage);
+    s->set_worker_id(standby->id);
+    s->set_address(standby->address);
+    summary = absl::StrCat("stage ", stage, ": ", NameOf(worker_id), " -> ", standby->name,
+                           " (standby), because ", why);
+  } else {
+    summary = absl::StrCat("no standby to replace ", NameOf(worker_id), " (", why,
+                           "); same stages, new links");
+  }
+  AddEventLocked("replanned", "",
+                 absl::StrCat("epoch ", next.epoch(), ", resuming after step ", step_, "; ",
+                              summary));
+  PublishLocked(std::move(next));
+  PersistLocked();
 }
 
 void JobController::MaybeReplanLocked() {
@@ -333,7 +386,7 @@ void JobController::MaybeReplanLocked() {
   if (orphaned.empty()) return;
   std::vector<WorkerRecord> standbys;
   for (const WorkerRecord& w : live) {
-    if (in_plan.count(w.id) == 0) standbys.push_back(w);
+    if (in_plan.count(w.id) == 0 && EligibleStandbyLocked(w)) standbys.push_back(w);
   }
   std::sort(standbys.begin(), standbys.end(), [](const WorkerRecord& a, const WorkerRecord& b) {
     return a.device.matmul_gflops() > b.device.matmul_gflops();
@@ -356,9 +409,15 @@ void JobController::MaybeReplanLocked() {
     waiting_for_workers_ = true;
     return;
   } else {
-    next = PartitionLocked(live, &summary);
+    std::vector<WorkerRecord> usable;
+    for (const WorkerRecord& w : live) {
+      if (EligibleStandbyLocked(w)) usable.push_back(w);
+    }
+    if (usable.empty()) return;
+    next = PartitionLocked(usable, &summary);
     if (!next.has_value()) return;
-    summary = absl::StrCat("no standby; re-partitioned over ", live.size(), " workers: ", summary);
+    summary = absl::StrCat("no standby; re-partitioned over ", usable.size(), " workers: ",
+                           summary);
   }
   waiting_for_workers_ = false;
   next->set_epoch(plan_->epoch() + 1);

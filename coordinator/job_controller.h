@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <deque>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <optional>
 #include <set>
@@ -86,6 +87,11 @@ class JobController {
   double ElapsedS() const;
   void MaybePlanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeReplanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes `worker_id` out of the current plan (a standby takes its stage;
+  // without one the same stages get a new epoch, i.e. new links).
+  void SuspendLocked(const std::string& worker_id, const std::string& why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool EligibleStandbyLocked(const WorkerRecord& worker) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Stages over `live` as the planner partitions them; nullopt (and an
   // event) when it cannot.
   std::optional<v1::Plan> PartitionLocked(const std::vector<WorkerRecord>& live,
@@ -110,6 +116,8 @@ class JobController {
   int64_t last_persist_ms_ ABSL_GUARDED_BY(mu_) = 0;
   bool recovered_ ABSL_GUARDED_BY(mu_) = false;
   bool waiting_for_workers_ ABSL_GUARDED_BY(mu_) = false;
+  // Workers taken out of a plan for a lost link, and when.
+  std::map<std::string, int64_t> suspended_at_ms_ ABSL_GUARDED_BY(mu_);
   std::ofstream metrics_ ABSL_GUARDED_BY(mu_);
   std::optional<v1::Plan> plan_ ABSL_GUARDED_BY(mu_);
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;

@@ -125,6 +125,7 @@ void CoordinatorClient::ReportEvent(const std::string& kind, const std::string& 
   event.set_kind(kind);
   event.set_detail(detail);
   event.set_peer(peer);
+  event.set_epoch(epoch_);
   v1::ReportAck ack;
   const grpc::Status status = stub_->ReportEvent(&context, event, &ack);
   if (!status.ok()) GT_LOG(Warning) << "event report failed: " << status.error_message();

@@ -50,6 +50,7 @@ class CoordinatorClient final : public ProgressSink {
   absl::StatusOr<v1::LayerCheckpoint> LoadCheckpoint(int layer);
   void CheckpointReady(std::vector<v1::LayerCheckpoint> layers) override;
   // Logged and dropped on failure.
+  // Carries the epoch set by SetEpoch().
   void ReportEvent(const std::string& kind, const std::string& detail,
                    const std::string& peer = "");
   ~CoordinatorClient() override;

@@ -215,6 +215,7 @@ absl::StatusOr<std::unique_ptr<DownstreamLinkClient>> DownstreamLinkClient::Conn
   LinkMessage hello;
   hello.header = MakeHello(validator->epoch(), validator->stage());
   while (true) {
+    client->stream_.reset();  // a call goes before its context
     client->context_ = std::make_unique<grpc::ClientContext>();
     // The stream lives as long as training; liveness is checked by keepalive
     // (rpc_options.cc) rather than a deadline.
@@ -226,6 +227,7 @@ absl::StatusOr<std::unique_ptr<DownstreamLinkClient>> DownstreamLinkClient::Conn
     }
     client->context_->TryCancel();
     const grpc::Status finished = client->stream_->Finish();
+    client->stream_.reset();  // finished: the destructor must not finish it again
     const bool retryable = finished.error_code() == grpc::StatusCode::UNAVAILABLE ||
                            finished.error_code() == grpc::StatusCode::FAILED_PRECONDITION ||
                            finished.error_code() == grpc::StatusCode::ALREADY_EXISTS ||

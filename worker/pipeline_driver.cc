@@ -78,7 +78,10 @@ absl::StatusOr<InboundMessage> PipelineDriver::NextMessage() {
   std::optional<InboundMessage> in = inbox_->Pop();
   idle_ += absl::Now() - waiting;
   if (!in.has_value()) return absl::CancelledError("worker is stopping");
-  if (!in->error.ok()) return in->error;
+  if (!in->error.ok()) {
+    failed_link_ = in->from_upstream ? FailedLink::kUpstream : FailedLink::kDownstream;
+    return in->error;
+  }
   CountReceived(*in);
   return *std::move(in);
 }
@@ -163,14 +166,18 @@ absl::Status PipelineDriver::SendDown(LinkMessage message) {
   if (downstream_ == nullptr) return absl::InternalError("no downstream link");
   message.header.set_epoch(options_.epoch);
   message.header.set_from_stage(options_.stage);
-  return CountedSend(downstream_, std::move(message), &down_link_);
+  absl::Status sent = CountedSend(downstream_, std::move(message), &down_link_);
+  if (absl::IsUnavailable(sent)) failed_link_ = FailedLink::kDownstream;
+  return sent;
 }
 
 absl::Status PipelineDriver::SendUp(LinkMessage message) {
   if (upstream_ == nullptr) return absl::InternalError("no upstream link");
   message.header.set_epoch(options_.epoch);
   message.header.set_from_stage(options_.stage);
-  return CountedSend(upstream_, std::move(message), &up_link_);
+  absl::Status sent = CountedSend(upstream_, std::move(message), &up_link_);
+  if (absl::IsUnavailable(sent)) failed_link_ = FailedLink::kUpstream;
+  return sent;
 }
 
 absl::Status PipelineDriver::AfterBackward(double loss) {

@@ -99,6 +99,10 @@ class PipelineDriver {
   // Returns an error when a link breaks or computing fails.
   absl::Status Run();
 
+  // After Run() failed: which link broke, if one did.
+  enum class FailedLink { kNone, kUpstream, kDownstream };
+  FailedLink failed_link() const { return failed_link_; }
+
  private:
   absl::Status RunFirstStage();
   absl::Status RunLaterStage();
@@ -120,6 +124,7 @@ class PipelineDriver {
   ProgressSink* progress_;
   StatsBoard* stats_;
 
+  FailedLink failed_link_ = FailedLink::kNone;
   int64_t backwards_ = 0;               // microbatches finished on this stage
   int backwards_since_update_ = 0;
   int eval_due_ = 0;                    // stage 0: step to evaluate at, or 0

@@ -173,9 +173,7 @@ absl::Status Worker::Run() {
     if (stop_) return absl::CancelledError("stopped");
     GT_LOG(Warning) << "stage " << mine->stage() << " of plan epoch " << plan->epoch()
                     << " ended: " << trained.message() << "; waiting for a new plan";
-    if (trained.code() != absl::StatusCode::kCancelled) {
-      coordinator_.ReportEvent("stage_failed", std::string(trained.message()));
-    }
+
   }
 }
 
@@ -363,6 +361,18 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
   if (!ran.ok()) {
     link_server_.Deactivate();
     if (downstream) downstream->Cancel();
+    // A broken link (not one this worker ended itself) is reported with the
+    // neighbour at its other end, so the coordinator can route around it
+    // without waiting for a lease: a blackholed link never ends a lease.
+    const PipelineDriver::FailedLink failed = driver.failed_link();
+    if (failed != PipelineDriver::FailedLink::kNone && !abort_) {
+      const bool up = failed == PipelineDriver::FailedLink::kUpstream;
+      const v1::StageAssignment& peer = plan.stages(mine.stage() + (up ? -1 : 1));
+      coordinator_.ReportEvent("link_lost",
+                               absl::StrCat(up ? "upstream" : "downstream", " link to ",
+                                            peer.address(), ": ", ran.message()),
+                               peer.worker_id());
+    }
     return ran;
   }
   if (downstream) {
