@@ -140,6 +140,8 @@ class TcpRelay::Connection {
       const ssize_t got = recv(direction->from, buffer.data(), buffer.size(), 0);
       if (got <= 0) {
         if (got < 0 && errno == EINTR) continue;
+        // A blackhole swallows the close too: the other end never hears of it.
+        if (relay_->blackhole_) break;
         if (got < 0) Abort();
         Push(direction, Chunk{{}, NowUs()});  // end of stream after what is queued
         break;
@@ -177,7 +179,7 @@ class TcpRelay::Connection {
         direction->queue.pop_front();
       }
       if (chunk.bytes.empty()) {
-        shutdown(direction->to, SHUT_WR);
+        if (!relay_->blackhole_) shutdown(direction->to, SHUT_WR);
         break;
       }
       if (relay_->blackhole_) {

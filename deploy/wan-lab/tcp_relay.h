@@ -50,8 +50,9 @@ class TcpRelay {
   // Binds and starts accepting. Returns the port listened on.
   absl::StatusOr<int> Start();
 
-  // While on, bytes are read from both ends and thrown away: connections
-  // stay open, nothing arrives (a silent route, not a reset).
+  // While on, bytes are read from both ends and thrown away, and a close
+  // from either end is not passed on: connections stay open, nothing
+  // arrives (a silent route, not a reset).
   void SetBlackhole(bool on) { blackhole_ = on; }
   bool blackhole() const { return blackhole_; }
 

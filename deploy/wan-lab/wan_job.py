@@ -28,10 +28,17 @@ import time
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(count):
+    """`count` distinct ports that were free a moment ago (all bound at
+    once, so that none is handed out twice)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 class WanJob:
@@ -49,7 +56,10 @@ class WanJob:
         self.worker_flags = list(worker_flags)
         self.threads = threads
         self.processes = []
-        self.port = free_port()
+        ports = free_ports(1 + 2 * workers)
+        self.port = ports[0]
+        self.listen_ports = ports[1:1 + workers]
+        self.relay_ports = ports[1 + workers:]
 
     def _start(self, name, args):
         log = open(os.path.join(self.dir, f"{name}.log"), "wb")
@@ -68,8 +78,7 @@ class WanJob:
             self._bin("geotrain-coordinator"), f"--listen=127.0.0.1:{self.port}",
             f"--job={self.job}", f"--state_dir={os.path.join(self.dir, 'state')}",
             "--exit_when_done"] + self.coordinator_flags)
-        listen = [free_port() for _ in range(self.num_workers)]
-        relays = [free_port() for _ in range(self.num_workers)]
+        listen, relays = self.listen_ports, self.relay_ports
         for k in range(self.num_workers):
             self._start(f"linkem{k}", [self._bin("geotrain-linkem"),
                                        f"--listen=127.0.0.1:{relays[k]}",

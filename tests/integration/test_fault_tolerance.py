@@ -9,10 +9,16 @@ import os
 import random
 import signal
 import statistics
+import tempfile
 import time
 import unittest
 
-from cluster import Cluster, wait_for
+import sys
+
+from cluster import BIN_DIR, SOURCE_DIR, Cluster, wait_for
+
+sys.path.insert(0, os.path.join(SOURCE_DIR, "deploy", "wan-lab"))
+import wan_job  # noqa: E402
 
 JOB = """
 name: "ft-gpt"
@@ -324,6 +330,50 @@ class CorruptCheckpointTest(unittest.TestCase):
                    e["detail"] + " "][-1]
         newest_step = int(newest.split("-")[1].split(".")[0])
         self.assertLess(int(restore["detail"].split("from step ")[1]), newest_step)
+
+
+class BlackholeTest(unittest.TestCase):
+    def test_a_blackholed_link_is_detected_and_routed_around(self):
+        """Every worker behind its own geotrain-linkem relay; the relay in
+        front of stage 1 turns into a blackhole (accepts, acknowledges and
+        drops everything, closes nothing). Stage 0's link keepalive (10 s
+        ping, 5 s timeout) finds it and a standby takes stage 1."""
+        workdir = tempfile.mkdtemp(prefix="geotrain-blackhole-")
+        job_file = write_job(workdir, 100000)
+        with wan_job.WanJob(job_file, 4, ["--delay_ms=0"], bin_dir=BIN_DIR,
+                            workdir=workdir) as job:
+            job.start()
+            try:
+                wait_for(lambda: int((job.status() or {}).get("step", 0)) >= 10, 120, "step 10")
+                status = job.status()
+                victim = [w for w in status["workers"] if w["stage"] == 1][0]["name"]
+                relay = [p for p in job.processes if p.name == f"linkem{victim[1:]}"][0]
+                epoch, step = int(status["epoch"]), int(status["step"])
+                blackholed_at = float(status["elapsed_s"])  # coordinator time
+                relay.send_signal(signal.SIGUSR1)  # blackhole on
+                started = time.monotonic()
+
+                def resumed():
+                    s = job.status()
+                    return s and int(s["epoch"]) > epoch and int(s["step"]) > step + 1 and s
+                status = wait_for(resumed, 40, "training around the blackhole", interval=0.2)
+                took = time.monotonic() - started
+            except Exception:
+                for name in os.listdir(workdir):
+                    if name.endswith(".log"):
+                        with open(os.path.join(workdir, name)) as f:
+                            print(f"==== {name}\n{f.read()[-3000:]}")
+                raise
+        lost = [e for e in status["events"] if e["kind"] == "link_lost"]
+        self.assertTrue(lost, status["events"])
+        detected = lost[0]["time_s"] - blackholed_at
+        print(f"blackhole detected after {detected:.1f} s (keepalive 10 s + timeout 5 s), "
+              f"next step after {took:.1f} s")
+        self.assertLessEqual(detected, 15 + 2)  # timer granularity and the report RPC
+        self.assertLessEqual(took, 15 + 3)
+        replaced = [w for w in status["workers"] if w["name"] == victim][0]
+        self.assertEqual(replaced["stage"], -1)
+        self.assertEqual(replaced["state"], "WORKER_STATE_STANDBY")  # alive, just cut off
 
 
 if __name__ == "__main__":
