@@ -14,6 +14,10 @@ namespace {
 
 constexpr size_t kMaxEvents = 200;
 constexpr size_t kThroughputWindow = 10;  // steps
+// A stage this many times slower than the median stage (each measured
+// against its worker's join benchmark), for this long, is a straggler.
+constexpr double kStragglerFactor = 3.0;
+constexpr int64_t kStragglerPatienceMs = 5000;
 
 std::string JsonEscape(const std::string& s) {
   std::string out;
@@ -217,7 +221,9 @@ absl::Status JobController::ReportStep(const v1::StepReport& report) {
       "{\"step\":%d,\"loss\":%.8g,\"samples\":%d,\"time_s\":%.3f,"
       "\"rss_bytes\":{%s}}",
       step_, loss_, samples_, now - training_start_s_, rss));
-  if (options_.clock->NowMs() - last_persist_ms_ >= 1000) PersistLocked();
+  // Every step: a restarted coordinator must not resume a re-plan from a
+  // step the workers have already done.
+  PersistLocked();
   return absl::OkStatus();
 }
 
@@ -286,6 +292,7 @@ void JobController::Tick() {
   }
   MaybeReplanLocked();
   MaybePlanLocked();
+  CheckStragglersLocked();
   if (!expired.empty()) PersistLocked();
 }
 
@@ -324,8 +331,10 @@ void JobController::RecordWorkerEvent(const v1::WorkerEvent& event) {
   // of an epoch counts: the other end of the same link accuses this one.
   if (event.kind() == "link_lost" && plan_.has_value() && !done_ &&
       event.epoch() == plan_->epoch()) {
-    SuspendLocked(event.peer(), absl::StrCat("its link from ", NameOf(event.worker_id()),
-                                             " was lost"));
+    const std::string accused = event.peer();
+    ReplaceLocked(accused, absl::StrCat("its link from ", NameOf(event.worker_id()), " was lost"),
+                  /*only_with_standby=*/false);
+    suspended_at_ms_[accused] = options_.clock->NowMs();
   }
 }
 
@@ -336,14 +345,15 @@ bool JobController::EligibleStandbyLocked(const WorkerRecord& worker) const {
   return suspended == suspended_at_ms_.end() || worker.last_heartbeat_ms > suspended->second;
 }
 
-void JobController::SuspendLocked(const std::string& worker_id, const std::string& why) {
+bool JobController::ReplaceLocked(const std::string& worker_id, const std::string& why,
+                                  bool only_with_standby) {
   std::set<std::string> in_plan;
   int stage = -1;
   for (const v1::StageAssignment& s : plan_->stages()) {
     in_plan.insert(s.worker_id());
     if (s.worker_id() == worker_id) stage = s.stage();
   }
-  if (stage < 0) return;
+  if (stage < 0) return false;
   std::optional<WorkerRecord> standby;
   for (const WorkerRecord& w : membership_.LiveWorkers()) {
     if (in_plan.count(w.id) == 0 && EligibleStandbyLocked(w) &&
@@ -351,7 +361,7 @@ void JobController::SuspendLocked(const std::string& worker_id, const std::strin
       standby = w;
     }
   }
-  suspended_at_ms_[worker_id] = options_.clock->NowMs();
+  if (!standby.has_value() && only_with_standby) return false;
   v1::Plan next = *plan_;
   next.set_epoch(plan_->epoch() + 1);
   next.set_start_step(step_);
@@ -371,6 +381,53 @@ void JobController::SuspendLocked(const std::string& worker_id, const std::strin
                               summary));
   PublishLocked(std::move(next));
   PersistLocked();
+  return true;
+}
+
+void JobController::CheckStragglersLocked() {
+  if (!plan_.has_value() || done_ || plan_->job_done() || plan_->stages_size() < 2) return;
+  const std::vector<LayerProfile> layers = ProfileLayers(options_.job);
+  std::map<std::string, WorkerRecord> records;
+  for (const WorkerRecord& w : membership_.Snapshot()) records[w.id] = w;
+  // How much slower than its own join benchmark each stage computes. The
+  // planner balanced stages by that benchmark, so a healthy pipeline has
+  // similar figures; one far above the median is a straggler.
+  std::vector<double> slowness;
+  for (const v1::StageAssignment& s : plan_->stages()) {
+    const WorkerRecord& w = records[s.worker_id()];
+    const double measured = w.stats.compute_s_per_microbatch();
+    double flops = 0;
+    for (int l = s.layer_begin(); l < s.layer_end(); ++l) flops += layers[l].flops_per_sample;
+    const double expected =
+        flops * options_.job.microbatch_size() / (std::max(w.device.matmul_gflops(), 1e-3) * 1e9);
+    if (!w.alive || measured <= 0 || expected <= 0) return;  // not enough figures yet
+    slowness.push_back(measured / expected);
+  }
+  const int64_t now = options_.clock->NowMs();
+  for (int k = 0; k < plan_->stages_size(); ++k) {
+    // Against the (lower) median of the other stages.
+    std::vector<double> others;
+    for (int j = 0; j < static_cast<int>(slowness.size()); ++j) {
+      if (j != k) others.push_back(slowness[j]);
+    }
+    std::nth_element(others.begin(), others.begin() + (others.size() - 1) / 2, others.end());
+    const double median = others[(others.size() - 1) / 2];
+    const std::string& id = plan_->stages(k).worker_id();
+    if (slowness[k] <= kStragglerFactor * median) {
+      straggling_since_ms_.erase(id);
+      continue;
+    }
+    const int64_t since = straggling_since_ms_.emplace(id, now).first->second;
+    if (now - since < kStragglerPatienceMs) continue;
+    const std::string why =
+        absl::StrFormat("stage %d computes %.1fx slower than the median stage for %.0f s",
+                        k, slowness[k] / median, (now - since) / 1000.0);
+    AddEventLocked("straggler", NameOf(id), why);
+    straggling_since_ms_[id] = now;  // report again only after another patience period
+    if (ReplaceLocked(id, absl::StrCat("it straggles (", why, ")"), /*only_with_standby=*/true)) {
+      return;
+    }
+  }
 }
 
 void JobController::MaybeReplanLocked() {
@@ -475,6 +532,7 @@ void JobController::MaybePlanLocked() {
 }
 
 void JobController::PublishLocked(v1::Plan plan) {
+  straggling_since_ms_.clear();  // figures of the old plan say nothing of the new
   absl::Status written = store_.WritePlan(plan);
   if (!written.ok()) {
     GT_LOG(Warning) << "could not persist plan: " << written.message();

@@ -149,7 +149,10 @@ absl::Status Worker::Run() {
       rejoin_needed_ = false;
       if (latest_plan_.has_value()) last_epoch = std::max(last_epoch, latest_plan_->epoch());
     }
-    if (stop_) return absl::CancelledError("stopped");
+    if (stop_) {
+      coordinator_.Leave();  // the coordinator re-plans at once, no lease to wait for
+      return absl::CancelledError("stopped");
+    }
     if (rejoin) {
       // Whatever this worker held belongs to its old identity.
       runtime_.reset();
@@ -170,7 +173,10 @@ absl::Status Worker::Run() {
     const absl::Status trained = Train(*plan, *mine);
     if (trained.ok()) return absl::OkStatus();
     if (drain_) return HandOver();
-    if (stop_) return absl::CancelledError("stopped");
+    if (stop_) {
+      coordinator_.Leave();
+      return absl::CancelledError("stopped");
+    }
     GT_LOG(Warning) << "stage " << mine->stage() << " of plan epoch " << plan->epoch()
                     << " ended: " << trained.message() << "; waiting for a new plan";
 

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "common/job_spec.h"
+#include "common/model_profile.h"
 
 namespace geotrain {
 namespace {
@@ -22,6 +23,7 @@ class JobControllerTest : public testing::Test {
         "min_workers: 2 lease_ms: 1000",
         "test");
     ASSERT_TRUE(job.ok()) << job.status();
+    job_ = *job;
     JobControllerOptions options;
     options.job = *job;
     options.state_dir = dir_;
@@ -48,6 +50,7 @@ class JobControllerTest : public testing::Test {
   }
 
   FakeClock clock_{0};
+  v1::JobSpec job_;
   std::string dir_;
   std::unique_ptr<JobController> controller_;
 };
@@ -158,6 +161,158 @@ TEST(JobControllerCreateTest, UnwritableStateDirIsAnError) {
   options.state_dir = "/proc/geotrain-cannot-exist";
   options.clock = &clock;
   EXPECT_FALSE(JobController::Create(options).ok());
+}
+
+// Re-planning decisions, driven by hand: lease loss with and without a
+// standby, a lost link, a straggler, and recovery from the state dir.
+class ReplanTest : public JobControllerTest {
+ protected:
+  void Heartbeat(const std::string& id, double compute_s) {
+    v1::HeartbeatRequest request;
+    request.set_worker_id(id);
+    request.mutable_stats()->set_compute_s_per_microbatch(compute_s);
+    controller_->Heartbeat(request);
+  }
+  v1::Plan Plan() { return *controller_->WaitForPlan(0, absl::ZeroDuration()); }
+  // What stage `k` of the current plan should take per microbatch on a
+  // worker of 10 GFLOP/s (all test workers), times `factor`.
+  double Expected(int k, double factor) {
+    const v1::Plan plan = Plan();
+    const std::vector<LayerProfile> layers = ProfileLayers(job_);
+    double flops = 0;
+    for (int l = plan.stages(k).layer_begin(); l < plan.stages(k).layer_end(); ++l) {
+      flops += layers[l].flops_per_sample;
+    }
+    return factor * flops * job_.microbatch_size() / 10e9;
+  }
+  bool HasEvent(const std::string& kind) {
+    const v1::ClusterStatus status = controller_->Status();
+    for (const v1::Event& e : status.events()) {
+      if (e.kind() == kind) return true;
+    }
+    return false;
+  }
+};
+
+TEST_F(ReplanTest, AStandbyTakesTheStageOfALostWorker) {
+  const std::string a = Join("a").worker_id(), b = Join("b").worker_id();
+  const std::string c = Join("c").worker_id();  // standby
+  ASSERT_EQ(Plan().epoch(), 1u);
+  for (int t = 0; t < 15; ++t) {  // b falls silent
+    clock_.AdvanceMs(100);
+    Heartbeat(a, 0);
+    Heartbeat(c, 0);
+    controller_->Tick();
+  }
+  const v1::Plan plan = Plan();
+  EXPECT_EQ(plan.epoch(), 2u);
+  EXPECT_EQ(plan.stages(0).worker_id(), a);
+  EXPECT_EQ(plan.stages(1).worker_id(), c);
+  EXPECT_TRUE(HasEvent("lost"));
+  EXPECT_TRUE(HasEvent("replanned"));
+  EXPECT_NE(plan.stages(1).worker_id(), b);
+}
+
+TEST_F(ReplanTest, WithoutAStandbyTheLayersAreRepartitioned) {
+  const std::string a = Join("a").worker_id();
+  Join("b");
+  ASSERT_EQ(Plan().stages_size(), 2);
+  for (int t = 0; t < 15; ++t) {
+    clock_.AdvanceMs(100);
+    Heartbeat(a, 0);
+    controller_->Tick();
+  }
+  const v1::Plan plan = Plan();
+  EXPECT_EQ(plan.epoch(), 2u);
+  ASSERT_EQ(plan.stages_size(), 1);
+  EXPECT_EQ(plan.stages(0).worker_id(), a);
+  EXPECT_EQ(plan.stages(0).layer_begin(), 0);
+  EXPECT_EQ(plan.stages(0).layer_end(), 4);
+}
+
+TEST_F(ReplanTest, TheFirstLostLinkOfAnEpochCounts) {
+  const std::string a = Join("a").worker_id(), b = Join("b").worker_id();
+  const std::string c = Join("c").worker_id();
+  v1::WorkerEvent lost;
+  lost.set_kind("link_lost");
+  lost.set_worker_id(a);
+  lost.set_peer(b);
+  lost.set_epoch(1);
+  controller_->RecordWorkerEvent(lost);
+  EXPECT_EQ(Plan().epoch(), 2u);
+  EXPECT_EQ(Plan().stages(1).worker_id(), c);
+  // b's report about a (same broken link, old epoch) changes nothing.
+  lost.set_worker_id(b);
+  lost.set_peer(a);
+  controller_->RecordWorkerEvent(lost);
+  EXPECT_EQ(Plan().epoch(), 2u);
+  EXPECT_EQ(Plan().stages(0).worker_id(), a);
+}
+
+TEST_F(ReplanTest, AStragglerIsReplacedByAStandby) {
+  const std::string a = Join("a").worker_id(), b = Join("b").worker_id();
+  const std::string c = Join("c").worker_id();
+  ASSERT_EQ(Plan().epoch(), 1u);
+  // b takes 5x as long as its benchmark says, a as long, for 6 s.
+  const double a_s = Expected(0, 1), b_s = Expected(1, 5);
+  for (int t = 0; t < 60; ++t) {
+    clock_.AdvanceMs(100);
+    Heartbeat(a, a_s);
+    Heartbeat(b, b_s);
+    Heartbeat(c, 0);
+    controller_->Tick();
+  }
+  EXPECT_TRUE(HasEvent("straggler"));
+  EXPECT_EQ(Plan().epoch(), 2u);
+  EXPECT_EQ(Plan().stages(1).worker_id(), c);
+}
+
+TEST_F(ReplanTest, ModeratelySlowerStagesAreNoStragglers) {
+  const std::string a = Join("a").worker_id(), b = Join("b").worker_id();
+  Join("c");
+  const double a_s = Expected(0, 1), b_s = Expected(1, 2.5);  // within the factor of 3
+  for (int t = 0; t < 100; ++t) {
+    clock_.AdvanceMs(100);
+    Heartbeat(a, a_s);
+    Heartbeat(b, b_s);
+    controller_->Tick();
+  }
+  EXPECT_FALSE(HasEvent("straggler"));
+  EXPECT_EQ(Plan().epoch(), 1u);
+}
+
+TEST_F(ReplanTest, ARestartedControllerRecoversFromTheStateDir) {
+  const std::string a = Join("a").worker_id();
+  Join("b");
+  v1::StepReport report;
+  report.set_worker_id(a);
+  report.set_epoch(1);
+  report.set_step(1);
+  report.set_samples(8);
+  ASSERT_TRUE(controller_->ReportStep(report).ok());
+  controller_.reset();  // the coordinator dies
+
+  JobControllerOptions options;
+  options.job = *ParseJobSpec(
+      "gpt { context: 8 d_model: 16 heads: 2 blocks: 2 } text {} steps: 3 "
+      "min_workers: 2 lease_ms: 1000",
+      "test");
+  options.state_dir = dir_;
+  options.metrics_log_path = dir_ + "/metrics.jsonl";
+  options.clock = &clock_;
+  controller_ = *JobController::Create(options);
+  const v1::ClusterStatus status = controller_->Status();
+  EXPECT_EQ(status.epoch(), 1u);
+  EXPECT_EQ(status.step(), 1);
+  EXPECT_EQ(status.workers_size(), 2);
+  EXPECT_EQ(status.workers(0).state(), v1::WORKER_STATE_TRAINING);
+  EXPECT_TRUE(HasEvent("recovered"));
+  // The same step is refused; the next one is taken.
+  EXPECT_FALSE(controller_->ReportStep(report).ok());
+  report.set_step(2);
+  EXPECT_TRUE(controller_->ReportStep(report).ok());
+  // The metrics log was continued, not truncated.
+  EXPECT_NE(ReadFile(dir_ + "/metrics.jsonl").find("\"step\":1,"), std::string::npos);
 }
 
 }  // namespace
