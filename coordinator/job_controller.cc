@@ -14,8 +14,8 @@ namespace {
 
 constexpr size_t kMaxEvents = 200;
 constexpr size_t kThroughputWindow = 10;  // steps
-// A stage this many times slower than the median stage (each measured
-// against its worker's join benchmark), for this long, is a straggler.
+// A stage this many times slower per microbatch than every other stage, for
+// this long, is a straggler.
 constexpr double kStragglerFactor = 3.0;
 constexpr int64_t kStragglerPatienceMs = 5000;
 
@@ -329,8 +329,10 @@ void JobController::RecordWorkerEvent(const v1::WorkerEvent& event) {
   // A lost link on the current plan: the neighbour accused is taken out of
   // the pipeline (it stays a standby if it is alive). Only the first report
   // of an epoch counts: the other end of the same link accuses this one.
+  if (event.kind() == "draining") draining_.insert(event.worker_id());
+  // A draining worker closes its links on purpose: not a failure.
   if (event.kind() == "link_lost" && plan_.has_value() && !done_ &&
-      event.epoch() == plan_->epoch()) {
+      event.epoch() == plan_->epoch() && draining_.count(event.peer()) == 0) {
     const std::string accused = event.peer();
     ReplaceLocked(accused, absl::StrCat("its link from ", NameOf(event.worker_id()), " was lost"),
                   /*only_with_standby=*/false);
@@ -386,42 +388,35 @@ bool JobController::ReplaceLocked(const std::string& worker_id, const std::strin
 
 void JobController::CheckStragglersLocked() {
   if (!plan_.has_value() || done_ || plan_->job_done() || plan_->stages_size() < 2) return;
-  const std::vector<LayerProfile> layers = ProfileLayers(options_.job);
   std::map<std::string, WorkerRecord> records;
   for (const WorkerRecord& w : membership_.Snapshot()) records[w.id] = w;
-  // How much slower than its own join benchmark each stage computes. The
-  // planner balanced stages by that benchmark, so a healthy pipeline has
-  // similar figures; one far above the median is a straggler.
-  std::vector<double> slowness;
+  // The planner balanced the stages by their workers' benchmarks, so
+  // healthy stages take comparable time per microbatch (a light stage
+  // less). One far slower than every other stage is a straggler: it is
+  // the bottleneck, and not by the plan's design.
+  std::vector<double> seconds;
   for (const v1::StageAssignment& s : plan_->stages()) {
     const WorkerRecord& w = records[s.worker_id()];
     const double measured = w.stats.compute_s_per_microbatch();
-    double flops = 0;
-    for (int l = s.layer_begin(); l < s.layer_end(); ++l) flops += layers[l].flops_per_sample;
-    const double expected =
-        flops * options_.job.microbatch_size() / (std::max(w.device.matmul_gflops(), 1e-3) * 1e9);
-    if (!w.alive || measured <= 0 || expected <= 0) return;  // not enough figures yet
-    slowness.push_back(measured / expected);
+    if (!w.alive || measured <= 0) return;  // not enough figures yet
+    seconds.push_back(measured);
   }
   const int64_t now = options_.clock->NowMs();
   for (int k = 0; k < plan_->stages_size(); ++k) {
-    // Against the (lower) median of the other stages.
-    std::vector<double> others;
-    for (int j = 0; j < static_cast<int>(slowness.size()); ++j) {
-      if (j != k) others.push_back(slowness[j]);
+    double slowest_other = 0;
+    for (int j = 0; j < static_cast<int>(seconds.size()); ++j) {
+      if (j != k) slowest_other = std::max(slowest_other, seconds[j]);
     }
-    std::nth_element(others.begin(), others.begin() + (others.size() - 1) / 2, others.end());
-    const double median = others[(others.size() - 1) / 2];
     const std::string& id = plan_->stages(k).worker_id();
-    if (slowness[k] <= kStragglerFactor * median) {
+    if (seconds[k] <= kStragglerFactor * slowest_other) {
       straggling_since_ms_.erase(id);
       continue;
     }
     const int64_t since = straggling_since_ms_.emplace(id, now).first->second;
     if (now - since < kStragglerPatienceMs) continue;
-    const std::string why =
-        absl::StrFormat("stage %d computes %.1fx slower than the median stage for %.0f s",
-                        k, slowness[k] / median, (now - since) / 1000.0);
+    const std::string why = absl::StrFormat(
+        "stage %d takes %.1f ms per microbatch, %.1fx the slowest other stage, for %.0f s", k,
+        seconds[k] * 1e3, seconds[k] / slowest_other, (now - since) / 1000.0);
     AddEventLocked("straggler", NameOf(id), why);
     straggling_since_ms_[id] = now;  // report again only after another patience period
     if (ReplaceLocked(id, absl::StrCat("it straggles (", why, ")"), /*only_with_standby=*/true)) {

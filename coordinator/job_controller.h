@@ -92,8 +92,8 @@ class JobController {
   // stages get a new epoch (new links). True when a plan was published.
   bool ReplaceLocked(const std::string& worker_id, const std::string& why,
                      bool only_with_standby) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Reports stages that compute far slower than the others and hands their
-  // stage to a standby when there is one.
+  // Reports a stage far slower per microbatch than every other stage and
+  // hands it to a standby when there is one.
   void CheckStragglersLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool EligibleStandbyLocked(const WorkerRecord& worker) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Stages over `live` as the planner partitions them; nullopt (and an
@@ -122,6 +122,8 @@ class JobController {
   bool waiting_for_workers_ ABSL_GUARDED_BY(mu_) = false;
   // Workers taken out of a plan for a lost link, and when.
   std::map<std::string, int64_t> suspended_at_ms_ ABSL_GUARDED_BY(mu_);
+  // Workers handing their stage over (their links close on purpose).
+  std::set<std::string> draining_ ABSL_GUARDED_BY(mu_);
   // Stage workers currently straggling, and since when.
   std::map<std::string, int64_t> straggling_since_ms_ ABSL_GUARDED_BY(mu_);
   std::ofstream metrics_ ABSL_GUARDED_BY(mu_);

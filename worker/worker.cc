@@ -67,15 +67,21 @@ void Worker::Stop() {
 
 void Worker::Drain() {
   drain_ = true;
+  bool training;
   {
     absl::MutexLock lock(&mu_);
-    if (training_epoch_ != 0) {
-      GT_LOG(Info) << "draining: handing the stage over before leaving";
-      AbortTrainingLocked();
-      return;
-    }
+    training = training_epoch_ != 0;
   }
-  Stop();  // nothing to hand over
+  if (!training) {
+    Stop();  // nothing to hand over
+    return;
+  }
+  GT_LOG(Info) << "draining: handing the stage over before leaving";
+  // First, so that the neighbours' reports of the links this closes are not
+  // taken for a failure (which would give the stage away before it is saved).
+  coordinator_.ReportEvent("draining", "handing the stage over");
+  absl::MutexLock lock(&mu_);
+  AbortTrainingLocked();
 }
 
 void Worker::AbortTrainingLocked() {

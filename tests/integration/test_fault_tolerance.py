@@ -180,16 +180,22 @@ class ChaosTest(unittest.TestCase):
                     for fraction in (0.15, 0.35, 0.55):
                         c.wait_step(int(self.STEPS * fraction), 120)
                         status = c.status()
-                        if not rss_early:  # the stages' workers before any failure
+                        if not rss_early:
+                            # A witness, spared by the chaos: stage 0's worker
+                            # before any failure. Its pipeline is torn down
+                            # and rebuilt at every re-plan.
+                            witness = c.stage_workers(status)[0]
                             rss_early = {w["name"]: int(w["rss_bytes"])
-                                         for w in status["workers"] if w["stage"] >= 0}
-                        victim = rng.choice(sorted(c.stage_workers(status).values()))
+                                         for w in status["workers"] if w["name"] == witness}
+                        victim = rng.choice(sorted(set(c.stage_workers(status).values()) -
+                                                   set(rss_early)))
                         c.kill(victim)
                         print(f"step {status['step']}: kill -9 {victim}", flush=True)
                         c.add_worker()
                     c.wait_step(int(self.STEPS * 0.7), 120)
                     status = c.status()
-                    stopped = rng.choice(sorted(c.stage_workers(status).values()))
+                    stopped = rng.choice(sorted(set(c.stage_workers(status).values()) -
+                                                set(rss_early)))
                     print(f"step {status['step']}: SIGSTOP {stopped} for 10 s", flush=True)
                     c.by_name[stopped].popen.send_signal(signal.SIGSTOP)
                     time.sleep(10)  # the disruption itself lasts 10 s
@@ -221,13 +227,13 @@ class ChaosTest(unittest.TestCase):
         self.assertLessEqual(abs(chaos / calm - 1), 0.10)
         kinds = [e["kind"] for e in status["events"]]
         self.assertGreaterEqual(kinds.count("replanned"), 4)
-        # Memory of the workers that held a stage through it all (their
-        # pipelines torn down and rebuilt four times) did not grow.
-        for w in status["workers"]:
-            if w["name"] in rss_early and w["state"] == "WORKER_STATE_DONE":
-                growth = int(w["rss_bytes"]) / rss_early[w["name"]] - 1
-                print(f"{w['name']}: RSS {growth:+.1%} from the first failure to the end")
-                self.assertLess(growth, 0.25, w["name"])
+        # The witness's memory did not grow across the failures.
+        (witness,) = rss_early
+        (final,) = [w for w in status["workers"] if w["name"] == witness]
+        self.assertEqual(final["state"], "WORKER_STATE_DONE")
+        growth = int(final["rss_bytes"]) / rss_early[witness] - 1
+        print(f"{witness}: RSS {growth:+.1%} from the first failure to the end")
+        self.assertLess(growth, 0.25)
         self.assertGreater(int(status["dropped_microbatches"]), 0)
 
 
@@ -376,7 +382,7 @@ class StragglerTest(unittest.TestCase):
         stragglers = [e for e in status["events"] if e["kind"] == "straggler"]
         print(f"straggler replaced {took:.1f} s after it slowed down: {stragglers[0]['detail']}")
         self.assertEqual(stragglers[0]["worker"], slow)
-        self.assertIn("slower than the median stage", stragglers[0]["detail"])
+        self.assertIn("the slowest other stage", stragglers[0]["detail"])
         replaced = [w for w in status["workers"] if w["name"] == slow][0]
         self.assertEqual(replaced["state"], "WORKER_STATE_STANDBY")
 
