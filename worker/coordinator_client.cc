@@ -1,5 +1,7 @@
 #include "worker/coordinator_client.h"
 
+#include <malloc.h>
+
 #include <algorithm>
 
 #include "absl/strings/str_format.h"
@@ -63,18 +65,27 @@ CoordinatorClient::~CoordinatorClient() {
   if (uploader_.joinable()) uploader_.join();
 }
 
-absl::Status CoordinatorClient::SaveCheckpoint(const std::vector<v1::LayerCheckpoint>& layers) {
-  grpc::ClientContext context;
-  context.set_deadline(DeadlineFromNow(std::chrono::seconds(30)));
-  v1::SaveCheckpointResponse response;
-  auto writer = stub_->SaveCheckpoint(&context, &response);
-  const std::string id = worker_id();
-  for (v1::LayerCheckpoint layer : layers) {
-    layer.set_worker_id(id);
-    if (!writer->Write(layer)) break;
+absl::Status CoordinatorClient::SaveCheckpoint(std::vector<v1::LayerCheckpoint> layers) {
+  absl::Status status;
+  {
+    grpc::ClientContext context;
+    context.set_deadline(DeadlineFromNow(std::chrono::seconds(30)));
+    v1::SaveCheckpointResponse response;
+    auto writer = stub_->SaveCheckpoint(&context, &response);
+    const std::string id = worker_id();
+    for (v1::LayerCheckpoint& layer : layers) {
+      layer.set_worker_id(id);
+      if (!writer->Write(layer)) break;
+      layer.Clear();  // sent: its megabytes are not needed any more
+    }
+    writer->WritesDone();
+    status = FromGrpcStatus(writer->Finish());
   }
-  writer->WritesDone();
-  return FromGrpcStatus(writer->Finish());
+  layers.clear();
+  // A checkpoint is megabytes of short-lived buffers, freed on this thread;
+  // hand them back to the system rather than let the allocator keep them.
+  malloc_trim(0);
+  return status;
 }
 
 absl::StatusOr<v1::LayerCheckpoint> CoordinatorClient::LoadCheckpoint(int layer) {
@@ -108,10 +119,10 @@ void CoordinatorClient::UploadLoop() {
       layers = *std::move(pending_upload_);
       pending_upload_.reset();
     }
-    const absl::Status saved = SaveCheckpoint(layers);
+    const int step = layers.empty() ? 0 : layers[0].step();
+    const absl::Status saved = SaveCheckpoint(std::move(layers));
     if (!saved.ok()) {
-      GT_LOG(Warning) << "checkpoint of step " << (layers.empty() ? 0 : layers[0].step())
-                      << " not saved: " << saved.message();
+      GT_LOG(Warning) << "checkpoint of step " << step << " not saved: " << saved.message();
     }
   }
 }

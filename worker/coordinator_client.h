@@ -46,7 +46,7 @@ class CoordinatorClient final : public ProgressSink {
   // CheckpointReady (from the pipeline driver) hands them to a background
   // uploader that keeps only the newest pending one, so a slow coordinator
   // never stalls training. LoadCheckpoint: NOT_FOUND when there is none.
-  absl::Status SaveCheckpoint(const std::vector<v1::LayerCheckpoint>& layers);
+  absl::Status SaveCheckpoint(std::vector<v1::LayerCheckpoint> layers);
   absl::StatusOr<v1::LayerCheckpoint> LoadCheckpoint(int layer);
   void CheckpointReady(std::vector<v1::LayerCheckpoint> layers) override;
   // Logged and dropped on failure.

@@ -197,7 +197,7 @@ absl::Status Worker::HandOver() {
   }
   dropped_microbatches_ += runtime_->DropInFlight();
   absl::StatusOr<std::vector<v1::LayerCheckpoint>> layers = runtime_->ExportCheckpoint(step);
-  absl::Status saved = layers.ok() ? coordinator_.SaveCheckpoint(*layers) : layers.status();
+  absl::Status saved = layers.ok() ? coordinator_.SaveCheckpoint(*std::move(layers)) : layers.status();
   if (saved.ok()) {
     coordinator_.ReportEvent("drain", absl::StrCat("layers [", runtime_->layer_begin(), ",",
                                                    runtime_->layer_end(), ") saved at step ",
