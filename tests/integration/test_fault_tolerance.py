@@ -62,6 +62,19 @@ class FaultCluster(Cluster):
         self.by_name = {}
         self.killed = set()
 
+    def start(self, workers, until_step):
+        """A coordinator and `workers` workers, trained up to `until_step`."""
+        self.start_coordinator()
+        for _ in range(workers):
+            self.add_worker()
+        self.wait_step(until_step, 120)
+        return self
+
+    def __exit__(self, kind, value, traceback):
+        if kind is not None:  # a failing test shows what every process said
+            print(self.dump_logs())
+        return super().__exit__(kind, value, traceback)
+
     def kill(self, name):
         self.by_name[name].popen.kill()
         self.killed.add(name)
@@ -101,35 +114,27 @@ class StandbyTakeoverTest(unittest.TestCase):
         """kill -9 of stage 1, five times, with a standby joined before each
         kill: time from the kill to the first step completed on the new
         plan."""
-        with FaultCluster(steps=100000) as c:
-            c.start_coordinator()
-            for _ in range(4):
-                c.add_worker()
-            try:
-                c.wait_step(10, 120)
-                recovery = []
-                for kill in range(5):
-                    status = c.status()
-                    victim = c.stage_workers(status)[1]
-                    epoch, step = int(status["epoch"]), int(status["step"])
-                    killed_at = time.monotonic()
-                    c.kill(victim)
+        with FaultCluster(steps=100000).start(workers=4, until_step=10) as c:
+            recovery = []
+            for kill in range(5):
+                status = c.status()
+                victim = c.stage_workers(status)[1]
+                epoch, step = int(status["epoch"]), int(status["step"])
+                killed_at = time.monotonic()
+                c.kill(victim)
 
-                    def resumed():
-                        s = c.status()
-                        return int(s["epoch"]) > epoch and int(s["step"]) > step + 1
-                    wait_for(resumed, 30, f"training after kill {kill + 1}", interval=0.05)
-                    recovery.append(time.monotonic() - killed_at)
-                    print(f"kill {kill + 1} of {victim}: next step after {recovery[-1]:.1f} s",
-                          flush=True)
-                    fresh = c.add_worker()  # the machine comes back, as a standby
-                    wait_for(lambda: any(w["name"] == fresh and
-                                         w["state"] == "WORKER_STATE_STANDBY"
-                                         for w in c.status()["workers"]), 30, "a standby")
-                    c.wait_step(int(c.status()["step"]) + 3, 60)
-            except Exception:
-                print(c.dump_logs())
-                raise
+                def resumed():
+                    s = c.status()
+                    return int(s["epoch"]) > epoch and int(s["step"]) > step + 1
+                wait_for(resumed, 30, f"training after kill {kill + 1}", interval=0.05)
+                recovery.append(time.monotonic() - killed_at)
+                print(f"kill {kill + 1} of {victim}: next step after {recovery[-1]:.1f} s",
+                      flush=True)
+                fresh = c.add_worker()  # the machine comes back, as a standby
+                wait_for(lambda: any(w["name"] == fresh and
+                                     w["state"] == "WORKER_STATE_STANDBY"
+                                     for w in c.status()["workers"]), 30, "a standby")
+                c.wait_step(int(c.status()["step"]) + 3, 60)
             status = c.status()
         median = statistics.median(recovery)
         print(f"recovery over {len(recovery)} kills: median {median:.1f} s, "
@@ -141,19 +146,11 @@ class StandbyTakeoverTest(unittest.TestCase):
             self.assertIn(kind, kinds)
 
     def test_without_standby_the_layers_are_repartitioned(self):
-        with FaultCluster(steps=100000) as c:
-            c.start_coordinator()
-            for _ in range(3):
-                c.add_worker()
-            try:
-                c.wait_step(8, 120)
-                status = c.status()
-                c.kill(c.stage_workers(status)[2])
-                wait_for(lambda: len(c.stage_workers()) == 2 and
-                         c.step() > int(status["step"]) + 2, 40, "training on 2 stages")
-            except Exception:
-                print(c.dump_logs())
-                raise
+        with FaultCluster(steps=100000).start(workers=3, until_step=8) as c:
+            status = c.status()
+            c.kill(c.stage_workers(status)[2])
+            wait_for(lambda: len(c.stage_workers()) == 2 and
+                     c.step() > int(status["step"]) + 2, 40, "training on 2 stages")
             status = c.status()
         stages = sorted((w["layer_begin"], w["layer_end"]) for w in status["workers"]
                         if w["state"] == "WORKER_STATE_TRAINING")
@@ -175,35 +172,31 @@ class ChaosTest(unittest.TestCase):
                 c.add_worker()
             stopped = None
             rss_early = {}
-            try:
-                if chaos:
-                    for fraction in (0.15, 0.35, 0.55):
-                        c.wait_step(int(self.STEPS * fraction), 120)
-                        status = c.status()
-                        if not rss_early:
-                            # A witness, spared by the chaos: stage 0's worker
-                            # before any failure. Its pipeline is torn down
-                            # and rebuilt at every re-plan.
-                            witness = c.stage_workers(status)[0]
-                            rss_early = {w["name"]: int(w["rss_bytes"])
-                                         for w in status["workers"] if w["name"] == witness}
-                        victim = rng.choice(sorted(set(c.stage_workers(status).values()) -
-                                                   set(rss_early)))
-                        c.kill(victim)
-                        print(f"step {status['step']}: kill -9 {victim}", flush=True)
-                        c.add_worker()
-                    c.wait_step(int(self.STEPS * 0.7), 120)
+            if chaos:
+                for fraction in (0.15, 0.35, 0.55):
+                    c.wait_step(int(self.STEPS * fraction), 120)
                     status = c.status()
-                    stopped = rng.choice(sorted(set(c.stage_workers(status).values()) -
-                                                set(rss_early)))
-                    print(f"step {status['step']}: SIGSTOP {stopped} for 10 s", flush=True)
-                    c.by_name[stopped].popen.send_signal(signal.SIGSTOP)
-                    time.sleep(10)  # the disruption itself lasts 10 s
-                    c.by_name[stopped].popen.send_signal(signal.SIGCONT)
-                c.wait_done(timeout=170)
-            except Exception:
-                print(c.dump_logs())
-                raise
+                    if not rss_early:
+                        # A witness, spared by the chaos: stage 0's worker
+                        # before any failure. Its pipeline is torn down
+                        # and rebuilt at every re-plan.
+                        witness = c.stage_workers(status)[0]
+                        rss_early = {w["name"]: int(w["rss_bytes"])
+                                     for w in status["workers"] if w["name"] == witness}
+                    victim = rng.choice(sorted(set(c.stage_workers(status).values()) -
+                                               set(rss_early)))
+                    c.kill(victim)
+                    print(f"step {status['step']}: kill -9 {victim}", flush=True)
+                    c.add_worker()
+                c.wait_step(int(self.STEPS * 0.7), 120)
+                status = c.status()
+                stopped = rng.choice(sorted(set(c.stage_workers(status).values()) -
+                                            set(rss_early)))
+                print(f"step {status['step']}: SIGSTOP {stopped} for 10 s", flush=True)
+                c.by_name[stopped].popen.send_signal(signal.SIGSTOP)
+                time.sleep(10)  # the disruption itself lasts 10 s
+                c.by_name[stopped].popen.send_signal(signal.SIGCONT)
+            c.wait_done(timeout=170)
             status = c.status()
             steps = c.steps()
             for name, p in c.by_name.items():
@@ -244,26 +237,22 @@ class CoordinatorRestartTest(unittest.TestCase):
             port = c.port
             for _ in range(3):
                 c.add_worker()
-            try:
-                c.wait_step(40, 120)
-                before = c.status()
-                index_before = before["checkpoint_steps"]
-                self.assertTrue(all(s >= 0 for s in index_before), index_before)
-                c.coordinator.popen.kill()
-                c.coordinator.stop()  # reaps it and closes its log
-                time.sleep(2)  # the workers train on without it meanwhile
-                c.start_coordinator(port=port)
-                after = c.status()
-                # It took over the persisted progress (saved at every step;
-                # reports sent while it was down are lost, not replayed).
-                self.assertGreaterEqual(int(after["step"]), int(before["step"]))
-                self.assertEqual(int(after["epoch"]), int(before["epoch"]))
-                for layer, step in enumerate(after["checkpoint_steps"]):
-                    self.assertGreaterEqual(step, index_before[layer])
-                c.wait_done(timeout=170)
-            except Exception:
-                print(c.dump_logs())
-                raise
+            c.wait_step(40, 120)
+            before = c.status()
+            index_before = before["checkpoint_steps"]
+            self.assertTrue(all(s >= 0 for s in index_before), index_before)
+            c.coordinator.popen.kill()
+            c.coordinator.stop()  # reaps it and closes its log
+            time.sleep(2)  # the workers train on without it meanwhile
+            c.start_coordinator(port=port)
+            after = c.status()
+            # It took over the persisted progress (saved at every step;
+            # reports sent while it was down are lost, not replayed).
+            self.assertGreaterEqual(int(after["step"]), int(before["step"]))
+            self.assertEqual(int(after["epoch"]), int(before["epoch"]))
+            for layer, step in enumerate(after["checkpoint_steps"]):
+                self.assertGreaterEqual(step, index_before[layer])
+            c.wait_done(timeout=170)
             status = c.status()
             numbers = [int(m["step"]) for m in c.steps()]
         self.assertEqual(numbers, sorted(set(numbers)), "a step number repeated or went back")
@@ -275,21 +264,13 @@ class CoordinatorRestartTest(unittest.TestCase):
 
 class DrainTest(unittest.TestCase):
     def test_sigterm_hands_the_stage_to_a_standby(self):
-        with FaultCluster(steps=100000) as c:
-            c.start_coordinator()
-            for _ in range(4):
-                c.add_worker()
-            try:
-                c.wait_step(12, 120)
-                status = c.status()
-                leaving = c.stage_workers(status)[1]
-                c.by_name[leaving].popen.send_signal(signal.SIGTERM)
-                self.assertEqual(c.by_name[leaving].popen.wait(timeout=30), 0)
-                step = int(status["step"])
-                wait_for(lambda: c.step() > step + 3, 40, "training after the drain")
-            except Exception:
-                print(c.dump_logs())
-                raise
+        with FaultCluster(steps=100000).start(workers=4, until_step=12) as c:
+            status = c.status()
+            leaving = c.stage_workers(status)[1]
+            c.by_name[leaving].popen.send_signal(signal.SIGTERM)
+            self.assertEqual(c.by_name[leaving].popen.wait(timeout=30), 0)
+            step = int(status["step"])
+            wait_for(lambda: c.step() > step + 3, 40, "training after the drain")
             status = c.status()
         events = status["events"]
         drain = [e for e in events if e["kind"] == "drain"]
@@ -308,27 +289,18 @@ class DrainTest(unittest.TestCase):
 
 class CorruptCheckpointTest(unittest.TestCase):
     def test_a_corrupt_checkpoint_is_passed_over(self):
-        with FaultCluster(steps=100000) as c:
-            c.start_coordinator()
-            for _ in range(4):
-                c.add_worker()
-            try:
-                c.wait_step(12, 120)
-                status = c.status()
-                victim = c.stage_workers(status)[1]
-                begin = [w for w in status["workers"] if w["name"] == victim][0]["layer_begin"]
-                layer_dir = os.path.join(c.dir, "state", "checkpoints", f"layer-{begin:04d}")
-                c.kill(victim)
-                newest = sorted(os.listdir(layer_dir))[-1]
-                with open(os.path.join(layer_dir, newest), "r+b") as f:
-                    f.seek(100)
-                    f.write(b"\xde\xad\xbe\xef")
-                wait_for(lambda: any(e["kind"] == "restore" and
-                                     e["time_s"] > status["elapsed_s"]
-                                     for e in c.status()["events"]), 40, "the restore")
-            except Exception:
-                print(c.dump_logs())
-                raise
+        with FaultCluster(steps=100000).start(workers=4, until_step=12) as c:
+            status = c.status()
+            victim = c.stage_workers(status)[1]
+            begin = [w for w in status["workers"] if w["name"] == victim][0]["layer_begin"]
+            layer_dir = os.path.join(c.dir, "state", "checkpoints", f"layer-{begin:04d}")
+            c.kill(victim)
+            newest = sorted(os.listdir(layer_dir))[-1]
+            with open(os.path.join(layer_dir, newest), "r+b") as f:
+                f.seek(100)
+                f.write(b"\xde\xad\xbe\xef")
+            wait_for(lambda: any(e["kind"] == "restore" and e["time_s"] > status["elapsed_s"]
+                                 for e in c.status()["events"]), 40, "the restore")
             events = c.status()["events"]
         corrupt = [e for e in events if e["kind"] == "checkpoint_corrupt"]
         self.assertTrue(corrupt, events)
@@ -345,23 +317,19 @@ class StragglerTest(unittest.TestCase):
         every 200 ms, like a busy volunteer machine); its heartbeats and
         links stay alive, but it computes several times slower than its
         benchmark."""
-        with FaultCluster(steps=100000) as c:
-            c.start_coordinator()
-            for _ in range(4):
-                c.add_worker()
+        with FaultCluster(steps=100000).start(workers=4, until_step=10) as c:
             stop_cycling = threading.Event()
-            try:
-                c.wait_step(10, 120)
-                status = c.status()
-                slow = c.stage_workers(status)[1]
-                pid = c.by_name[slow].popen.pid
+            status = c.status()
+            slow = c.stage_workers(status)[1]
+            pid = c.by_name[slow].popen.pid
 
-                def cycle():
-                    while not stop_cycling.is_set():
-                        os.kill(pid, signal.SIGSTOP)
-                        time.sleep(0.18)
-                        os.kill(pid, signal.SIGCONT)
-                        time.sleep(0.02)
+            def cycle():
+                while not stop_cycling.is_set():
+                    os.kill(pid, signal.SIGSTOP)
+                    time.sleep(0.18)
+                    os.kill(pid, signal.SIGCONT)
+                    time.sleep(0.02)
+            try:
                 threading.Thread(target=cycle, daemon=True).start()
                 started = time.monotonic()
 
@@ -370,14 +338,11 @@ class StragglerTest(unittest.TestCase):
                     return s if slow not in c.stage_workers(s).values() else None
                 status = wait_for(demoted, 60, "the straggler to be replaced", interval=0.5)
                 took = time.monotonic() - started
+            finally:  # let it run again, whatever happened
                 stop_cycling.set()
+                time.sleep(0.3)
                 os.kill(pid, signal.SIGCONT)
-                step = int(status["step"])
-                c.wait_step(step + 5, 30)
-            except Exception:
-                stop_cycling.set()
-                print(c.dump_logs())
-                raise
+            c.wait_step(int(status["step"]) + 5, 30)
             status = c.status()
         stragglers = [e for e in status["events"] if e["kind"] == "straggler"]
         print(f"straggler replaced {took:.1f} s after it slowed down: {stragglers[0]['detail']}")
