@@ -21,10 +21,13 @@
 namespace geotrain {
 
 inline constexpr int kMaxGrpcMessageBytes = 16 << 20;
-// 16 MiB covers the bandwidth-delay product of every WAN profile in
-// DESIGN.md up to Tokyo-London (366 Mb/s x 420 ms round trip = 19 MB, which
-// BDP probing reaches), at a cost of at most that much buffered per stream.
-inline constexpr int kHttp2WindowBytes = 16 << 20;
+// 4 MiB covers the bandwidth-delay product of the WAN profiles in DESIGN.md
+// up to Oregon-Virginia (790 Mb/s x 134 ms = 13 MB needs probing; 100 Mb/s x
+// 100 ms = 1.25 MB does not); BDP probing raises it where a link needs more
+// (Tokyo-London: 19 MB). It is also what a stream may buffer when its
+// receiver falls behind: 16 MiB per stream showed up as up to +19% worker
+// memory on a loaded machine.
+inline constexpr int kHttp2WindowBytes = 4 << 20;
 // Deadline of control-plane unary RPCs.
 inline constexpr std::chrono::milliseconds kControlRpcTimeout{5000};
 
