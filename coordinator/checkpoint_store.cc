@@ -81,7 +81,27 @@ absl::StatusOr<std::unique_ptr<CheckpointStore>> CheckpointStore::Open(
     const std::string& state_dir, int keep) {
   const std::string dir = absl::StrCat(state_dir, "/checkpoints");
   if (absl::Status made = MakeDir(dir); !made.ok()) return made;
-  return std::unique_ptr<CheckpointStore>(new CheckpointStore(dir, std::max(1, keep)));
+  auto store = std::unique_ptr<CheckpointStore>(new CheckpointStore(dir, std::max(1, keep)));
+  absl::MutexLock lock(&store->mu_);
+  store->ScanLocked();
+  return store;
+}
+
+void CheckpointStore::ScanLocked() {
+  DIR* dir = opendir(dir_.c_str());
+  if (dir == nullptr) return;
+  while (dirent* entry = readdir(dir)) {
+    absl::string_view name = entry->d_name;
+    int layer = 0;
+    if (absl::ConsumePrefix(&name, "layer-") && absl::SimpleAtoi(name, &layer)) {
+      index_[layer] = StepsOnDisk(layer);
+    }
+  }
+  closedir(dir);
+}
+
+std::string CheckpointStore::PathOf(int layer, int step) const {
+  return absl::StrFormat("%s/step-%08d.ckpt", LayerDir(layer), step);
 }
 
 std::string CheckpointStore::LayerDir(int layer) const {
@@ -116,13 +136,17 @@ absl::Status CheckpointStore::Save(const v1::LayerCheckpoint& checkpoint) {
   AppendLittleEndian<uint64_t>(&file, body.size());
   file += body;
   absl::MutexLock lock(&mu_);
-  const std::string layer_dir = LayerDir(checkpoint.layer());
-  if (absl::Status made = MakeDir(layer_dir); !made.ok()) return made;
-  const std::string path = absl::StrFormat("%s/step-%08d.ckpt", layer_dir, checkpoint.step());
+  if (absl::Status made = MakeDir(LayerDir(checkpoint.layer())); !made.ok()) return made;
+  const std::string path = PathOf(checkpoint.layer(), checkpoint.step());
   if (absl::Status written = WriteFileAtomically(path, file); !written.ok()) return written;
-  std::vector<int> steps = StepsOnDisk(checkpoint.layer());
-  for (size_t i = 0; i + keep_ < steps.size(); ++i) {
-    std::remove(absl::StrFormat("%s/step-%08d.ckpt", layer_dir, steps[i]).c_str());
+  std::vector<int>& steps = index_[checkpoint.layer()];
+  if (!std::binary_search(steps.begin(), steps.end(), checkpoint.step())) {
+    steps.insert(std::upper_bound(steps.begin(), steps.end(), checkpoint.step()),
+                 checkpoint.step());
+  }
+  while (steps.size() > static_cast<size_t>(keep_)) {
+    std::remove(PathOf(checkpoint.layer(), steps.front()).c_str());
+    steps.erase(steps.begin());
   }
   return absl::OkStatus();
 }
@@ -130,9 +154,10 @@ absl::Status CheckpointStore::Save(const v1::LayerCheckpoint& checkpoint) {
 absl::StatusOr<v1::LayerCheckpoint> CheckpointStore::LoadLatest(
     int layer, std::vector<std::string>* skipped) {
   absl::MutexLock lock(&mu_);
-  std::vector<int> steps = StepsOnDisk(layer);
+  auto found = index_.find(layer);
+  const std::vector<int> steps = found == index_.end() ? std::vector<int>() : found->second;
   for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
-    const std::string path = absl::StrFormat("%s/step-%08d.ckpt", LayerDir(layer), *it);
+    const std::string path = PathOf(layer, *it);
     absl::StatusOr<v1::LayerCheckpoint> checkpoint = ParseFile(path, layer, *it);
     if (checkpoint.ok()) return checkpoint;
     if (skipped != nullptr) skipped->push_back(absl::StrCat(path, ": ", checkpoint.status().message()));
@@ -142,18 +167,7 @@ absl::StatusOr<v1::LayerCheckpoint> CheckpointStore::LoadLatest(
 
 std::map<int, std::vector<int>> CheckpointStore::Index() const {
   absl::MutexLock lock(&mu_);
-  std::map<int, std::vector<int>> index;
-  DIR* dir = opendir(dir_.c_str());
-  if (dir == nullptr) return index;
-  while (dirent* entry = readdir(dir)) {
-    absl::string_view name = entry->d_name;
-    int layer = 0;
-    if (absl::ConsumePrefix(&name, "layer-") && absl::SimpleAtoi(name, &layer)) {
-      index[layer] = StepsOnDisk(layer);
-    }
-  }
-  closedir(dir);
-  return index;
+  return index_;
 }
 
 }  // namespace geotrain

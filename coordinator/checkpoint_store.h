@@ -37,7 +37,8 @@ class CheckpointStore {
   // Each corrupt file passed over is appended to `*skipped` (path: reason).
   absl::StatusOr<v1::LayerCheckpoint> LoadLatest(int layer, std::vector<std::string>* skipped);
 
-  // Layer -> steps on disk, oldest first.
+  // Layer -> steps on disk, oldest first. In memory: cheap enough for
+  // every status query.
   std::map<int, std::vector<int>> Index() const;
 
   const std::string& dir() const { return dir_; }
@@ -45,11 +46,14 @@ class CheckpointStore {
  private:
   CheckpointStore(std::string dir, int keep) : dir_(std::move(dir)), keep_(keep) {}
   std::string LayerDir(int layer) const;
+  std::string PathOf(int layer, int step) const;
   std::vector<int> StepsOnDisk(int layer) const;
+  void ScanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string dir_;
   const int keep_;
   mutable absl::Mutex mu_;  // one writer at a time per store; reads take it too
+  std::map<int, std::vector<int>> index_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace geotrain

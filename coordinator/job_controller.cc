@@ -347,42 +347,50 @@ bool JobController::EligibleStandbyLocked(const WorkerRecord& worker) const {
   return suspended == suspended_at_ms_.end() || worker.last_heartbeat_ms > suspended->second;
 }
 
-bool JobController::ReplaceLocked(const std::string& worker_id, const std::string& why,
-                                  bool only_with_standby) {
+std::vector<WorkerRecord> JobController::StandbysLocked() const {
   std::set<std::string> in_plan;
-  int stage = -1;
-  for (const v1::StageAssignment& s : plan_->stages()) {
-    in_plan.insert(s.worker_id());
-    if (s.worker_id() == worker_id) stage = s.stage();
-  }
-  if (stage < 0) return false;
-  std::optional<WorkerRecord> standby;
+  for (const v1::StageAssignment& s : plan_->stages()) in_plan.insert(s.worker_id());
+  std::vector<WorkerRecord> standbys;
   for (const WorkerRecord& w : membership_.LiveWorkers()) {
-    if (in_plan.count(w.id) == 0 && EligibleStandbyLocked(w) &&
-        (!standby || w.device.matmul_gflops() > standby->device.matmul_gflops())) {
-      standby = w;
-    }
+    if (in_plan.count(w.id) == 0 && EligibleStandbyLocked(w)) standbys.push_back(w);
   }
-  if (!standby.has_value() && only_with_standby) return false;
-  v1::Plan next = *plan_;
+  std::sort(standbys.begin(), standbys.end(), [](const WorkerRecord& a, const WorkerRecord& b) {
+    return a.device.matmul_gflops() > b.device.matmul_gflops();
+  });
+  return standbys;
+}
+
+void JobController::PublishReplanLocked(v1::Plan next, const std::string& summary) {
   next.set_epoch(plan_->epoch() + 1);
   next.set_start_step(step_);
-  std::string summary;
-  if (standby.has_value()) {
-    v1::StageAssignment* s = next.mutable_stages(stage);
-    s->set_worker_id(standby->id);
-    s->set_address(standby->address);
-    summary = absl::StrCat("stage ", stage, ": ", NameOf(worker_id), " -> ", standby->name,
-                           " (standby), because ", why);
-  } else {
-    summary = absl::StrCat("no standby to replace ", NameOf(worker_id), " (", why,
-                           "); same stages, new links");
-  }
   AddEventLocked("replanned", "",
                  absl::StrCat("epoch ", next.epoch(), ", resuming after step ", step_, "; ",
                               summary));
   PublishLocked(std::move(next));
   PersistLocked();
+}
+
+bool JobController::ReplaceLocked(const std::string& worker_id, const std::string& why,
+                                  bool only_with_standby) {
+  int stage = -1;
+  for (const v1::StageAssignment& s : plan_->stages()) {
+    if (s.worker_id() == worker_id) stage = s.stage();
+  }
+  if (stage < 0) return false;
+  const std::vector<WorkerRecord> standbys = StandbysLocked();
+  if (standbys.empty() && only_with_standby) return false;
+  v1::Plan next = *plan_;
+  if (standbys.empty()) {
+    PublishReplanLocked(std::move(next), absl::StrCat("no standby to replace ", NameOf(worker_id),
+                                                      " (", why, "); same stages, new links"));
+    return true;
+  }
+  v1::StageAssignment* s = next.mutable_stages(stage);
+  s->set_worker_id(standbys[0].id);
+  s->set_address(standbys[0].address);
+  PublishReplanLocked(std::move(next),
+                      absl::StrCat("stage ", stage, ": ", NameOf(worker_id), " -> ",
+                                   standbys[0].name, " (standby), because ", why));
   return true;
 }
 
@@ -428,21 +436,14 @@ void JobController::CheckStragglersLocked() {
 void JobController::MaybeReplanLocked() {
   if (!plan_.has_value() || done_ || plan_->job_done()) return;
   const std::vector<WorkerRecord> live = membership_.LiveWorkers();
-  std::set<std::string> live_ids, in_plan;
+  std::set<std::string> live_ids;
   for (const WorkerRecord& w : live) live_ids.insert(w.id);
   std::vector<int> orphaned;
   for (const v1::StageAssignment& s : plan_->stages()) {
-    in_plan.insert(s.worker_id());
     if (live_ids.count(s.worker_id()) == 0) orphaned.push_back(s.stage());
   }
   if (orphaned.empty()) return;
-  std::vector<WorkerRecord> standbys;
-  for (const WorkerRecord& w : live) {
-    if (in_plan.count(w.id) == 0 && EligibleStandbyLocked(w)) standbys.push_back(w);
-  }
-  std::sort(standbys.begin(), standbys.end(), [](const WorkerRecord& a, const WorkerRecord& b) {
-    return a.device.matmul_gflops() > b.device.matmul_gflops();
-  });
+  const std::vector<WorkerRecord> standbys = StandbysLocked();
   std::string summary;
   std::optional<v1::Plan> next;
   if (standbys.size() >= orphaned.size()) {
@@ -454,31 +455,25 @@ void JobController::MaybeReplanLocked() {
       stage->set_worker_id(standbys[i].id);
       stage->set_address(standbys[i].address);
     }
-  } else if (live.empty()) {
-    if (!waiting_for_workers_) {
-      AddEventLocked("waiting", "", "no live worker to re-plan on; waiting for one to join");
-    }
-    waiting_for_workers_ = true;
-    return;
   } else {
     std::vector<WorkerRecord> usable;
     for (const WorkerRecord& w : live) {
       if (EligibleStandbyLocked(w)) usable.push_back(w);
     }
-    if (usable.empty()) return;
+    if (usable.empty()) {
+      if (!waiting_for_workers_) {
+        AddEventLocked("waiting", "", "no live worker to re-plan on; waiting for one to join");
+      }
+      waiting_for_workers_ = true;
+      return;
+    }
     next = PartitionLocked(usable, &summary);
     if (!next.has_value()) return;
     summary = absl::StrCat("no standby; re-partitioned over ", usable.size(), " workers: ",
                            summary);
   }
   waiting_for_workers_ = false;
-  next->set_epoch(plan_->epoch() + 1);
-  next->set_start_step(step_);
-  AddEventLocked("replanned", "",
-                 absl::StrCat("epoch ", next->epoch(), ", resuming after step ", step_, "; ",
-                              summary));
-  PublishLocked(*std::move(next));
-  PersistLocked();
+  PublishReplanLocked(*std::move(next), summary);
 }
 
 std::optional<v1::Plan> JobController::PartitionLocked(const std::vector<WorkerRecord>& live,

@@ -96,6 +96,11 @@ class JobController {
   // hands it to a standby when there is one.
   void CheckStragglersLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool EligibleStandbyLocked(const WorkerRecord& worker) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Live workers outside the current plan that may take a stage, fastest first.
+  std::vector<WorkerRecord> StandbysLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Publishes `next` as the following epoch, resuming after the last step.
+  void PublishReplanLocked(v1::Plan next, const std::string& summary)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Stages over `live` as the planner partitions them; nullopt (and an
   // event) when it cannot.
   std::optional<v1::Plan> PartitionLocked(const std::vector<WorkerRecord>& live,
