@@ -245,7 +245,9 @@ absl::StatusOr<std::unique_ptr<DownstreamLinkClient>> DownstreamLinkClient::Conn
     GT_LOG(Info) << "link to " << address << " not ready (" << finished.error_message()
                  << "); retrying in " << absl::FormatDuration(backoff);
     absl::SleepFor(backoff);
-    backoff = std::min(backoff * 2, absl::Seconds(2));
+    // Capped low: after a re-plan the peer usually activates its stage
+    // within a second or two, and each retry is one small RPC.
+    backoff = std::min(backoff * 2, absl::Milliseconds(500));
   }
   GT_LOG(Info) << "opened downstream link to " << address;
   DownstreamLinkClient* raw = client.get();
