@@ -49,6 +49,9 @@ void ApplyJobDefaults(v1::JobSpec* job) {
   if (job->activation_codec() == v1::CODEC_UNSPECIFIED) job->set_activation_codec(v1::CODEC_NONE);
   if (job->gradient_codec() == v1::CODEC_UNSPECIFIED) job->set_gradient_codec(v1::CODEC_NONE);
   if (job->codec_block_size() == 0) job->set_codec_block_size(64);
+  if (job->replicas() == 0) job->set_replicas(1);
+  if (job->replica_sync_every() == 0) job->set_replica_sync_every(5);
+  if (job->replica_codec() == v1::CODEC_UNSPECIFIED) job->set_replica_codec(v1::CODEC_FP16);
   if (job->topk_fraction() == 0) job->set_topk_fraction(0.01);
   v1::Optimizer* opt = job->mutable_optimizer();
   if (opt->kind() == v1::Optimizer::KIND_UNSPECIFIED) {
@@ -129,7 +132,19 @@ absl::Status ValidateJobSpec(const v1::JobSpec& job) {
         "adaptive compression needs a strongest codec to step up to: set activation_codec "
         "and/or gradient_codec (e.g. CODEC_INT4)");
   }
-  for (v1::Codec codec : {job.activation_codec(), job.gradient_codec()}) {
+  if (job.replicas() < 1 || job.replicas() > 8) return Invalid("replicas must be in [1, 8]");
+  if (job.replicas() > 1 && job.schedule() == v1::SCHEDULE_SYNC) {
+    return Invalid(
+        "replicas > 1 needs an asynchronous schedule (SCHEDULE_ASYNC_STASH or "
+        "SCHEDULE_ASYNC_2BW): replicas update on their own microbatches and average every "
+        "replica_sync_every steps, which is not the one-process maths that sync promises");
+  }
+  if (job.replica_sync_every() < 1) return Invalid("replica_sync_every must be >= 1");
+  if (job.replica_codec() == v1::CODEC_TOPK) {
+    return Invalid("replica_codec CODEC_TOPK would drop most of the weights; use NONE, FP16, "
+                   "BF16, INT8 or INT4");
+  }
+  for (v1::Codec codec : {job.activation_codec(), job.gradient_codec(), job.replica_codec()}) {
     bool exact;
     if (!EncodedSizeBound(codec, 1, job.codec_block_size(), &exact).ok()) {
       return Invalid(absl::StrCat("unknown codec ", static_cast<int>(codec),

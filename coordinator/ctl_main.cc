@@ -59,7 +59,10 @@ void PrintTable(const geotrain::v1::ClusterStatus& s) {
     std::string layers =
         w.stage() >= 0 ? absl::StrFormat("[%d,%d)", w.layer_begin(), w.layer_end())
                        : "-";
-    std::string stage = w.stage() >= 0 ? std::to_string(w.stage()) : "-";
+    // A replica shows as STAGE.K (K > 0); the primary as the stage alone.
+    std::string stage = w.stage() < 0     ? "-"
+                         : w.replica() > 0 ? absl::StrFormat("%d.%d", w.stage(), w.replica())
+                                           : std::to_string(w.stage());
     std::printf("%-4s %-12s %-22s %-7s %8.1f %5s %-8s %-9s %5.1fs %8.1f %5d\n",
                 w.id().c_str(), w.name().c_str(), w.address().c_str(),
                 w.device().c_str(), w.gflops(), stage.c_str(), layers.c_str(),
@@ -92,6 +95,26 @@ void PrintTable(const geotrain::v1::ClusterStatus& s) {
                   l.link_rate_bps() / 1e6, l.send_s(), l.link_s_per_microbatch() * 1e3,
                   l.compute_s_per_microbatch() * 1e3);
       if (l.adaptive()) std::printf("     codec: %s\n", l.codec_reason().c_str());
+    }
+  }
+  header = false;
+  for (const auto& w : s.workers()) {
+    if (w.routes_size() < 2 && w.weight_averages() == 0) continue;
+    for (const auto& r : w.routes()) {
+      if (!header) {
+        std::printf("\n%-4s %-22s %9s %11s %10s %10s   (routing among replicas)\n", "ID",
+                    "TO", "SENT", "OUTSTANDING", "LAT_ms", "OLDEST_ms");
+        header = true;
+      }
+      std::printf("%-4s %-22s %9lu %11d %10.1f %10.1f\n", w.id().c_str(), r.peer().c_str(),
+                  static_cast<unsigned long>(r.sent()), r.outstanding(), r.latency_s() * 1e3,
+                  r.oldest_outstanding_s() * 1e3);
+    }
+  }
+  for (const auto& w : s.workers()) {
+    if (w.weight_averages() > 0) {
+      std::printf("%-4s stage %d replica %d: %ld weight averages with its replicas\n",
+                  w.id().c_str(), w.stage(), w.replica(), static_cast<long>(w.weight_averages()));
     }
   }
   const int shown = std::min(absl::GetFlag(FLAGS_events), s.events_size());

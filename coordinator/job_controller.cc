@@ -7,6 +7,7 @@
 #include "common/job_spec.h"
 #include "common/logging.h"
 #include "common/model_profile.h"
+#include "common/plan_util.h"
 #include "coordinator/planner.h"
 
 namespace geotrain {
@@ -260,19 +261,16 @@ absl::Status JobController::ReportDone(const v1::DoneReport& report) {
   if (!plan_.has_value()) {
     return absl::FailedPreconditionError("done reported before any plan");
   }
-  bool in_plan = false;
-  for (const v1::StageAssignment& s : plan_->stages()) {
-    in_plan = in_plan || s.worker_id() == report.worker_id();
-  }
-  if (!in_plan) {
+  if (StageOf(*plan_, report.worker_id()) == nullptr) {
     return absl::NotFoundError(
         absl::StrCat(report.worker_id(), " has no stage in the plan"));
   }
   done_workers_.insert(report.worker_id());
   AddEventLocked("worker_done", NameOf(report.worker_id()),
                  absl::StrCat("finished at step ", report.step()));
-  if (!done_ && done_workers_.size() ==
-                    static_cast<size_t>(plan_->stages_size())) {
+  int done_in_plan = 0;
+  for (const std::string& id : done_workers_) done_in_plan += StageOf(*plan_, id) != nullptr;
+  if (!done_ && done_in_plan == WorkersInPlan(*plan_)) {
     done_ = true;
     PersistLocked();
     v1::Plan final_plan = *plan_;
@@ -347,17 +345,41 @@ bool JobController::EligibleStandbyLocked(const WorkerRecord& worker) const {
   return suspended == suspended_at_ms_.end() || worker.last_heartbeat_ms > suspended->second;
 }
 
-std::vector<WorkerRecord> JobController::StandbysLocked() const {
-  std::set<std::string> in_plan;
-  for (const v1::StageAssignment& s : plan_->stages()) in_plan.insert(s.worker_id());
+std::vector<WorkerRecord> JobController::StandbysLocked(const v1::Plan& plan) const {
   std::vector<WorkerRecord> standbys;
   for (const WorkerRecord& w : membership_.LiveWorkers()) {
-    if (in_plan.count(w.id) == 0 && EligibleStandbyLocked(w)) standbys.push_back(w);
+    if (StageOf(plan, w.id) == nullptr && EligibleStandbyLocked(w)) standbys.push_back(w);
   }
   std::sort(standbys.begin(), standbys.end(), [](const WorkerRecord& a, const WorkerRecord& b) {
     return a.device.matmul_gflops() > b.device.matmul_gflops();
   });
   return standbys;
+}
+
+bool JobController::FillReplicasLocked(v1::Plan* plan, std::string* summary) const {
+  const int wanted = options_.job.replicas();
+  if (wanted <= 1) return false;
+  std::vector<WorkerRecord> candidates;
+  for (const WorkerRecord& w : StandbysLocked(*plan)) {
+    if (demoted_.count(w.id) == 0) candidates.push_back(w);
+  }
+  bool added = false;
+  size_t next = 0;
+  // The first and last stages are never replicated: stage 0 owns the data
+  // order and the window, the last stage the loss and the step count.
+  for (int k = 1; k + 1 < plan->stages_size(); ++k) {
+    v1::StageAssignment* stage = plan->mutable_stages(k);
+    while (1 + stage->replicas_size() < wanted && next < candidates.size()) {
+      const WorkerRecord& w = candidates[next++];
+      v1::Replica* replica = stage->add_replicas();
+      replica->set_worker_id(w.id);
+      replica->set_address(w.address);
+      absl::StrAppend(summary, summary->empty() ? "" : ", ", "stage ", k, ": + ", w.name,
+                      " (replica)");
+      added = true;
+    }
+  }
+  return added;
 }
 
 void JobController::PublishReplanLocked(v1::Plan next, const std::string& summary) {
@@ -372,20 +394,41 @@ void JobController::PublishReplanLocked(v1::Plan next, const std::string& summar
 
 bool JobController::ReplaceLocked(const std::string& worker_id, const std::string& why,
                                   bool only_with_standby) {
-  int stage = -1;
-  for (const v1::StageAssignment& s : plan_->stages()) {
-    if (s.worker_id() == worker_id) stage = s.stage();
-  }
-  if (stage < 0) return false;
-  const std::vector<WorkerRecord> standbys = StandbysLocked();
-  if (standbys.empty() && only_with_standby) return false;
+  int index = 0;
+  const v1::StageAssignment* current = StageOf(*plan_, worker_id, &index);
+  if (current == nullptr) return false;
+  const int stage = current->stage();
   v1::Plan next = *plan_;
+  v1::StageAssignment* s = next.mutable_stages(stage);
+  std::string summary;
+  if (current->replicas_size() > 0) {
+    // The stage keeps running on its other workers.
+    std::vector<StageWorker> rest;
+    for (const StageWorker& w : WorkersOf(*current)) {
+      if (w.id != worker_id) rest.push_back(w);
+    }
+    s->set_worker_id(rest[0].id);
+    s->set_address(rest[0].address);
+    s->clear_replicas();
+    for (size_t i = 1; i < rest.size(); ++i) {
+      v1::Replica* replica = s->add_replicas();
+      replica->set_worker_id(rest[i].id);
+      replica->set_address(rest[i].address);
+    }
+    summary = index == 0 ? absl::StrCat("stage ", stage, ": ", NameOf(worker_id), " -> ",
+                                        NameOf(rest[0].id), " (its replica), because ", why)
+                         : absl::StrCat("stage ", stage, ": replica ", NameOf(worker_id),
+                                        " removed, because ", why);
+    PublishReplanLocked(std::move(next), summary);
+    return true;
+  }
+  const std::vector<WorkerRecord> standbys = StandbysLocked(*plan_);
+  if (standbys.empty() && only_with_standby) return false;
   if (standbys.empty()) {
     PublishReplanLocked(std::move(next), absl::StrCat("no standby to replace ", NameOf(worker_id),
                                                       " (", why, "); same stages, new links"));
     return true;
   }
-  v1::StageAssignment* s = next.mutable_stages(stage);
   s->set_worker_id(standbys[0].id);
   s->set_address(standbys[0].address);
   PublishReplanLocked(std::move(next),
@@ -395,39 +438,81 @@ bool JobController::ReplaceLocked(const std::string& worker_id, const std::strin
 }
 
 void JobController::CheckStragglersLocked() {
-  if (!plan_.has_value() || done_ || plan_->job_done() || plan_->stages_size() < 2) return;
+  if (!plan_.has_value() || done_ || plan_->job_done()) return;
   std::map<std::string, WorkerRecord> records;
   for (const WorkerRecord& w : membership_.Snapshot()) records[w.id] = w;
-  // The planner balanced the stages by their workers' benchmarks, so
-  // healthy stages take comparable time per microbatch (a light stage
-  // less). One far slower than every other stage is a straggler: it is
-  // the bottleneck, and not by the plan's design.
-  std::vector<double> seconds;
+  // Compute time per microbatch of every worker of every stage; a stage
+  // takes as long as its fastest worker (the router avoids the slower).
+  struct Timing {
+    std::string id;
+    double seconds;
+  };
+  std::vector<std::vector<Timing>> stages;
+  std::vector<double> stage_seconds;
   for (const v1::StageAssignment& s : plan_->stages()) {
-    const WorkerRecord& w = records[s.worker_id()];
-    const double measured = w.stats.compute_s_per_microbatch();
-    if (!w.alive || measured <= 0) return;  // not enough figures yet
-    seconds.push_back(measured);
-  }
-  const int64_t now = options_.clock->NowMs();
-  for (int k = 0; k < plan_->stages_size(); ++k) {
-    double slowest_other = 0;
-    for (int j = 0; j < static_cast<int>(seconds.size()); ++j) {
-      if (j != k) slowest_other = std::max(slowest_other, seconds[j]);
+    std::vector<Timing>& timings = stages.emplace_back();
+    double fastest = 0;
+    for (const StageWorker& worker : WorkersOf(s)) {
+      const WorkerRecord& w = records[worker.id];
+      const double measured = w.stats.compute_s_per_microbatch();
+      if (!w.alive || measured <= 0) continue;
+      timings.push_back({worker.id, measured});
+      fastest = fastest == 0 ? measured : std::min(fastest, measured);
     }
-    const std::string& id = plan_->stages(k).worker_id();
-    if (seconds[k] <= kStragglerFactor * slowest_other) {
-      straggling_since_ms_.erase(id);
+    if (fastest == 0) return;  // not enough figures yet
+    stage_seconds.push_back(fastest);
+  }
+  // (worker, why, the stage has other workers)
+  std::vector<std::tuple<std::string, std::string, bool>> slow;
+  for (int k = 0; k < static_cast<int>(stages.size()); ++k) {
+    // The planner balanced the stages by their workers' benchmarks, so
+    // healthy stages take comparable time per microbatch (a light stage
+    // less). One far slower than every other stage is a straggler: it is
+    // the bottleneck, and not by the plan's design.
+    double slowest_other = 0;
+    for (int j = 0; j < static_cast<int>(stage_seconds.size()); ++j) {
+      if (j != k) slowest_other = std::max(slowest_other, stage_seconds[j]);
+    }
+    if (slowest_other > 0 && stage_seconds[k] > kStragglerFactor * slowest_other) {
+      const Timing& worst = *std::max_element(
+          stages[k].begin(), stages[k].end(),
+          [](const Timing& a, const Timing& b) { return a.seconds < b.seconds; });
+      slow.emplace_back(worst.id,
+                        absl::StrFormat("stage %d takes %.1f ms per microbatch, %.1fx the slowest "
+                                        "other stage",
+                                        k, stage_seconds[k] * 1e3, stage_seconds[k] / slowest_other),
+                        stages[k].size() > 1);
       continue;
     }
+    // A replica far slower than its fastest sibling only wastes what the
+    // router still sends it.
+    for (const Timing& t : stages[k]) {
+      if (stages[k].size() > 1 && t.seconds > kStragglerFactor * stage_seconds[k]) {
+        slow.emplace_back(t.id,
+                          absl::StrFormat("a worker of stage %d takes %.1f ms per microbatch, "
+                                          "%.1fx its fastest replica",
+                                          k, t.seconds * 1e3, t.seconds / stage_seconds[k]),
+                          true);
+      }
+    }
+  }
+  const int64_t now = options_.clock->NowMs();
+  std::set<std::string> slow_ids;
+  for (const auto& [id, why, has_others] : slow) slow_ids.insert(id);
+  for (auto it = straggling_since_ms_.begin(); it != straggling_since_ms_.end();) {
+    it = slow_ids.count(it->first) > 0 ? std::next(it) : straggling_since_ms_.erase(it);
+  }
+  for (const auto& [id, reason, has_others] : slow) {
     const int64_t since = straggling_since_ms_.emplace(id, now).first->second;
     if (now - since < kStragglerPatienceMs) continue;
-    const std::string why = absl::StrFormat(
-        "stage %d takes %.1f ms per microbatch, %.1fx the slowest other stage, for %.0f s", k,
-        seconds[k] * 1e3, seconds[k] / slowest_other, (now - since) / 1000.0);
+    const std::string why = absl::StrFormat("%s, for %.0f s", reason, (now - since) / 1000.0);
     AddEventLocked("straggler", NameOf(id), why);
     straggling_since_ms_[id] = now;  // report again only after another patience period
-    if (ReplaceLocked(id, absl::StrCat("it straggles (", why, ")"), /*only_with_standby=*/true)) {
+    // With other workers on its stage, the straggler is demoted to standby
+    // and not made a replica again; alone, it needs a standby to take over.
+    if (has_others) demoted_.insert(id);
+    if (ReplaceLocked(id, absl::StrCat("it straggles (", why, ")"),
+                      /*only_with_standby=*/!has_others)) {
       return;
     }
   }
@@ -438,42 +523,94 @@ void JobController::MaybeReplanLocked() {
   const std::vector<WorkerRecord> live = membership_.LiveWorkers();
   std::set<std::string> live_ids;
   for (const WorkerRecord& w : live) live_ids.insert(w.id);
-  std::vector<int> orphaned;
-  for (const v1::StageAssignment& s : plan_->stages()) {
-    if (live_ids.count(s.worker_id()) == 0) orphaned.push_back(s.stage());
-  }
-  if (orphaned.empty()) return;
-  const std::vector<WorkerRecord> standbys = StandbysLocked();
+  v1::Plan next = *plan_;
   std::string summary;
-  std::optional<v1::Plan> next;
-  if (standbys.size() >= orphaned.size()) {
-    next = *plan_;
-    for (size_t i = 0; i < orphaned.size(); ++i) {
-      v1::StageAssignment* stage = next->mutable_stages(orphaned[i]);
-      absl::StrAppend(&summary, i == 0 ? "" : ", ", "stage ", stage->stage(), ": ",
-                      NameOf(stage->worker_id()), " -> ", standbys[i].name, " (standby)");
-      stage->set_worker_id(standbys[i].id);
-      stage->set_address(standbys[i].address);
+  bool changed = false;
+  std::vector<int> orphaned;
+  // Dead workers leave their stages; a stage keeps its live workers (the
+  // first becomes the primary) and is orphaned when none is left.
+  for (v1::StageAssignment& stage : *next.mutable_stages()) {
+    const std::vector<StageWorker> workers = WorkersOf(stage);
+    std::vector<StageWorker> alive;
+    for (const StageWorker& w : workers) {
+      if (live_ids.count(w.id) > 0) alive.push_back(w);
     }
-  } else {
-    std::vector<WorkerRecord> usable;
-    for (const WorkerRecord& w : live) {
-      if (EligibleStandbyLocked(w)) usable.push_back(w);
+    if (alive.size() == workers.size()) continue;
+    if (alive.empty()) {
+      orphaned.push_back(stage.stage());
+      stage.clear_replicas();
+      continue;
     }
-    if (usable.empty()) {
-      if (!waiting_for_workers_) {
-        AddEventLocked("waiting", "", "no live worker to re-plan on; waiting for one to join");
+    changed = true;
+    for (const StageWorker& w : workers) {
+      if (live_ids.count(w.id) == 0) {
+        absl::StrAppend(&summary, summary.empty() ? "" : ", ", "stage ", stage.stage(), ": ",
+                        NameOf(w.id), " lost, ", NameOf(alive[0].id), " carries on");
       }
-      waiting_for_workers_ = true;
+    }
+    stage.set_worker_id(alive[0].id);
+    stage.set_address(alive[0].address);
+    stage.clear_replicas();
+    for (size_t i = 1; i < alive.size(); ++i) {
+      v1::Replica* replica = stage.add_replicas();
+      replica->set_worker_id(alive[i].id);
+      replica->set_address(alive[i].address);
+    }
+  }
+  if (!orphaned.empty()) {
+    // Standbys first; then replicas taken from stages that have some.
+    std::vector<StageWorker> spares;
+    for (const WorkerRecord& w : StandbysLocked(next)) spares.push_back({w.id, w.address});
+    for (v1::StageAssignment& stage : *next.mutable_stages()) {
+      for (const v1::Replica& r : stage.replicas()) spares.push_back({r.worker_id(), r.address()});
+    }
+    if (spares.size() < orphaned.size()) {
+      std::vector<WorkerRecord> usable;
+      for (const WorkerRecord& w : live) {
+        if (EligibleStandbyLocked(w)) usable.push_back(w);
+      }
+      if (usable.empty()) {
+        if (!waiting_for_workers_) {
+          AddEventLocked("waiting", "", "no live worker to re-plan on; waiting for one to join");
+        }
+        waiting_for_workers_ = true;
+        return;
+      }
+      std::string partition;
+      std::optional<v1::Plan> partitioned = PartitionLocked(usable, &partition);
+      if (!partitioned.has_value()) return;
+      waiting_for_workers_ = false;
+      PublishReplanLocked(*std::move(partitioned),
+                          absl::StrCat("no standby; re-partitioned over ", usable.size(),
+                                       " workers: ", partition));
       return;
     }
-    next = PartitionLocked(usable, &summary);
-    if (!next.has_value()) return;
-    summary = absl::StrCat("no standby; re-partitioned over ", usable.size(), " workers: ",
-                           summary);
+    for (size_t i = 0; i < orphaned.size(); ++i) {
+      const StageWorker& spare = spares[i];
+      // A spare taken from another stage's replicas leaves that stage.
+      for (v1::StageAssignment& stage : *next.mutable_stages()) {
+        auto* replicas = stage.mutable_replicas();
+        for (auto r = replicas->begin(); r != replicas->end(); ++r) {
+          if (r->worker_id() != spare.id) continue;
+          replicas->erase(r);
+          absl::StrAppend(&summary, summary.empty() ? "" : ", ", "replica ", NameOf(spare.id),
+                          " leaves stage ", stage.stage());
+          break;
+        }
+      }
+      v1::StageAssignment* stage = next.mutable_stages(orphaned[i]);
+      absl::StrAppend(&summary, summary.empty() ? "" : ", ", "stage ", stage->stage(), ": ",
+                      NameOf(stage->worker_id()), " -> ", NameOf(spare.id));
+      stage->set_worker_id(spare.id);
+      stage->set_address(spare.address);
+      stage->clear_replicas();
+    }
+    changed = true;
   }
+  changed = FillReplicasLocked(&next, &summary) || changed;
+  if (!changed) return;
   waiting_for_workers_ = false;
-  PublishReplanLocked(*std::move(next), summary);
+  PublishReplanLocked(std::move(next), summary);
 }
 
 std::optional<v1::Plan> JobController::PartitionLocked(const std::vector<WorkerRecord>& live,
@@ -503,6 +640,7 @@ std::optional<v1::Plan> JobController::PartitionLocked(const std::vector<WorkerR
     absl::StrAppend(summary, k == 0 ? "" : ", ", "stage ", k, " = layers [", r.layer_begin, ",",
                     r.layer_end, ") on ", NameOf(r.worker_id));
   }
+  FillReplicasLocked(&plan, summary);
   return plan;
 }
 
@@ -577,13 +715,15 @@ v1::ClusterStatus JobController::Status() const {
     status.set_dropped_microbatches(status.dropped_microbatches() +
                                     stats.dropped_microbatches());
     *out->mutable_links() = stats.links();
-    if (plan_.has_value()) {
-      for (const v1::StageAssignment& s : plan_->stages()) {
-        if (s.worker_id() != w.id) continue;
-        out->set_stage(s.stage());
-        out->set_layer_begin(s.layer_begin());
-        out->set_layer_end(s.layer_end());
-      }
+    *out->mutable_routes() = stats.routes();
+    out->set_weight_averages(stats.weight_averages());
+    int replica = 0;
+    if (const v1::StageAssignment* s = plan_.has_value() ? StageOf(*plan_, w.id, &replica)
+                                                         : nullptr) {
+      out->set_stage(s->stage());
+      out->set_layer_begin(s->layer_begin());
+      out->set_layer_end(s->layer_end());
+      out->set_replica(replica);
     }
     if (done_workers_.count(w.id) > 0) {
       out->set_state(v1::WORKER_STATE_DONE);

@@ -87,17 +87,26 @@ class JobController {
   double ElapsedS() const;
   void MaybePlanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeReplanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Takes `worker_id` out of the current plan: a standby takes its stage;
-  // without one, nothing happens if `only_with_standby`, else the same
-  // stages get a new epoch (new links). True when a plan was published.
+  // Takes `worker_id` out of the current plan. A replica just leaves its
+  // stage; a primary with replicas hands the stage to the first of them;
+  // otherwise a standby takes its stage, and without one nothing happens if
+  // `only_with_standby`, else the same stages get a new epoch (new links).
+  // True when a plan was published.
   bool ReplaceLocked(const std::string& worker_id, const std::string& why,
                      bool only_with_standby) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Reports a stage far slower per microbatch than every other stage and
-  // hands it to a standby when there is one.
+  // hands it to a standby when there is one; a replica far slower than its
+  // fastest sibling is reported and demoted to standby.
   void CheckStragglersLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool EligibleStandbyLocked(const WorkerRecord& worker) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Live workers outside the current plan that may take a stage, fastest first.
-  std::vector<WorkerRecord> StandbysLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Live workers outside `plan` that may take a stage, fastest first.
+  std::vector<WorkerRecord> StandbysLocked(const v1::Plan& plan) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Gives middle stages of `plan` standbys as replicas until each has
+  // job.replicas workers (never a worker demoted as a straggler). True when
+  // it added one.
+  bool FillReplicasLocked(v1::Plan* plan, std::string* summary) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Publishes `next` as the following epoch, resuming after the last step.
   void PublishReplanLocked(v1::Plan next, const std::string& summary)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -131,6 +140,8 @@ class JobController {
   std::set<std::string> draining_ ABSL_GUARDED_BY(mu_);
   // Stage workers currently straggling, and since when.
   std::map<std::string, int64_t> straggling_since_ms_ ABSL_GUARDED_BY(mu_);
+  // Workers demoted as stragglers: standbys, but never made replicas again.
+  std::set<std::string> demoted_ ABSL_GUARDED_BY(mu_);
   std::ofstream metrics_ ABSL_GUARDED_BY(mu_);
   std::optional<v1::Plan> plan_ ABSL_GUARDED_BY(mu_);
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;

@@ -37,11 +37,12 @@ bool WriteMessage(Stream* stream, const LinkMessage& message) {
 
 }  // namespace
 
-v1::LinkHeader MakeHello(uint64_t epoch, int from_stage) {
+v1::LinkHeader MakeHello(uint64_t epoch, int from_stage, const std::string& from_worker) {
   v1::LinkHeader hello;
   hello.set_kind(v1::MESSAGE_KIND_HELLO);
   hello.set_epoch(epoch);
   hello.set_from_stage(from_stage);
+  hello.set_from_worker(from_worker);
   return hello;
 }
 
@@ -52,20 +53,25 @@ void UpstreamLinkServer::Activate(std::shared_ptr<const LinkValidator> validator
   inbox_ = std::move(inbox);
 }
 
+void UpstreamLinkServer::EndAllLocked() {
+  for (auto& [worker, upstream] : upstreams_) {
+    upstream->ended_on_purpose = true;
+    upstream->context->TryCancel();
+  }
+  origin_.clear();
+}
+
 void UpstreamLinkServer::Deactivate() {
   absl::MutexLock lock(&mu_);
   validator_ = nullptr;
   inbox_ = nullptr;
-  if (context_ != nullptr) {
-    deactivated_ = true;
-    context_->TryCancel();
-  }
+  EndAllLocked();
 }
 
 void UpstreamLinkServer::Shutdown() {
   absl::MutexLock lock(&mu_);
   shutdown_ = true;
-  if (context_ != nullptr) context_->TryCancel();
+  EndAllLocked();
 }
 
 grpc::Status UpstreamLinkServer::Link(
@@ -76,6 +82,9 @@ grpc::Status UpstreamLinkServer::Link(
   if (!stream->Read(&hello)) return grpc::Status::CANCELLED;
   std::shared_ptr<const LinkValidator> validator;
   std::shared_ptr<Inbox> inbox;
+  auto upstream = std::make_shared<Upstream>();
+  upstream->stream = stream;
+  upstream->context = context;
   {
     absl::MutexLock lock(&mu_);
     validator = validator_;
@@ -93,49 +102,60 @@ grpc::Status UpstreamLinkServer::Link(
     if (!valid.ok()) {
       return Refuse(grpc::StatusCode::INVALID_ARGUMENT, peer, valid.message());
     }
-    if (stream_ != nullptr) {
-      // The upstream neighbour reconnected (its old stream may be dead
+    upstream->worker = hello.header().from_worker();
+    if (auto old = upstreams_.find(upstream->worker); old != upstreams_.end()) {
+      // The same upstream worker reconnected (its old stream may be dead
       // without this side having noticed yet): the newer stream wins.
-      GT_LOG(Info) << "replacing the open upstream link with one from " << peer;
-      replacing_ = true;
-      context_->TryCancel();
-      auto old_gone = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stream_ == nullptr; };
+      GT_LOG(Info) << "replacing the open upstream link of '" << upstream->worker
+                   << "' with one from " << peer;
+      std::shared_ptr<Upstream> previous = old->second;
+      previous->ended_on_purpose = true;
+      previous->context->TryCancel();
+      auto old_gone = [this, &previous]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        auto it = upstreams_.find(previous->worker);
+        return it == upstreams_.end() || it->second != previous;
+      };
       if (!mu_.AwaitWithTimeout(absl::Condition(&old_gone), absl::Seconds(5))) {
         return Refuse(grpc::StatusCode::ALREADY_EXISTS, peer,
-                      "an upstream link is already open");
+                      "an upstream link from this worker is already open");
       }
     }
     LinkMessage ack;
     ack.header = MakeHello(validator->epoch(), validator->stage());
     if (!WriteMessage(stream, ack)) return grpc::Status::CANCELLED;
-    stream_ = stream;
-    context_ = context;
+    upstreams_[upstream->worker] = upstream;
   }
-  GT_LOG(Info) << "accepted upstream link from " << peer;
+  GT_LOG(Info) << "accepted upstream link from " << peer
+               << (upstream->worker.empty() ? "" : " ('" + upstream->worker + "')");
   int64_t delivered = 0;
-  absl::Status served = ServeAccepted(context, stream, *validator, inbox.get(), &delivered);
+  absl::Status served = ServeAccepted(upstream.get(), *validator, inbox.get(), &delivered);
   bool report_broken = false;
   {
     absl::MutexLock lock(&mu_);
-    stream_ = nullptr;
-    context_ = nullptr;
+    if (auto it = upstreams_.find(upstream->worker);
+        it != upstreams_.end() && it->second == upstream) {
+      upstreams_.erase(it);
+    }
     // A Send() still writing to this stream must finish before the stream
     // goes away; cancelling makes a blocked write fail at once.
-    if (writers_ > 0) context->TryCancel();
-    auto no_writers = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return writers_ == 0; };
+    if (upstream->writers > 0) context->TryCancel();
+    auto no_writers = [&upstream]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return upstream->writers == 0;
+    };
     mu_.Await(absl::Condition(&no_writers));
     // A link that carried training traffic was cut (not a clean close, a
-    // replacement or our own shutdown): the upstream worker vanished. Tell
-    // the driver rather than let it wait forever.
+    // replacement, a re-plan or our own shutdown): the upstream worker
+    // vanished. Tell the driver rather than let it wait forever.
     report_broken = delivered > 0 && served.code() == absl::StatusCode::kCancelled &&
-                    !replacing_ && !shutdown_ && !deactivated_;
-    replacing_ = false;
-    deactivated_ = false;
+                    !upstream->ended_on_purpose;
   }
   if (report_broken) {
     GT_LOG(Error) << "upstream link from " << peer << " broke";
-    inbox->TryPush({true, LinkMessage(),
-                    absl::UnavailableError(absl::StrCat("upstream link from ", peer, " broke"))});
+    InboundMessage broken{true, LinkMessage(),
+                          absl::UnavailableError(absl::StrCat("upstream link from ", peer,
+                                                              " broke"))};
+    broken.peer = upstream->worker;
+    inbox->TryPush(std::move(broken));
   }
   if (served.code() == absl::StatusCode::kInvalidArgument) {
     return Refuse(grpc::StatusCode::INVALID_ARGUMENT, peer, served.message());
@@ -143,16 +163,15 @@ grpc::Status UpstreamLinkServer::Link(
   return ToGrpcStatus(served);
 }
 
-absl::Status UpstreamLinkServer::ServeAccepted(
-    grpc::ServerContext* context,
-    grpc::ServerReaderWriter<v1::LinkFrame, v1::LinkFrame>* stream,
-    const LinkValidator& validator, Inbox* inbox, int64_t* delivered) {
+absl::Status UpstreamLinkServer::ServeAccepted(Upstream* upstream,
+                                               const LinkValidator& validator, Inbox* inbox,
+                                               int64_t* delivered) {
   FrameAssembler assembler;
   v1::LinkFrame frame;
   bool after_stall = false;
   absl::Time first_at;
   uint64_t first_bytes = 0;
-  while (stream->Read(&frame)) {
+  while (upstream->stream->Read(&frame)) {
     if (frame.has_header()) {
       first_at = absl::Now();
       first_bytes = frame.data().size();
@@ -165,55 +184,79 @@ absl::Status UpstreamLinkServer::ServeAccepted(
     const uint64_t trailing = message.payload.size() - first_bytes;
     absl::Status valid = validator.CheckFromUpstream(message);
     if (!valid.ok()) return valid;
-    const absl::Time pushing = absl::Now();
-    if (!inbox->Push({true, std::move(message), absl::OkStatus(), trailing, dispersion,
-                      after_stall})) {
-      return absl::CancelledError("worker is stopping");
+    if (message.header.kind() == v1::MESSAGE_KIND_ACTIVATION) {
+      absl::MutexLock lock(&mu_);
+      origin_[message.header.microbatch()] = upstream->worker;
     }
+    const absl::Time pushing = absl::Now();
+    InboundMessage in{true, std::move(message), absl::OkStatus(), trailing, dispersion,
+                      after_stall};
+    in.peer = upstream->worker;
+    if (!inbox->Push(std::move(in))) return absl::CancelledError("worker is stopping");
     after_stall = absl::Now() - pushing > kStall;
     ++*delivered;
   }
-  if (context->IsCancelled()) return absl::CancelledError("link cancelled");
+  if (upstream->context->IsCancelled()) return absl::CancelledError("link cancelled");
   return absl::OkStatus();
 }
 
 absl::Status UpstreamLinkServer::Send(const LinkMessage& message) {
-  grpc::ServerReaderWriter<v1::LinkFrame, v1::LinkFrame>* stream = nullptr;
+  std::shared_ptr<Upstream> upstream;
   {
     absl::MutexLock lock(&mu_);
-    auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return shutdown_ || stream_ != nullptr;
+    auto origin = origin_.find(message.header.microbatch());
+    if (origin == origin_.end()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "no upstream link delivered microbatch ", message.header.microbatch()));
+    }
+    const std::string worker = origin->second;
+    origin_.erase(origin);
+    auto ready = [this, &worker]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return shutdown_ || upstreams_.count(worker) > 0;
     };
     mu_.AwaitWithTimeout(absl::Condition(&ready), connect_wait_);
-    if (stream_ == nullptr) {
-      return absl::UnavailableError("no upstream link to send to");
+    auto it = upstreams_.find(worker);
+    if (it == upstreams_.end()) {
+      failed_peer_ = worker;
+      return absl::UnavailableError(
+          absl::StrCat("no upstream link to '", worker, "' to send to"));
     }
-    stream = stream_;
-    ++writers_;
+    upstream = it->second;
+    ++upstream->writers;
   }
   bool written;
   {
-    absl::MutexLock write_lock(&write_mu_);
-    written = WriteMessage(stream, message);
+    absl::MutexLock write_lock(&upstream->write_mu);
+    written = WriteMessage(upstream->stream, message);
   }
   absl::MutexLock lock(&mu_);
-  --writers_;
-  if (!written) return absl::UnavailableError("upstream link broke while sending");
+  --upstream->writers;
+  if (!written) {
+    failed_peer_ = upstream->worker;
+    return absl::UnavailableError("upstream link broke while sending");
+  }
   return absl::OkStatus();
+}
+
+std::string UpstreamLinkServer::failed_peer() const {
+  absl::MutexLock lock(&mu_);
+  return failed_peer_;
 }
 
 absl::StatusOr<std::unique_ptr<DownstreamLinkClient>> DownstreamLinkClient::Connect(
     const std::string& address, std::shared_ptr<const LinkValidator> validator,
-    Inbox* inbox, absl::Duration timeout, const std::atomic<bool>* stop) {
+    Inbox* inbox, absl::Duration timeout, const std::atomic<bool>* stop,
+    const std::string& self_id, const std::string& peer_id) {
   std::unique_ptr<DownstreamLinkClient> client(new DownstreamLinkClient());
   client->address_ = address;
+  client->peer_id_ = peer_id;
   client->validator_ = validator;
   client->inbox_ = inbox;
   client->stub_ = v1::Stage::NewStub(MakeChannel(address));
   const absl::Time deadline = absl::Now() + timeout;
   absl::Duration backoff = absl::Milliseconds(100);
   LinkMessage hello;
-  hello.header = MakeHello(validator->epoch(), validator->stage());
+  hello.header = MakeHello(validator->epoch(), validator->stage(), self_id);
   while (true) {
     client->stream_.reset();  // a call goes before its context
     client->context_ = std::make_unique<grpc::ClientContext>();
@@ -281,10 +324,10 @@ void DownstreamLinkClient::ReadLoop() {
       break;
     }
     const absl::Time pushing = absl::Now();
-    if (!inbox_->Push({false, std::move(**added), absl::OkStatus(), trailing, dispersion,
-                       after_stall})) {
-      return;
-    }
+    InboundMessage in{false, std::move(**added), absl::OkStatus(), trailing, dispersion,
+                      after_stall};
+    in.peer = peer_id_;
+    if (!inbox_->Push(std::move(in))) return;
     after_stall = absl::Now() - pushing > kStall;
   }
   bool closed;
@@ -300,7 +343,11 @@ void DownstreamLinkClient::ReadLoop() {
     failure = absl::UnavailableError(
         absl::StrCat("downstream link to ", address_, " ended unexpectedly"));
   }
-  if (!failure.ok()) inbox_->Push({false, LinkMessage(), failure});
+  if (!failure.ok()) {
+    InboundMessage broken{false, LinkMessage(), failure};
+    broken.peer = peer_id_;
+    inbox_->Push(std::move(broken));
+  }
 }
 
 void DownstreamLinkClient::Cancel() {

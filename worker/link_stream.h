@@ -14,6 +14,7 @@
 #define GEOTRAIN_WORKER_LINK_STREAM_H_
 
 #include <atomic>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -38,6 +39,7 @@ struct InboundMessage {
   uint64_t trailing_bytes = 0;
   absl::Duration dispersion;
   bool after_stall = false;
+  std::string peer;  // worker id at the other end of the link, when known
 };
 using Inbox = BoundedQueue<InboundMessage>;
 
@@ -46,12 +48,24 @@ class MessageSink {
  public:
   virtual ~MessageSink() = default;
   virtual absl::Status Send(const LinkMessage& message) = 0;
+  // The driver got the reply (gradient) to training microbatch
+  // `microbatch`, sent through this sink. For routing; default: nothing.
+  virtual void OnReply(uint64_t microbatch) {}
+  // After a failed Send(): the worker id at the far end of the link that
+  // failed, when this sink knows it ("" otherwise).
+  virtual std::string failed_peer() const { return ""; }
 };
 
-// Serves Link streams from the upstream neighbour. Until Activate() every
-// stream is refused with FAILED_PRECONDITION; afterwards one stream at a time
-// is accepted if its HELLO matches the plan. Malformed or inconsistent
-// messages end that stream with INVALID_ARGUMENT; the worker keeps running.
+// Serves Link streams from the upstream stage. Until Activate() every stream
+// is refused with FAILED_PRECONDITION; afterwards one stream per upstream
+// worker (several when that stage has replicas) is accepted if its HELLO
+// matches the plan; a new stream from the same worker replaces its old one.
+// Malformed or inconsistent messages end that stream with INVALID_ARGUMENT;
+// the worker keeps running.
+//
+// Each training activation's microbatch is remembered with the worker it
+// came from, and Send() returns the microbatch's gradient on that worker's
+// stream: the worker that ran the forward holds its stashed weights.
 class UpstreamLinkServer final : public v1::Stage::Service, public MessageSink {
  public:
   UpstreamLinkServer() = default;
@@ -67,34 +81,45 @@ class UpstreamLinkServer final : public v1::Stage::Service, public MessageSink {
                     grpc::ServerReaderWriter<v1::LinkFrame, v1::LinkFrame>* stream)
       override;
 
-  // Sends to the current upstream stream, waiting up to `connect_wait` for
-  // one to be accepted. UNAVAILABLE when there is none or it broke.
+  // Sends a gradient to the upstream worker that delivered its microbatch,
+  // waiting up to `connect_wait` for that worker's stream when it is
+  // reconnecting. UNAVAILABLE when there is none or it broke;
+  // FAILED_PRECONDITION for a microbatch no upstream delivered.
   absl::Status Send(const LinkMessage& message) override;
+  std::string failed_peer() const override;
 
-  // Cancels the active stream, if any.
+  // Cancels the active streams, if any.
   void Shutdown();
 
  private:
-  absl::Status ServeAccepted(
-      grpc::ServerContext* context,
-      grpc::ServerReaderWriter<v1::LinkFrame, v1::LinkFrame>* stream,
-      const LinkValidator& validator, Inbox* inbox, int64_t* delivered);
+  // One accepted stream. Its handler owns it; `upstreams_` points at the
+  // newest stream of each worker.
+  struct Upstream {
+    std::string worker;
+    grpc::ServerReaderWriter<v1::LinkFrame, v1::LinkFrame>* stream = nullptr;
+    grpc::ServerContext* context = nullptr;
+    int writers = 0;                // Send()s writing to it
+    bool ended_on_purpose = false;  // replaced, deactivated or shut down
+    absl::Mutex write_mu;           // serialises writes to `stream`
+  };
 
-  // mu_ guards which stream is current; write_mu_ serialises writes, so a
-  // write blocked by a stalled peer never holds mu_ (Shutdown() and a
-  // reconnecting peer can still cancel it). Order: mu_ is never taken while
-  // holding write_mu_.
-  absl::Mutex mu_;
-  absl::Mutex write_mu_;
+  absl::Status ServeAccepted(Upstream* upstream, const LinkValidator& validator, Inbox* inbox,
+                             int64_t* delivered);
+  void EndAllLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // mu_ guards the stream table; each stream's write_mu serialises its
+  // writes, so a write blocked by a stalled peer never holds mu_ (Shutdown()
+  // and a reconnecting peer can still cancel it). Order: mu_ is never taken
+  // while holding a write_mu.
+  mutable absl::Mutex mu_;
   std::shared_ptr<const LinkValidator> validator_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<Inbox> inbox_ ABSL_GUARDED_BY(mu_);
-  grpc::ServerReaderWriter<v1::LinkFrame, v1::LinkFrame>* stream_
-      ABSL_GUARDED_BY(mu_) = nullptr;
-  grpc::ServerContext* context_ ABSL_GUARDED_BY(mu_) = nullptr;
-  int writers_ ABSL_GUARDED_BY(mu_) = 0;  // Send()s using stream_
-  bool replacing_ ABSL_GUARDED_BY(mu_) = false;    // a newer stream wins
-  bool deactivated_ ABSL_GUARDED_BY(mu_) = false;  // the plan changed
+  std::map<std::string, std::shared_ptr<Upstream>> upstreams_ ABSL_GUARDED_BY(mu_);
+  // Training microbatch -> the upstream worker its activation came from,
+  // until its gradient is sent back.
+  std::map<uint64_t, std::string> origin_ ABSL_GUARDED_BY(mu_);
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
+  std::string failed_peer_ ABSL_GUARDED_BY(mu_);
   // A reply goes back on the stream its request came on; if that stream is
   // gone, wait only briefly for the upstream worker to reconnect.
   absl::Duration connect_wait_ = absl::Seconds(2);
@@ -106,15 +131,19 @@ class DownstreamLinkClient final : public MessageSink {
   // Connects and exchanges HELLOs, retrying with backoff while the peer is
   // unreachable or has not yet seen the plan, for up to `timeout` or until
   // `*stop` is set. REQUIRES: `inbox` and `stop` outlive the returned client.
+  // `self_id` goes in the HELLO; `peer_id` (the downstream worker) labels
+  // what this link delivers to the inbox.
   static absl::StatusOr<std::unique_ptr<DownstreamLinkClient>> Connect(
       const std::string& address, std::shared_ptr<const LinkValidator> validator,
-      Inbox* inbox, absl::Duration timeout, const std::atomic<bool>* stop);
+      Inbox* inbox, absl::Duration timeout, const std::atomic<bool>* stop,
+      const std::string& self_id = "", const std::string& peer_id = "");
 
   // Cancels the stream: a blocked Send() fails. Thread-safe.
   void Cancel();
   ~DownstreamLinkClient() override;
 
   absl::Status Send(const LinkMessage& message) override;
+  std::string failed_peer() const override { return peer_id_; }
   // Half-closes, waits for the peer to end the stream, and returns its status.
   absl::Status Close();
 
@@ -123,6 +152,7 @@ class DownstreamLinkClient final : public MessageSink {
   void ReadLoop();
 
   std::string address_;
+  std::string peer_id_;
   std::shared_ptr<const LinkValidator> validator_;
   Inbox* inbox_ = nullptr;
   std::unique_ptr<v1::Stage::Stub> stub_;
@@ -133,8 +163,9 @@ class DownstreamLinkClient final : public MessageSink {
   bool closed_ ABSL_GUARDED_BY(write_mu_) = false;
 };
 
-// HELLO header for `validator`'s stage opening a link downstream.
-v1::LinkHeader MakeHello(uint64_t epoch, int from_stage);
+// HELLO header for worker `from_worker` on `from_stage` opening a link
+// downstream (also the server's answer, without a worker).
+v1::LinkHeader MakeHello(uint64_t epoch, int from_stage, const std::string& from_worker = "");
 
 }  // namespace geotrain
 

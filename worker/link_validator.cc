@@ -9,12 +9,14 @@
 namespace geotrain {
 
 LinkValidator::LinkValidator(const v1::JobSpec& job, uint64_t epoch, int stage,
-                             int layer_begin, int layer_end)
+                             int layer_begin, int layer_end,
+                             std::set<std::string> upstream_workers)
     : job_(job),
       epoch_(epoch),
       stage_(stage),
       layer_begin_(layer_begin),
-      layer_end_(layer_end) {}
+      layer_end_(layer_end),
+      upstream_workers_(std::move(upstream_workers)) {}
 
 absl::Status LinkValidator::CheckEpoch(const v1::LinkHeader& header) const {
   if (header.epoch() != epoch_) {
@@ -37,6 +39,11 @@ absl::Status LinkValidator::CheckHello(const v1::LinkHeader& hello) const {
     return absl::InvalidArgumentError(absl::StrCat(
         "HELLO from stage ", hello.from_stage(), " but stage ", stage_,
         " accepts links only from stage ", stage_ - 1));
+  }
+  if (!upstream_workers_.empty() && upstream_workers_.count(hello.from_worker()) == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "HELLO from worker '", hello.from_worker(), "', which the plan of epoch ", epoch_,
+        " does not put on stage ", stage_ - 1));
   }
   return absl::OkStatus();
 }

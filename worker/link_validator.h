@@ -5,6 +5,9 @@
 #ifndef GEOTRAIN_WORKER_LINK_VALIDATOR_H_
 #define GEOTRAIN_WORKER_LINK_VALIDATOR_H_
 
+#include <set>
+#include <string>
+
 #include "absl/status/status.h"
 #include "common/link_message.h"
 #include "geotrain/v1/job.pb.h"
@@ -14,8 +17,12 @@ namespace geotrain {
 class LinkValidator {
  public:
   // `layer_begin`/`layer_end`: the receiving stage's layers.
+  // `upstream_workers`: the ids of the workers the plan puts on the stage
+  // before (one, or several with replicas); a HELLO must name one of them.
+  // Empty: any sender id is accepted (tools and tests).
   LinkValidator(const v1::JobSpec& job, uint64_t epoch, int stage,
-                int layer_begin, int layer_end);
+                int layer_begin, int layer_end,
+                std::set<std::string> upstream_workers = {});
 
   // A message from the upstream neighbour (activations, eval, control).
   absl::Status CheckFromUpstream(const LinkMessage& message) const;
@@ -34,6 +41,7 @@ class LinkValidator {
   uint64_t epoch_;
   int stage_;
   int layer_begin_, layer_end_;
+  std::set<std::string> upstream_workers_;
 };
 
 }  // namespace geotrain

@@ -66,6 +66,7 @@ absl::Status PipelineDriver::Run() {
   start_ = absl::Now();
   idle_ = absl::ZeroDuration();
   backwards_ = static_cast<int64_t>(options_.start_step) * job_.microbatches();
+  position_ = backwards_;
   samples_.push_back({start_, idle_, send_total_, backwards_});
   PublishStats();
   absl::Status status = options_.stage == 0 ? RunFirstStage() : RunLaterStage();
@@ -80,6 +81,7 @@ absl::StatusOr<InboundMessage> PipelineDriver::NextMessage() {
   if (!in.has_value()) return absl::CancelledError("worker is stopping");
   if (!in->error.ok()) {
     failed_link_ = in->from_upstream ? FailedLink::kUpstream : FailedLink::kDownstream;
+    failed_peer_ = in->peer;
     return in->error;
   }
   CountReceived(*in);
@@ -167,7 +169,10 @@ absl::Status PipelineDriver::SendDown(LinkMessage message) {
   message.header.set_epoch(options_.epoch);
   message.header.set_from_stage(options_.stage);
   absl::Status sent = CountedSend(downstream_, std::move(message), &down_link_);
-  if (absl::IsUnavailable(sent)) failed_link_ = FailedLink::kDownstream;
+  if (absl::IsUnavailable(sent)) {
+    failed_link_ = FailedLink::kDownstream;
+    failed_peer_ = downstream_->failed_peer();
+  }
   return sent;
 }
 
@@ -176,18 +181,26 @@ absl::Status PipelineDriver::SendUp(LinkMessage message) {
   message.header.set_epoch(options_.epoch);
   message.header.set_from_stage(options_.stage);
   absl::Status sent = CountedSend(upstream_, std::move(message), &up_link_);
-  if (absl::IsUnavailable(sent)) failed_link_ = FailedLink::kUpstream;
+  if (absl::IsUnavailable(sent)) {
+    failed_link_ = FailedLink::kUpstream;
+    failed_peer_ = upstream_->failed_peer();
+  }
   return sent;
 }
 
-absl::Status PipelineDriver::AfterBackward(double loss) {
+absl::Status PipelineDriver::AfterBackward(double loss, uint64_t microbatch) {
   ++backwards_;
+  const int64_t position_before = position_;
+  position_ = options_.replicated
+                  ? std::max<int64_t>(position_, static_cast<int64_t>(microbatch) + 1)
+                  : backwards_;
   if (++backwards_since_update_ == options_.schedule.update_every) {
     // The learning-rate schedule's position is the fraction of the run's
-    // microbatches finished here, so every schedule follows the same curve.
+    // microbatches finished, so every schedule follows the same curve.
     const double total = static_cast<double>(job_.steps()) * job_.microbatches();
-    RETURN_IF_ERROR(runtime_->ApplyUpdate(backwards_ / total));
+    RETURN_IF_ERROR(runtime_->ApplyUpdate(position_ / total));
     backwards_since_update_ = 0;
+    AverageReceivedWeights();
   }
   if (runtime_->is_last()) {
     step_loss_sum_ += loss;
@@ -202,8 +215,16 @@ absl::Status PipelineDriver::AfterBackward(double loss) {
   // plenty for heartbeats, and keeps it off the per-microbatch path.
   if (now - last_published_ >= absl::Milliseconds(200)) PublishStats();
   const int microbatches = job_.microbatches();
-  if (backwards_ % microbatches != 0) return absl::OkStatus();
-  const int step = static_cast<int>(backwards_ / microbatches);
+  // Every step boundary passed (a replica may jump more than one).
+  for (int64_t step = position_before / microbatches + 1; step <= position_ / microbatches;
+       ++step) {
+    RETURN_IF_ERROR(AtStep(static_cast<int>(step)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PipelineDriver::AtStep(int step) {
+  const int microbatches = job_.microbatches();
   if (runtime_->is_last()) {
     progress_->StepFinished(step, step_loss_sum_ / std::max(1, step_losses_),
                             static_cast<int64_t>(microbatches) * job_.microbatch_size());
@@ -211,17 +232,39 @@ absl::Status PipelineDriver::AfterBackward(double loss) {
     step_losses_ = 0;
   }
   progress_->StageProgress(step);
-  // Checkpoints are taken right after an update, so they hold whole steps.
-  if (job_.checkpoint_every() > 0 && step % job_.checkpoint_every() == 0 &&
+  // Checkpoints are taken right after an update, so they hold whole steps
+  // (on a replica, whatever its microbatches have made of them).
+  if (options_.primary && job_.checkpoint_every() > 0 && step % job_.checkpoint_every() == 0 &&
       backwards_since_update_ == 0) {
     ASSIGN_OR_RETURN(std::vector<v1::LayerCheckpoint> layers, runtime_->ExportCheckpoint(step));
     progress_->CheckpointReady(std::move(layers));
+  }
+  if (options_.averager != nullptr && step % job_.replica_sync_every() == 0) {
+    WireEncoding encoding;
+    encoding.codec = job_.replica_codec();
+    encoding.block_size = job_.codec_block_size();
+    encoding.zstd = job_.zstd();
+    ASSIGN_OR_RETURN(std::vector<v1::LayerWeights> weights, runtime_->ExportWeights(encoding));
+    options_.averager->Push(step, std::move(weights));
   }
   if (options_.stage == 0 &&
       (step == job_.steps() || (job_.eval_every() > 0 && step % job_.eval_every() == 0))) {
     eval_due_ = step;  // RunFirstStage runs it once the pipeline has drained
   }
   return absl::OkStatus();
+}
+
+void PipelineDriver::AverageReceivedWeights() {
+  if (options_.averager == nullptr) return;
+  std::vector<v1::LayerWeights> received = options_.averager->TakeReceived();
+  if (received.empty()) return;
+  absl::Status averaged = runtime_->AverageWeights(received);
+  if (!averaged.ok()) {
+    // A bad push costs one round of averaging, never the stage.
+    GT_LOG(Warning) << "replica weights not averaged: " << averaged.message();
+    return;
+  }
+  ++weight_averages_;
 }
 
 absl::Status PipelineDriver::RunFirstStage() {
@@ -249,7 +292,7 @@ absl::Status PipelineDriver::RunFirstStage() {
       ++next;
       if (runtime_->is_last()) {  // a single-stage pipeline
         ASSIGN_OR_RETURN(LastStageResult result, runtime_->ForwardLoss(input));
-        RETURN_IF_ERROR(AfterBackward(result.loss));
+        RETURN_IF_ERROR(AfterBackward(result.loss, input.header.microbatch()));
         continue;
       }
       ASSIGN_OR_RETURN(LinkMessage activation, runtime_->Forward(input));
@@ -261,9 +304,10 @@ absl::Status PipelineDriver::RunFirstStage() {
     if (in.from_upstream) {
       return absl::InternalError("stage 0 received a message from upstream");
     }
+    downstream_->OnReply(in.message.header.microbatch());
     ASSIGN_OR_RETURN(std::optional<LinkMessage> up, runtime_->Backward(in.message));
     --in_flight;
-    RETURN_IF_ERROR(AfterBackward(0));
+    RETURN_IF_ERROR(AfterBackward(0, in.message.header.microbatch()));
   }
   if (!runtime_->is_last()) {
     LinkMessage done;
@@ -304,16 +348,17 @@ absl::Status PipelineDriver::RunLaterStage() {
         if (runtime_->is_last()) {
           ASSIGN_OR_RETURN(LastStageResult result, runtime_->ForwardLoss(in.message));
           RETURN_IF_ERROR(SendUp(*std::move(result.gradient)));
-          RETURN_IF_ERROR(AfterBackward(result.loss));
+          RETURN_IF_ERROR(AfterBackward(result.loss, header.microbatch()));
         } else {
           ASSIGN_OR_RETURN(LinkMessage activation, runtime_->Forward(in.message));
           RETURN_IF_ERROR(SendDown(std::move(activation)));
         }
         break;
       case v1::MESSAGE_KIND_GRADIENT: {
+        downstream_->OnReply(header.microbatch());
         ASSIGN_OR_RETURN(std::optional<LinkMessage> up, runtime_->Backward(in.message));
         RETURN_IF_ERROR(SendUp(*std::move(up)));
-        RETURN_IF_ERROR(AfterBackward(0));
+        RETURN_IF_ERROR(AfterBackward(0, header.microbatch()));
         break;
       }
       case v1::MESSAGE_KIND_EVAL:
@@ -332,6 +377,8 @@ absl::Status PipelineDriver::RunLaterStage() {
         }
         break;
       case v1::MESSAGE_KIND_DONE:
+        // With replicas upstream each sends one; pass it on after the last.
+        if (++dones_ < options_.upstream_workers) break;
         if (!runtime_->is_last()) RETURN_IF_ERROR(SendDown(in.message));
         return absl::OkStatus();
       default:
@@ -355,6 +402,10 @@ void PipelineDriver::PublishStats() {
   stats.set_microbatches(backwards_);
   stats.set_peak_rss_bytes(PeakResidentBytes());
   stats.set_dropped_microbatches(options_.dropped_microbatches);
+  stats.set_weight_averages(weight_averages_);
+  if (options_.router != nullptr) {
+    for (v1::RouteStats& route : options_.router->Stats()) *stats.add_routes() = std::move(route);
+  }
   const Sample& first = samples_.front();
   const Sample& last = samples_.back();
   const double wall = absl::ToDoubleSeconds(last.time - first.time);

@@ -29,6 +29,8 @@
 #include "geotrain/v1/coordinator.pb.h"
 #include "geotrain/v1/job.pb.h"
 #include "worker/link_stream.h"
+#include "worker/replica_averager.h"
+#include "worker/replica_router.h"
 #include "worker/stage_runtime.h"
 
 namespace geotrain {
@@ -84,6 +86,18 @@ struct PipelineDriverOptions {
   std::string upstream_peer;    // for link statistics
   std::string downstream_peer;
   int64_t dropped_microbatches = 0;  // by this worker's earlier re-plans
+  // Workers on the stage before: a later stage ends after a DONE from each.
+  int upstream_workers = 1;
+  // Replicas (this stage has several workers): each sees only some of the
+  // microbatches, so its step is taken from the microbatches' ids (the
+  // newest finished here), not from counting them; only the primary
+  // uploads checkpoints; `averager` mixes the replicas' weights every
+  // job.replica_sync_every steps. Not owned.
+  bool replicated = false;
+  bool primary = true;
+  ReplicaAverager* averager = nullptr;
+  // The downstream router, for its statistics (may be null). Not owned.
+  const ReplicaRouter* router = nullptr;
 };
 
 class PipelineDriver {
@@ -99,9 +113,11 @@ class PipelineDriver {
   // Returns an error when a link breaks or computing fails.
   absl::Status Run();
 
-  // After Run() failed: which link broke, if one did.
+  // After Run() failed: which link broke, if one did, and the worker at its
+  // other end when known.
   enum class FailedLink { kNone, kUpstream, kDownstream };
   FailedLink failed_link() const { return failed_link_; }
+  const std::string& failed_peer() const { return failed_peer_; }
 
  private:
   absl::Status RunFirstStage();
@@ -109,7 +125,12 @@ class PipelineDriver {
   absl::Status RunEvaluation(int step);
   // Bookkeeping after one microbatch's backward on this stage: updates,
   // step boundaries, evaluation (stage 0), reports and statistics.
-  absl::Status AfterBackward(double loss);
+  // `microbatch`: its global id (step * M + index).
+  absl::Status AfterBackward(double loss, uint64_t microbatch);
+  // Step boundaries passed: progress reports, checkpoints, replica pushes.
+  absl::Status AtStep(int step);
+  // Replicas: mixes in the weights the other replicas pushed.
+  void AverageReceivedWeights();
   absl::StatusOr<InboundMessage> NextMessage();
   absl::Status SendDown(LinkMessage message);
   absl::Status SendUp(LinkMessage message);
@@ -125,7 +146,13 @@ class PipelineDriver {
   StatsBoard* stats_;
 
   FailedLink failed_link_ = FailedLink::kNone;
+  std::string failed_peer_;
   int64_t backwards_ = 0;               // microbatches finished on this stage
+  // Position in the run in microbatches: backwards_, or for a replica one
+  // past the newest microbatch id it finished.
+  int64_t position_ = 0;
+  int64_t weight_averages_ = 0;
+  int dones_ = 0;                       // DONE messages received
   int backwards_since_update_ = 0;
   int eval_due_ = 0;                    // stage 0: step to evaluate at, or 0
   double step_loss_sum_ = 0;            // last stage: losses of this step

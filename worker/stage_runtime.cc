@@ -496,6 +496,71 @@ absl::Status StageRuntime::RestoreCheckpoint(const std::vector<v1::LayerCheckpoi
   });
 }
 
+absl::StatusOr<std::vector<v1::LayerWeights>> StageRuntime::ExportWeights(
+    const WireEncoding& encoding) const {
+  const Impl& s = *impl_;
+  return GuardTorch("exporting weights", [&]() -> absl::StatusOr<std::vector<v1::LayerWeights>> {
+    const std::vector<torch::Tensor>& params = s.stash->Get(s.stash->current_version());
+    std::vector<v1::LayerWeights> out;
+    for (size_t i = 0; i < s.layers.size(); ++i) {
+      const size_t begin = s.layer_offsets[i];
+      const size_t end = i + 1 < s.layers.size() ? s.layer_offsets[i + 1] : params.size();
+      v1::LayerWeights& layer = out.emplace_back();
+      layer.set_layer(s.placement.layer_begin + static_cast<int>(i));
+      for (size_t p = begin; p < end; ++p) {
+        RETURN_IF_ERROR(
+            EncodeTensor(params[p].detach(), layer.add_params(), layer.mutable_payload(), encoding));
+      }
+    }
+    return out;
+  });
+}
+
+absl::Status StageRuntime::AverageWeights(const std::vector<v1::LayerWeights>& peers) {
+  Impl& s = *impl_;
+  if (peers.empty()) return absl::OkStatus();
+  return GuardTorch("averaging replica weights", [&]() -> absl::Status {
+    const std::vector<torch::Tensor>& current = s.stash->Get(s.stash->current_version());
+    std::vector<torch::Tensor> sums(current.size());
+    std::vector<int> counts(current.size(), 0);
+    for (const v1::LayerWeights& peer : peers) {
+      const int i = peer.layer() - s.placement.layer_begin;
+      if (i < 0 || i >= static_cast<int>(s.layers.size())) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("replica weights of layer ", peer.layer(), ", not of this stage"));
+      }
+      const size_t begin = s.layer_offsets[i];
+      const size_t end = i + 1 < static_cast<int>(s.layers.size()) ? s.layer_offsets[i + 1]
+                                                                   : current.size();
+      if (static_cast<size_t>(peer.params_size()) != end - begin) {
+        return absl::InvalidArgumentError(absl::StrCat("replica weights of layer ", peer.layer(),
+                                                       " have ", peer.params_size(),
+                                                       " tensors, the model ", end - begin));
+      }
+      size_t offset = 0;
+      for (size_t p = begin; p < end; ++p) {
+        const v1::TensorHeader& header = peer.params(static_cast<int>(p - begin));
+        ASSIGN_OR_RETURN(torch::Tensor t, DecodeTensor(header, peer.payload(), offset));
+        offset += header.payload_bytes();
+        if (t.sizes() != current[p].sizes()) {  // (DecodeTensor checked finiteness)
+          return absl::InvalidArgumentError(absl::StrCat(
+              "replica weights of layer ", peer.layer(), " do not fit the model's shapes"));
+        }
+        t = t.to(current[p].device(), current[p].scalar_type());
+        sums[p] = sums[p].defined() ? sums[p] + t : t;
+      }
+      for (size_t p = begin; p < end; ++p) ++counts[p];
+    }
+    std::vector<torch::Tensor> next;
+    for (size_t p = 0; p < current.size(); ++p) {
+      torch::Tensor mine = current[p].detach();
+      next.push_back(counts[p] == 0 ? mine.clone() : ((mine + sums[p]) / (1.0 + counts[p])));
+    }
+    s.stash->Publish(std::move(next));
+    return absl::OkStatus();
+  });
+}
+
 void StageRuntime::SetActivationCodec(v1::Codec codec) {
   impl_->options.activation_encoding.codec = codec;
 }

@@ -21,6 +21,7 @@
 #include "common/tensor_wire.h"
 #include "geotrain/v1/coordinator.pb.h"
 #include "geotrain/v1/job.pb.h"
+#include "geotrain/v1/stage.pb.h"
 
 namespace geotrain {
 
@@ -110,6 +111,17 @@ class StageRuntime {
   // publishes them as a new weight version. REQUIRES: nothing in flight
   // (DropInFlight()). INVALID_ARGUMENT when a tensor does not fit the model.
   absl::Status RestoreCheckpoint(const std::vector<v1::LayerCheckpoint>& layers);
+  // Replicas: this stage's current weights, one entry per layer, encoded
+  // with `encoding` (for ReplicaAverager).
+  absl::StatusOr<std::vector<v1::LayerWeights>> ExportWeights(const WireEncoding& encoding) const;
+  // Replicas: averages the weights of each layer named in `peers` (several
+  // entries may name one layer, from different replicas) with this stage's
+  // current ones, w = (w + sum of the peers' w) / (1 + their number), and
+  // publishes the result as a new weight version (stashed versions of
+  // microbatches in flight are untouched). Optimizer state is kept. On
+  // INVALID_ARGUMENT (an entry does not fit the model, or decodes to
+  // non-finite values) nothing changes.
+  absl::Status AverageWeights(const std::vector<v1::LayerWeights>& peers);
   // Forgets every training microbatch in flight (their graphs and stashed
   // weight references are freed) and the gradients accumulated since the
   // last update; returns how many microbatches were dropped.

@@ -2,11 +2,14 @@
 
 #include <unistd.h>
 
+#include <set>
+
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/job_spec.h"
 #include "common/logging.h"
+#include "common/plan_util.h"
 #include "common/process_stats.h"
 #include "common/rpc_options.h"
 #include "common/status_macros.h"
@@ -87,8 +90,9 @@ void Worker::Drain() {
 void Worker::AbortTrainingLocked() {
   abort_ = true;
   if (inbox_ != nullptr) inbox_->Close();
-  if (downstream_ != nullptr) downstream_->Cancel();
+  for (DownstreamLinkClient* downstream : downstreams_) downstream->Cancel();
   link_server_.Deactivate();
+  averager_.Deactivate();
 }
 
 absl::Status Worker::StartServer() {
@@ -97,6 +101,7 @@ absl::Status Worker::StartServer() {
   int port = 0;
   builder.AddListeningPort(options_.listen, grpc::InsecureServerCredentials(), &port);
   builder.RegisterService(&link_server_);
+  builder.RegisterService(&averager_);
   server_ = builder.BuildAndStart();
   if (server_ == nullptr || port == 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", options_.listen));
@@ -171,10 +176,7 @@ absl::Status Worker::Run() {
       return absl::OkStatus();
     }
     last_epoch = plan->epoch();
-    const v1::StageAssignment* mine = nullptr;
-    for (const v1::StageAssignment& stage : plan->stages()) {
-      if (stage.worker_id() == worker_id_) mine = &stage;
-    }
+    const v1::StageAssignment* mine = StageOf(*plan, worker_id_);
     if (mine == nullptr) continue;
     const absl::Status trained = Train(*plan, *mine);
     if (trained.ok()) return absl::OkStatus();
@@ -194,6 +196,14 @@ absl::Status Worker::HandOver() {
   if (runtime_ == nullptr) {
     coordinator_.Leave();
     return absl::CancelledError("drained (no stage)");
+  }
+  if (!primary_) {
+    // The stage's other workers hold it; their weights are as good as ours.
+    dropped_microbatches_ += runtime_->DropInFlight();
+    coordinator_.ReportEvent("drain", "a replica leaves; its stage stays with the others");
+    coordinator_.Leave();
+    Stop();
+    return absl::CancelledError("drained (replica)");
   }
   dropped_microbatches_ += runtime_->DropInFlight();
   absl::StatusOr<std::vector<v1::LayerCheckpoint>> layers = runtime_->ExportCheckpoint(step);
@@ -218,10 +228,7 @@ std::optional<v1::Plan> Worker::WaitForAssignment(uint64_t after_epoch) {
     if (stop_ || watch_ended_ || rejoin_needed_) return true;
     if (!latest_plan_.has_value() || latest_plan_->epoch() <= after_epoch) return false;
     if (latest_plan_->job_done()) return true;
-    for (const v1::StageAssignment& s : latest_plan_->stages()) {
-      if (s.worker_id() == worker_id_) return true;
-    }
-    return false;
+    return StageOf(*latest_plan_, worker_id_) != nullptr;
   };
   uint64_t announced = 0;
   while (!mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Seconds(1))) {
@@ -319,39 +326,72 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
       absl::MutexLock lock(&worker->mu_);
       if (worker->inbox_ != nullptr) worker->inbox_->Close();
       worker->inbox_ = nullptr;
-      worker->downstream_ = nullptr;
+      worker->downstreams_.clear();
       worker->training_epoch_ = 0;
+      worker->averager_.Deactivate();
     }
   } unregister{this};
   RETURN_IF_ERROR(PrepareRuntime(placement, schedule));
   StageRuntime* runtime = runtime_.get();
-  auto validator = std::make_shared<const LinkValidator>(
-      job_, plan.epoch(), mine.stage(), mine.layer_begin(), mine.layer_end());
+  const std::vector<StageWorker> upstream_workers =
+      mine.stage() > 0 ? WorkersOf(plan.stages(mine.stage() - 1)) : std::vector<StageWorker>();
+  const std::vector<StageWorker> downstream_workers =
+      mine.stage() + 1 < num_stages ? WorkersOf(plan.stages(mine.stage() + 1))
+                                    : std::vector<StageWorker>();
+  const std::vector<StageWorker> stage_workers = WorkersOf(mine);
+  std::set<std::string> upstream_ids;
+  for (const StageWorker& w : upstream_workers) upstream_ids.insert(w.id);
+  auto validator = std::make_shared<const LinkValidator>(job_, plan.epoch(), mine.stage(),
+                                                         mine.layer_begin(), mine.layer_end(),
+                                                         std::move(upstream_ids));
   coordinator_.SetEpoch(plan.epoch());
   link_server_.Activate(validator, inbox);
-
-  std::unique_ptr<DownstreamLinkClient> downstream;
-  if (mine.stage() + 1 < num_stages) {
-    const v1::StageAssignment& next = plan.stages(mine.stage() + 1);
-    std::string dial = next.address();
-    if (auto route = options_.routes.find(dial); route != options_.routes.end()) {
-      dial = route->second;
-      GT_LOG(Info) << "routing the link to " << next.address() << " via " << dial;
+  auto dial_address = [this](const std::string& address) {
+    auto route = options_.routes.find(address);
+    if (route == options_.routes.end()) return address;
+    GT_LOG(Info) << "routing the link to " << address << " via " << route->second;
+    return route->second;
+  };
+  primary_ = stage_workers[0].id == worker_id_;
+  if (stage_workers.size() > 1) {
+    ReplicaAverager::Target target;
+    target.epoch = plan.epoch();
+    target.stage = mine.stage();
+    target.layer_begin = mine.layer_begin();
+    target.layer_end = mine.layer_end();
+    target.self_id = worker_id_;
+    for (const StageWorker& w : stage_workers) {
+      if (w.id != worker_id_) target.peers.push_back({w.id, dial_address(w.address)});
     }
-    ASSIGN_OR_RETURN(downstream, DownstreamLinkClient::Connect(dial, validator, inbox.get(),
-                                                               absl::Seconds(120), &abort_));
-    absl::MutexLock lock(&mu_);
-    downstream_ = downstream.get();
-    if (abort_) downstream_->Cancel();
+    GT_LOG(Info) << "stage " << mine.stage() << " has " << stage_workers.size()
+                 << " workers; this one is " << (primary_ ? "the primary" : "a replica");
+    averager_.Activate(std::move(target));
   }
-  // The link is unregistered (under mu_) before it is destroyed.
-  struct UnregisterLink {
+
+  // One link per worker of the next stage; the router picks among them.
+  std::vector<std::unique_ptr<DownstreamLinkClient>> downstreams;
+  std::vector<ReplicaRouter::Route> routes;
+  // The links are unregistered (under mu_) before they are destroyed.
+  struct UnregisterLinks {
     Worker* worker;
-    ~UnregisterLink() {
+    ~UnregisterLinks() {
       absl::MutexLock lock(&worker->mu_);
-      worker->downstream_ = nullptr;
+      worker->downstreams_.clear();
     }
-  } unregister_link{this};
+  } unregister_links{this};
+  for (const StageWorker& next : downstream_workers) {
+    ASSIGN_OR_RETURN(std::unique_ptr<DownstreamLinkClient> downstream,
+                     DownstreamLinkClient::Connect(dial_address(next.address), validator,
+                                                   inbox.get(), absl::Seconds(120), &abort_,
+                                                   worker_id_, next.id));
+    routes.push_back({next.id, next.address, downstream.get()});
+    absl::MutexLock lock(&mu_);
+    downstreams_.push_back(downstream.get());
+    if (abort_) downstream->Cancel();
+    downstreams.push_back(std::move(downstream));
+  }
+  std::optional<ReplicaRouter> router;
+  if (!routes.empty()) router.emplace(std::move(routes));
   PipelineDriverOptions driver_options;
   driver_options.epoch = plan.epoch();
   driver_options.stage = mine.stage();
@@ -359,35 +399,47 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
   driver_options.start_step = plan.start_step();
   driver_options.schedule = schedule;
   driver_options.dropped_microbatches = dropped_microbatches_;
-  if (mine.stage() > 0) driver_options.upstream_peer = plan.stages(mine.stage() - 1).address();
-  if (mine.stage() + 1 < num_stages) {
-    driver_options.downstream_peer = plan.stages(mine.stage() + 1).address();
-  }
+  driver_options.upstream_workers = std::max<int>(1, upstream_workers.size());
+  driver_options.replicated = stage_workers.size() > 1;
+  driver_options.primary = primary_;
+  driver_options.averager = stage_workers.size() > 1 ? &averager_ : nullptr;
+  driver_options.router = router ? &*router : nullptr;
+  auto addresses = [](const std::vector<StageWorker>& workers) {
+    std::string joined;
+    for (const StageWorker& w : workers) absl::StrAppend(&joined, joined.empty() ? "" : ",", w.address);
+    return joined;
+  };
+  driver_options.upstream_peer = addresses(upstream_workers);
+  driver_options.downstream_peer = addresses(downstream_workers);
   GT_LOG(Info) << "schedule " << ScheduleName(job_.schedule()) << ": window " << schedule.window
                << ", update every " << schedule.update_every << " backward(s)"
                << (schedule.flush ? ", flush each step" : ", no flush");
   PipelineDriver driver(job_, driver_options, runtime,
-                        mine.stage() > 0 ? &link_server_ : nullptr, downstream.get(),
+                        mine.stage() > 0 ? &link_server_ : nullptr, router ? &*router : nullptr,
                         inbox.get(), &coordinator_, &stats_);
   absl::Status ran = driver.Run();
   if (!ran.ok()) {
     link_server_.Deactivate();
-    if (downstream) downstream->Cancel();
+    for (auto& downstream : downstreams) downstream->Cancel();
     // A broken link (not one this worker ended itself) is reported with the
     // neighbour at its other end, so the coordinator can route around it
     // without waiting for a lease: a blackholed link never ends a lease.
     const PipelineDriver::FailedLink failed = driver.failed_link();
     if (failed != PipelineDriver::FailedLink::kNone && !abort_) {
       const bool up = failed == PipelineDriver::FailedLink::kUpstream;
-      const v1::StageAssignment& peer = plan.stages(mine.stage() + (up ? -1 : 1));
+      const std::vector<StageWorker>& neighbours = up ? upstream_workers : downstream_workers;
+      StageWorker peer = neighbours.empty() ? StageWorker() : neighbours[0];
+      for (const StageWorker& w : neighbours) {
+        if (w.id == driver.failed_peer()) peer = w;
+      }
       coordinator_.ReportEvent("link_lost",
                                absl::StrCat(up ? "upstream" : "downstream", " link to ",
-                                            peer.address(), ": ", ran.message()),
-                               peer.worker_id());
+                                            peer.address, ": ", ran.message()),
+                               peer.id);
     }
     return ran;
   }
-  if (downstream) {
+  for (auto& downstream : downstreams) {
     absl::Status closed = downstream->Close();
     if (!closed.ok()) GT_LOG(Warning) << "closing downstream link: " << closed.message();
   }

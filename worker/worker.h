@@ -11,8 +11,15 @@
 // ran out, e.g. after SIGSTOP) joins again as a new standby. Drain()
 // (SIGTERM) hands the stage over: checkpoint now, then leave.
 //
+// A stage may have several workers (replicas, middle stages only): the
+// stage before routes microbatches among them (ReplicaRouter), the stage
+// after returns each gradient to the one that sent its activation
+// (UpstreamLinkServer), and they average weights (ReplicaAverager). Only a
+// stage's primary uploads checkpoints.
+//
 // Threads: Run()'s caller (plan handling, then the driver), a heartbeat
-// thread, a plan-watch thread, gRPC's server threads and one link reader.
+// thread, a plan-watch thread, gRPC's server threads, one reader per
+// downstream link and the averager's sender.
 #ifndef GEOTRAIN_WORKER_WORKER_H_
 #define GEOTRAIN_WORKER_WORKER_H_
 
@@ -32,6 +39,7 @@
 #include "worker/coordinator_client.h"
 #include "worker/link_stream.h"
 #include "worker/pipeline_driver.h"
+#include "worker/replica_averager.h"
 #include "worker/stage_runtime.h"
 
 namespace geotrain {
@@ -86,6 +94,7 @@ class Worker {
   std::atomic<bool> stop_{false};
   CoordinatorClient coordinator_;
   UpstreamLinkServer link_server_;
+  ReplicaAverager averager_;
   std::unique_ptr<grpc::Server> server_;
   std::string advertise_;
   std::string device_name_;  // resolved, e.g. "cpu" or "cuda:0"
@@ -95,6 +104,7 @@ class Worker {
   StatsBoard stats_;
   std::unique_ptr<StageRuntime> runtime_;  // Run()'s thread only
   int64_t dropped_microbatches_ = 0;       // Run()'s thread only
+  bool primary_ = true;                    // Run()'s thread only: not a replica
   std::atomic<bool> abort_{false};         // the current attempt must end
   std::atomic<bool> drain_{false};
 
@@ -103,7 +113,7 @@ class Worker {
   absl::Mutex mu_;
   std::unique_ptr<grpc::ClientContext> watch_context_ ABSL_GUARDED_BY(mu_);
   std::optional<v1::Plan> latest_plan_ ABSL_GUARDED_BY(mu_);
-  DownstreamLinkClient* downstream_ ABSL_GUARDED_BY(mu_) = nullptr;  // while training
+  std::vector<DownstreamLinkClient*> downstreams_ ABSL_GUARDED_BY(mu_);  // while training
   std::shared_ptr<Inbox> inbox_ ABSL_GUARDED_BY(mu_);                // while training
   uint64_t training_epoch_ ABSL_GUARDED_BY(mu_) = 0;  // 0: not training
   bool rejoin_needed_ ABSL_GUARDED_BY(mu_) = false;

@@ -1,0 +1,49 @@
+// Who works on which stage of a plan: a stage's primary worker and, on
+// middle stages with job.replicas > 1, its replicas.
+#ifndef GEOTRAIN_COMMON_PLAN_UTIL_H_
+#define GEOTRAIN_COMMON_PLAN_UTIL_H_
+
+#include <string>
+#include <vector>
+
+#include "geotrain/v1/coordinator.pb.h"
+
+namespace geotrain {
+
+struct StageWorker {
+  std::string id;
+  std::string address;
+};
+
+// The stage's workers, the primary first.
+inline std::vector<StageWorker> WorkersOf(const v1::StageAssignment& stage) {
+  std::vector<StageWorker> workers = {{stage.worker_id(), stage.address()}};
+  for (const v1::Replica& r : stage.replicas()) workers.push_back({r.worker_id(), r.address()});
+  return workers;
+}
+
+// The stage `worker_id` works on and, in `*index`, its place among the
+// stage's workers (0: the primary); nullptr when it has none (a standby).
+inline const v1::StageAssignment* StageOf(const v1::Plan& plan, const std::string& worker_id,
+                                          int* index = nullptr) {
+  for (const v1::StageAssignment& stage : plan.stages()) {
+    const std::vector<StageWorker> workers = WorkersOf(stage);
+    for (size_t i = 0; i < workers.size(); ++i) {
+      if (workers[i].id != worker_id) continue;
+      if (index != nullptr) *index = static_cast<int>(i);
+      return &stage;
+    }
+  }
+  return nullptr;
+}
+
+// Every worker the plan gives a stage.
+inline int WorkersInPlan(const v1::Plan& plan) {
+  int count = 0;
+  for (const v1::StageAssignment& stage : plan.stages()) count += 1 + stage.replicas_size();
+  return count;
+}
+
+}  // namespace geotrain
+
+#endif  // GEOTRAIN_COMMON_PLAN_UTIL_H_

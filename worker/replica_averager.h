@@ -1,0 +1,88 @@
+// Keeps the replicas of one stage close: every job.replica_sync_every steps
+// each replica pushes its current weights (encoded with job.replica_codec)
+// to the others, and each averages what it received into its own weights at
+// its next update (StageRuntime::AverageWeights). This is gossip averaging:
+// pushes are one-way, each with a deadline, sent from a background thread,
+// so a paused or dead replica never holds up the others; it only misses a
+// round.
+//
+// The server half (ReplicaSync service) accepts pushes for the active plan
+// epoch and stage from the stage's other workers, checks their structure
+// and keeps the newest weights of each peer and layer until the driver takes
+// them. Torch-free; thread-safe.
+#ifndef GEOTRAIN_WORKER_REPLICA_AVERAGER_H_
+#define GEOTRAIN_WORKER_REPLICA_AVERAGER_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "geotrain/v1/stage.grpc.pb.h"
+
+namespace geotrain {
+
+class ReplicaAverager final : public v1::ReplicaSync::Service {
+ public:
+  struct Peer {
+    std::string worker_id;
+    std::string address;  // where to dial (after any route)
+  };
+  struct Target {
+    uint64_t epoch = 0;
+    int stage = 0;
+    int layer_begin = 0, layer_end = 0;
+    std::string self_id;
+    std::vector<Peer> peers;  // the stage's other workers
+  };
+
+  explicit ReplicaAverager(absl::Duration push_deadline = absl::Seconds(5));
+  ~ReplicaAverager() override;
+
+  // Serves and pushes for `target` until Deactivate() or the next Activate().
+  void Activate(Target target);
+  // Refuses pushes again and forgets what was received and not yet taken.
+  void Deactivate();
+
+  // Queues the stage's weights for every peer; a push still queued (a peer
+  // was slow) is replaced by this newer one. Returns at once.
+  void Push(int step, std::vector<v1::LayerWeights> layers);
+  // Weights received since the last call: for each layer, the newest from
+  // each peer that sent it.
+  std::vector<v1::LayerWeights> TakeReceived();
+
+  struct Counters {
+    int64_t pushes_sent = 0;      // messages delivered to a peer
+    int64_t pushes_failed = 0;    // deadline passed, peer gone, refused
+    int64_t pushes_received = 0;  // accepted from peers
+  };
+  Counters counters() const;
+
+  grpc::Status PushWeights(grpc::ServerContext* context, const v1::ReplicaWeights* request,
+                           v1::PushWeightsResponse* response) override;
+
+ private:
+  void SendLoop();
+
+  const absl::Duration push_deadline_;
+  mutable absl::Mutex mu_;
+  std::optional<Target> target_ ABSL_GUARDED_BY(mu_);
+  // Received, not yet taken: peer -> layer -> weights.
+  std::map<std::string, std::map<int, v1::LayerWeights>> received_ ABSL_GUARDED_BY(mu_);
+  // The next push: messages of at most kMaxPushBytes each.
+  std::vector<v1::ReplicaWeights> pending_ ABSL_GUARDED_BY(mu_);
+  std::vector<Peer> pending_peers_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::unique_ptr<v1::ReplicaSync::Stub>> stubs_;  // SendLoop only
+  Counters counters_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread sender_;
+};
+
+}  // namespace geotrain
+
+#endif  // GEOTRAIN_WORKER_REPLICA_AVERAGER_H_
