@@ -559,10 +559,15 @@ void JobController::MaybeReplanLocked() {
   }
   if (!orphaned.empty()) {
     // Standbys first; then replicas taken from stages that have some.
-    std::vector<StageWorker> spares;
-    for (const WorkerRecord& w : StandbysLocked(next)) spares.push_back({w.id, w.address});
+    std::vector<std::pair<StageWorker, std::string>> spares;  // and where from
+    for (const WorkerRecord& w : StandbysLocked(next)) {
+      spares.push_back({{w.id, w.address}, "standby"});
+    }
     for (v1::StageAssignment& stage : *next.mutable_stages()) {
-      for (const v1::Replica& r : stage.replicas()) spares.push_back({r.worker_id(), r.address()});
+      for (const v1::Replica& r : stage.replicas()) {
+        spares.push_back({{r.worker_id(), r.address()},
+                          absl::StrCat("a replica of stage ", stage.stage())});
+      }
     }
     if (spares.size() < orphaned.size()) {
       std::vector<WorkerRecord> usable;
@@ -586,7 +591,7 @@ void JobController::MaybeReplanLocked() {
       return;
     }
     for (size_t i = 0; i < orphaned.size(); ++i) {
-      const StageWorker& spare = spares[i];
+      const auto& [spare, origin] = spares[i];
       // A spare taken from another stage's replicas leaves that stage.
       for (v1::StageAssignment& stage : *next.mutable_stages()) {
         auto* replicas = stage.mutable_replicas();
@@ -600,7 +605,7 @@ void JobController::MaybeReplanLocked() {
       }
       v1::StageAssignment* stage = next.mutable_stages(orphaned[i]);
       absl::StrAppend(&summary, summary.empty() ? "" : ", ", "stage ", stage->stage(), ": ",
-                      NameOf(stage->worker_id()), " -> ", NameOf(spare.id));
+                      NameOf(stage->worker_id()), " -> ", NameOf(spare.id), " (", origin, ")");
       stage->set_worker_id(spare.id);
       stage->set_address(spare.address);
       stage->clear_replicas();

@@ -15,13 +15,17 @@ namespace {
 class JobControllerTest : public testing::Test {
  protected:
   void SetUp() override {
+    Start("gpt { context: 8 d_model: 16 heads: 2 blocks: 2 } text {} steps: 3 "
+          "min_workers: 2 lease_ms: 1000");
+  }
+
+  // A fresh controller (and state dir) for the job `job_text`.
+  void Start(const std::string& job_text) {
+    controller_.reset();
     dir_ = testing::TempDir() + "/job_controller_" +
            testing::UnitTest::GetInstance()->current_test_info()->name();
     std::filesystem::remove_all(dir_);
-    auto job = ParseJobSpec(
-        "gpt { context: 8 d_model: 16 heads: 2 blocks: 2 } text {} steps: 3 "
-        "min_workers: 2 lease_ms: 1000",
-        "test");
+    auto job = ParseJobSpec(job_text, "test");
     ASSERT_TRUE(job.ok()) << job.status();
     job_ = *job;
     JobControllerOptions options;
@@ -321,6 +325,136 @@ TEST_F(ReplanTest, ARestartedControllerRecoversFromTheStateDir) {
   EXPECT_TRUE(controller_->ReportStep(report).ok());
   // The metrics log was continued, not truncated.
   EXPECT_NE(ReadFile(dir_ + "/metrics.jsonl").find("\"step\":1,"), std::string::npos);
+}
+
+// Replicas: 5 layers over 3 stages, the middle one with up to 2 workers.
+class ReplicaPlanTest : public ReplanTest {
+ protected:
+  void SetUp() override {
+    Start("gpt { context: 8 d_model: 16 heads: 2 blocks: 3 } text {} steps: 3 "
+          "schedule: SCHEDULE_ASYNC_STASH min_workers: 4 max_stages: 3 replicas: 2 "
+          "lease_ms: 1000");
+  }
+};
+
+TEST_F(ReplicaPlanTest, ExtraWorkersReplicateTheMiddleStage) {
+  const std::string a = Join("a").worker_id(), b = Join("b").worker_id();
+  const std::string c = Join("c").worker_id(), d = Join("d").worker_id();
+  const v1::Plan plan = Plan();
+  ASSERT_EQ(plan.stages_size(), 3);
+  EXPECT_EQ(plan.stages(0).replicas_size(), 0);
+  EXPECT_EQ(plan.stages(2).replicas_size(), 0);
+  ASSERT_EQ(plan.stages(1).replicas_size(), 1);
+  const v1::ClusterStatus status = controller_->Status();
+  int replicas = 0;
+  for (const v1::WorkerStatus& w : status.workers()) {
+    EXPECT_EQ(w.state(), v1::WORKER_STATE_TRAINING) << w.name();
+    if (w.replica() == 1) {
+      ++replicas;
+      EXPECT_EQ(w.stage(), 1);
+    }
+  }
+  EXPECT_EQ(replicas, 1);
+  // A fifth worker is a standby: the stage has its 2 workers.
+  Join("e");
+  EXPECT_EQ(Plan().epoch(), 1u);
+}
+
+TEST_F(ReplicaPlanTest, ALostReplicaLeavesItsStageToTheOther) {
+  std::vector<std::string> ids;
+  for (const char* name : {"a", "b", "c", "d"}) ids.push_back(Join(name).worker_id());
+  const v1::Plan before = Plan();
+  const std::string primary = before.stages(1).worker_id();
+  const std::string replica = before.stages(1).replicas(0).worker_id();
+  for (int t = 0; t < 15; ++t) {  // the primary of stage 1 falls silent
+    clock_.AdvanceMs(100);
+    for (const std::string& id : ids) {
+      if (id != primary) Heartbeat(id, 0);
+    }
+    controller_->Tick();
+  }
+  v1::Plan plan = Plan();
+  EXPECT_EQ(plan.epoch(), 2u);
+  EXPECT_EQ(plan.stages(1).worker_id(), replica);  // promoted, keeps its weights
+  EXPECT_EQ(plan.stages(1).replicas_size(), 0);
+  for (int k : {0, 2}) EXPECT_EQ(plan.stages(k).worker_id(), before.stages(k).worker_id());
+
+  // The worker comes back under a new id and is a replica again.
+  const std::string back = Join("a2").worker_id();
+  plan = Plan();
+  EXPECT_EQ(plan.epoch(), 3u);
+  ASSERT_EQ(plan.stages(1).replicas_size(), 1);
+  EXPECT_EQ(plan.stages(1).replicas(0).worker_id(), back);
+}
+
+TEST_F(ReplicaPlanTest, AReplicaFillsAnOrphanedStageWithoutAStandby) {
+  std::vector<std::string> ids;
+  for (const char* name : {"a", "b", "c", "d"}) ids.push_back(Join(name).worker_id());
+  const v1::Plan before = Plan();
+  const std::string last = before.stages(2).worker_id();
+  const std::string replica = before.stages(1).replicas(0).worker_id();
+  for (int t = 0; t < 15; ++t) {
+    clock_.AdvanceMs(100);
+    for (const std::string& id : ids) {
+      if (id != last) Heartbeat(id, 0);
+    }
+    controller_->Tick();
+  }
+  const v1::Plan plan = Plan();
+  EXPECT_EQ(plan.epoch(), 2u);
+  ASSERT_EQ(plan.stages_size(), 3);  // no re-partition
+  EXPECT_EQ(plan.stages(2).worker_id(), replica);
+  EXPECT_EQ(plan.stages(1).replicas_size(), 0);
+}
+
+TEST_F(ReplicaPlanTest, TheJobEndsWhenEveryWorkerIncludingReplicasIsDone) {
+  std::vector<std::string> ids;
+  for (const char* name : {"a", "b", "c", "d"}) ids.push_back(Join(name).worker_id());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    EXPECT_FALSE(controller_->done());
+    v1::DoneReport done;
+    done.set_worker_id(ids[i]);
+    done.set_step(3);
+    ASSERT_TRUE(controller_->ReportDone(done).ok());
+  }
+  EXPECT_TRUE(controller_->done());
+}
+
+TEST_F(ReplicaPlanTest, ASlowReplicaIsDemotedAndNotReplicatedAgain) {
+  std::vector<std::string> ids;
+  for (const char* name : {"a", "b", "c", "d"}) ids.push_back(Join(name).worker_id());
+  const v1::Plan before = Plan();
+  const std::string slow = before.stages(1).replicas(0).worker_id();
+  for (int t = 0; t < 60; ++t) {  // 5x its sibling, for 6 s
+    clock_.AdvanceMs(100);
+    for (const std::string& id : ids) Heartbeat(id, id == slow ? 0.050 : 0.010);
+    controller_->Tick();
+  }
+  EXPECT_TRUE(HasEvent("straggler"));
+  const v1::Plan plan = Plan();
+  EXPECT_EQ(plan.epoch(), 2u);
+  EXPECT_EQ(plan.stages(1).worker_id(), before.stages(1).worker_id());
+  EXPECT_EQ(plan.stages(1).replicas_size(), 0);  // a standby now, not re-added
+  const v1::ClusterStatus status = controller_->Status();
+  for (const v1::WorkerStatus& w : status.workers()) {
+    if (w.id() == slow) EXPECT_EQ(w.state(), v1::WORKER_STATE_STANDBY);
+  }
+}
+
+TEST(ReplicaJobSpecTest, ReplicasNeedAnAsynchronousSchedule) {
+  auto job = ParseJobSpec("gpt { context: 8 d_model: 16 heads: 2 blocks: 3 } text {} "
+                          "steps: 3 replicas: 2",
+                          "test");
+  ASSERT_FALSE(job.ok());
+  EXPECT_NE(job.status().message().find("asynchronous schedule"), std::string::npos)
+      << job.status();
+  const std::string async =
+      "gpt { context: 8 d_model: 16 heads: 2 blocks: 3 } text {} steps: 3 "
+      "schedule: SCHEDULE_ASYNC_STASH replicas: 2 ";
+  EXPECT_TRUE(ParseJobSpec(async, "test").ok());
+  job = ParseJobSpec(async + "replica_codec: CODEC_TOPK", "test");
+  ASSERT_FALSE(job.ok());
+  EXPECT_NE(job.status().message().find("TOPK"), std::string::npos) << job.status();
 }
 
 }  // namespace

@@ -70,6 +70,17 @@ TEST(LinkValidatorTest, RefusesHelloOfWrongEpochOrStage) {
   EXPECT_EQ(v.CheckHello(not_hello).code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST(LinkValidatorTest, AcceptsHellosOnlyFromTheUpstreamStagesWorkers) {
+  // Stage 0 has a primary and a replica.
+  LinkValidator v(Job(), 5, 1, 1, 3, {"w0", "w4"});
+  EXPECT_TRUE(v.CheckHello(MakeHello(5, 0, "w0")).ok());
+  EXPECT_TRUE(v.CheckHello(MakeHello(5, 0, "w4")).ok());
+  absl::Status stranger = v.CheckHello(MakeHello(5, 0, "w9"));
+  EXPECT_EQ(stranger.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(stranger.message().find("w9"), std::string::npos) << stranger;
+  EXPECT_EQ(v.CheckHello(MakeHello(5, 0)).code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(LinkValidatorTest, RefusesWrongShapeDtypeEpochKindAndValues) {
   LinkValidator v(Job(), 5, 1, 1, 3);
   EXPECT_EQ(v.CheckFromUpstream(Activation({2, 4, 9})).code(), absl::StatusCode::kInvalidArgument);

@@ -329,5 +329,84 @@ TEST_F(StageRuntimeTest, DropInFlightFreesStashedVersions) {
   EXPECT_EQ(first->stash_stats().versions_alive, 1);
 }
 
+// The weights of one stage's layers, decoded from ExportWeights (exact).
+std::vector<torch::Tensor> Weights(const StageRuntime& runtime) {
+  auto layers = runtime.ExportWeights({});
+  EXPECT_TRUE(layers.ok()) << layers.status();
+  std::vector<torch::Tensor> out;
+  for (const v1::LayerWeights& layer : *layers) {
+    size_t offset = 0;
+    for (const v1::TensorHeader& header : layer.params()) {
+      out.push_back(*DecodeTensor(header, layer.payload(), offset));
+      offset += header.payload_bytes();
+    }
+  }
+  return out;
+}
+
+TEST_F(StageRuntimeTest, ReplicasAverageTheirWeights) {
+  auto a = Make(0, 1, 0, 4), b = Make(0, 1, 0, 4);
+  auto train = [&](StageRuntime* runtime, int step) {
+    for (int mb = 0; mb < job_.microbatches(); ++mb) {
+      ASSERT_TRUE(runtime->ForwardLoss(*runtime->LoadTrainMicrobatch(step, mb)).ok());
+    }
+    ASSERT_TRUE(runtime->ApplyUpdate(0.5).ok());
+  };
+  train(a.get(), 0);  // different data: the replicas drift apart
+  train(b.get(), 1);
+  const std::vector<torch::Tensor> wa = Weights(*a), wb = Weights(*b);
+  ASSERT_FALSE(torch::equal(wa[0], wb[0]));
+
+  WireEncoding fp16;
+  fp16.codec = v1::CODEC_FP16;
+  auto from_b = b->ExportWeights(fp16);
+  ASSERT_TRUE(from_b.ok()) << from_b.status();
+  ASSERT_EQ(from_b->size(), 4u);
+  const int64_t version = a->stash_stats().current_version;
+  ASSERT_TRUE(a->AverageWeights(*from_b).ok());
+  EXPECT_EQ(a->stash_stats().current_version, version + 1);
+  const std::vector<torch::Tensor> averaged = Weights(*a);
+  ASSERT_EQ(averaged.size(), wa.size());
+  for (size_t i = 0; i < wa.size(); ++i) {
+    // fp16 on the wire: within half a unit of its last place.
+    EXPECT_TRUE(torch::allclose(averaged[i], (wa[i] + wb[i]) / 2, 1e-3, 1e-3)) << i;
+  }
+}
+
+TEST_F(StageRuntimeTest, AveragingLeavesMicrobatchesInFlightOnTheirVersion) {
+  auto first = Make(0, 2, 0, 2), second = Make(1, 2, 2, 4);
+  auto other = Make(0, 2, 0, 2);
+  for (int mb = 0; mb < 2; ++mb) {  // the other replica moves away
+    auto result = second->ForwardLoss(*other->Forward(*other->LoadTrainMicrobatch(0, mb)));
+    ASSERT_TRUE(other->Backward(*result->gradient).ok());
+  }
+  ASSERT_TRUE(other->ApplyUpdate(0.5).ok());
+  auto activation = first->Forward(*first->LoadTrainMicrobatch(1, 0));
+  ASSERT_TRUE(activation.ok());
+  ASSERT_TRUE(first->AverageWeights(*other->ExportWeights({})).ok());
+  // The backward checks it differentiates the version its forward used.
+  auto result = second->ForwardLoss(*activation);
+  ASSERT_TRUE(result.ok()) << result.status();
+  auto back = first->Backward(*result->gradient);
+  EXPECT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(first->stash_stats().references, 0);
+}
+
+TEST_F(StageRuntimeTest, AveragingRefusesWhatDoesNotFitAndChangesNothing) {
+  auto runtime = Make(0, 2, 0, 2);
+  auto other = Make(1, 2, 2, 4);
+  auto foreign = other->ExportWeights({});
+  ASSERT_TRUE(foreign.ok());
+  const int64_t version = runtime->stash_stats().current_version;
+  EXPECT_EQ(runtime->AverageWeights({(*foreign)[0]}).code(), absl::StatusCode::kInvalidArgument);
+  v1::LayerWeights relabelled = (*foreign)[1];  // the head's tensors as the embedding
+  relabelled.set_layer(0);
+  EXPECT_EQ(runtime->AverageWeights({relabelled}).code(), absl::StatusCode::kInvalidArgument);
+  v1::LayerWeights truncated = (*runtime->ExportWeights({}))[0];
+  truncated.mutable_payload()->resize(truncated.payload().size() / 2);
+  EXPECT_FALSE(runtime->AverageWeights({truncated}).ok());
+  EXPECT_EQ(runtime->stash_stats().current_version, version);
+}
+
 }  // namespace
 }  // namespace geotrain

@@ -1,0 +1,126 @@
+"""Replicas on real processes: a middle stage run by two workers.
+
+Stage 0 routes each microbatch to the replica expected to finish it first,
+the last stage returns each gradient to the replica that ran its forward,
+and the replicas average their weights every few steps. SIGSTOP of one
+replica for 10 s must keep training at >= 40% of the undisturbed rate; the
+paused worker comes back as a replica once resumed.
+
+The job is the fault-tolerance suite's small GPT (5 layers over 3 stages)
+with the async-stash schedule, replicas: 2 and the default 5 s lease.
+"""
+import os
+import signal
+import statistics
+import time
+import unittest
+
+from cluster import wait_for
+from test_fault_tolerance import FaultCluster, loss_margin
+
+REPLICA_JOB = """
+schedule: SCHEDULE_ASYNC_STASH
+in_flight: 6
+replicas: 2
+replica_sync_every: 2
+min_workers: 4
+"""
+
+
+class ReplicaCluster(FaultCluster):
+    """3 stages, the middle one with two workers."""
+
+    def __init__(self, steps):
+        super().__init__(steps)
+        with open(self.job) as f:
+            text = f.read()
+        # The base job's schedule and min_workers give way to the replica ones.
+        text = "\n".join(line for line in text.splitlines()
+                         if not line.startswith(("schedule:", "min_workers:")))
+        with open(self.job, "w") as f:
+            f.write(text + REPLICA_JOB)
+
+    def stage1(self, status=None):
+        """The workers of stage 1 as {replica index: worker status}."""
+        status = status or self.status()
+        return {w.get("replica", 0): w for w in status["workers"]
+                if w.get("stage", -1) == 1 and w["state"] == "WORKER_STATE_TRAINING"}
+
+    def rate(self, seconds):
+        """Steps per second over the next `seconds`."""
+        start_step, start = self.step(), time.monotonic()
+        time.sleep(seconds)
+        return (self.step() - start_step) / (time.monotonic() - start)
+
+
+class ReplicaTest(unittest.TestCase):
+    def test_sigstop_of_one_replica_keeps_training(self):
+        with ReplicaCluster(steps=100000).start(workers=4, until_step=10) as c:
+            replicas = wait_for(lambda: len(c.stage1()) == 2 and c.stage1(), 30,
+                                "two workers on stage 1")
+            undisturbed = c.rate(10)
+            # Both replicas work, and their weights are being averaged.
+            status = c.status()
+            stage0 = [w for w in status["workers"] if w.get("stage", -1) == 0][0]
+            sent = [int(r.get("sent", 0)) for r in stage0.get("routes", [])]
+            print(f"undisturbed: {undisturbed:.2f} steps/s; stage 0 routed {sent}", flush=True)
+            self.assertEqual(len(sent), 2, stage0)
+            self.assertTrue(all(n > 0 for n in sent), sent)
+            averages = [int(w.get("weight_averages", 0)) for w in c.stage1(status).values()]
+            self.assertTrue(all(n > 0 for n in averages), averages)
+
+            victim = replicas[0]["name"]  # the primary: its replica must take over
+            process = c.by_name[victim].popen
+            epoch = int(c.status()["epoch"])
+            process.send_signal(signal.SIGSTOP)
+            try:
+                # Before the lease (5 s) runs out only the router can keep
+                # training going: the plan still names the paused worker.
+                before_lease = c.rate(4)
+                replanned_early = int(c.status()["epoch"]) != epoch
+                rest = c.rate(6)
+            finally:
+                process.send_signal(signal.SIGCONT)
+            stopped = (4 * before_lease + 6 * rest) / 10
+            ratio = stopped / undisturbed
+            print(f"SIGSTOP of {victim} for 10 s: {stopped:.2f} steps/s, "
+                  f"{100 * ratio:.0f}% of undisturbed (first 4 s, same plan: "
+                  f"{100 * before_lease / undisturbed:.0f}%; last 6 s: "
+                  f"{100 * rest / undisturbed:.0f}%)", flush=True)
+            self.assertFalse(replanned_early)
+            self.assertGreaterEqual(ratio, 0.4)
+            self.assertGreaterEqual(before_lease / undisturbed, 0.4)
+
+            # Resumed, it learns its lease ran out, joins again and becomes a
+            # replica of stage 1 again; training goes on.
+            wait_for(lambda: len(c.stage1()) == 2, 60, "stage 1 replicated again")
+            c.wait_step(c.step() + 5, 60)
+            status = c.status()
+            kinds = [e["kind"] for e in status["events"]]
+            replans = [e["detail"] for e in status["events"] if e["kind"] == "replanned"]
+            print("re-plans:\n  " + "\n  ".join(replans), flush=True)
+            self.assertIn("lost", kinds)
+            self.assertTrue(any("(its replica)" in d or "carries on" in d for d in replans),
+                            replans)
+            self.assertTrue(any("(replica)" in d for d in replans), replans)
+            for name, p in c.by_name.items():
+                self.assertIsNone(p.popen.poll(), f"{name} exited")
+
+    def test_replicated_job_finishes_and_learns(self):
+        """A whole run with a replicated stage: every worker finishes (DONE
+        reaches the last stage once both replicas have passed it on) and the
+        loss falls about as much as without replicas."""
+        with ReplicaCluster(steps=60).start(workers=4, until_step=1) as c:
+            c.wait_done(240)
+            margin = loss_margin(c.steps())
+            status = c.status()
+            steps = [m["step"] for m in c.steps()]
+        print(f"replicated run: loss margin {margin:.3f}", flush=True)
+        self.assertEqual(steps, list(range(1, 61)))
+        self.assertGreater(margin, 0.5)
+        done = [w for w in status["workers"] if w["state"] == "WORKER_STATE_DONE"]
+        self.assertEqual(len(done), 4, status["workers"])
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
