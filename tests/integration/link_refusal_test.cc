@@ -94,6 +94,7 @@ class LinkRefusalTest : public testing::Test {
     reader->Finish();
     ASSERT_EQ(plan_.stages_size(), 2);
     ASSERT_EQ(plan_.stages(0).worker_id(), joined.worker_id());
+    stage0_id_ = joined.worker_id();
     stage_stub_ = v1::Stage::NewStub(MakeChannel(plan_.stages(1).address()));
     boundary_ = plan_.stages(1).layer_begin();
   }
@@ -143,7 +144,7 @@ class LinkRefusalTest : public testing::Test {
   // frames it sent back.
   grpc::Status Exchange(const std::vector<v1::LinkFrame>& frames,
                         std::vector<v1::LinkFrame>* received = nullptr,
-                        uint64_t hello_epoch = 0) {
+                        uint64_t hello_epoch = 0, const std::string& from_worker = "") {
     grpc::ClientContext context;
     context.set_deadline(DeadlineFromNow(std::chrono::seconds(20)));
     auto stream = stage_stub_->Link(&context);
@@ -151,6 +152,8 @@ class LinkRefusalTest : public testing::Test {
     hello.mutable_header()->set_kind(v1::MESSAGE_KIND_HELLO);
     hello.mutable_header()->set_epoch(hello_epoch ? hello_epoch : plan_.epoch());
     hello.mutable_header()->set_from_stage(0);
+    // The plan names the worker that may dial: this test, as stage 0.
+    hello.mutable_header()->set_from_worker(from_worker.empty() ? stage0_id_ : from_worker);
     hello.set_last(true);
     stream->Write(hello);
     for (const v1::LinkFrame& f : frames) {
@@ -179,6 +182,7 @@ class LinkRefusalTest : public testing::Test {
   std::unique_ptr<v1::Stage::Stub> stage_stub_;
   v1::JobSpec job_;
   v1::Plan plan_;
+  std::string stage0_id_;
   int boundary_ = 0;
 };
 
@@ -188,11 +192,14 @@ TEST_F(LinkRefusalTest, BadMessagesAreRefusedAndTheWorkerKeepsWorking) {
     std::vector<v1::LinkFrame> frames;
     grpc::StatusCode expected;
     uint64_t hello_epoch = 0;
+    std::string from_worker;
   };
   std::vector<Case> cases;
 
   cases.push_back({"hello of an old epoch", {}, grpc::StatusCode::INVALID_ARGUMENT,
                    plan_.epoch() + 7});
+  cases.push_back({"hello from a worker the plan does not name", {},
+                   grpc::StatusCode::INVALID_ARGUMENT, 0, "w-stranger"});
   {
     LinkMessage m = GoodActivation();
     m.header.mutable_tensors(0)->set_shape(1, m.header.tensors(0).shape(1) + 1);
@@ -249,7 +256,7 @@ TEST_F(LinkRefusalTest, BadMessagesAreRefusedAndTheWorkerKeepsWorking) {
   }
 
   for (const Case& c : cases) {
-    const grpc::Status status = Exchange(c.frames, nullptr, c.hello_epoch);
+    const grpc::Status status = Exchange(c.frames, nullptr, c.hello_epoch, c.from_worker);
     EXPECT_EQ(status.error_code(), c.expected)
         << c.name << ": " << status.error_code() << " " << status.error_message();
     EXPECT_FALSE(status.error_message().empty()) << c.name << " gave no reason";

@@ -28,9 +28,10 @@ min_workers: 4
 
 
 class ReplicaCluster(FaultCluster):
-    """3 stages, the middle one with two workers."""
+    """3 stages, the middle one with two workers (or, with replicas=1, one
+    worker and a standby)."""
 
-    def __init__(self, steps):
+    def __init__(self, steps, replicas=2):
         super().__init__(steps)
         with open(self.job) as f:
             text = f.read()
@@ -38,7 +39,7 @@ class ReplicaCluster(FaultCluster):
         text = "\n".join(line for line in text.splitlines()
                          if not line.startswith(("schedule:", "min_workers:")))
         with open(self.job, "w") as f:
-            f.write(text + REPLICA_JOB)
+            f.write(text + REPLICA_JOB.replace("replicas: 2", f"replicas: {replicas}"))
 
     def stage1(self, status=None):
         """The workers of stage 1 as {replica index: worker status}."""
@@ -105,6 +106,27 @@ class ReplicaTest(unittest.TestCase):
             self.assertTrue(any("(replica)" in d for d in replans), replans)
             for name, p in c.by_name.items():
                 self.assertIsNone(p.popen.poll(), f"{name} exited")
+
+    def test_without_replicas_the_same_pause_stalls_the_pipeline(self):
+        """The reference for the test above: the same job and pause with one
+        worker on stage 1 (and a standby). Until the lease runs out, nothing
+        moves, because every microbatch has to pass the paused worker."""
+        with ReplicaCluster(steps=100000, replicas=1).start(workers=4, until_step=10) as c:
+            undisturbed = c.rate(10)
+            victim = c.stage_workers()[1]
+            process = c.by_name[victim].popen
+            process.send_signal(signal.SIGSTOP)
+            try:
+                time.sleep(0.5)  # what was past stage 1 drains
+                before_lease = c.rate(3)  # the lease (5 s) may end 4 s in
+                rest = c.rate(6.5)
+            finally:
+                process.send_signal(signal.SIGCONT)
+        stopped = (0.5 * undisturbed + 3 * before_lease + 6.5 * rest) / 10
+        print(f"without replicas, SIGSTOP of stage 1 for 10 s: {stopped:.2f} steps/s, "
+              f"{100 * stopped / undisturbed:.0f}% of undisturbed ({undisturbed:.2f}); "
+              f"0.5-3.5 s: {before_lease:.2f} steps/s", flush=True)
+        self.assertEqual(before_lease, 0)
 
     def test_replicated_job_finishes_and_learns(self):
         """A whole run with a replicated stage: every worker finishes (DONE
