@@ -99,7 +99,7 @@ void PrintTable(const geotrain::v1::ClusterStatus& s) {
   }
   header = false;
   for (const auto& w : s.workers()) {
-    if (w.routes_size() < 2 && w.weight_averages() == 0) continue;
+    if (w.routes_size() < 2) continue;  // one route: nothing to choose
     for (const auto& r : w.routes()) {
       if (!header) {
         std::printf("\n%-4s %-22s %9s %11s %10s %10s   (routing among replicas)\n", "ID",
