@@ -78,7 +78,8 @@ TEST(JobSpecTest, MissingFileIsNamed) {
 }
 
 TEST(JobSpecTest, ShippedJobsAreValid) {
-  for (const char* path : {"deploy/jobs/gpt-tiny.textproto", "deploy/jobs/fmnist-mlp.textproto"}) {
+  for (const char* path : {"deploy/jobs/gpt-tiny.textproto", "deploy/jobs/fmnist-mlp.textproto",
+                           "deploy/jobs/gpt-replicas.textproto"}) {
     absl::StatusOr<v1::JobSpec> job = LoadJobSpec(std::string(GEOTRAIN_SOURCE_DIR) + "/" + path);
     EXPECT_TRUE(job.ok()) << path << ": " << job.status();
   }
