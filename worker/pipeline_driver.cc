@@ -67,6 +67,7 @@ absl::Status PipelineDriver::Run() {
   idle_ = absl::ZeroDuration();
   backwards_ = static_cast<int64_t>(options_.start_step) * job_.microbatches();
   position_ = backwards_;
+  catching_up_ = options_.catching_up;
   samples_.push_back({start_, idle_, send_total_, backwards_});
   PublishStats();
   absl::Status status = options_.stage == 0 ? RunFirstStage() : RunLaterStage();
@@ -245,7 +246,7 @@ absl::Status PipelineDriver::AtStep(int step) {
     encoding.block_size = job_.codec_block_size();
     encoding.zstd = job_.zstd();
     ASSIGN_OR_RETURN(std::vector<v1::LayerWeights> weights, runtime_->ExportWeights(encoding));
-    options_.averager->Push(step, std::move(weights));
+    options_.averager->Push(step, std::move(weights), catching_up_);
   }
   if (options_.stage == 0 &&
       (step == job_.steps() || (job_.eval_every() > 0 && step % job_.eval_every() == 0))) {
@@ -256,14 +257,20 @@ absl::Status PipelineDriver::AtStep(int step) {
 
 void PipelineDriver::AverageReceivedWeights() {
   if (options_.averager == nullptr) return;
-  std::vector<v1::LayerWeights> received = options_.averager->TakeReceived();
-  if (received.empty()) return;
-  absl::Status averaged = runtime_->AverageWeights(received);
+  ReplicaAverager::Received received = options_.averager->TakeReceived(catching_up_);
+  if (received.layers.empty()) return;
+  absl::Status averaged = runtime_->AverageWeights(received.layers, received.adopt);
   if (!averaged.ok()) {
     // A bad push costs one round of averaging, never the stage.
     GT_LOG(Warning) << "replica weights not averaged: " << averaged.message();
     return;
   }
+  if (catching_up_) {
+    GT_LOG(Info) << (received.adopt ? "took a sibling replica's weights"
+                                    : "averaged with another new replica")
+                 << "; no longer catching up";
+  }
+  catching_up_ = false;
   ++weight_averages_;
 }
 

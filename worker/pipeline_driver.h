@@ -96,6 +96,10 @@ struct PipelineDriverOptions {
   bool replicated = false;
   bool primary = true;
   ReplicaAverager* averager = nullptr;
+  // This replica restored its stage from a checkpoint to join a running
+  // stage: it adopts a sibling's weights before it averages (see
+  // ReplicaAverager).
+  bool catching_up = false;
   // The downstream router, for its statistics (may be null). Not owned.
   const ReplicaRouter* router = nullptr;
 };
@@ -152,6 +156,7 @@ class PipelineDriver {
   // past the newest microbatch id it finished.
   int64_t position_ = 0;
   int64_t weight_averages_ = 0;
+  bool catching_up_ = false;
   int dones_ = 0;                       // DONE messages received
   int backwards_since_update_ = 0;
   int eval_due_ = 0;                    // stage 0: step to evaluate at, or 0

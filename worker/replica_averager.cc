@@ -33,6 +33,7 @@ void ReplicaAverager::Activate(Target target) {
   absl::MutexLock lock(&mu_);
   target_ = std::move(target);
   received_.clear();
+  peer_catching_up_.clear();
   pending_.clear();
 }
 
@@ -40,10 +41,11 @@ void ReplicaAverager::Deactivate() {
   absl::MutexLock lock(&mu_);
   target_.reset();
   received_.clear();
+  peer_catching_up_.clear();
   pending_.clear();
 }
 
-void ReplicaAverager::Push(int step, std::vector<v1::LayerWeights> layers) {
+void ReplicaAverager::Push(int step, std::vector<v1::LayerWeights> layers, bool catching_up) {
   absl::MutexLock lock(&mu_);
   if (!target_.has_value() || target_->peers.empty()) return;
   pending_.clear();
@@ -55,6 +57,7 @@ void ReplicaAverager::Push(int step, std::vector<v1::LayerWeights> layers) {
       message.set_stage(target_->stage);
       message.set_from_worker(target_->self_id);
       message.set_step(step);
+      message.set_catching_up(catching_up);
       bytes = 0;
     }
     bytes += layer.payload().size();
@@ -63,13 +66,23 @@ void ReplicaAverager::Push(int step, std::vector<v1::LayerWeights> layers) {
   pending_peers_ = target_->peers;
 }
 
-std::vector<v1::LayerWeights> ReplicaAverager::TakeReceived() {
+ReplicaAverager::Received ReplicaAverager::TakeReceived(bool catching_up) {
   absl::MutexLock lock(&mu_);
-  std::vector<v1::LayerWeights> out;
+  Received out;
+  bool from_established = false;
+  for (const auto& [peer, layers] : received_) {
+    from_established = from_established || !peer_catching_up_[peer];
+  }
+  // A newcomer adopts what established siblings sent; an established
+  // replica ignores newcomers; otherwise everything is averaged.
+  out.adopt = catching_up && from_established;
   for (auto& [peer, layers] : received_) {
-    for (auto& [layer, weights] : layers) out.push_back(std::move(weights));
+    const bool stale = peer_catching_up_[peer];
+    if (stale && (out.adopt || !catching_up)) continue;
+    for (auto& [layer, weights] : layers) out.layers.push_back(std::move(weights));
   }
   received_.clear();
+  peer_catching_up_.clear();
   return out;
 }
 
@@ -117,6 +130,7 @@ grpc::Status ReplicaAverager::PushWeights(grpc::ServerContext* context,
   for (const v1::LayerWeights& layer : request->layers()) {
     received_[request->from_worker()][layer.layer()] = layer;
   }
+  peer_catching_up_[request->from_worker()] = request->catching_up();
   ++counters_.pushes_received;
   return grpc::Status::OK;
 }

@@ -6,6 +6,13 @@
 // so a paused or dead replica never holds up the others; it only misses a
 // round.
 //
+// A replica that joined a running stage restored it from a checkpoint, up
+// to checkpoint_every steps old. Until it has taken a sibling's weights it
+// is "catching up": its pushes say so, and a sibling that is not catching
+// up ignores them (averaging them in would pull it back), while the
+// newcomer adopts the first weights it receives from a sibling that is not
+// catching up, instead of averaging. Two newcomers average each other.
+//
 // The server half (ReplicaSync service) accepts pushes for the active plan
 // epoch and stage from the stage's other workers, checks their structure
 // and keeps the newest weights of each peer and layer until the driver takes
@@ -51,10 +58,15 @@ class ReplicaAverager final : public v1::ReplicaSync::Service {
 
   // Queues the stage's weights for every peer; a push still queued (a peer
   // was slow) is replaced by this newer one. Returns at once.
-  void Push(int step, std::vector<v1::LayerWeights> layers);
-  // Weights received since the last call: for each layer, the newest from
-  // each peer that sent it.
-  std::vector<v1::LayerWeights> TakeReceived();
+  void Push(int step, std::vector<v1::LayerWeights> layers, bool catching_up = false);
+  // Weights received since the last call, for each layer the newest from
+  // each peer, as this replica should use them (see above): to average in,
+  // to adopt (`adopt`: replace its own), or nothing.
+  struct Received {
+    std::vector<v1::LayerWeights> layers;
+    bool adopt = false;
+  };
+  Received TakeReceived(bool catching_up = false);
 
   struct Counters {
     int64_t pushes_sent = 0;      // messages delivered to a peer
@@ -72,8 +84,10 @@ class ReplicaAverager final : public v1::ReplicaSync::Service {
   const absl::Duration push_deadline_;
   mutable absl::Mutex mu_;
   std::optional<Target> target_ ABSL_GUARDED_BY(mu_);
-  // Received, not yet taken: peer -> layer -> weights.
+  // Received, not yet taken: peer -> layer -> weights, and which peers
+  // were catching up when they sent them.
   std::map<std::string, std::map<int, v1::LayerWeights>> received_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, bool> peer_catching_up_ ABSL_GUARDED_BY(mu_);
   // The next push: messages of at most kMaxPushBytes each.
   std::vector<v1::ReplicaWeights> pending_ ABSL_GUARDED_BY(mu_);
   std::vector<Peer> pending_peers_ ABSL_GUARDED_BY(mu_);

@@ -516,7 +516,8 @@ absl::StatusOr<std::vector<v1::LayerWeights>> StageRuntime::ExportWeights(
   });
 }
 
-absl::Status StageRuntime::AverageWeights(const std::vector<v1::LayerWeights>& peers) {
+absl::Status StageRuntime::AverageWeights(const std::vector<v1::LayerWeights>& peers,
+                                          bool adopt) {
   Impl& s = *impl_;
   if (peers.empty()) return absl::OkStatus();
   return GuardTorch("averaging replica weights", [&]() -> absl::Status {
@@ -554,7 +555,13 @@ absl::Status StageRuntime::AverageWeights(const std::vector<v1::LayerWeights>& p
     std::vector<torch::Tensor> next;
     for (size_t p = 0; p < current.size(); ++p) {
       torch::Tensor mine = current[p].detach();
-      next.push_back(counts[p] == 0 ? mine.clone() : ((mine + sums[p]) / (1.0 + counts[p])));
+      if (counts[p] == 0) {
+        next.push_back(mine.clone());
+      } else if (adopt) {
+        next.push_back(sums[p] / static_cast<double>(counts[p]));
+      } else {
+        next.push_back((mine + sums[p]) / (1.0 + counts[p]));
+      }
     }
     s.stash->Publish(std::move(next));
     return absl::OkStatus();

@@ -116,12 +116,13 @@ class StageRuntime {
   absl::StatusOr<std::vector<v1::LayerWeights>> ExportWeights(const WireEncoding& encoding) const;
   // Replicas: averages the weights of each layer named in `peers` (several
   // entries may name one layer, from different replicas) with this stage's
-  // current ones, w = (w + sum of the peers' w) / (1 + their number), and
-  // publishes the result as a new weight version (stashed versions of
-  // microbatches in flight are untouched). Optimizer state is kept. On
-  // INVALID_ARGUMENT (an entry does not fit the model, or decodes to
-  // non-finite values) nothing changes.
-  absl::Status AverageWeights(const std::vector<v1::LayerWeights>& peers);
+  // current ones, w = (w + sum of the peers' w) / (1 + their number), or
+  // with `adopt` takes the peers' mean instead of its own, and publishes the
+  // result as a new weight version (stashed versions of microbatches in
+  // flight are untouched). Optimizer state is kept. On INVALID_ARGUMENT (an
+  // entry does not fit the model, or decodes to non-finite values) nothing
+  // changes.
+  absl::Status AverageWeights(const std::vector<v1::LayerWeights>& peers, bool adopt = false);
   // Forgets every training microbatch in flight (their graphs and stashed
   // weight references are freed) and the gradients accumulated since the
   // last update; returns how many microbatches were dropped.

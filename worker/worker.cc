@@ -245,8 +245,8 @@ std::optional<v1::Plan> Worker::WaitForAssignment(uint64_t after_epoch) {
   return latest_plan_;
 }
 
-absl::Status Worker::PrepareRuntime(const StagePlacement& placement,
-                                    const ScheduleConfig& schedule) {
+absl::StatusOr<bool> Worker::PrepareRuntime(const StagePlacement& placement,
+                                            const ScheduleConfig& schedule) {
   if (runtime_ != nullptr) {
     const StagePlacement& held = runtime_->placement();
     if (held.stage == placement.stage && held.num_stages == placement.num_stages &&
@@ -257,7 +257,7 @@ absl::Status Worker::PrepareRuntime(const StagePlacement& placement,
         coordinator_.ReportEvent("dropped", absl::StrCat(dropped, " microbatches in flight on "
                                                          "the old route; their weights freed"));
       }
-      return absl::OkStatus();
+      return false;
     }
     runtime_.reset();
   }
@@ -298,7 +298,7 @@ absl::Status Worker::PrepareRuntime(const StagePlacement& placement,
   GT_LOG(Info) << detail;
   coordinator_.ReportEvent("restored", detail);
   runtime_ = std::move(runtime);
-  return absl::OkStatus();
+  return true;
 }
 
 absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine) {
@@ -331,7 +331,7 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
       worker->averager_.Deactivate();
     }
   } unregister{this};
-  RETURN_IF_ERROR(PrepareRuntime(placement, schedule));
+  ASSIGN_OR_RETURN(const bool built, PrepareRuntime(placement, schedule));
   StageRuntime* runtime = runtime_.get();
   const std::vector<StageWorker> upstream_workers =
       mine.stage() > 0 ? WorkersOf(plan.stages(mine.stage() - 1)) : std::vector<StageWorker>();
@@ -403,6 +403,9 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
   driver_options.replicated = stage_workers.size() > 1;
   driver_options.primary = primary_;
   driver_options.averager = stage_workers.size() > 1 ? &averager_ : nullptr;
+  // Joining a stage that is already training: this worker's weights come
+  // from a checkpoint, its siblings' are newer.
+  driver_options.catching_up = built && stage_workers.size() > 1 && plan.start_step() > 0;
   driver_options.router = router ? &*router : nullptr;
   auto addresses = [](const std::vector<StageWorker>& workers) {
     std::string joined;

@@ -84,8 +84,10 @@ class Worker {
   std::optional<v1::Plan> WaitForAssignment(uint64_t after_epoch);
   absl::Status Train(const v1::Plan& plan, const v1::StageAssignment& mine);
   // A runtime for `placement`: the current one if it fits (after dropping
-  // what is in flight), else a new one restored from checkpoints.
-  absl::Status PrepareRuntime(const StagePlacement& placement, const ScheduleConfig& schedule);
+  // what is in flight), else a new one restored from checkpoints. True when
+  // it built a new one.
+  absl::StatusOr<bool> PrepareRuntime(const StagePlacement& placement,
+                                      const ScheduleConfig& schedule);
   absl::Status HandOver();
   // Ends the current pipeline attempt: the driver returns, links close.
   void AbortTrainingLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -96,6 +96,10 @@ class ReplicaTest(unittest.TestCase):
             # Resumed, it learns its lease ran out, joins again and becomes a
             # replica of stage 1 again; training goes on.
             wait_for(lambda: len(c.stage1()) == 2, 60, "stage 1 replicated again")
+            # Restored from a checkpoint, it takes its sibling's newer weights
+            # at the first push rather than averaging its older ones in.
+            wait_for(lambda: "took a sibling replica's weights" in c.by_name[victim].log(),
+                     60, "the returning replica to adopt its sibling's weights")
             c.wait_step(c.step() + 5, 60)
             status = c.status()
             kinds = [e["kind"] for e in status["events"]]

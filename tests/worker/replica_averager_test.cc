@@ -64,11 +64,11 @@ TEST(ReplicaAveragerTest, APushReachesThePeerNewestFirst) {
   b.averager.Activate(TargetFor("b", "a", a.address()));
   a.averager.Push(5, {Layer(2, std::string(16, 'x')), Layer(3, std::string(8, 'y'))});
   ASSERT_TRUE(Eventually([&] { return b.averager.counters().pushes_received == 1; }));
-  std::vector<v1::LayerWeights> got = b.averager.TakeReceived();
+  std::vector<v1::LayerWeights> got = b.averager.TakeReceived().layers;
   ASSERT_EQ(got.size(), 2u);
   EXPECT_EQ(got[0].layer(), 2);
   EXPECT_EQ(got[1].payload(), std::string(8, 'y'));
-  EXPECT_TRUE(b.averager.TakeReceived().empty());  // taken once
+  EXPECT_TRUE(b.averager.TakeReceived().layers.empty());  // taken once
   EXPECT_EQ(a.averager.counters().pushes_sent, 1);
 }
 
@@ -93,11 +93,36 @@ TEST(ReplicaAveragerTest, PushesForAnotherPlanStrangersAndBadLayersAreRefused) {
   v1::LayerWeights short_payload = Layer(2, "abcdefgh");
   short_payload.set_payload("abcd");
   EXPECT_EQ(push(4, "a", short_payload), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_TRUE(b.averager.TakeReceived().empty());
+  EXPECT_TRUE(b.averager.TakeReceived().layers.empty());
   EXPECT_EQ(push(4, "a", Layer(2, "abcd")), grpc::StatusCode::OK);
-  EXPECT_EQ(b.averager.TakeReceived().size(), 1u);
+  EXPECT_EQ(b.averager.TakeReceived().layers.size(), 1u);
   b.averager.Deactivate();
   EXPECT_EQ(push(4, "a", Layer(2, "abcd")), grpc::StatusCode::FAILED_PRECONDITION);
+}
+
+// A newcomer (restored from a checkpoint) adopts an established sibling's
+// weights; the sibling ignores the newcomer's older ones; two newcomers
+// average.
+TEST(ReplicaAveragerTest, ANewcomerAdoptsAndIsNotAveragedIn) {
+  Served a, b;
+  a.averager.Activate(TargetFor("a", "b", b.address()));
+  b.averager.Activate(TargetFor("b", "a", a.address()));
+  b.averager.Push(5, {Layer(2, "new!")}, /*catching_up=*/true);  // b is the newcomer
+  ASSERT_TRUE(Eventually([&] { return a.averager.counters().pushes_received == 1; }));
+  EXPECT_TRUE(a.averager.TakeReceived(/*catching_up=*/false).layers.empty());
+
+  a.averager.Push(5, {Layer(2, "est.")});
+  ASSERT_TRUE(Eventually([&] { return b.averager.counters().pushes_received == 1; }));
+  ReplicaAverager::Received got = b.averager.TakeReceived(/*catching_up=*/true);
+  EXPECT_TRUE(got.adopt);
+  ASSERT_EQ(got.layers.size(), 1u);
+  EXPECT_EQ(got.layers[0].payload(), "est.");
+
+  a.averager.Push(6, {Layer(2, "new2")}, /*catching_up=*/true);  // both new
+  ASSERT_TRUE(Eventually([&] { return b.averager.counters().pushes_received == 2; }));
+  got = b.averager.TakeReceived(/*catching_up=*/true);
+  EXPECT_FALSE(got.adopt);
+  EXPECT_EQ(got.layers.size(), 1u);
 }
 
 TEST(ReplicaAveragerTest, ADeadPeerCostsARoundNotTheCaller) {

@@ -371,6 +371,10 @@ TEST_F(StageRuntimeTest, ReplicasAverageTheirWeights) {
     // fp16 on the wire: within half a unit of its last place.
     EXPECT_TRUE(torch::allclose(averaged[i], (wa[i] + wb[i]) / 2, 1e-3, 1e-3)) << i;
   }
+  // A replica catching up takes the sibling's weights instead.
+  ASSERT_TRUE(a->AverageWeights(*b->ExportWeights({}), /*adopt=*/true).ok());
+  const std::vector<torch::Tensor> adopted = Weights(*a);
+  for (size_t i = 0; i < wb.size(); ++i) EXPECT_TRUE(torch::equal(adopted[i], wb[i])) << i;
 }
 
 TEST_F(StageRuntimeTest, AveragingLeavesMicrobatchesInFlightOnTheirVersion) {
