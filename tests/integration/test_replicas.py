@@ -112,6 +112,30 @@ class ReplicaTest(unittest.TestCase):
             for name, p in c.by_name.items():
                 self.assertIsNone(p.popen.poll(), f"{name} exited")
 
+    def test_kill_of_a_replica_leaves_the_stage_to_the_other(self):
+        """kill -9 of the non-primary replica: its links break, the stage goes
+        on with the primary alone (no standby, no re-partition)."""
+        with ReplicaCluster(steps=100000).start(workers=4, until_step=10) as c:
+            replicas = wait_for(lambda: len(c.stage1()) == 2 and c.stage1(), 30,
+                                "two workers on stage 1")
+            status = c.status()
+            epoch, step = int(status["epoch"]), int(status["step"])
+            killed_at = time.monotonic()
+            c.kill(replicas[1]["name"])
+
+            def resumed():
+                s = c.status()
+                return int(s["epoch"]) > epoch and int(s["step"]) > step + 1 and s
+            status = wait_for(resumed, 30, "training after the kill", interval=0.05)
+            took = time.monotonic() - killed_at
+            print(f"kill -9 of replica {replicas[1]['name']}: next step after {took:.1f} s",
+                  flush=True)
+            self.assertLess(took, 15)
+            stage1 = c.stage1(status)
+            self.assertEqual(list(stage1), [0])
+            self.assertEqual(stage1[0]["name"], replicas[0]["name"])
+            self.assertEqual(len(c.stage_workers(status)), 3)
+
     def test_without_replicas_the_same_pause_stalls_the_pipeline(self):
         """The reference for the test above: the same job and pause with one
         worker on stage 1 (and a standby). Until the lease runs out, nothing
