@@ -133,11 +133,14 @@ absl::Status ValidateJobSpec(const v1::JobSpec& job) {
         "and/or gradient_codec (e.g. CODEC_INT4)");
   }
   if (job.replicas() < 1 || job.replicas() > 8) return Invalid("replicas must be in [1, 8]");
-  if (job.replicas() > 1 && job.schedule() == v1::SCHEDULE_SYNC) {
+  if (job.replicas() > 1 && job.schedule() != v1::SCHEDULE_ASYNC_STASH) {
+    // sync promises one-process maths, which replicas updating on their own
+    // microbatches break; 2BW's two-version bound assumes gradients return
+    // in order, which routing past a slow replica does not keep.
     return Invalid(
-        "replicas > 1 needs an asynchronous schedule (SCHEDULE_ASYNC_STASH or "
-        "SCHEDULE_ASYNC_2BW): replicas update on their own microbatches and average every "
-        "replica_sync_every steps, which is not the one-process maths that sync promises");
+        "replicas > 1 needs the asynchronous schedule SCHEDULE_ASYNC_STASH: replicas update "
+        "on their own microbatches (not sync's one-process maths) and return them out of "
+        "order (beyond 2BW's two weight versions)");
   }
   if (job.replica_sync_every() < 1) return Invalid("replica_sync_every must be >= 1");
   if (job.replica_codec() == v1::CODEC_TOPK) {

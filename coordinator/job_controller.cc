@@ -19,6 +19,10 @@ constexpr size_t kThroughputWindow = 10;  // steps
 // this long, is a straggler.
 constexpr double kStragglerFactor = 3.0;
 constexpr int64_t kStragglerPatienceMs = 5000;
+// A worker taken out of the plan for a lost link waits this long before it
+// is made a replica again (it may still replace a lost worker before that):
+// a link that keeps failing would otherwise cycle it in and out.
+constexpr int64_t kReplicaCooldownMs = 30000;
 
 std::string JsonEscape(const std::string& s) {
   std::string out;
@@ -333,7 +337,7 @@ void JobController::RecordWorkerEvent(const v1::WorkerEvent& event) {
       event.epoch() == plan_->epoch() && draining_.count(event.peer()) == 0) {
     const std::string accused = event.peer();
     ReplaceLocked(accused, absl::StrCat("its link from ", NameOf(event.worker_id()), " was lost"),
-                  /*only_with_standby=*/false);
+                  Replacement::kTakeOut);
     suspended_at_ms_[accused] = options_.clock->NowMs();
   }
 }
@@ -360,8 +364,12 @@ bool JobController::FillReplicasLocked(v1::Plan* plan, std::string* summary) con
   const int wanted = options_.job.replicas();
   if (wanted <= 1) return false;
   std::vector<WorkerRecord> candidates;
+  const int64_t now = options_.clock->NowMs();
   for (const WorkerRecord& w : StandbysLocked(*plan)) {
-    if (demoted_.count(w.id) == 0) candidates.push_back(w);
+    auto suspended = suspended_at_ms_.find(w.id);
+    const bool cooling = suspended != suspended_at_ms_.end() &&
+                         now - suspended->second < kReplicaCooldownMs;
+    if (demoted_.count(w.id) == 0 && !cooling) candidates.push_back(w);
   }
   bool added = false;
   size_t next = 0;
@@ -393,14 +401,34 @@ void JobController::PublishReplanLocked(v1::Plan next, const std::string& summar
 }
 
 bool JobController::ReplaceLocked(const std::string& worker_id, const std::string& why,
-                                  bool only_with_standby) {
+                                  Replacement how) {
   int index = 0;
   const v1::StageAssignment* current = StageOf(*plan_, worker_id, &index);
   if (current == nullptr) return false;
   const int stage = current->stage();
   v1::Plan next = *plan_;
   v1::StageAssignment* s = next.mutable_stages(stage);
-  std::string summary;
+  if (how == Replacement::kSwapWithStandby) {
+    std::optional<WorkerRecord> standby;
+    for (const WorkerRecord& w : StandbysLocked(*plan_)) {
+      if (demoted_.count(w.id) == 0) {
+        standby = w;
+        break;
+      }
+    }
+    if (!standby.has_value()) return false;
+    if (index == 0) {
+      s->set_worker_id(standby->id);
+      s->set_address(standby->address);
+    } else {
+      s->mutable_replicas(index - 1)->set_worker_id(standby->id);
+      s->mutable_replicas(index - 1)->set_address(standby->address);
+    }
+    PublishReplanLocked(std::move(next),
+                        absl::StrCat("stage ", stage, ": ", NameOf(worker_id), " -> ",
+                                     standby->name, " (standby), because ", why));
+    return true;
+  }
   if (current->replicas_size() > 0) {
     // The stage keeps running on its other workers.
     std::vector<StageWorker> rest;
@@ -415,15 +443,15 @@ bool JobController::ReplaceLocked(const std::string& worker_id, const std::strin
       replica->set_worker_id(rest[i].id);
       replica->set_address(rest[i].address);
     }
-    summary = index == 0 ? absl::StrCat("stage ", stage, ": ", NameOf(worker_id), " -> ",
-                                        NameOf(rest[0].id), " (its replica), because ", why)
-                         : absl::StrCat("stage ", stage, ": replica ", NameOf(worker_id),
-                                        " removed, because ", why);
-    PublishReplanLocked(std::move(next), summary);
+    PublishReplanLocked(std::move(next),
+                        index == 0 ? absl::StrCat("stage ", stage, ": ", NameOf(worker_id), " -> ",
+                                                  NameOf(rest[0].id), " (its replica), because ",
+                                                  why)
+                                   : absl::StrCat("stage ", stage, ": replica ",
+                                                  NameOf(worker_id), " removed, because ", why));
     return true;
   }
   const std::vector<WorkerRecord> standbys = StandbysLocked(*plan_);
-  if (standbys.empty() && only_with_standby) return false;
   if (standbys.empty()) {
     PublishReplanLocked(std::move(next), absl::StrCat("no standby to replace ", NameOf(worker_id),
                                                       " (", why, "); same stages, new links"));
@@ -438,7 +466,8 @@ bool JobController::ReplaceLocked(const std::string& worker_id, const std::strin
 }
 
 void JobController::CheckStragglersLocked() {
-  if (!plan_.has_value() || done_ || plan_->job_done()) return;
+  // Not while the job is ending (see MaybeReplanLocked).
+  if (!plan_.has_value() || done_ || plan_->job_done() || !done_workers_.empty()) return;
   std::map<std::string, WorkerRecord> records;
   for (const WorkerRecord& w : membership_.Snapshot()) records[w.id] = w;
   // Compute time per microbatch of every worker of every stage; a stage
@@ -462,7 +491,7 @@ void JobController::CheckStragglersLocked() {
     if (fastest == 0) return;  // not enough figures yet
     stage_seconds.push_back(fastest);
   }
-  // (worker, why, the stage has other workers)
+  // (worker, why, demote it: a replica slower than its siblings)
   std::vector<std::tuple<std::string, std::string, bool>> slow;
   for (int k = 0; k < static_cast<int>(stages.size()); ++k) {
     // The planner balanced the stages by their workers' benchmarks, so
@@ -481,7 +510,7 @@ void JobController::CheckStragglersLocked() {
                         absl::StrFormat("stage %d takes %.1f ms per microbatch, %.1fx the slowest "
                                         "other stage",
                                         k, stage_seconds[k] * 1e3, stage_seconds[k] / slowest_other),
-                        stages[k].size() > 1);
+                        false);
       continue;
     }
     // A replica far slower than its fastest sibling only wastes what the
@@ -498,21 +527,21 @@ void JobController::CheckStragglersLocked() {
   }
   const int64_t now = options_.clock->NowMs();
   std::set<std::string> slow_ids;
-  for (const auto& [id, why, has_others] : slow) slow_ids.insert(id);
+  for (const auto& [id, why, demote] : slow) slow_ids.insert(id);
   for (auto it = straggling_since_ms_.begin(); it != straggling_since_ms_.end();) {
     it = slow_ids.count(it->first) > 0 ? std::next(it) : straggling_since_ms_.erase(it);
   }
-  for (const auto& [id, reason, has_others] : slow) {
+  for (const auto& [id, reason, demote] : slow) {
     const int64_t since = straggling_since_ms_.emplace(id, now).first->second;
     if (now - since < kStragglerPatienceMs) continue;
     const std::string why = absl::StrFormat("%s, for %.0f s", reason, (now - since) / 1000.0);
     AddEventLocked("straggler", NameOf(id), why);
     straggling_since_ms_[id] = now;  // report again only after another patience period
-    // With other workers on its stage, the straggler is demoted to standby
-    // and not made a replica again; alone, it needs a standby to take over.
-    if (has_others) demoted_.insert(id);
+    // A replica slower than its siblings is demoted to standby and not made
+    // a replica again; a slow stage swaps its slowest worker for a standby.
+    if (demote) demoted_.insert(id);
     if (ReplaceLocked(id, absl::StrCat("it straggles (", why, ")"),
-                      /*only_with_standby=*/!has_others)) {
+                      demote ? Replacement::kTakeOut : Replacement::kSwapWithStandby)) {
       return;
     }
   }
@@ -612,7 +641,10 @@ void JobController::MaybeReplanLocked() {
     }
     changed = true;
   }
-  changed = FillReplicasLocked(&next, &summary) || changed;
+  // Once a worker has finished the job is ending: an extra replica is not
+  // worth a new epoch that aborts the stages still finishing (failures
+  // still are: the job cannot end without the stages they hold).
+  if (done_workers_.empty()) changed = FillReplicasLocked(&next, &summary) || changed;
   if (!changed) return;
   waiting_for_workers_ = false;
   PublishReplanLocked(std::move(next), summary);

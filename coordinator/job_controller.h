@@ -87,13 +87,20 @@ class JobController {
   double ElapsedS() const;
   void MaybePlanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeReplanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Takes `worker_id` out of the current plan. A replica just leaves its
-  // stage; a primary with replicas hands the stage to the first of them;
-  // otherwise a standby takes its stage, and without one nothing happens if
-  // `only_with_standby`, else the same stages get a new epoch (new links).
+  // How ReplaceLocked treats the worker it replaces.
+  enum class Replacement {
+    // Out of the plan (a lost link, a demoted replica): a replica just
+    // leaves its stage; a primary with replicas hands the stage to the
+    // first of them; a stage's only worker goes to a standby, or with none
+    // the same stages get a new epoch (new links).
+    kTakeOut,
+    // A standby that was never demoted takes exactly this worker's place
+    // (a straggler); nothing happens without one.
+    kSwapWithStandby,
+  };
   // True when a plan was published.
-  bool ReplaceLocked(const std::string& worker_id, const std::string& why,
-                     bool only_with_standby) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool ReplaceLocked(const std::string& worker_id, const std::string& why, Replacement how)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Reports a stage far slower per microbatch than every other stage and
   // hands it to a standby when there is one; a replica far slower than its
   // fastest sibling is reported and demoted to standby.

@@ -100,7 +100,9 @@ grpc::Status UpstreamLinkServer::Link(
     }
     absl::Status valid = validator->CheckHello(hello.header());
     if (!valid.ok()) {
-      return Refuse(grpc::StatusCode::INVALID_ARGUMENT, peer, valid.message());
+      // INVALID_ARGUMENT, or FAILED_PRECONDITION (the dialler retries) for a
+      // plan epoch this worker has not started yet.
+      return Refuse(static_cast<grpc::StatusCode>(valid.code()), peer, valid.message());
     }
     upstream->worker = hello.header().from_worker();
     if (auto old = upstreams_.find(upstream->worker); old != upstreams_.end()) {

@@ -31,6 +31,12 @@ absl::Status LinkValidator::CheckHello(const v1::LinkHeader& hello) const {
   if (hello.kind() != v1::MESSAGE_KIND_HELLO) {
     return absl::InvalidArgumentError("a link stream must open with HELLO");
   }
+  if (hello.epoch() > epoch_) {
+    // The dialler saw the new plan first; this worker will shortly.
+    return absl::FailedPreconditionError(absl::StrCat(
+        "HELLO of plan epoch ", hello.epoch(), ": this worker has not started it yet (on ",
+        epoch_, ")"));
+  }
   RETURN_IF_ERROR(CheckEpoch(hello));
   if (stage_ == 0) {
     return absl::InvalidArgumentError("stage 0 has no upstream and accepts no links");
@@ -40,7 +46,11 @@ absl::Status LinkValidator::CheckHello(const v1::LinkHeader& hello) const {
         "HELLO from stage ", hello.from_stage(), " but stage ", stage_,
         " accepts links only from stage ", stage_ - 1));
   }
-  if (!upstream_workers_.empty() && upstream_workers_.count(hello.from_worker()) == 0) {
+  // A HELLO without a worker id (from a worker that predates replicas) is
+  // unambiguous when the stage before has a single worker.
+  const bool anonymous_single = hello.from_worker().empty() && upstream_workers_.size() == 1;
+  if (!upstream_workers_.empty() && !anonymous_single &&
+      upstream_workers_.count(hello.from_worker()) == 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "HELLO from worker '", hello.from_worker(), "', which the plan of epoch ", epoch_,
         " does not put on stage ", stage_ - 1));

@@ -221,6 +221,15 @@ absl::Status PipelineDriver::AfterBackward(double loss, uint64_t microbatch) {
        ++step) {
     RETURN_IF_ERROR(AtStep(static_cast<int>(step)));
   }
+  // Checkpoints are taken right after an update, so they hold whole
+  // updates. Without replicas updates fall on step boundaries (update_every
+  // divides M); a replica's need not.
+  if (checkpoint_due_ > 0 && backwards_since_update_ == 0) {
+    ASSIGN_OR_RETURN(std::vector<v1::LayerCheckpoint> layers,
+                     runtime_->ExportCheckpoint(checkpoint_due_));
+    progress_->CheckpointReady(std::move(layers));
+    checkpoint_due_ = 0;
+  }
   return absl::OkStatus();
 }
 
@@ -233,12 +242,8 @@ absl::Status PipelineDriver::AtStep(int step) {
     step_losses_ = 0;
   }
   progress_->StageProgress(step);
-  // Checkpoints are taken right after an update, so they hold whole steps
-  // (on a replica, whatever its microbatches have made of them).
-  if (options_.primary && job_.checkpoint_every() > 0 && step % job_.checkpoint_every() == 0 &&
-      backwards_since_update_ == 0) {
-    ASSIGN_OR_RETURN(std::vector<v1::LayerCheckpoint> layers, runtime_->ExportCheckpoint(step));
-    progress_->CheckpointReady(std::move(layers));
+  if (options_.primary && job_.checkpoint_every() > 0 && step % job_.checkpoint_every() == 0) {
+    checkpoint_due_ = step;  // taken at this update, or (a replica) the next
   }
   if (options_.averager != nullptr && step % job_.replica_sync_every() == 0) {
     WireEncoding encoding;

@@ -56,7 +56,8 @@ struct ScheduleConfig {
   int max_weight_versions = 0;  // 0: unbounded
 };
 
-// The knobs for `job`'s schedule on a pipeline of `num_stages`.
+// The knobs for `job`'s schedule on a pipeline of `num_stages` (the async
+// schedules' default window: pass the number of workers, replicas included).
 ScheduleConfig ConfigureSchedule(const v1::JobSpec& job, int num_stages);
 
 // The latest StageStats of a stage, shared with the heartbeat thread.
@@ -157,6 +158,7 @@ class PipelineDriver {
   int64_t position_ = 0;
   int64_t weight_averages_ = 0;
   bool catching_up_ = false;
+  int checkpoint_due_ = 0;              // step of a checkpoint not yet taken
   int dones_ = 0;                       // DONE messages received
   int backwards_since_update_ = 0;
   int eval_due_ = 0;                    // stage 0: step to evaluate at, or 0

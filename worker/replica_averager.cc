@@ -33,7 +33,6 @@ void ReplicaAverager::Activate(Target target) {
   absl::MutexLock lock(&mu_);
   target_ = std::move(target);
   received_.clear();
-  peer_catching_up_.clear();
   pending_.clear();
 }
 
@@ -41,7 +40,6 @@ void ReplicaAverager::Deactivate() {
   absl::MutexLock lock(&mu_);
   target_.reset();
   received_.clear();
-  peer_catching_up_.clear();
   pending_.clear();
 }
 
@@ -69,20 +67,25 @@ void ReplicaAverager::Push(int step, std::vector<v1::LayerWeights> layers, bool 
 ReplicaAverager::Received ReplicaAverager::TakeReceived(bool catching_up) {
   absl::MutexLock lock(&mu_);
   Received out;
+  if (!target_.has_value()) return out;
+  const size_t stage_layers = static_cast<size_t>(target_->layer_end - target_->layer_begin);
+  std::vector<std::string> complete;
   bool from_established = false;
-  for (const auto& [peer, layers] : received_) {
-    from_established = from_established || !peer_catching_up_[peer];
+  for (const auto& [peer, push] : received_) {
+    if (push.layers.size() != stage_layers) continue;  // parts still on the way
+    complete.push_back(peer);
+    from_established = from_established || !push.catching_up;
   }
   // A newcomer adopts what established siblings sent; an established
   // replica ignores newcomers; otherwise everything is averaged.
   out.adopt = catching_up && from_established;
-  for (auto& [peer, layers] : received_) {
-    const bool stale = peer_catching_up_[peer];
-    if (stale && (out.adopt || !catching_up)) continue;
-    for (auto& [layer, weights] : layers) out.layers.push_back(std::move(weights));
+  for (const std::string& peer : complete) {
+    PeerPush& push = received_[peer];
+    if (!push.catching_up || (catching_up && !out.adopt)) {
+      for (auto& [layer, weights] : push.layers) out.layers.push_back(std::move(weights));
+    }
+    received_.erase(peer);
   }
-  received_.clear();
-  peer_catching_up_.clear();
   return out;
 }
 
@@ -127,10 +130,9 @@ grpc::Status ReplicaAverager::PushWeights(grpc::ServerContext* context,
     }
   }
   // Shapes, codecs and values are checked when the runtime decodes them.
-  for (const v1::LayerWeights& layer : request->layers()) {
-    received_[request->from_worker()][layer.layer()] = layer;
-  }
-  peer_catching_up_[request->from_worker()] = request->catching_up();
+  PeerPush& push = received_[request->from_worker()];
+  if (push.step != request->step()) push = PeerPush{request->step(), request->catching_up(), {}};
+  for (const v1::LayerWeights& layer : request->layers()) push.layers[layer.layer()] = layer;
   ++counters_.pushes_received;
   return grpc::Status::OK;
 }

@@ -59,9 +59,9 @@ class ReplicaAverager final : public v1::ReplicaSync::Service {
   // Queues the stage's weights for every peer; a push still queued (a peer
   // was slow) is replaced by this newer one. Returns at once.
   void Push(int step, std::vector<v1::LayerWeights> layers, bool catching_up = false);
-  // Weights received since the last call, for each layer the newest from
-  // each peer, as this replica should use them (see above): to average in,
-  // to adopt (`adopt`: replace its own), or nothing.
+  // The whole pushes received since the last call, the newest of each peer,
+  // as this replica should use them (see above): to average in, to adopt
+  // (`adopt`: replace its own), or nothing.
   struct Received {
     std::vector<v1::LayerWeights> layers;
     bool adopt = false;
@@ -84,10 +84,15 @@ class ReplicaAverager final : public v1::ReplicaSync::Service {
   const absl::Duration push_deadline_;
   mutable absl::Mutex mu_;
   std::optional<Target> target_ ABSL_GUARDED_BY(mu_);
-  // Received, not yet taken: peer -> layer -> weights, and which peers
-  // were catching up when they sent them.
-  std::map<std::string, std::map<int, v1::LayerWeights>> received_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, bool> peer_catching_up_ ABSL_GUARDED_BY(mu_);
+  // The newest push of each peer, not yet taken. A stage too large for one
+  // message arrives in parts; a push is used only once all its layers are
+  // here (a newer step replaces an unfinished older one).
+  struct PeerPush {
+    int step = -1;
+    bool catching_up = false;
+    std::map<int, v1::LayerWeights> layers;
+  };
+  std::map<std::string, PeerPush> received_ ABSL_GUARDED_BY(mu_);
   // The next push: messages of at most kMaxPushBytes each.
   std::vector<v1::ReplicaWeights> pending_ ABSL_GUARDED_BY(mu_);
   std::vector<Peer> pending_peers_ ABSL_GUARDED_BY(mu_);

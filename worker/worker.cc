@@ -177,7 +177,10 @@ absl::Status Worker::Run() {
     }
     last_epoch = plan->epoch();
     const v1::StageAssignment* mine = StageOf(*plan, worker_id_);
-    if (mine == nullptr) continue;
+    if (mine == nullptr) {
+      was_standby_ = true;  // a runtime kept meanwhile falls behind its stage
+      continue;
+    }
     const absl::Status trained = Train(*plan, *mine);
     if (trained.ok()) return absl::OkStatus();
     if (drain_) return HandOver();
@@ -307,7 +310,9 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
                << mine.layer_begin() << "," << mine.layer_end() << "), epoch "
                << plan.epoch() << ", from step " << plan.start_step();
   StagePlacement placement{mine.stage(), num_stages, mine.layer_begin(), mine.layer_end()};
-  const ScheduleConfig schedule = ConfigureSchedule(job_, num_stages);
+  // The default window is one microbatch in flight per worker, replicas
+  // included (each stage derives the same figure from the same plan).
+  const ScheduleConfig schedule = ConfigureSchedule(job_, WorkersInPlan(plan));
   auto inbox = std::make_shared<Inbox>(64);
   {
     absl::MutexLock lock(&mu_);
@@ -380,10 +385,23 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
     }
   } unregister_links{this};
   for (const StageWorker& next : downstream_workers) {
-    ASSIGN_OR_RETURN(std::unique_ptr<DownstreamLinkClient> downstream,
-                     DownstreamLinkClient::Connect(dial_address(next.address), validator,
-                                                   inbox.get(), absl::Seconds(120), &abort_,
-                                                   worker_id_, next.id));
+    absl::StatusOr<std::unique_ptr<DownstreamLinkClient>> connected =
+        DownstreamLinkClient::Connect(dial_address(next.address), validator, inbox.get(),
+                                      absl::Seconds(120), &abort_, worker_id_, next.id);
+    if (!connected.ok()) {
+      // A peer that never answers (dead before it could be noticed, or
+      // behind a black hole) is reported like a broken link, or nothing
+      // would ever re-plan around it.
+      if (!abort_) {
+        coordinator_.ReportEvent("link_lost",
+                                 absl::StrCat("downstream link to ", next.address,
+                                              " could not be opened: ",
+                                              connected.status().message()),
+                                 next.id);
+      }
+      return connected.status();
+    }
+    std::unique_ptr<DownstreamLinkClient> downstream = *std::move(connected);
     routes.push_back({next.id, next.address, downstream.get()});
     absl::MutexLock lock(&mu_);
     downstreams_.push_back(downstream.get());
@@ -404,8 +422,11 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
   driver_options.primary = primary_;
   driver_options.averager = stage_workers.size() > 1 ? &averager_ : nullptr;
   // Joining a stage that is already training: this worker's weights come
-  // from a checkpoint, its siblings' are newer.
-  driver_options.catching_up = built && stage_workers.size() > 1 && plan.start_step() > 0;
+  // from a checkpoint, or were kept while it was a standby; its siblings'
+  // are newer.
+  driver_options.catching_up =
+      (built || was_standby_) && stage_workers.size() > 1 && plan.start_step() > 0;
+  was_standby_ = false;
   driver_options.router = router ? &*router : nullptr;
   auto addresses = [](const std::vector<StageWorker>& workers) {
     std::string joined;

@@ -107,6 +107,7 @@ class Worker {
   std::unique_ptr<StageRuntime> runtime_;  // Run()'s thread only
   int64_t dropped_microbatches_ = 0;       // Run()'s thread only
   bool primary_ = true;                    // Run()'s thread only: not a replica
+  bool was_standby_ = false;               // Run()'s thread only: since the last Train
   std::atomic<bool> abort_{false};         // the current attempt must end
   std::atomic<bool> drain_{false};
 

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <set>
 #include <fstream>
 #include <sstream>
 
@@ -441,13 +442,70 @@ TEST_F(ReplicaPlanTest, ASlowReplicaIsDemotedAndNotReplicatedAgain) {
   }
 }
 
+TEST_F(ReplicaPlanTest, AReplicaAccusedOfALostLinkIsNotReaddedAtOnce) {
+  std::vector<std::string> ids;
+  for (const char* name : {"a", "b", "c", "d"}) ids.push_back(Join(name).worker_id());
+  const std::string replica = Plan().stages(1).replicas(0).worker_id();
+  v1::WorkerEvent lost;
+  lost.set_kind("link_lost");
+  lost.set_worker_id(Plan().stages(0).worker_id());
+  lost.set_peer(replica);
+  lost.set_epoch(1);
+  controller_->RecordWorkerEvent(lost);
+  ASSERT_EQ(Plan().epoch(), 2u);
+  EXPECT_EQ(Plan().stages(1).replicas_size(), 0);
+  // It keeps heartbeating (its links may keep failing): not a replica again
+  // for 30 s, then it is.
+  for (int t = 0; t < 290; ++t) {
+    clock_.AdvanceMs(100);
+    for (const std::string& id : ids) Heartbeat(id, 0);
+    controller_->Tick();
+  }
+  EXPECT_EQ(Plan().epoch(), 2u);
+  for (int t = 0; t < 20; ++t) {
+    clock_.AdvanceMs(100);
+    for (const std::string& id : ids) Heartbeat(id, 0);
+    controller_->Tick();
+  }
+  EXPECT_EQ(Plan().epoch(), 3u);
+  ASSERT_EQ(Plan().stages(1).replicas_size(), 1);
+  EXPECT_EQ(Plan().stages(1).replicas(0).worker_id(), replica);
+}
+
+TEST_F(ReplicaPlanTest, ASlowReplicatedStageSwapsItsSlowestWorkerForAStandby) {
+  std::vector<std::string> ids;
+  for (const char* name : {"a", "b", "c", "d"}) ids.push_back(Join(name).worker_id());
+  const v1::Plan before = Plan();
+  const std::string e = Join("e").worker_id();  // standby
+  ids.push_back(e);
+  const std::string slowest = before.stages(1).replicas(0).worker_id();
+  std::set<std::string> stage1 = {before.stages(1).worker_id(), slowest};
+  for (int t = 0; t < 60; ++t) {  // stage 1 is 5x the others; its replica the slowest
+    clock_.AdvanceMs(100);
+    for (const std::string& id : ids) {
+      Heartbeat(id, id == slowest ? 0.055 : stage1.count(id) > 0 ? 0.050 : id == e ? 0 : 0.010);
+    }
+    controller_->Tick();
+  }
+  EXPECT_TRUE(HasEvent("straggler"));
+  const v1::Plan plan = Plan();
+  EXPECT_EQ(plan.epoch(), 2u);
+  EXPECT_EQ(plan.stages(1).worker_id(), before.stages(1).worker_id());
+  ASSERT_EQ(plan.stages(1).replicas_size(), 1);
+  EXPECT_EQ(plan.stages(1).replicas(0).worker_id(), e);  // swapped in its place
+}
+
 TEST(ReplicaJobSpecTest, ReplicasNeedAnAsynchronousSchedule) {
   auto job = ParseJobSpec("gpt { context: 8 d_model: 16 heads: 2 blocks: 3 } text {} "
                           "steps: 3 replicas: 2",
                           "test");
   ASSERT_FALSE(job.ok());
-  EXPECT_NE(job.status().message().find("asynchronous schedule"), std::string::npos)
+  EXPECT_NE(job.status().message().find("SCHEDULE_ASYNC_STASH"), std::string::npos)
       << job.status();
+  EXPECT_FALSE(ParseJobSpec("gpt { context: 8 d_model: 16 heads: 2 blocks: 3 } text {} "
+                            "steps: 3 schedule: SCHEDULE_ASYNC_2BW replicas: 2",
+                            "test")
+                   .ok());
   const std::string async =
       "gpt { context: 8 d_model: 16 heads: 2 blocks: 3 } text {} steps: 3 "
       "schedule: SCHEDULE_ASYNC_STASH replicas: 2 ";

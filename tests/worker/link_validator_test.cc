@@ -64,6 +64,8 @@ TEST(LinkValidatorTest, AcceptsWhatThePlanImplies) {
 TEST(LinkValidatorTest, RefusesHelloOfWrongEpochOrStage) {
   LinkValidator v(Job(), 5, 1, 1, 3);
   EXPECT_EQ(v.CheckHello(Hello(4, 0)).code(), absl::StatusCode::kInvalidArgument);
+  // A newer epoch: the dialler saw the plan first; it may try again.
+  EXPECT_EQ(v.CheckHello(Hello(6, 0)).code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(v.CheckHello(Hello(5, 1)).code(), absl::StatusCode::kInvalidArgument);
   v1::LinkHeader not_hello = Hello(5, 0);
   not_hello.set_kind(v1::MESSAGE_KIND_ACTIVATION);
@@ -78,7 +80,12 @@ TEST(LinkValidatorTest, AcceptsHellosOnlyFromTheUpstreamStagesWorkers) {
   absl::Status stranger = v.CheckHello(MakeHello(5, 0, "w9"));
   EXPECT_EQ(stranger.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(stranger.message().find("w9"), std::string::npos) << stranger;
+  // Without an id it is ambiguous between two workers ...
   EXPECT_EQ(v.CheckHello(MakeHello(5, 0)).code(), absl::StatusCode::kInvalidArgument);
+  // ... but not with one (a worker from before replicas).
+  LinkValidator single(Job(), 5, 1, 1, 3, {"w0"});
+  EXPECT_TRUE(single.CheckHello(MakeHello(5, 0)).ok());
+  EXPECT_EQ(single.CheckHello(MakeHello(5, 0, "w9")).code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(LinkValidatorTest, RefusesWrongShapeDtypeEpochKindAndValues) {

@@ -95,7 +95,9 @@ TEST(ReplicaAveragerTest, PushesForAnotherPlanStrangersAndBadLayersAreRefused) {
   EXPECT_EQ(push(4, "a", short_payload), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_TRUE(b.averager.TakeReceived().layers.empty());
   EXPECT_EQ(push(4, "a", Layer(2, "abcd")), grpc::StatusCode::OK);
-  EXPECT_EQ(b.averager.TakeReceived().layers.size(), 1u);
+  EXPECT_TRUE(b.averager.TakeReceived().layers.empty());  // layer 3 still missing
+  EXPECT_EQ(push(4, "a", Layer(3, "efgh")), grpc::StatusCode::OK);
+  EXPECT_EQ(b.averager.TakeReceived().layers.size(), 2u);
   b.averager.Deactivate();
   EXPECT_EQ(push(4, "a", Layer(2, "abcd")), grpc::StatusCode::FAILED_PRECONDITION);
 }
@@ -107,22 +109,22 @@ TEST(ReplicaAveragerTest, ANewcomerAdoptsAndIsNotAveragedIn) {
   Served a, b;
   a.averager.Activate(TargetFor("a", "b", b.address()));
   b.averager.Activate(TargetFor("b", "a", a.address()));
-  b.averager.Push(5, {Layer(2, "new!")}, /*catching_up=*/true);  // b is the newcomer
+  b.averager.Push(5, {Layer(2, "new!"), Layer(3, "new!")}, /*catching_up=*/true);  // newcomer
   ASSERT_TRUE(Eventually([&] { return a.averager.counters().pushes_received == 1; }));
   EXPECT_TRUE(a.averager.TakeReceived(/*catching_up=*/false).layers.empty());
 
-  a.averager.Push(5, {Layer(2, "est.")});
+  a.averager.Push(5, {Layer(2, "est."), Layer(3, "est.")});
   ASSERT_TRUE(Eventually([&] { return b.averager.counters().pushes_received == 1; }));
   ReplicaAverager::Received got = b.averager.TakeReceived(/*catching_up=*/true);
   EXPECT_TRUE(got.adopt);
-  ASSERT_EQ(got.layers.size(), 1u);
+  ASSERT_EQ(got.layers.size(), 2u);
   EXPECT_EQ(got.layers[0].payload(), "est.");
 
-  a.averager.Push(6, {Layer(2, "new2")}, /*catching_up=*/true);  // both new
+  a.averager.Push(6, {Layer(2, "new2"), Layer(3, "new2")}, /*catching_up=*/true);  // both new
   ASSERT_TRUE(Eventually([&] { return b.averager.counters().pushes_received == 2; }));
   got = b.averager.TakeReceived(/*catching_up=*/true);
   EXPECT_FALSE(got.adopt);
-  EXPECT_EQ(got.layers.size(), 1u);
+  EXPECT_EQ(got.layers.size(), 2u);
 }
 
 TEST(ReplicaAveragerTest, ADeadPeerCostsARoundNotTheCaller) {
