@@ -334,6 +334,7 @@ absl::Status PipelineDriver::RunEvaluation(int step) {
   const int batches = runtime_->num_eval_microbatches();
   for (int i = 0; i < batches; ++i) {
     ASSIGN_OR_RETURN(LinkMessage input, runtime_->LoadEvalMicrobatch(i));
+    input.header.set_step(step);  // which pass, for the last stage
     if (runtime_->is_last()) {
       RETURN_IF_ERROR(runtime_->EvalForward(input));
     } else {
@@ -342,7 +343,7 @@ absl::Status PipelineDriver::RunEvaluation(int step) {
     }
   }
   if (runtime_->is_last()) {
-    progress_->EvalFinished(step, runtime_->TakeEvalResult());
+    progress_->EvalFinished(step, runtime_->TakeEvalResult(step));
     return absl::OkStatus();
   }
   LinkMessage end;
@@ -383,7 +384,7 @@ absl::Status PipelineDriver::RunLaterStage() {
         break;
       case v1::MESSAGE_KIND_EVAL_END:
         if (runtime_->is_last()) {
-          progress_->EvalFinished(header.step(), runtime_->TakeEvalResult());
+          progress_->EvalFinished(header.step(), runtime_->TakeEvalResult(header.step()));
         } else {
           RETURN_IF_ERROR(SendDown(in.message));
         }

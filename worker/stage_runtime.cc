@@ -39,10 +39,13 @@ struct StageRuntime::Impl {
   int64_t staleness_sum = 0;
   int64_t backwards_checked = 0;
 
-  double eval_loss_sum = 0;
-  int64_t eval_elements = 0;
-  int64_t eval_correct = 0;
-  int64_t eval_samples = 0;
+  struct EvalPass {
+    double loss_sum = 0;
+    int64_t elements = 0;
+    int64_t correct = 0;
+    int64_t samples = 0;
+  };
+  std::map<int, EvalPass> evals;  // by evaluation step
 
   bool is_first() const { return placement.stage == 0; }
   bool is_last() const { return placement.stage == placement.num_stages - 1; }
@@ -320,25 +323,28 @@ absl::Status StageRuntime::EvalForward(const LinkMessage& input) {
     torch::Tensor output = s.RunLayers(x, s.stash->Get(s.stash->current_version()));
     const int64_t batch = targets.size(0);
     const int64_t elements = LossElements(s.job, batch);
-    s.eval_loss_sum += ComputeLoss(s.job, output, targets).item<double>() * elements;
-    s.eval_elements += elements;
-    s.eval_samples += batch;
+    Impl::EvalPass& pass = s.evals[input.header.step()];
+    pass.loss_sum += ComputeLoss(s.job, output, targets).item<double>() * elements;
+    pass.elements += elements;
+    pass.samples += batch;
     const int64_t correct = CountCorrect(s.job, output, targets);
-    if (correct >= 0) s.eval_correct += correct;
+    if (correct >= 0) pass.correct += correct;
     return absl::OkStatus();
   });
 }
 
-EvalResult StageRuntime::TakeEvalResult() {
+EvalResult StageRuntime::TakeEvalResult(int step) {
   Impl& s = *impl_;
   EvalResult result;
-  result.samples = s.eval_samples;
-  if (s.eval_elements > 0) result.loss = s.eval_loss_sum / s.eval_elements;
-  if (s.job.has_mlp() && s.eval_samples > 0) {
-    result.accuracy = static_cast<double>(s.eval_correct) / s.eval_samples;
+  auto it = s.evals.find(step);
+  if (it == s.evals.end()) return result;
+  const Impl::EvalPass& pass = it->second;
+  result.samples = pass.samples;
+  if (pass.elements > 0) result.loss = pass.loss_sum / pass.elements;
+  if (s.job.has_mlp() && pass.samples > 0) {
+    result.accuracy = static_cast<double>(pass.correct) / pass.samples;
   }
-  s.eval_loss_sum = 0;
-  s.eval_elements = s.eval_correct = s.eval_samples = 0;
+  s.evals.erase(it);
   return result;
 }
 
@@ -397,6 +403,7 @@ int StageRuntime::DropInFlight() {
   s.pending.clear();
   s.gradient_sum.clear();
   s.gradient_count = 0;
+  s.evals.clear();
   return dropped;
 }
 

@@ -92,9 +92,12 @@ class StageRuntime {
 
   // Last stage, training: forward, loss, backward (gradients accumulate).
   absl::StatusOr<LastStageResult> ForwardLoss(const LinkMessage& input);
-  // Last stage, evaluation: accumulates loss (and accuracy) of `input`.
+  // Last stage, evaluation: accumulates loss (and accuracy) of `input`
+  // into the pass of its header's step (passes may overlap when one is held
+  // up on a paused replica).
   absl::Status EvalForward(const LinkMessage& input);
-  EvalResult TakeEvalResult();
+  // The pass of evaluation step `step`, forgotten once taken.
+  EvalResult TakeEvalResult(int step);
 
   // Optimizer step with the mean of the gradients accumulated since the last
   // one; publishes a new weight version. No-op without gradients.
@@ -124,8 +127,9 @@ class StageRuntime {
   // changes.
   absl::Status AverageWeights(const std::vector<v1::LayerWeights>& peers, bool adopt = false);
   // Forgets every training microbatch in flight (their graphs and stashed
-  // weight references are freed) and the gradients accumulated since the
-  // last update; returns how many microbatches were dropped.
+  // weight references are freed), the gradients accumulated since the last
+  // update and unfinished evaluation passes; returns how many training
+  // microbatches were dropped.
   int DropInFlight();
   int layer_begin() const;
   int layer_end() const;

@@ -254,11 +254,33 @@ TEST_F(StageRuntimeTest, MalformedTensorIsAnErrorNotACrash) {
 TEST_F(StageRuntimeTest, EvaluationAveragesOverElements) {
   auto single = Make(0, 1, 0, 4);
   for (int i = 0; i < 3; ++i) ASSERT_TRUE(single->EvalForward(*single->LoadEvalMicrobatch(i)).ok());
-  EvalResult result = single->TakeEvalResult();
+  EvalResult result = single->TakeEvalResult(0);
   EXPECT_EQ(result.samples, 12);
   EXPECT_GT(result.loss, 3.0);  // untrained byte model: near ln(256) = 5.5
   EXPECT_LT(result.accuracy, 0);
-  EXPECT_EQ(single->TakeEvalResult().samples, 0) << "taking resets";
+  EXPECT_EQ(single->TakeEvalResult(0).samples, 0) << "taking resets";
+}
+
+// Two passes interleaved (one held up on a paused replica) stay apart.
+TEST_F(StageRuntimeTest, OverlappingEvaluationPassesDoNotMix) {
+  auto single = Make(0, 1, 0, 4);
+  for (int i = 0; i < 3; ++i) {
+    for (int step : {10, 20}) {
+      LinkMessage input = *single->LoadEvalMicrobatch(step == 10 ? i : 0);
+      input.header.set_step(step);
+      ASSERT_TRUE(single->EvalForward(input).ok());
+    }
+  }
+  const EvalResult second = single->TakeEvalResult(20);
+  const EvalResult first = single->TakeEvalResult(10);
+  EXPECT_EQ(first.samples, 12);
+  EXPECT_EQ(second.samples, 12);
+  // Pass 20 saw microbatch 0 three times; pass 10 microbatches 0, 1 and 2.
+  LinkMessage only = *single->LoadEvalMicrobatch(0);
+  only.header.set_step(30);
+  ASSERT_TRUE(single->EvalForward(only).ok());
+  EXPECT_DOUBLE_EQ(second.loss, single->TakeEvalResult(30).loss);
+  EXPECT_NE(first.loss, second.loss);
 }
 
 TEST_F(StageRuntimeTest, UnknownDeviceIsAnError) {
