@@ -22,6 +22,12 @@ struct StageRuntime::Impl {
   torch::Device device{torch::kCPU};
   std::vector<std::shared_ptr<Layer>> layers;
   std::vector<size_t> layer_offsets;  // first parameter of each layer
+
+  // Parameters [first, second) of the stage's layer `i` (0-based), out of
+  // `count` in all.
+  std::pair<size_t, size_t> LayerParams(size_t i, size_t count) const {
+    return {layer_offsets[i], i + 1 < layers.size() ? layer_offsets[i + 1] : count};
+  }
   std::unique_ptr<WeightStash> stash;
   std::unique_ptr<OutOfPlaceOptimizer> optimizer;
   std::unique_ptr<Dataset> dataset;  // stage 0 only
@@ -52,8 +58,7 @@ struct StageRuntime::Impl {
 
   torch::Tensor RunLayers(torch::Tensor x, const std::vector<torch::Tensor>& params) {
     for (size_t i = 0; i < layers.size(); ++i) {
-      const size_t begin = layer_offsets[i];
-      const size_t end = i + 1 < layers.size() ? layer_offsets[i + 1] : params.size();
+      const auto [begin, end] = LayerParams(static_cast<size_t>(i), params.size());
       x = layers[i]->Forward(x, at::ArrayRef<torch::Tensor>(params.data() + begin, end - begin));
     }
     return x;
@@ -415,8 +420,7 @@ absl::StatusOr<std::vector<v1::LayerCheckpoint>> StageRuntime::ExportCheckpoint(
     const std::vector<std::vector<torch::Tensor>> state = s.optimizer->State();
     std::vector<v1::LayerCheckpoint> out;
     for (size_t i = 0; i < s.layers.size(); ++i) {
-      const size_t begin = s.layer_offsets[i];
-      const size_t end = i + 1 < s.layers.size() ? s.layer_offsets[i + 1] : params.size();
+      const auto [begin, end] = s.LayerParams(static_cast<size_t>(i), params.size());
       v1::LayerCheckpoint& layer = out.emplace_back();
       layer.set_layer(s.placement.layer_begin + static_cast<int>(i));
       layer.set_step(step);
@@ -463,9 +467,7 @@ absl::Status StageRuntime::RestoreCheckpoint(const std::vector<v1::LayerCheckpoi
         return absl::InvalidArgumentError(absl::StrCat("checkpoint of layer ", c.layer(),
                                                        ", not of this stage"));
       }
-      const size_t begin = s.layer_offsets[i];
-      const size_t end = i + 1 < static_cast<int>(s.layers.size()) ? s.layer_offsets[i + 1]
-                                                                   : params.size();
+      const auto [begin, end] = s.LayerParams(static_cast<size_t>(i), params.size());
       const size_t count = end - begin;
       if (static_cast<size_t>(c.params_size()) != count ||
           (c.state_per_param() > 0 &&
@@ -510,8 +512,7 @@ absl::StatusOr<std::vector<v1::LayerWeights>> StageRuntime::ExportWeights(
     const std::vector<torch::Tensor>& params = s.stash->Get(s.stash->current_version());
     std::vector<v1::LayerWeights> out;
     for (size_t i = 0; i < s.layers.size(); ++i) {
-      const size_t begin = s.layer_offsets[i];
-      const size_t end = i + 1 < s.layers.size() ? s.layer_offsets[i + 1] : params.size();
+      const auto [begin, end] = s.LayerParams(static_cast<size_t>(i), params.size());
       v1::LayerWeights& layer = out.emplace_back();
       layer.set_layer(s.placement.layer_begin + static_cast<int>(i));
       for (size_t p = begin; p < end; ++p) {
@@ -537,9 +538,7 @@ absl::Status StageRuntime::AverageWeights(const std::vector<v1::LayerWeights>& p
         return absl::InvalidArgumentError(
             absl::StrCat("replica weights of layer ", peer.layer(), ", not of this stage"));
       }
-      const size_t begin = s.layer_offsets[i];
-      const size_t end = i + 1 < static_cast<int>(s.layers.size()) ? s.layer_offsets[i + 1]
-                                                                   : current.size();
+      const auto [begin, end] = s.LayerParams(static_cast<size_t>(i), current.size());
       if (static_cast<size_t>(peer.params_size()) != end - begin) {
         return absl::InvalidArgumentError(absl::StrCat("replica weights of layer ", peer.layer(),
                                                        " have ", peer.params_size(),
