@@ -6,8 +6,8 @@ grpc::ChannelArguments DefaultChannelArguments() {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(kMaxGrpcMessageBytes);
   args.SetMaxSendMessageSize(kMaxGrpcMessageBytes);
-  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
-  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, kKeepaliveTimeMs);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kKeepaliveTimeoutMs);
   args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
   args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, kHttp2WindowBytes);

@@ -28,6 +28,9 @@ inline constexpr int kMaxGrpcMessageBytes = 16 << 20;
 // receiver falls behind: 16 MiB per stream showed up as up to +19% worker
 // memory on a loaded machine.
 inline constexpr int kHttp2WindowBytes = 4 << 20;
+// Keepalive: a ping after this much silence, dead if unanswered this long.
+inline constexpr int kKeepaliveTimeMs = 10000;
+inline constexpr int kKeepaliveTimeoutMs = 5000;
 // Deadline of control-plane unary RPCs.
 inline constexpr std::chrono::milliseconds kControlRpcTimeout{5000};
 

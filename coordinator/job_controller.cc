@@ -18,6 +18,8 @@ constexpr size_t kThroughputWindow = 10;  // steps
 // A stage this many times slower per microbatch than every other stage, for
 // this long, is a straggler.
 constexpr double kStragglerFactor = 3.0;
+// ... and at least this many times slower than its own best on its layers.
+constexpr double kSlowdownFactor = 2.0;
 constexpr int64_t kStragglerPatienceMs = 5000;
 // A worker taken out of the plan for a lost link waits this long before it
 // is made a replica again (it may still replace a lost worker before that):
@@ -486,6 +488,12 @@ void JobController::CheckStragglersLocked() {
       const double measured = w.stats.compute_s_per_microbatch();
       if (!w.alive || measured <= 0) continue;
       timings.push_back({worker.id, measured});
+      Pace& pace = pace_[worker.id];
+      if (pace.best_s == 0 || pace.layer_begin != s.layer_begin() ||
+          pace.layer_end != s.layer_end()) {
+        pace = {s.layer_begin(), s.layer_end(), measured};
+      }
+      pace.best_s = std::min(pace.best_s, measured);
       fastest = fastest == 0 ? measured : std::min(fastest, measured);
     }
     if (fastest == 0) return;  // not enough figures yet
@@ -506,11 +514,17 @@ void JobController::CheckStragglersLocked() {
       const Timing& worst = *std::max_element(
           stages[k].begin(), stages[k].end(),
           [](const Timing& a, const Timing& b) { return a.seconds < b.seconds; });
-      slow.emplace_back(worst.id,
-                        absl::StrFormat("stage %d takes %.1f ms per microbatch, %.1fx the slowest "
-                                        "other stage",
-                                        k, stage_seconds[k] * 1e3, stage_seconds[k] / slowest_other),
-                        false);
+      // A stage slow from the start was given too much work (its worker's
+      // benchmark at join overrated it); another worker would not help.
+      const double best = pace_[worst.id].best_s;
+      if (worst.seconds > kSlowdownFactor * best) {
+        slow.emplace_back(worst.id,
+                          absl::StrFormat("stage %d takes %.1f ms per microbatch, %.1fx the "
+                                          "slowest other stage and %.1fx its own best",
+                                          k, stage_seconds[k] * 1e3,
+                                          stage_seconds[k] / slowest_other, worst.seconds / best),
+                          false);
+      }
       continue;
     }
     // A replica far slower than its fastest sibling only wastes what the

@@ -101,9 +101,10 @@ class JobController {
   // True when a plan was published.
   bool ReplaceLocked(const std::string& worker_id, const std::string& why, Replacement how)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Reports a stage far slower per microbatch than every other stage and
-  // hands it to a standby when there is one; a replica far slower than its
-  // fastest sibling is reported and demoted to standby.
+  // Reports a stage far slower per microbatch than every other stage, whose
+  // worker has also slowed down well below its own best pace, and hands it
+  // to a standby when there is one; a replica far slower than its fastest
+  // sibling is reported and demoted to standby.
   void CheckStragglersLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool EligibleStandbyLocked(const WorkerRecord& worker) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Live workers outside `plan` that may take a stage, fastest first.
@@ -147,6 +148,14 @@ class JobController {
   std::set<std::string> draining_ ABSL_GUARDED_BY(mu_);
   // Stage workers currently straggling, and since when.
   std::map<std::string, int64_t> straggling_since_ms_ ABSL_GUARDED_BY(mu_);
+  // The fastest compute time per microbatch each worker has shown on its
+  // current layers: a straggler is one that fell behind its own pace, not
+  // one the plan gave more work (from benchmarks skewed by load at join).
+  struct Pace {
+    int layer_begin = 0, layer_end = 0;
+    double best_s = 0;
+  };
+  std::map<std::string, Pace> pace_ ABSL_GUARDED_BY(mu_);
   // Workers demoted as stragglers: standbys, but never made replicas again.
   std::set<std::string> demoted_ ABSL_GUARDED_BY(mu_);
   std::ofstream metrics_ ABSL_GUARDED_BY(mu_);

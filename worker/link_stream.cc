@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
@@ -256,10 +257,17 @@ absl::StatusOr<std::unique_ptr<DownstreamLinkClient>> DownstreamLinkClient::Conn
   client->inbox_ = inbox;
   client->stub_ = v1::Stage::NewStub(MakeChannel(address));
   const absl::Time deadline = absl::Now() + timeout;
+  // A peer that answers "not ready" is waited for up to `timeout`; one that
+  // cannot be reached at all is given up on as soon as an open link to it
+  // would have been declared dead (keepalive time + timeout).
+  const absl::Duration unreachable_limit =
+      absl::Milliseconds(kKeepaliveTimeMs + kKeepaliveTimeoutMs);
+  std::optional<absl::Time> unreachable_since;
   absl::Duration backoff = absl::Milliseconds(100);
   LinkMessage hello;
   hello.header = MakeHello(validator->epoch(), validator->stage(), self_id);
   while (true) {
+    const absl::Time attempt_start = absl::Now();
     client->stream_.reset();  // a call goes before its context
     client->context_ = std::make_unique<grpc::ClientContext>();
     // The stream lives as long as training; liveness is checked by keepalive
@@ -282,7 +290,13 @@ absl::StatusOr<std::unique_ptr<DownstreamLinkClient>> DownstreamLinkClient::Conn
                           absl::StrCat("link to ", address, " refused: ",
                                        finished.error_message()));
     }
-    if (absl::Now() + backoff > deadline) {
+    if (finished.error_code() == grpc::StatusCode::UNAVAILABLE) {
+      if (!unreachable_since) unreachable_since = attempt_start;
+    } else {
+      unreachable_since.reset();  // it answered: alive, not ready yet
+    }
+    if (absl::Now() + backoff > deadline ||
+        (unreachable_since && absl::Now() - *unreachable_since > unreachable_limit)) {
       return absl::UnavailableError(absl::StrCat("cannot open a link to ", address,
                                                  ": ", finished.error_message()));
     }

@@ -128,9 +128,10 @@ class UpstreamLinkServer final : public v1::Stage::Service, public MessageSink {
 // Dials the downstream neighbour and keeps one Link stream to it.
 class DownstreamLinkClient final : public MessageSink {
  public:
-  // Connects and exchanges HELLOs, retrying with backoff while the peer is
-  // unreachable or has not yet seen the plan, for up to `timeout` or until
-  // `*stop` is set. REQUIRES: `inbox` and `stop` outlive the returned client.
+  // Connects and exchanges HELLOs, retrying with backoff while the peer has
+  // not yet seen the plan (for up to `timeout`) or is unreachable (for up to
+  // keepalive time + timeout, 15 s, as for a link that goes silent), or
+  // until `*stop` is set. REQUIRES: `inbox` and `stop` outlive the returned client.
   // `self_id` goes in the HELLO; `peer_id` (the downstream worker) labels
   // what this link delivers to the inbox.
   static absl::StatusOr<std::unique_ptr<DownstreamLinkClient>> Connect(

@@ -266,18 +266,34 @@ TEST_F(ReplanTest, AStragglerIsReplacedByAStandby) {
   const std::string a = Join("a").worker_id(), b = Join("b").worker_id();
   const std::string c = Join("c").worker_id();
   ASSERT_EQ(Plan().epoch(), 1u);
-  // b takes 5x as long per microbatch as a, for 6 s.
+  // b keeps pace with a for 1 s, then takes 5x as long per microbatch, for 6 s.
   const double a_s = 0.010, b_s = 0.050;
-  for (int t = 0; t < 60; ++t) {
+  for (int t = 0; t < 70; ++t) {
     clock_.AdvanceMs(100);
     Heartbeat(a, a_s);
-    Heartbeat(b, b_s);
+    Heartbeat(b, t < 10 ? a_s : b_s);
     Heartbeat(c, 0);
     controller_->Tick();
   }
   EXPECT_TRUE(HasEvent("straggler"));
   EXPECT_EQ(Plan().epoch(), 2u);
   EXPECT_EQ(Plan().stages(1).worker_id(), c);
+}
+
+TEST_F(ReplanTest, AStageSlowFromTheStartIsNoStraggler) {
+  // The plan gave b's stage 5x the work (say, its benchmark at join was
+  // taken while the machine was busy): slow by design, not falling behind.
+  const std::string a = Join("a").worker_id(), b = Join("b").worker_id();
+  const std::string c = Join("c").worker_id();
+  for (int t = 0; t < 100; ++t) {
+    clock_.AdvanceMs(100);
+    Heartbeat(a, 0.010);
+    Heartbeat(b, 0.050);
+    Heartbeat(c, 0);
+    controller_->Tick();
+  }
+  EXPECT_FALSE(HasEvent("straggler"));
+  EXPECT_EQ(Plan().epoch(), 1u);
 }
 
 TEST_F(ReplanTest, ModeratelySlowerStagesAreNoStragglers) {
@@ -480,10 +496,11 @@ TEST_F(ReplicaPlanTest, ASlowReplicatedStageSwapsItsSlowestWorkerForAStandby) {
   ids.push_back(e);
   const std::string slowest = before.stages(1).replicas(0).worker_id();
   std::set<std::string> stage1 = {before.stages(1).worker_id(), slowest};
-  for (int t = 0; t < 60; ++t) {  // stage 1 is 5x the others; its replica the slowest
+  for (int t = 0; t < 70; ++t) {  // after 1 s, stage 1 is 5x the others; its replica the slowest
     clock_.AdvanceMs(100);
     for (const std::string& id : ids) {
-      Heartbeat(id, id == slowest ? 0.055 : stage1.count(id) > 0 ? 0.050 : id == e ? 0 : 0.010);
+      const double slowed = t < 10 ? 0.010 : id == slowest ? 0.055 : 0.050;
+      Heartbeat(id, stage1.count(id) > 0 ? slowed : id == e ? 0 : 0.010);
     }
     controller_->Tick();
   }
