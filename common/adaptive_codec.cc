@@ -63,22 +63,23 @@ bool AdaptiveCodecSelector::Observe(double link_s, double compute_s) {
   if (votes_up_ >= options_.patience) {
     ++index_;
     votes_up_ = votes_down_ = 0;
-    reason_ = absl::StrCat("link-bound (", figures, "): ", CodecName(current), " -> ",
-                           CodecName(codec()));
+    reason_ = last_change_ = absl::StrCat("link-bound (", figures, "): ", CodecName(current),
+                                          " -> ", CodecName(codec()));
     return true;
   }
   if (votes_down_ >= options_.patience) {
     --index_;
     votes_up_ = votes_down_ = 0;
-    reason_ = absl::StrCat("compute-bound (", figures, "): ", CodecName(current), " -> ",
-                           CodecName(codec()));
+    reason_ = last_change_ = absl::StrCat("compute-bound (", figures, "): ",
+                                          CodecName(current), " -> ", CodecName(codec()));
     return true;
   }
   if (votes_up_ == 0 && votes_down_ == 0) {
     const char* state = ratio > options_.step_up_above ? "link-bound at the strongest allowed codec"
                         : index_ == 0                  ? "compute-bound at the weakest codec"
                                                        : "balanced";
-    reason_ = absl::StrCat(state, " (", figures, ")");
+    reason_ = absl::StrCat(state, " (", figures, ")",
+                           last_change_.empty() ? "" : "; last change: ", last_change_);
   }
   return false;
 }

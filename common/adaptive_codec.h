@@ -43,6 +43,8 @@ class AdaptiveCodecSelector {
   bool Observe(double link_s, double compute_s);
 
   v1::Codec codec() const { return ladder_[index_]; }
+  // Why the codec is what it is: the last change's cause when it just
+  // changed; otherwise the current state, followed by the last change.
   const std::string& reason() const { return reason_; }
 
  private:
@@ -51,6 +53,7 @@ class AdaptiveCodecSelector {
   size_t index_ = 0;
   int votes_up_ = 0, votes_down_ = 0;
   std::string reason_;
+  std::string last_change_;  // empty until the first change
 };
 
 }  // namespace geotrain

@@ -30,6 +30,11 @@ TEST(AdaptiveCodecSelectorTest, StepsUpWhileLinkBoundAfterPatience) {
   // At int8 it is 19 ms, under the compute time; fp16 would be 36 ms: stay.
   for (int i = 0; i < 10; ++i) EXPECT_FALSE(selector.Observe(0.019, 0.020));
   EXPECT_EQ(selector.codec(), v1::CODEC_INT8);
+  // Settled, it still says how it got there.
+  EXPECT_EQ(selector.reason().rfind("balanced (", 0), 0u) << selector.reason();
+  EXPECT_NE(selector.reason().find("last change: link-bound"), std::string::npos)
+      << selector.reason();
+  EXPECT_NE(selector.reason().find("fp16 -> int8"), std::string::npos) << selector.reason();
 }
 
 TEST(AdaptiveCodecSelectorTest, ANoisyObservationResetsTheCount) {
