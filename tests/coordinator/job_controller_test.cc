@@ -179,6 +179,15 @@ class ReplanTest : public JobControllerTest {
     controller_->Heartbeat(request);
   }
   v1::Plan Plan() { return *controller_->WaitForPlan(0, absl::ZeroDuration()); }
+  // `reporter` says its link to `peer` broke while running `epoch`.
+  void ReportLinkLost(const std::string& reporter, const std::string& peer, uint64_t epoch) {
+    v1::WorkerEvent lost;
+    lost.set_kind("link_lost");
+    lost.set_worker_id(reporter);
+    lost.set_peer(peer);
+    lost.set_epoch(epoch);
+    controller_->RecordWorkerEvent(lost);
+  }
   bool HasEvent(const std::string& kind) {
     const v1::ClusterStatus status = controller_->Status();
     for (const v1::Event& e : status.events()) {
@@ -227,18 +236,11 @@ TEST_F(ReplanTest, WithoutAStandbyTheLayersAreRepartitioned) {
 TEST_F(ReplanTest, TheFirstLostLinkOfAnEpochCounts) {
   const std::string a = Join("a").worker_id(), b = Join("b").worker_id();
   const std::string c = Join("c").worker_id();
-  v1::WorkerEvent lost;
-  lost.set_kind("link_lost");
-  lost.set_worker_id(a);
-  lost.set_peer(b);
-  lost.set_epoch(1);
-  controller_->RecordWorkerEvent(lost);
+  ReportLinkLost(a, b, 1);
   EXPECT_EQ(Plan().epoch(), 2u);
   EXPECT_EQ(Plan().stages(1).worker_id(), c);
   // b's report about a (same broken link, old epoch) changes nothing.
-  lost.set_worker_id(b);
-  lost.set_peer(a);
-  controller_->RecordWorkerEvent(lost);
+  ReportLinkLost(b, a, 1);
   EXPECT_EQ(Plan().epoch(), 2u);
   EXPECT_EQ(Plan().stages(0).worker_id(), a);
 }
@@ -250,12 +252,7 @@ TEST_F(ReplanTest, ADrainingWorkerIsNotAccusedOfItsClosedLinks) {
   draining.set_kind("draining");
   draining.set_worker_id(b);
   controller_->RecordWorkerEvent(draining);
-  v1::WorkerEvent lost;
-  lost.set_kind("link_lost");
-  lost.set_worker_id(a);
-  lost.set_peer(b);
-  lost.set_epoch(1);
-  controller_->RecordWorkerEvent(lost);
+  ReportLinkLost(a, b, 1);
   EXPECT_EQ(Plan().epoch(), 1u);  // b's stage waits for its checkpoint
   controller_->Leave(b);           // saved: now it moves
   EXPECT_EQ(Plan().epoch(), 2u);
@@ -462,12 +459,7 @@ TEST_F(ReplicaPlanTest, AReplicaAccusedOfALostLinkIsNotReaddedAtOnce) {
   std::vector<std::string> ids;
   for (const char* name : {"a", "b", "c", "d"}) ids.push_back(Join(name).worker_id());
   const std::string replica = Plan().stages(1).replicas(0).worker_id();
-  v1::WorkerEvent lost;
-  lost.set_kind("link_lost");
-  lost.set_worker_id(Plan().stages(0).worker_id());
-  lost.set_peer(replica);
-  lost.set_epoch(1);
-  controller_->RecordWorkerEvent(lost);
+  ReportLinkLost(Plan().stages(0).worker_id(), replica, 1);
   ASSERT_EQ(Plan().epoch(), 2u);
   EXPECT_EQ(Plan().stages(1).replicas_size(), 0);
   // It keeps heartbeating (its links may keep failing): not a replica again
