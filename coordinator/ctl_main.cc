@@ -69,6 +69,13 @@ void PrintTable(const geotrain::v1::ClusterStatus& s) {
                 StateName(w.state()).c_str(), w.heartbeat_age_s(),
                 w.rss_bytes() / 1048576.0, w.step());
   }
+  std::printf("\n%-4s %-7s %7s %9s  %s\n", "ID", "DEVICE", "THREADS", "MEM_GiB", "BLAS");
+  for (const auto& w : s.workers()) {
+    std::printf("%-4s %-7s %7d %9.1f  %s\n", w.id().c_str(), w.device().c_str(), w.threads(),
+                w.memory_bytes() / 1073741824.0, w.blas().c_str());
+    if (!w.threads_reason().empty()) std::printf("     threads: %s\n", w.threads_reason().c_str());
+    if (!w.environment().empty()) std::printf("     environment: %s\n", w.environment().c_str());
+  }
   std::printf("\n%-4s %5s %-11s %8s %9s %9s %9s %7s %9s %10s\n", "ID", "STAGE", "SCHEDULE",
               "VERSIONS", "W_MiB", "STALE_MAX", "STALE_AVG", "BUBBLE", "MB/s", "BUSY_ms/MB");
   for (const auto& w : s.workers()) {

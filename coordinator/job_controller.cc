@@ -746,6 +746,14 @@ v1::ClusterStatus JobController::Status() const {
     out->set_address(w.address);
     out->set_device(w.device.device());
     out->set_gflops(w.device.matmul_gflops());
+    out->set_blas(w.device.blas());
+    out->set_environment(w.device.environment());
+    out->set_memory_bytes(w.device.memory_bytes());
+    // Threads as the worker last reported them (they follow the host's
+    // workers), else as it joined.
+    out->set_threads(w.stats.threads() > 0 ? w.stats.threads() : w.device.threads());
+    out->set_threads_reason(w.stats.threads() > 0 ? w.stats.threads_reason()
+                                                  : w.device.threads_reason());
     out->set_stage(-1);
     out->set_rss_bytes(w.rss_bytes);
     out->set_step(w.step);

@@ -12,7 +12,7 @@ PACKAGES=(
   libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev libzstd-dev zlib1g-dev
   fortunes                  # text corpus for the byte-level GPT
   dataset-fashion-mnist     # idx files for the MLP
-  procps iproute2 python3
+  procps iproute2 python3 python3-venv
 )
 
 missing=()

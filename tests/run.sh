@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Installs what is missing, builds, and runs every test through ctest.
-# Where a CUDA toolkit is installed it also builds the CUDA codec kernels in
-# a second build dir and runs their test (which skips without a GPU), so the
-# optional CUDA path keeps compiling.
-# Usage: ./tests/run.sh [extra ctest args, e.g. -L unit]
+# Installs what is missing, builds, and runs every test through ctest; then
+# builds the same code a second time against PyPI's CUDA LibTorch (the torch
+# wheel, with the CUDA codec kernels where nvcc is installed) and runs every
+# unit test there too, plus the GPU check in its CPU mode.
+# Usage: ./tests/run.sh [extra ctest args for the first tree, e.g. -L unit]
+# GEOTRAIN_SKIP_WHEEL=1 skips the second tree (a quick local run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -13,11 +14,22 @@ cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=RelWithDebInfo
 cmake --build "$BUILD_DIR" -j2
 (cd "$BUILD_DIR" && ctest --output-on-failure -j2 "$@")
 
-if command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; then
-  CUDA_BUILD_DIR="${BUILD_DIR}-cuda"
-  cmake -S . -B "$CUDA_BUILD_DIR" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DGEOTRAIN_WITH_CUDA=ON
-  cmake --build "$CUDA_BUILD_DIR" -j2 --target cuda_codec_test
-  "$CUDA_BUILD_DIR/bin/cuda_codec_test"
-else
-  echo "no CUDA toolkit: the CUDA codec kernels were not built"
+if [ "${GEOTRAIN_SKIP_WHEEL:-0}" = 1 ]; then
+  echo "GEOTRAIN_SKIP_WHEEL=1: the build against the torch wheel was skipped"
+  exit 0
 fi
+WHEEL_BUILD_DIR="${BUILD_DIR}-wheel"
+PREFIX=$(./deploy/install-libtorch.sh "$WHEEL_BUILD_DIR")
+CUDA_FLAGS=()
+NVCC=$(command -v nvcc || true)
+[ -z "$NVCC" ] && [ -x /usr/local/cuda/bin/nvcc ] && NVCC=/usr/local/cuda/bin/nvcc
+if [ -n "$NVCC" ]; then
+  CUDA_FLAGS=(-DGEOTRAIN_WITH_CUDA=ON -DCMAKE_CUDA_COMPILER="$NVCC")
+else
+  echo "no CUDA toolkit: the CUDA codec kernels are not built"
+fi
+cmake -S . -B "$WHEEL_BUILD_DIR" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DCMAKE_PREFIX_PATH="$PREFIX" "${CUDA_FLAGS[@]}"
+cmake --build "$WHEEL_BUILD_DIR" -j2
+(cd "$WHEEL_BUILD_DIR" && ctest --output-on-failure -j2 -L unit)
+GEOTRAIN_GPU_BUILD_DIR="$WHEEL_BUILD_DIR" ./tests/gpu/run.sh --device=cpu

@@ -9,13 +9,15 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "common/logging.h"
+#include "worker/compute_environment.h"
 #include "worker/worker.h"
 
 ABSL_FLAG(std::string, coordinator, "127.0.0.1:7070", "coordinator HOST:PORT");
 ABSL_FLAG(std::string, listen, "0.0.0.0:0", "HOST:PORT for the Stage service (port 0: any)");
 ABSL_FLAG(std::string, advertise, "", "HOST[:PORT] that peers should dial (default: from --listen)");
 ABSL_FLAG(std::string, device, "auto", "auto, cpu, cuda or cuda:N");
-ABSL_FLAG(int, threads, 0, "LibTorch compute threads (0: LibTorch's default)");
+ABSL_FLAG(int, threads, 0,
+          "LibTorch compute threads (0: a fair share of this host's CPUs among its workers)");
 ABSL_FLAG(std::string, name, "", "worker name shown in status (default: its id)");
 ABSL_FLAG(std::string, route, "",
           "PEER=VIA[,...]: dial VIA (HOST:PORT, e.g. a geotrain-linkem relay) instead of the "
@@ -23,6 +25,9 @@ ABSL_FLAG(std::string, route, "",
 ABSL_FLAG(int, join_timeout_s, 0, "give up joining after this long (0: keep trying)");
 
 int main(int argc, char** argv) {
+  // First of all: LibTorch's BLAS and OpenMP read their settings when they
+  // load, so a worker that must change them starts itself again.
+  geotrain::ReexecWithComputeEnvironment(argv);
   absl::SetProgramUsageMessage(
       "geotrain-worker --coordinator=HOST:PORT [--listen=HOST:PORT] [--device=auto] "
       "[--threads=N] [--name=NAME]");

@@ -60,21 +60,32 @@ struct ScheduleConfig {
 // schedules' default window: pass the number of workers, replicas included).
 ScheduleConfig ConfigureSchedule(const v1::JobSpec& job, int num_stages);
 
-// The latest StageStats of a stage, shared with the heartbeat thread.
+// The latest StageStats of a stage, shared with the heartbeat thread, and
+// the worker's compute threads (which outlive a stage).
 class StatsBoard {
  public:
   void Set(const v1::StageStats& stats) {
     absl::MutexLock lock(&mu_);
     stats_ = stats;
   }
+  void SetThreads(int threads, const std::string& reason) {
+    absl::MutexLock lock(&mu_);
+    threads_ = threads;
+    threads_reason_ = reason;
+  }
   v1::StageStats Get() const {
     absl::MutexLock lock(&mu_);
-    return stats_;
+    v1::StageStats stats = stats_;
+    stats.set_threads(threads_);
+    stats.set_threads_reason(threads_reason_);
+    return stats;
   }
 
  private:
   mutable absl::Mutex mu_;
   v1::StageStats stats_ ABSL_GUARDED_BY(mu_);
+  int threads_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string threads_reason_ ABSL_GUARDED_BY(mu_);
 };
 
 struct PipelineDriverOptions {

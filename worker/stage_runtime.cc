@@ -31,6 +31,9 @@ struct StageRuntime::Impl {
   std::unique_ptr<WeightStash> stash;
   std::unique_ptr<OutOfPlaceOptimizer> optimizer;
   std::unique_ptr<Dataset> dataset;  // stage 0 only
+  // Flags of tensors decoded on the GPU, read after the next
+  // synchronisation (the outgoing message's copy to the host, the loss).
+  DeferredDeviceChecks device_checks;
   std::vector<torch::Tensor> gradient_sum;
   int64_t gradient_count = 0;
 
@@ -52,6 +55,11 @@ struct StageRuntime::Impl {
     int64_t samples = 0;
   };
   std::map<int, EvalPass> evals;  // by evaluation step
+
+  void DropGradients() {
+    gradient_sum.clear();
+    gradient_count = 0;
+  }
 
   bool is_first() const { return placement.stage == 0; }
   bool is_last() const { return placement.stage == placement.num_stages - 1; }
@@ -104,34 +112,85 @@ struct StageRuntime::Impl {
     return wants_input ? grads.back() : torch::Tensor();
   }
 
-  // Decodes tensor `i` of `message` onto the stage's device.
-  absl::StatusOr<torch::Tensor> Decode(const LinkMessage& message, int i) {
+  // Where tensor `i` of `message` starts in its payload.
+  static absl::StatusOr<size_t> TensorOffset(const LinkMessage& message, int i) {
     if (i >= message.header.tensors_size()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "message has ", message.header.tensors_size(), " tensors, need ", i + 1));
     }
     size_t offset = 0;
     for (int j = 0; j < i; ++j) offset += message.header.tensors(j).payload_bytes();
+    return offset;
+  }
+
+  // Decodes tensor `i` of `message` (activations or gradients) onto the
+  // stage's device.
+  absl::StatusOr<torch::Tensor> Decode(const LinkMessage& message, int i) {
+    ASSIGN_OR_RETURN(const size_t offset, TensorOffset(message, i));
     // int8/int4 payloads are decoded on the GPU when the build has the
     // kernels; the rest are decoded on the CPU and copied.
     const int cuda_device = device.is_cuda() ? std::max<int>(0, device.index()) : -1;
     ASSIGN_OR_RETURN(torch::Tensor t, DecodeTensor(message.header.tensors(i), message.payload,
-                                                   offset, cuda_device));
-    if (i == 1 && t.numel() > 0) {  // targets index the loss
-      const int64_t classes = NumTargetClasses(job);
-      if (t.min().item<int64_t>() < 0 || t.max().item<int64_t>() >= classes) {
-        return absl::InvalidArgumentError("targets out of range");
-      }
-    }
+                                                   offset, cuda_device, &device_checks));
     return t.to(device);
   }
 
-  // The first tensor is encoded as `encoding` says; the rest (targets)
-  // travel raw.
+  // The targets (tensor 1) of `message`, for the loss: decoded and
+  // range-checked on the host, where they arrived, then moved to the
+  // device. Only the stage that uses them looks inside.
+  absl::StatusOr<torch::Tensor> TargetsForLoss(const LinkMessage& message) {
+    ASSIGN_OR_RETURN(const size_t offset, TensorOffset(message, 1));
+    ASSIGN_OR_RETURN(torch::Tensor t, DecodeTensor(message.header.tensors(1), message.payload,
+                                                   offset));
+    if (t.numel() > 0) {
+      const int64_t classes = NumTargetClasses(job);
+      const auto [low, high] = torch::aminmax(t);
+      if (low.item<int64_t>() < 0 || high.item<int64_t>() >= classes) {  // host tensors
+        return absl::InvalidArgumentError("targets out of range");
+      }
+    }
+    if (!device.is_cuda()) return t;
+    return t.pin_memory().to(device, /*non_blocking=*/true);
+  }
+
+  // How targets travel on a link whose first tensor is encoded as
+  // `encoding`: with compression on, the int64 targets (byte tokens or
+  // labels, mostly zero bytes) are zstd'd too.
+  static WireEncoding TargetEncoding(const WireEncoding& encoding) {
+    WireEncoding targets;
+    targets.zstd = encoding.codec != v1::CODEC_NONE || encoding.zstd;
+    return targets;
+  }
+
+  // Appends the targets of `in` to `out` for a link encoded as `encoding`:
+  // their bytes as they came when they already travel that way, else
+  // re-encoded on the host. They never visit the device.
+  static absl::Status AppendTargets(const LinkMessage& in, const WireEncoding& encoding,
+                                    LinkMessage* out) {
+    ASSIGN_OR_RETURN(const size_t offset, TensorOffset(in, 1));
+    const v1::TensorHeader& header = in.header.tensors(1);
+    const WireEncoding wanted = TargetEncoding(encoding);
+    if (header.codec() == v1::CODEC_NONE && header.zstd() == wanted.zstd) {
+      RETURN_IF_ERROR(CheckTensorHeader(header));
+      if (offset > in.payload.size() || in.payload.size() - offset < header.payload_bytes()) {
+        return absl::InvalidArgumentError("targets run past the payload");
+      }
+      *out->header.add_tensors() = header;
+      out->payload.append(in.payload, offset, header.payload_bytes());
+      return absl::OkStatus();
+    }
+    ASSIGN_OR_RETURN(torch::Tensor targets, DecodeTensor(header, in.payload, offset));
+    return EncodeTensor(targets, out->header.add_tensors(), &out->payload, wanted);
+  }
+
+  // A message for the next stage (or, for gradients, the one before):
+  // `tensors` encoded, the first as `encoding` says, the rest (stage 0's
+  // targets) raw; then, with `targets_from`, that message's targets.
   absl::StatusOr<LinkMessage> MakeMessage(const v1::LinkHeader& like,
                                           v1::MessageKind kind,
                                           const std::vector<torch::Tensor>& tensors,
-                                          const WireEncoding& encoding = {}) {
+                                          const WireEncoding& encoding = {},
+                                          const LinkMessage* targets_from = nullptr) {
     LinkMessage out;
     out.header.set_kind(kind);
     out.header.set_microbatch(like.microbatch());
@@ -139,14 +198,11 @@ struct StageRuntime::Impl {
     out.header.set_epoch(like.epoch());
     out.header.set_from_stage(placement.stage);
     *out.header.mutable_weight_versions() = like.weight_versions();
-    // With compression on, the int64 targets (byte tokens or labels, mostly
-    // zero bytes) are zstd'd too.
-    WireEncoding targets;
-    targets.zstd = encoding.codec != v1::CODEC_NONE || encoding.zstd;
     for (size_t i = 0; i < tensors.size(); ++i) {
       RETURN_IF_ERROR(EncodeTensor(tensors[i], out.header.add_tensors(), &out.payload,
-                                   i == 0 ? encoding : targets));
+                                   i == 0 ? encoding : TargetEncoding(encoding)));
     }
+    if (targets_from != nullptr) RETURN_IF_ERROR(AppendTargets(*targets_from, encoding, &out));
     return out;
   }
 
@@ -231,12 +287,14 @@ absl::StatusOr<LinkMessage> StageRuntime::Forward(const LinkMessage& input) {
   const bool train = input.header.kind() == v1::MESSAGE_KIND_ACTIVATION;
   return GuardTorch("forward", [&]() -> absl::StatusOr<LinkMessage> {
     ASSIGN_OR_RETURN(torch::Tensor x, s.Decode(input, 0));
-    ASSIGN_OR_RETURN(torch::Tensor targets, s.Decode(input, 1));
     if (!train) {
       torch::NoGradGuard no_grad;
-      return s.MakeMessage(input.header, v1::MESSAGE_KIND_EVAL,
-                           {s.RunLayers(x, s.stash->Get(s.stash->current_version())), targets},
-                           s.options.activation_encoding);
+      ASSIGN_OR_RETURN(LinkMessage out,
+                       s.MakeMessage(input.header, v1::MESSAGE_KIND_EVAL,
+                                     {s.RunLayers(x, s.stash->Get(s.stash->current_version()))},
+                                     s.options.activation_encoding, &input));
+      RETURN_IF_ERROR(s.device_checks.Verify());  // the message's copy synchronised
+      return out;
     }
     if (s.pending.count(input.header.microbatch()) > 0) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -246,11 +304,18 @@ absl::StatusOr<LinkMessage> StageRuntime::Forward(const LinkMessage& input) {
     const int64_t version = s.stash->Acquire();
     const std::vector<torch::Tensor>& params = s.stash->Get(version);
     torch::Tensor y = s.RunLayers(x, params);
-    s.pending[input.header.microbatch()] = {x, y, version, Impl::CounterSum(params)};
     v1::LinkHeader header = input.header;
     header.add_weight_versions(version);
-    return s.MakeMessage(header, v1::MESSAGE_KIND_ACTIVATION, {y, targets},
-                         s.options.activation_encoding);
+    absl::StatusOr<LinkMessage> out = s.MakeMessage(header, v1::MESSAGE_KIND_ACTIVATION, {y},
+                                                    s.options.activation_encoding, &input);
+    // The message's copy to the host synchronised past the input's decode.
+    absl::Status checked = out.ok() ? s.device_checks.Verify() : out.status();
+    if (!checked.ok()) {
+      (void)s.stash->Release(version);
+      return checked;
+    }
+    s.pending[input.header.microbatch()] = {x, y, version, Impl::CounterSum(params)};
+    return out;
   });
 }
 
@@ -292,6 +357,11 @@ absl::StatusOr<std::optional<LinkMessage>> StageRuntime::Backward(
     if (s.is_first()) return std::optional<LinkMessage>();
     ASSIGN_OR_RETURN(LinkMessage up, s.MakeMessage(gradient.header, v1::MESSAGE_KIND_GRADIENT,
                                                    {input_grad}, s.options.gradient_encoding));
+    // A bad gradient has by now been added to gradient_sum: drop the lot.
+    if (absl::Status checked = s.device_checks.Verify(); !checked.ok()) {
+      s.DropGradients();
+      return checked;
+    }
     return std::optional<LinkMessage>(std::move(up));
   });
 }
@@ -300,14 +370,18 @@ absl::StatusOr<LastStageResult> StageRuntime::ForwardLoss(const LinkMessage& inp
   Impl& s = *impl_;
   return GuardTorch("forward/backward", [&]() -> absl::StatusOr<LastStageResult> {
     ASSIGN_OR_RETURN(torch::Tensor x, s.Decode(input, 0));
-    ASSIGN_OR_RETURN(torch::Tensor targets, s.Decode(input, 1));
+    ASSIGN_OR_RETURN(torch::Tensor targets, s.TargetsForLoss(input));
     if (!s.is_first()) x.requires_grad_(true);
     const int64_t version = s.stash->Acquire();
     torch::Tensor loss = ComputeLoss(s.job, s.RunLayers(x, s.stash->Get(version)), targets);
     ASSIGN_OR_RETURN(torch::Tensor input_grad,
                      s.Differentiate(loss, torch::Tensor(), x, version));
     LastStageResult result;
-    result.loss = loss.item<double>();
+    result.loss = loss.item<double>();  // the one synchronisation per microbatch
+    if (absl::Status checked = s.device_checks.Verify(); !checked.ok()) {
+      s.DropGradients();
+      return checked;
+    }
     if (!s.is_first()) {
       v1::LinkHeader header = input.header;
       header.add_weight_versions(version);
@@ -324,12 +398,13 @@ absl::Status StageRuntime::EvalForward(const LinkMessage& input) {
   return GuardTorch("eval", [&]() -> absl::Status {
     torch::NoGradGuard no_grad;
     ASSIGN_OR_RETURN(torch::Tensor x, s.Decode(input, 0));
-    ASSIGN_OR_RETURN(torch::Tensor targets, s.Decode(input, 1));
+    ASSIGN_OR_RETURN(torch::Tensor targets, s.TargetsForLoss(input));
     torch::Tensor output = s.RunLayers(x, s.stash->Get(s.stash->current_version()));
     const int64_t batch = targets.size(0);
     const int64_t elements = LossElements(s.job, batch);
     Impl::EvalPass& pass = s.evals[input.header.step()];
     pass.loss_sum += ComputeLoss(s.job, output, targets).item<double>() * elements;
+    RETURN_IF_ERROR(s.device_checks.Verify());
     pass.elements += elements;
     pass.samples += batch;
     const int64_t correct = CountCorrect(s.job, output, targets);
@@ -356,6 +431,12 @@ EvalResult StageRuntime::TakeEvalResult(int step) {
 absl::Status StageRuntime::ApplyUpdate(double progress) {
   Impl& s = *impl_;
   if (s.gradient_count == 0) return absl::OkStatus();
+  // Stage 0's backwards send nothing, so nothing has synchronised since
+  // their gradients were decoded: once per update, before they count.
+  if (absl::Status checked = s.device_checks.SynchronizeAndVerify(); !checked.ok()) {
+    s.DropGradients();
+    return checked;
+  }
   RETURN_IF_ERROR(GuardTorch("optimizer step", [&]() -> absl::Status {
     const std::vector<torch::Tensor>& params = s.stash->Get(s.stash->current_version());
     for (size_t i = 0; i < params.size(); ++i) {

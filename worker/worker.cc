@@ -127,8 +127,11 @@ absl::Status Worker::StartServer() {
 
 absl::Status Worker::JoinCoordinator() {
   ASSIGN_OR_RETURN(v1::DeviceInfo device, ProbeDevice(options_.device, options_.threads));
-  GT_LOG(Info) << "device " << device.device() << ", " << device.threads()
-               << " thread(s), matmul " << device.matmul_gflops() << " GFLOP/s";
+  GT_LOG(Info) << "device " << device.device() << ", " << device.threads() << " thread(s) ("
+               << device.threads_reason() << "), matmul " << device.matmul_gflops()
+               << " GFLOP/s, BLAS " << device.blas();
+  if (!device.environment().empty()) GT_LOG(Info) << "environment: " << device.environment();
+  stats_.SetThreads(device.threads(), device.threads_reason());
   device_name_ = device.device();
   v1::JoinRequest join;
   join.set_name(options_.name);
@@ -310,6 +313,13 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
                << mine.layer_begin() << "," << mine.layer_end() << "), epoch "
                << plan.epoch() << ", from step " << plan.start_step();
   StagePlacement placement{mine.stage(), num_stages, mine.layer_begin(), mine.layer_end()};
+  // Workers on this host may have come or gone since the last plan: take
+  // the fair share of the CPUs as it is now (this thread runs the compute).
+  const ThreadShare threads = ApplyComputeThreads(options_.threads);
+  if (threads.threads != stats_.Get().threads()) {
+    GT_LOG(Info) << "compute threads: " << threads.threads << " (" << threads.reason << ")";
+  }
+  stats_.SetThreads(threads.threads, threads.reason);
   // The default window is one microbatch in flight per worker, replicas
   // included (each stage derives the same figure from the same plan).
   const ScheduleConfig schedule = ConfigureSchedule(job_, WorkersInPlan(plan));

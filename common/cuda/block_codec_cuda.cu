@@ -81,7 +81,9 @@ __global__ void DecodeKernel(const char* payload, size_t n, int block, int bits,
       level = (i % 2 == 0) ? (byte & 0x0F) : (byte >> 4);
       if (level >= 8) level -= 16;
     }
-    out[begin + i] = __fmul_rn(scale, static_cast<float>(level));
+    const float value = __fmul_rn(scale, static_cast<float>(level));
+    if (!isfinite(value)) atomicExch(bad_scale, 1);
+    out[begin + i] = value;
   }
 }
 
@@ -102,20 +104,22 @@ size_t BlockEncodedSize(size_t n, int block, int bits) {
 }
 
 std::string EncodeBlocksOnDevice(const float* values, size_t n, int block, int bits, char* out,
-                                 int* nonfinite) {
+                                 int* nonfinite, void* stream) {
   if (!ValidArguments(n, block, bits)) return "invalid block size or bits";
   if (n == 0) return "";
   const unsigned blocks = static_cast<unsigned>((n + block - 1) / block);
-  EncodeKernel<<<blocks, kThreads>>>(values, n, block, bits, out, nonfinite);
+  EncodeKernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(values, n, block, bits,
+                                                                          out, nonfinite);
   return LaunchError();
 }
 
 std::string DecodeBlocksOnDevice(const char* payload, size_t n, int block, int bits, float* out,
-                                 int* bad_scale) {
+                                 int* bad, void* stream) {
   if (!ValidArguments(n, block, bits)) return "invalid block size or bits";
   if (n == 0) return "";
   const unsigned blocks = static_cast<unsigned>((n + block - 1) / block);
-  DecodeKernel<<<blocks, kThreads>>>(payload, n, block, bits, out, bad_scale);
+  DecodeKernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(payload, n, block, bits,
+                                                                          out, bad);
   return LaunchError();
 }
 

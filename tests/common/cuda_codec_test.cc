@@ -59,7 +59,7 @@ TEST_P(CudaBlockCodecTest, SameBytesAndValuesAsTheCpu) {
   ASSERT_EQ(cudaMalloc(&d_encoded, std::max<size_t>(1, size)), cudaSuccess);
   ASSERT_EQ(cudaMalloc(&d_flag, sizeof(int)), cudaSuccess);
   cudaMemset(d_flag, 0, sizeof(int));
-  ASSERT_EQ(cuda::EncodeBlocksOnDevice(d_values, c.n, c.block, c.bits, d_encoded, d_flag), "");
+  ASSERT_EQ(cuda::EncodeBlocksOnDevice(d_values, c.n, c.block, c.bits, d_encoded, d_flag, nullptr), "");
   std::string encoded(size, '\0');
   int flag = -1;
   cudaMemcpy(encoded.data(), d_encoded, size, cudaMemcpyDeviceToHost);
@@ -72,7 +72,7 @@ TEST_P(CudaBlockCodecTest, SameBytesAndValuesAsTheCpu) {
   float* d_out = nullptr;
   ASSERT_EQ(cudaMalloc(&d_out, std::max<size_t>(1, c.n) * sizeof(float)), cudaSuccess);
   cudaMemset(d_flag, 0, sizeof(int));
-  ASSERT_EQ(cuda::DecodeBlocksOnDevice(d_encoded, c.n, c.block, c.bits, d_out, d_flag), "");
+  ASSERT_EQ(cuda::DecodeBlocksOnDevice(d_encoded, c.n, c.block, c.bits, d_out, d_flag, nullptr), "");
   if (c.n) cudaMemcpy(got.data(), d_out, c.n * sizeof(float), cudaMemcpyDeviceToHost);
   cudaMemcpy(&flag, d_flag, sizeof(int), cudaMemcpyDeviceToHost);
   EXPECT_EQ(flag, 0);
@@ -100,7 +100,7 @@ TEST(CudaBlockCodecFlagsTest, NonFiniteInputAndBadScalesAreFlagged) {
   cudaMalloc(&d_encoded, size);
   cudaMalloc(&d_flag, sizeof(int));
   cudaMemset(d_flag, 0, sizeof(int));
-  ASSERT_EQ(cuda::EncodeBlocksOnDevice(d_values, values.size(), 64, 8, d_encoded, d_flag), "");
+  ASSERT_EQ(cuda::EncodeBlocksOnDevice(d_values, values.size(), 64, 8, d_encoded, d_flag, nullptr), "");
   int flag = 0;
   cudaMemcpy(&flag, d_flag, sizeof(int), cudaMemcpyDeviceToHost);
   EXPECT_EQ(flag, 1);
@@ -110,7 +110,7 @@ TEST(CudaBlockCodecFlagsTest, NonFiniteInputAndBadScalesAreFlagged) {
   float* d_out = nullptr;
   cudaMalloc(&d_out, values.size() * sizeof(float));
   cudaMemset(d_flag, 0, sizeof(int));
-  ASSERT_EQ(cuda::DecodeBlocksOnDevice(d_encoded, values.size(), 64, 8, d_out, d_flag), "");
+  ASSERT_EQ(cuda::DecodeBlocksOnDevice(d_encoded, values.size(), 64, 8, d_out, d_flag, nullptr), "");
   cudaMemcpy(&flag, d_flag, sizeof(int), cudaMemcpyDeviceToHost);
   EXPECT_EQ(flag, 1);
   cudaFree(d_values);

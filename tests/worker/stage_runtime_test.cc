@@ -5,6 +5,7 @@
 
 #include <unistd.h>
 
+#include <cstring>
 #include <fstream>
 
 #include "common/job_spec.h"
@@ -432,6 +433,79 @@ TEST_F(StageRuntimeTest, AveragingRefusesWhatDoesNotFitAndChangesNothing) {
   truncated.mutable_payload()->resize(truncated.payload().size() / 2);
   EXPECT_FALSE(runtime->AverageWeights({truncated}).ok());
   EXPECT_EQ(runtime->stash_stats().current_version, version);
+}
+
+}  // namespace
+}  // namespace geotrain
+
+namespace geotrain {
+namespace {
+
+// The targets' bytes within a message (tensor 1).
+std::string TargetBytes(const LinkMessage& m) {
+  const size_t offset = m.header.tensors(0).payload_bytes();
+  return m.payload.substr(offset, m.header.tensors(1).payload_bytes());
+}
+
+// Today's path, the reference: targets decoded and encoded again at each
+// stage, zstd'd whenever the link compresses.
+std::pair<std::string, std::string> ReencodedTargets(const LinkMessage& in, v1::Codec codec) {
+  auto targets = DecodeTensor(in.header.tensors(1), in.payload, in.header.tensors(0).payload_bytes());
+  EXPECT_TRUE(targets.ok()) << targets.status();
+  WireEncoding encoding;
+  encoding.zstd = codec != v1::CODEC_NONE;
+  v1::TensorHeader header;
+  std::string bytes;
+  EXPECT_TRUE(EncodeTensor(*targets, &header, &bytes, encoding).ok());
+  return {header.SerializeAsString(), bytes};
+}
+
+// Targets now stay on the host and pass through middle stages as bytes;
+// the messages must be exactly what decoding and re-encoding them gave.
+TEST_F(StageRuntimeTest, HostSideTargetsGiveTodaysMessages) {
+  for (const auto& [first_codec, middle_codec] :
+       {std::pair{v1::CODEC_NONE, v1::CODEC_NONE}, std::pair{v1::CODEC_INT8, v1::CODEC_INT8},
+        std::pair{v1::CODEC_NONE, v1::CODEC_INT8}, std::pair{v1::CODEC_INT8, v1::CODEC_NONE}}) {
+    RuntimeOptions first_options{"cpu"}, middle_options{"cpu"};
+    first_options.activation_encoding.codec = first_codec;
+    middle_options.activation_encoding.codec = middle_codec;
+    auto first = StageRuntime::Create(job_, {0, 3, 0, 1}, first_options);
+    auto middle = StageRuntime::Create(job_, {1, 3, 1, 3}, middle_options);
+    auto last = Make(2, 3, 3, 4);
+    ASSERT_TRUE(first.ok() && middle.ok());
+    auto input = (*first)->LoadTrainMicrobatch(0, 0);
+    ASSERT_TRUE(input.ok());
+    auto a = (*first)->Forward(*input);
+    ASSERT_TRUE(a.ok()) << a.status();
+    auto [a_header, a_bytes] = ReencodedTargets(*input, first_codec);
+    EXPECT_EQ(a->header.tensors(1).SerializeAsString(), a_header);
+    EXPECT_EQ(TargetBytes(*a), a_bytes);
+    auto b = (*middle)->Forward(*a);
+    ASSERT_TRUE(b.ok()) << b.status();
+    auto [b_header, b_bytes] = ReencodedTargets(*a, middle_codec);
+    EXPECT_EQ(b->header.tensors(1).SerializeAsString(), b_header);
+    EXPECT_EQ(TargetBytes(*b), b_bytes);
+    // The last stage reads them for the loss.
+    auto result = last->ForwardLoss(*b);
+    ASSERT_TRUE(result.ok()) << result.status();
+    EXPECT_GT(result->loss, 0);
+  }
+}
+
+// The stage that uses the targets checks them, on the host.
+TEST_F(StageRuntimeTest, TargetsOutOfRangeAreRefusedWhereTheyAreUsed) {
+  auto single = Make(0, 1, 0, 4);
+  auto input = single->LoadTrainMicrobatch(0, 0);
+  ASSERT_TRUE(input.ok());
+  LinkMessage bad = *input;
+  const size_t offset = bad.header.tensors(0).payload_bytes();
+  const int64_t out_of_range = 100000;
+  std::memcpy(&bad.payload[offset], &out_of_range, sizeof(out_of_range));
+  auto result = single->ForwardLoss(bad);
+  ASSERT_FALSE(result.ok());
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(result.status().message().find("targets out of range"), std::string::npos);
+  EXPECT_TRUE(single->ForwardLoss(*input).ok());
 }
 
 }  // namespace
