@@ -134,6 +134,11 @@ void ReexecWithComputeEnvironment(char** argv) {
   for (const auto& [name, value] : plan.set) setenv(name.c_str(), value.c_str(), 1);
   const std::string note = absl::StrJoin(plan.notes, "; ");
   setenv(kNoteVariable, note.c_str(), 1);
+  // The binary's own path, not /proc/self/exe: the process name (comm)
+  // comes from it, and WorkersOnHost() counts workers by that name.
+  char self[4096] = {0};
+  const ssize_t length = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (length > 0 && access(self, X_OK) == 0) execv(self, argv);
   execv("/proc/self/exe", argv);
   // Still here: run as we are, and say so.
   const std::string failed = absl::StrCat("re-exec to set ", note, " failed: ", strerror(errno));

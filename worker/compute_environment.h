@@ -71,7 +71,7 @@ EnvironmentPlan PlanComputeEnvironment(const EnvLookup& env,
                                        const CpuFeatures& cpu);
 
 // Applies PlanComputeEnvironment to this process: when it sets anything,
-// re-executes /proc/self/exe with `argv` and the new environment (marked, so
+// re-executes this binary (by its path) with `argv` and the new environment (marked, so
 // this happens at most once). Returns only when nothing needed setting, or
 // the exec failed (then the worker runs as it is, and the note says so).
 void ReexecWithComputeEnvironment(char** argv);

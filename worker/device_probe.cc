@@ -17,19 +17,16 @@
 namespace geotrain {
 namespace {
 
-// The value after "KEY=" or "KEY:" in LibTorch's build summary, or "".
-std::string ConfigValue(const std::string& config, absl::string_view key) {
-  for (absl::string_view line : absl::StrSplit(config, '\n')) {
-    for (absl::string_view item : absl::StrSplit(line, absl::ByAnyChar(","))) {
-      item = absl::StripAsciiWhitespace(item);
-      absl::ConsumePrefix(&item, "- ");
-      if (absl::ConsumePrefix(&item, key)) {
-        item = absl::StripAsciiWhitespace(item);
-        if (absl::ConsumePrefix(&item, "=") || absl::ConsumePrefix(&item, ":")) {
-          return std::string(absl::StripAsciiWhitespace(item));
-        }
-      }
-    }
+// The value after "KEY=" or "KEY: " in LibTorch's build summary (up to the
+// next comma or line end), or "".
+std::string ConfigValue(const std::string& config, const std::string& key) {
+  for (const char* separator : {"=", ": "}) {
+    const std::string needle = key + separator;
+    const size_t at = config.find(needle);
+    if (at == std::string::npos) continue;
+    const size_t begin = at + needle.size();
+    const size_t end = config.find_first_of(",\n", begin);
+    return std::string(absl::StripAsciiWhitespace(config.substr(begin, end - begin)));
   }
   return "";
 }

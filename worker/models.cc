@@ -163,10 +163,10 @@ torch::Tensor ComputeLoss(const v1::JobSpec& job, const torch::Tensor& output,
   return torch::nn::functional::cross_entropy(output, targets);
 }
 
-int64_t CountCorrect(const v1::JobSpec& job, const torch::Tensor& output,
-                     const torch::Tensor& targets) {
-  if (!job.has_mlp()) return -1;
-  return output.argmax(1).eq(targets).sum().item<int64_t>();
+torch::Tensor CountCorrect(const v1::JobSpec& job, const torch::Tensor& output,
+                           const torch::Tensor& targets) {
+  if (!job.has_mlp()) return torch::Tensor();
+  return output.argmax(1).eq(targets).sum();
 }
 
 int64_t LossElements(const v1::JobSpec& job, int64_t batch) {

@@ -38,9 +38,10 @@ std::vector<std::shared_ptr<Layer>> BuildLayers(const v1::JobSpec& job,
 torch::Tensor ComputeLoss(const v1::JobSpec& job, const torch::Tensor& output,
                           const torch::Tensor& targets);
 
-// Number of correct predictions (classifiers), or -1 when not a classifier.
-int64_t CountCorrect(const v1::JobSpec& job, const torch::Tensor& output,
-                     const torch::Tensor& targets);
+// Number of correct predictions as an int64 scalar tensor on the output's
+// device (classifiers), or an undefined tensor when not a classifier.
+torch::Tensor CountCorrect(const v1::JobSpec& job, const torch::Tensor& output,
+                           const torch::Tensor& targets);
 
 // Elements that a loss is averaged over in one microbatch of `batch` samples.
 int64_t LossElements(const v1::JobSpec& job, int64_t batch);

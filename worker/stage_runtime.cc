@@ -48,10 +48,12 @@ struct StageRuntime::Impl {
   int64_t staleness_sum = 0;
   int64_t backwards_checked = 0;
 
+  // Sums stay on the device until the pass is taken: evaluation adds no
+  // synchronisation per microbatch.
   struct EvalPass {
-    double loss_sum = 0;
+    torch::Tensor loss_sum;  // double, on the device
     int64_t elements = 0;
-    int64_t correct = 0;
+    torch::Tensor correct;   // int64, on the device; undefined unless a classifier
     int64_t samples = 0;
   };
   std::map<int, EvalPass> evals;  // by evaluation step
@@ -403,12 +405,13 @@ absl::Status StageRuntime::EvalForward(const LinkMessage& input) {
     const int64_t batch = targets.size(0);
     const int64_t elements = LossElements(s.job, batch);
     Impl::EvalPass& pass = s.evals[input.header.step()];
-    pass.loss_sum += ComputeLoss(s.job, output, targets).item<double>() * elements;
-    RETURN_IF_ERROR(s.device_checks.Verify());
+    const torch::Tensor loss =
+        ComputeLoss(s.job, output, targets).to(torch::kFloat64) * static_cast<double>(elements);
+    pass.loss_sum = pass.loss_sum.defined() ? pass.loss_sum + loss : loss;
     pass.elements += elements;
     pass.samples += batch;
-    const int64_t correct = CountCorrect(s.job, output, targets);
-    if (correct >= 0) pass.correct += correct;
+    const torch::Tensor correct = CountCorrect(s.job, output, targets);
+    if (correct.defined()) pass.correct = pass.correct.defined() ? pass.correct + correct : correct;
     return absl::OkStatus();
   });
 }
@@ -418,13 +421,23 @@ EvalResult StageRuntime::TakeEvalResult(int step) {
   EvalResult result;
   auto it = s.evals.find(step);
   if (it == s.evals.end()) return result;
-  const Impl::EvalPass& pass = it->second;
-  result.samples = pass.samples;
-  if (pass.elements > 0) result.loss = pass.loss_sum / pass.elements;
-  if (s.job.has_mlp() && pass.samples > 0) {
-    result.accuracy = static_cast<double>(pass.correct) / pass.samples;
-  }
+  const Impl::EvalPass pass = std::move(it->second);
   s.evals.erase(it);
+  result.samples = pass.samples;
+  try {
+    // The pass's one synchronisation; its decoded inputs were checked by it.
+    if (pass.elements > 0 && pass.loss_sum.defined()) {
+      result.loss = pass.loss_sum.item<double>() / pass.elements;
+    }
+    if (absl::Status checked = s.device_checks.Verify(); !checked.ok()) {
+      return EvalResult();  // a pass with a bad input counts as none
+    }
+    if (s.job.has_mlp() && pass.samples > 0 && pass.correct.defined()) {
+      result.accuracy = static_cast<double>(pass.correct.item<int64_t>()) / pass.samples;
+    }
+  } catch (const c10::Error& e) {
+    return EvalResult();
+  }
   return result;
 }
 

@@ -96,7 +96,8 @@ class StageRuntime {
   // into the pass of its header's step (passes may overlap when one is held
   // up on a paused replica).
   absl::Status EvalForward(const LinkMessage& input);
-  // The pass of evaluation step `step`, forgotten once taken.
+  // The pass of evaluation step `step`, forgotten once taken (its one
+  // synchronisation on a GPU; samples 0 if a decoded input failed a check).
   EvalResult TakeEvalResult(int step);
 
   // Optimizer step with the mean of the gradients accumulated since the last

@@ -1,6 +1,8 @@
 // The CUDA int8/int4 kernels against the CPU codecs: the same bytes on the
 // wire and the same decoded values. Skips where no GPU is visible.
 #include <cuda_runtime.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/torch.h>
 
 #include <cstring>
@@ -9,6 +11,7 @@
 #include <vector>
 
 #include "common/codec.h"
+#include "common/staging_pool.h"
 #include "common/cuda/block_codec_cuda.h"
 #include "common/tensor_wire.h"
 #include "gtest/gtest.h"
@@ -143,6 +146,78 @@ TEST(CudaTensorWireTest, DeviceAndHostEncodingsAgree) {
   WireEncoding int8;
   int8.codec = v1::CODEC_INT8;
   EXPECT_FALSE(EncodeTensor(torch::full({10}, NAN).to(torch::kCUDA), &header, &payload, int8).ok());
+}
+
+// The kernels follow the caller's current stream and device, as LibTorch's
+// own do: a side stream, and cuda:1 where there is one.
+TEST(CudaTensorWireTest, KernelsRunOnTheCurrentStreamAndDevice) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "LibTorch sees no CUDA device";
+  torch::manual_seed(2);
+  const torch::Tensor host = torch::randn({4096});
+  WireEncoding int8;
+  int8.codec = v1::CODEC_INT8;
+  v1::TensorHeader expected_header;
+  std::string expected;
+  ASSERT_TRUE(EncodeTensor(host, &expected_header, &expected, int8).ok());
+  const int devices = static_cast<int>(torch::cuda::device_count());
+  for (int device = 0; device < std::min(devices, 2); ++device) {
+    const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, device);
+    const c10::cuda::CUDAStreamGuard on_side(side);
+    const torch::Tensor values = host.to(torch::Device(torch::kCUDA, device));
+    v1::TensorHeader header;
+    std::string payload;
+    ASSERT_TRUE(EncodeTensor(values, &header, &payload, int8).ok()) << "cuda:" << device;
+    EXPECT_EQ(payload, expected) << "cuda:" << device;
+    DeferredDeviceChecks checks;
+    auto decoded = DecodeTensor(header, payload, 0, device, &checks);
+    ASSERT_TRUE(decoded.ok()) << decoded.status();
+    EXPECT_EQ(decoded->device().index(), device);
+    EXPECT_TRUE(checks.SynchronizeAndVerify().ok());
+    auto reference = DecodeTensor(expected_header, expected, 0);
+    EXPECT_TRUE(torch::equal(decoded->cpu(), *reference));
+  }
+}
+
+// A bad block scale is found without a synchronisation of its own: the flag
+// is read once the stream has been synchronised anyway.
+TEST(CudaTensorWireTest, BadScalesAreCaughtByTheDeferredCheck) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "LibTorch sees no CUDA device";
+  WireEncoding int8;
+  int8.codec = v1::CODEC_INT8;
+  v1::TensorHeader header;
+  std::string payload;
+  ASSERT_TRUE(EncodeTensor(torch::randn({256}), &header, &payload, int8).ok());
+  const float bad = -1.0f;
+  std::memcpy(&payload[0], &bad, sizeof(bad));  // the first block's scale
+  DeferredDeviceChecks checks;
+  auto decoded = DecodeTensor(header, payload, 0, 0, &checks);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_FALSE(checks.empty());
+  EXPECT_EQ(checks.SynchronizeAndVerify().code(), absl::StatusCode::kInvalidArgument);
+  // Without a deferred list the check happens at once.
+  EXPECT_EQ(DecodeTensor(header, payload, 0, 0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // A scale so large that values overflow is refused too.
+  const float huge = 3e38f;
+  std::memcpy(&payload[0], &huge, sizeof(huge));
+  EXPECT_EQ(DecodeTensor(header, payload, 0, 0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(CudaStagingPoolTest, PinnedRoundTripReusesBuffers) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "LibTorch sees no CUDA device";
+  HostStagingPool::Options options;
+  options.pinned = true;
+  HostStagingPool pool(options);
+  const std::string bytes(300000, 'x');
+  for (int i = 0; i < 20; ++i) {
+    auto device = pool.CopyToDevice(bytes, 0);
+    ASSERT_TRUE(device.ok()) << device.status();
+    auto host = pool.CopyToHost(*device);
+    ASSERT_TRUE(host.ok()) << host.status();
+    ASSERT_EQ(std::string(host->data(), host->size()), bytes);
+  }
+  EXPECT_LE(pool.stats().allocations, 4);  // the rest reused
 }
 
 }  // namespace

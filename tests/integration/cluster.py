@@ -43,12 +43,13 @@ def wait_for(condition, timeout, what, interval=0.05):
 
 
 class Process:
-    def __init__(self, args, log_path):
+    def __init__(self, args, log_path, env=None):
         self.args = args
         self.log_path = log_path
         self._log = open(log_path, "wb")
         self.popen = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, start_new_session=True)
+                                      stdin=subprocess.DEVNULL, start_new_session=True,
+                                      env=None if env is None else {**os.environ, **env})
 
     def log(self):
         with open(self.log_path, "r", errors="replace") as f:
@@ -118,11 +119,13 @@ class Cluster:
         self.port = wait_for(port, 30, "the coordinator's port")
         return self
 
-    def start_worker(self, name, extra=()):
+    def start_worker(self, name, extra=(), env=None):
+        """`extra` flags come last, so they override the defaults here;
+        `env` adds to the environment."""
         args = [binary("geotrain-worker"), f"--coordinator={self.address}",
                 "--listen=127.0.0.1:0", "--device=cpu", "--threads=1",
                 f"--name={name}"] + list(extra)
-        worker = Process(args, os.path.join(self.dir, f"{name}.log"))
+        worker = Process(args, os.path.join(self.dir, f"{name}.log"), env)
         self.workers.append(worker)
         return worker
 

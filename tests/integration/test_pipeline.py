@@ -13,8 +13,11 @@ class PipelineTest(unittest.TestCase):
             c.start_coordinator()
             waiting = c.status()
             self.assertEqual(waiting["state"], "waiting")
-            for i in range(3):
-                c.start_worker(f"w{i}")
+            # w0 and w1 take a fair share of the host's CPUs; w2 has its
+            # OpenBLAS core set by the user, which the worker must keep.
+            c.start_worker("w0", ["--threads=0"])
+            c.start_worker("w1", ["--threads=0"])
+            c.start_worker("w2", env={"OPENBLAS_CORETYPE": "Prescott"})
             try:
                 c.wait_done(timeout=180)
             except Exception:
@@ -30,6 +33,25 @@ class PipelineTest(unittest.TestCase):
                 self.assertEqual(w["device"], "cpu")
                 self.assertGreater(w["gflops"], 0)
                 self.assertLess(w["layer_begin"], w["layer_end"])
+                self.assertTrue(w["blas"], w)
+                self.assertGreaterEqual(w["threads"], 1)
+            by_name = {w["name"]: w for w in status["workers"]}
+            cpus = len(os.sched_getaffinity(0))
+            for name in ("w0", "w1"):
+                reason = by_name[name]["threads_reason"]
+                # Other suites' workers may share the host: read the count.
+                self.assertRegex(reason, r"^fair share: \d+ CPUs? / \d+ workers on this host$")
+                workers = int(reason.split("/ ")[1].split()[0])
+                self.assertGreaterEqual(workers, 3, reason)
+                self.assertEqual(by_name[name]["threads"], max(1, cpus // workers), reason)
+            self.assertEqual(by_name["w2"]["threads"], 1)
+            self.assertEqual(by_name["w2"]["threads_reason"], "--threads")
+            if "OpenBLAS" in by_name["w2"]["blas"]:
+                self.assertTrue(by_name["w2"]["blas"].endswith("core Prescott"), by_name["w2"])
+                self.assertNotIn("OPENBLAS_CORETYPE", by_name["w2"].get("environment", ""))
+            if "OMP_WAIT_POLICY" not in os.environ:
+                for w in status["workers"]:
+                    self.assertIn("OMP_WAIT_POLICY=PASSIVE set by geotrain", w["environment"])
             # Stages cover the model's 6 layers contiguously.
             ranges = sorted((w["layer_begin"], w["layer_end"]) for w in status["workers"])
             self.assertEqual(ranges[0][0], 0)
@@ -56,7 +78,8 @@ class PipelineTest(unittest.TestCase):
                                     f"--coordinator={c.address}"],
                                    capture_output=True, text=True, timeout=30)
             self.assertEqual(table.returncode, 0, table.stderr)
-            for text in ("gpt-tiny", "STAGE", "GFLOP/s", "w0", "done"):
+            for text in ("gpt-tiny", "STAGE", "GFLOP/s", "w0", "done", "BLAS", "THREADS",
+                         "fair share"):
                 self.assertIn(text, table.stdout)
             for w in c.workers:
                 w.popen.wait(timeout=30)
