@@ -57,7 +57,7 @@ echo "   coordinator at $COORDINATOR"
 
 for i in $(seq 0 $((WORKERS - 1))); do
   "$BIN/geotrain-worker" --coordinator="$COORDINATOR" --listen=127.0.0.1:0 \
-    --device=auto --threads=1 --name="worker$i" >"$RUN_DIR/worker$i.log" 2>&1 &
+    --device=auto --name="worker$i" >"$RUN_DIR/worker$i.log" 2>&1 &
   PIDS+=($!)
 done
 
