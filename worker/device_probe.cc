@@ -1,10 +1,10 @@
 #include "worker/device_probe.h"
 
 #include <dlfcn.h>
+#include <unistd.h>
 #include <torch/torch.h>
 
 #include <chrono>
-#include <sstream>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
