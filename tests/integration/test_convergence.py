@@ -5,8 +5,8 @@ import unittest
 from cluster import Cluster, job_path
 
 
-def run_job(test, job, workers, schedule="sync"):
-    with Cluster(job_path(job), [f"--schedule={schedule}"]) as c:
+def run_job(test, job, workers, schedule="sync", flags=()):
+    with Cluster(job_path(job), [f"--schedule={schedule}"] + list(flags)) as c:
         status = c.train(workers).status()
         test.assertEqual(len(status["workers"]), workers)
         for w in status["workers"]:
@@ -47,16 +47,28 @@ class ConvergenceTest(unittest.TestCase):
         self.assertGreater(int(stage0["staleness_max"]), 0)
         self.assertLessEqual(stage0["max_weight_versions"], 3)
 
+    # One seed's final accuracy moves by up to a point with the BLAS kernel
+    # alone (async-2bw, seed 1: 0.8721 with OpenBLAS's Prescott kernel,
+    # 0.8637 with its AVX2 ones; sync 0.8729 and 0.8745), so each schedule
+    # is judged by its mean over three seeds.
+    SEEDS = (1, 2, 3)
+
     def test_fashion_mnist_mlp_on_two_workers(self):
         accuracy = {}
         for schedule in ("sync", "async-stash", "async-2bw"):
-            steps, evals, _ = run_job(self, "fmnist-mlp.textproto", 2, schedule)
-            accuracy[schedule] = evals[-1]["accuracy"]
-            print(f"fmnist-mlp {schedule}: {len(steps)} steps, {steps[-1]['samples']} samples, "
-                  f"test accuracy {accuracy[schedule]:.4f} on {evals[-1]['samples']} images, "
-                  f"val_loss {evals[-1]['val_loss']:.4f}")
-            self.assertEqual(evals[-1]["samples"], 10000)
-            self.assertGreaterEqual(accuracy[schedule], 0.85, schedule)
+            runs = []
+            for seed in self.SEEDS:
+                steps, evals, _ = run_job(self, "fmnist-mlp.textproto", 2, schedule,
+                                          [f"--seed={seed}"])
+                runs.append(evals[-1]["accuracy"])
+                print(f"fmnist-mlp {schedule} seed {seed}: {len(steps)} steps, "
+                      f"{steps[-1]['samples']} samples, test accuracy {runs[-1]:.4f} on "
+                      f"{evals[-1]['samples']} images, val_loss {evals[-1]['val_loss']:.4f}",
+                      flush=True)
+                self.assertEqual(evals[-1]["samples"], 10000)
+                self.assertGreaterEqual(runs[-1], 0.85, f"{schedule} seed {seed}")
+            accuracy[schedule] = sum(runs) / len(runs)
+            print(f"fmnist-mlp {schedule}: mean test accuracy {accuracy[schedule]:.4f}")
         for schedule in ("async-stash", "async-2bw"):
             self.assertLessEqual(abs(accuracy[schedule] - accuracy["sync"]), 0.01, schedule)
 
