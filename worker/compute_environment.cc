@@ -108,9 +108,11 @@ EnvironmentPlan PlanComputeEnvironment(const EnvLookup& env,
   if (openblas.has_value()) {
     const char* user_core = env("OPENBLAS_CORETYPE");
     const std::string best = BestOpenBlasCore(cpu);
+    // Only a DYNAMIC_ARCH build carries other kernels to switch to.
+    const bool dynamic = openblas->config.find("DYNAMIC_ARCH") != std::string::npos;
     if (user_core != nullptr && *user_core != '\0') {
       // Never overridden: a set core may be what keeps results right.
-    } else if (!best.empty() && IsWeakerOpenBlasCore(openblas->core, best)) {
+    } else if (dynamic && !best.empty() && IsWeakerOpenBlasCore(openblas->core, best)) {
       plan.set.emplace_back("OPENBLAS_CORETYPE", best);
       plan.notes.push_back(absl::StrCat("OPENBLAS_CORETYPE=", best, " set by geotrain (OpenBLAS ",
                                         "had picked ", openblas->core, " on ", cpu.vendor,

@@ -11,7 +11,8 @@
 //
 // Rules: a value the user set is never changed (some CPUs need a specific
 // core because some OpenBLAS builds compute wrong results on them); the
-// core is only raised, to the best one the CPU's features (CPUID, with the
+// core is only raised (in a DYNAMIC_ARCH build, which carries every
+// kernel), to the best one the CPU's features (CPUID, with the
 // OS's XSAVE support) allow, and only when OpenBLAS picked a weaker one.
 //
 // Torch-free; thread-compatible (call from main() before any thread starts).

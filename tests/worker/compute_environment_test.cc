@@ -72,26 +72,32 @@ std::map<std::string, std::string> Settings(const EnvironmentPlan& plan) {
 
 TEST(PlanComputeEnvironmentTest, RaisesAGenericCoreOnACpuThatCanDoBetter) {
   const EnvironmentPlan plan =
-      PlanComputeEnvironment(Env({}), OpenBlasInfo{"Prescott", "OpenBLAS 0.3.21"}, Avx512Cpu());
+      PlanComputeEnvironment(Env({}), OpenBlasInfo{"Prescott", "OpenBLAS 0.3.21 DYNAMIC_ARCH"}, Avx512Cpu());
   EXPECT_EQ(Settings(plan).at("OPENBLAS_CORETYPE"), "SkylakeX");
   ASSERT_FALSE(plan.notes.empty());
   EXPECT_NE(plan.notes[0].find("had picked Prescott"), std::string::npos) << plan.notes[0];
   EXPECT_NE(plan.notes[0].find("family 6 model 207"), std::string::npos) << plan.notes[0];
 }
 
+TEST(PlanComputeEnvironmentTest, AStaticBuildHasNoOtherCoreToChoose) {
+  const EnvironmentPlan plan = PlanComputeEnvironment(
+      Env({}), OpenBlasInfo{"Prescott", "OpenBLAS 0.3.21 NO_AFFINITY Prescott"}, Avx512Cpu());
+  EXPECT_EQ(Settings(plan).count("OPENBLAS_CORETYPE"), 0u);
+}
+
 TEST(PlanComputeEnvironmentTest, NeverOverridesTheUsersCore) {
   const EnvironmentPlan plan =
       PlanComputeEnvironment(Env({{"OPENBLAS_CORETYPE", "Prescott"}}),
-                             OpenBlasInfo{"Prescott", "OpenBLAS 0.3.21"}, Avx512Cpu());
+                             OpenBlasInfo{"Prescott", "OpenBLAS 0.3.21 DYNAMIC_ARCH"}, Avx512Cpu());
   EXPECT_EQ(Settings(plan).count("OPENBLAS_CORETYPE"), 0u);
 }
 
 TEST(PlanComputeEnvironmentTest, LeavesARightCoreAlone) {
-  EXPECT_EQ(Settings(PlanComputeEnvironment(Env({}), OpenBlasInfo{"Zen", "OpenBLAS 0.3.21"},
+  EXPECT_EQ(Settings(PlanComputeEnvironment(Env({}), OpenBlasInfo{"Zen", "OpenBLAS 0.3.21 DYNAMIC_ARCH"},
                                             Avx2Cpu()))
                 .count("OPENBLAS_CORETYPE"),
             0u);
-  EXPECT_EQ(Settings(PlanComputeEnvironment(Env({}), OpenBlasInfo{"SkylakeX", "OpenBLAS"},
+  EXPECT_EQ(Settings(PlanComputeEnvironment(Env({}), OpenBlasInfo{"SkylakeX", "OpenBLAS DYNAMIC_ARCH"},
                                             Avx512Cpu()))
                 .count("OPENBLAS_CORETYPE"),
             0u);
@@ -110,7 +116,7 @@ TEST(PlanComputeEnvironmentTest, KeepsTheUsersOpenMpPolicy) {
 
 TEST(PlanComputeEnvironmentTest, AReexecutedProcessChangesNothing) {
   EXPECT_TRUE(PlanComputeEnvironment(Env({{"GEOTRAIN_COMPUTE_ENVIRONMENT", "done"}}),
-                                     OpenBlasInfo{"Prescott", "OpenBLAS"}, Avx512Cpu())
+                                     OpenBlasInfo{"Prescott", "OpenBLAS DYNAMIC_ARCH"}, Avx512Cpu())
                   .set.empty());
 }
 
