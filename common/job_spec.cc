@@ -3,12 +3,13 @@
 #include <google/protobuf/io/tokenizer.h>
 #include <google/protobuf/text_format.h>
 
-#include <fstream>
-#include <sstream>
+#include <algorithm>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/files.h"
 #include "common/link_message.h"
+#include "common/model_profile.h"
 
 namespace geotrain {
 namespace {
@@ -27,6 +28,15 @@ class ErrorCollector : public google::protobuf::io::ErrorCollector {
  private:
   std::vector<std::string> errors_;
 };
+
+// Bounds on what a job file may ask for: far above any model trained
+// here, far below what would exhaust a machine before anything is checked.
+constexpr uint64_t kMaxJobFileBytes = 1 << 20;
+constexpr int kMaxContext = 1 << 16;
+constexpr int kMaxWidth = 1 << 16;
+constexpr int kMaxBlocks = 1024;
+constexpr int kMaxSteps = 100000000;
+constexpr int kMaxEvalBatches = 100000;
 
 absl::Status Invalid(const std::string& what) {
   return absl::InvalidArgumentError(what);
@@ -94,6 +104,12 @@ absl::Status ValidateJobSpec(const v1::JobSpec& job) {
                                   gpt.heads(), ")"));
     }
     if (gpt.mlp_ratio() <= 0) return Invalid("gpt: mlp_ratio must be > 0");
+    if (gpt.context() > kMaxContext || gpt.d_model() > kMaxWidth || gpt.heads() > 1024 ||
+        gpt.blocks() > kMaxBlocks || gpt.mlp_ratio() > 64) {
+      return Invalid(absl::StrCat("gpt: context at most ", kMaxContext, ", d_model at most ",
+                                  kMaxWidth, ", heads at most 1024, blocks at most ", kMaxBlocks,
+                                  ", mlp_ratio at most 64"));
+    }
     if (!job.has_text()) {
       return Invalid("a gpt model trains on `text` data");
     }
@@ -101,6 +117,10 @@ absl::Status ValidateJobSpec(const v1::JobSpec& job) {
   if (job.has_mlp()) {
     for (int width : job.mlp().hidden()) {
       if (width <= 0) return Invalid("mlp: every hidden width must be > 0");
+      if (width > kMaxWidth) return Invalid(absl::StrCat("mlp: hidden widths at most ", kMaxWidth));
+    }
+    if (job.mlp().hidden_size() > kMaxBlocks) {
+      return Invalid(absl::StrCat("mlp: at most ", kMaxBlocks, " hidden layers"));
     }
     if (!job.has_fashion_mnist()) {
       return Invalid("an mlp model trains on `fashion_mnist` data");
@@ -112,7 +132,46 @@ absl::Status ValidateJobSpec(const v1::JobSpec& job) {
       return Invalid("text: validation_fraction must be in (0, 0.5)");
     }
   }
+  if (job.name().size() > 128) return Invalid("name: at most 128 bytes");
   if (job.steps() <= 0) return Invalid("steps must be > 0");
+  if (job.steps() > kMaxSteps) return Invalid(absl::StrCat("steps at most ", kMaxSteps));
+  if (job.microbatches() > 4096) return Invalid("microbatches at most 4096");
+  if (job.microbatch_size() > (1 << 20)) return Invalid("microbatch_size at most 2^20");
+  if (job.min_workers() > 10000) return Invalid("min_workers at most 10000");
+  if (job.max_stages() > 4096) return Invalid("max_stages at most 4096");
+  if (job.eval_batches() > kMaxEvalBatches) {
+    return Invalid(absl::StrCat("eval_batches at most ", kMaxEvalBatches));
+  }
+  if (job.lease_ms() > 3600 * 1000) return Invalid("lease_ms at most one hour");
+  if (job.checkpoint_every() > kMaxSteps) return Invalid("checkpoint_every at most steps' bound");
+  if (job.replica_sync_every() > kMaxSteps) return Invalid("replica_sync_every out of range");
+  if (job.codec_block_size() < 0 || job.codec_block_size() > (1 << 20)) {
+    return Invalid("codec_block_size at most 2^20");
+  }
+  // The biggest tensor that crosses a boundary must fit one link message,
+  // and a layer's parameters must be countable: products in 64 bits, from
+  // the bounded dimensions above (no product of two int32s overflows).
+  const int64_t batch = job.microbatch_size();
+  int64_t widest = 0;
+  if (job.has_gpt()) {
+    widest = int64_t{job.gpt().context()} *
+             std::max<int64_t>(int64_t{job.gpt().d_model()} * job.gpt().mlp_ratio(), 256);
+  } else if (job.has_mlp()) {
+    widest = 784;
+    for (int width : job.mlp().hidden()) widest = std::max<int64_t>(widest, width);
+  }
+  if (batch * widest * 4 > int64_t{1} << 30) {
+    return Invalid(absl::StrCat(
+        "microbatch_size ", batch, " x the widest activation (", widest,
+        " values) is over 1 GiB: no link message may carry it; use smaller microbatches"));
+  }
+  int64_t largest_layer = 0;
+  for (const LayerProfile& layer : ProfileLayers(job)) {
+    largest_layer = std::max<int64_t>(largest_layer, layer.parameter_count);
+  }
+  if (largest_layer > int64_t{1} << 32) {
+    return Invalid(absl::StrCat("a layer of ", largest_layer, " parameters: at most 2^32"));
+  }
   if (job.microbatches() <= 0) return Invalid("microbatches must be > 0");
   if (job.microbatch_size() <= 0) return Invalid("microbatch_size must be > 0");
   if (job.min_workers() <= 0) return Invalid("min_workers must be > 0");
@@ -199,11 +258,9 @@ absl::StatusOr<v1::JobSpec> ParseJobSpec(const std::string& text,
 }
 
 absl::StatusOr<v1::JobSpec> LoadJobSpec(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  return ParseJobSpec(buffer.str(), path);
+  absl::StatusOr<std::string> text = ReadFileBounded(path, kMaxJobFileBytes);
+  if (!text.ok()) return text.status();
+  return ParseJobSpec(*text, path);
 }
 
 std::string ScheduleName(v1::Schedule schedule) {

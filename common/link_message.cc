@@ -54,9 +54,14 @@ absl::StatusOr<std::optional<LinkMessage>> FrameAssembler::Add(
       }
       expected += tensor.payload_bytes();
     }
+    if (check_header_ != nullptr) {
+      if (absl::Status valid = check_header_(frame.header()); !valid.ok()) return valid;
+    }
     current_ = LinkMessage();
     current_.header = std::move(*frame.mutable_header());
     expected_bytes_ = expected;
+    // Checked against the plan (when a check is set): reserve it all once.
+    if (check_header_ != nullptr) current_.payload.reserve(expected);
     in_message_ = true;
   } else if (frame.has_header()) {
     return absl::InvalidArgumentError(

@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -36,10 +37,15 @@ std::vector<v1::LinkFrame> SplitIntoFrames(const LinkMessage& message,
                                            size_t frame_bytes = kFrameBytes);
 
 // Reassembles messages from frames, one message at a time. Not thread-safe.
+// `check_header`, when given, judges each message's header at its first
+// frame (against the plan): nothing of a message is buffered before its
+// header passes, and then at most the payload bytes it announced.
 class FrameAssembler {
  public:
-  explicit FrameAssembler(uint64_t max_message_bytes = kMaxMessageBytes)
-      : max_message_bytes_(max_message_bytes) {}
+  using HeaderCheck = std::function<absl::Status(const v1::LinkHeader&)>;
+  explicit FrameAssembler(uint64_t max_message_bytes = kMaxMessageBytes,
+                          HeaderCheck check_header = nullptr)
+      : max_message_bytes_(max_message_bytes), check_header_(std::move(check_header)) {}
 
   // Adds one frame. Returns the completed message when `frame` was its last,
   // nullopt while more frames are due, and INVALID_ARGUMENT when the frames
@@ -48,6 +54,7 @@ class FrameAssembler {
 
  private:
   uint64_t max_message_bytes_;
+  HeaderCheck check_header_;
   bool in_message_ = false;
   uint64_t expected_bytes_ = 0;
   LinkMessage current_;

@@ -32,8 +32,10 @@ std::vector<LayerProfile> ProfileLayers(const v1::JobSpec& job) {
                            static_cast<uint64_t>(batch * t * d * 4);
     layers.push_back(embed);
     LayerProfile block;
+    // Two LayerNorms (2d each), qkv (3d^2 + 3d), proj (d^2 + d), fc1
+    // (dh + h), fc2 (hd + d): exact, since checkpoints are checked against it.
     block.parameter_count =
-        static_cast<uint64_t>(4 * d * d + 2 * d * hidden + 4 * d + 4 * d);
+        static_cast<uint64_t>(4 * d * d + 2 * d * hidden + 9 * d + hidden);
     // 6 flops per parameter per token, plus attention scores and mixing.
     block.flops_per_sample = 6 * t * (4 * d * d + 2 * d * hidden) +
                              3 * 2 * 2 * t * t * d;
@@ -42,7 +44,7 @@ std::vector<LayerProfile> ProfileLayers(const v1::JobSpec& job) {
         static_cast<uint64_t>(batch * t * (10 * d + hidden + g.heads() * t) * 4);
     for (int i = 0; i < g.blocks(); ++i) layers.push_back(block);
     LayerProfile head;
-    head.parameter_count = static_cast<uint64_t>(d * kByteVocab + kByteVocab);
+    head.parameter_count = static_cast<uint64_t>(2 * d + d * kByteVocab + kByteVocab);
     head.flops_per_sample = 6 * t * d * kByteVocab;
     head.training_bytes = head.parameter_count * kBytesPerTrainedParameter +
                           static_cast<uint64_t>(batch * t * kByteVocab * 4 * 2);

@@ -18,6 +18,8 @@
 #include <memory>
 #include <string>
 
+#include "absl/status/status.h"
+
 namespace geotrain {
 
 inline constexpr int kMaxGrpcMessageBytes = 16 << 20;
@@ -37,6 +39,16 @@ inline constexpr std::chrono::milliseconds kControlRpcTimeout{5000};
 grpc::ChannelArguments DefaultChannelArguments();
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address);
 void ConfigureServerBuilder(grpc::ServerBuilder* builder);
+
+// The host part of a gRPC peer string: "ipv4:10.0.0.2:5555" ->
+// "ipv4:10.0.0.2" (the port changes with every connection, the host does not).
+std::string PeerHost(const std::string& grpc_peer);
+
+// OK for HOST:PORT or [V6]:PORT with a port in [0, 65535] (0: any, when
+// `allow_any_port`); INVALID_ARGUMENT naming `flag` otherwise. gRPC itself
+// would take "127.0.0.1:99999" as some other port.
+absl::Status ValidateHostPort(const std::string& flag, const std::string& address,
+                              bool allow_any_port);
 
 // now + timeout, for ClientContext::set_deadline.
 std::chrono::system_clock::time_point DeadlineFromNow(

@@ -14,9 +14,77 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
+#include "common/link_message.h"
+#include "common/model_profile.h"
 #include "coordinator/state_store.h"
 
 namespace geotrain {
+
+absl::Status CheckLayerCheckpoint(const v1::JobSpec& job, const v1::LayerCheckpoint& c) {
+  const std::vector<LayerProfile> layers = ProfileLayers(job);
+  if (c.layer() < 0 || c.layer() >= static_cast<int>(layers.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("checkpoint of layer ", c.layer(),
+                                                   ": the model has ", layers.size()));
+  }
+  const std::string what = absl::StrCat("checkpoint of layer ", c.layer(), " at step ", c.step());
+  if (c.step() < 0 || c.step() > job.steps() || c.optimizer_steps() < 0 || c.data_cursor() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": step, optimizer steps or data "
+                                                   "cursor out of range (job of ", job.steps(),
+                                                   " steps)"));
+  }
+  if (c.state_per_param() < 0 || c.state_per_param() > 2 ||
+      c.optimizer_state_size() != c.state_per_param() * c.params_size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, ": ", c.optimizer_state_size(), " optimizer tensors for ", c.params_size(),
+        " parameters at ", c.state_per_param(), " per parameter"));
+  }
+  uint64_t elements = 0, bytes = 0;
+  auto check = [&](const v1::TensorHeader& h, const char* kind) -> absl::Status {
+    if (h.dtype() != v1::DTYPE_FLOAT32 || h.codec() != v1::CODEC_NONE || h.zstd()) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": a ", kind, " is not plain float32"));
+    }
+    if (absl::Status header = CheckTensorHeader(h); !header.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": ", header.message()));
+    }
+    bytes += h.payload_bytes();
+    return absl::OkStatus();
+  };
+  for (int i = 0; i < c.params_size(); ++i) {
+    if (absl::Status ok = check(c.params(i), "parameter"); !ok.ok()) return ok;
+    uint64_t n = 1;
+    for (int64_t dim : c.params(i).shape()) n *= static_cast<uint64_t>(dim);
+    elements += n;
+  }
+  for (int i = 0; i < c.optimizer_state_size(); ++i) {
+    if (absl::Status ok = check(c.optimizer_state(i), "optimizer state"); !ok.ok()) return ok;
+    // state_per_param tensors per parameter, in parameter order (m, v of p0, ...).
+    const v1::TensorHeader& param = c.params(i / c.state_per_param());
+    if (c.optimizer_state(i).shape().size() != param.shape().size() ||
+        !std::equal(param.shape().begin(), param.shape().end(),
+                    c.optimizer_state(i).shape().begin())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": optimizer state ", i, " does not have its parameter's shape"));
+    }
+  }
+  if (elements != layers[c.layer()].parameter_count) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": ", elements, " parameters; the layer has ",
+                                                   layers[c.layer()].parameter_count));
+  }
+  if (bytes != c.payload().size()) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": tensors of ", bytes,
+                                                   " bytes, payload of ", c.payload().size()));
+  }
+  size_t offset = 0;
+  for (const auto* tensors : {&c.params(), &c.optimizer_state()}) {
+    for (const v1::TensorHeader& h : *tensors) {
+      if (absl::Status finite = CheckFinite(h, c.payload(), offset); !finite.ok()) {
+        return absl::InvalidArgumentError(absl::StrCat(what, ": ", finite.message()));
+      }
+      offset += h.payload_bytes();
+    }
+  }
+  return absl::OkStatus();
+}
 namespace {
 
 constexpr char kMagic[] = "GTCKPT01";

@@ -21,8 +21,16 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "geotrain/v1/coordinator.pb.h"
+#include "geotrain/v1/job.pb.h"
 
 namespace geotrain {
+
+// OK when `checkpoint` fits the job's model: one of its layers, a step in
+// [0, job.steps], float32 parameters whose element counts add up to the
+// layer's (ProfileLayers), optimizer state that repeats the parameters'
+// shapes state_per_param (0-2) times, a payload of exactly their bytes, and
+// every value finite. INVALID_ARGUMENT saying what does not fit.
+absl::Status CheckLayerCheckpoint(const v1::JobSpec& job, const v1::LayerCheckpoint& checkpoint);
 
 class CheckpointStore {
  public:

@@ -1,37 +1,177 @@
 #include "coordinator/coordinator_service.h"
 
+#include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
+#include "common/logging.h"
+#include "common/rpc_options.h"
+#include "common/transport_security.h"
 
 namespace geotrain {
+namespace {
 
-grpc::Status CoordinatorService::Join(grpc::ServerContext*,
-                                      const v1::JoinRequest* request,
-                                      v1::JoinResponse* response) {
-  if (request->address().empty()) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                        "join without an address peers can dial");
+constexpr int64_t kRateBucketMs = 30000;
+
+grpc::Status Refused(const absl::Status& status) { return ToGrpcStatus(status); }
+
+}  // namespace
+
+bool JoinRateLimiter::Admit(const std::string& source) {
+  const int64_t bucket = clock_->NowMs() / kRateBucketMs;
+  absl::MutexLock lock(&mu_);
+  // Forget idle sources, so that the table stays small.
+  if (windows_.size() > 10000) {
+    for (auto it = windows_.begin(); it != windows_.end();) {
+      it = it->second.bucket + 1 < bucket ? windows_.erase(it) : std::next(it);
+    }
   }
-  *response = controller_->Join(*request);
+  Window& w = windows_[source];
+  if (w.bucket != bucket) {
+    w.previous = w.bucket + 1 == bucket ? w.current : 0;
+    w.current = 0;
+    w.bucket = bucket;
+  }
+  if (w.current + w.previous >= per_minute_) return false;
+  ++w.current;
+  return true;
+}
+
+absl::StatusOr<std::string> CallerCheck::Worker(const grpc::ServerContext& context,
+                                                const std::string& claimed) const {
+  if (insecure()) return claimed;
+  const std::string identity = PeerIdentity(context);
+  if (identity.empty()) {
+    return absl::UnauthenticatedError(
+        "this call needs the worker's certificate: join with --token=TOKEN first");
+  }
+  if (identity == kAdminIdentity) {
+    return absl::PermissionDeniedError("the admin credential is not a worker");
+  }
+  if (options_->access->IsWorkerRevoked(identity)) {
+    return absl::PermissionDeniedError(absl::StrCat("worker ", identity, " was revoked"));
+  }
+  if (!claimed.empty() && claimed != identity) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "the caller's certificate names worker ", identity, "; the request speaks for ", claimed));
+  }
+  return identity;
+}
+
+absl::Status CallerCheck::Admin(const grpc::ServerContext& context) const {
+  if (insecure()) return absl::OkStatus();
+  const std::string identity = PeerIdentity(context);
+  if (identity == kAdminIdentity) return absl::OkStatus();
+  if (identity.empty()) {
+    return absl::UnauthenticatedError(
+        "admin calls need the admin credential (--admin_credential=<state_dir>/tls/"
+        "admin.credential)");
+  }
+  return absl::PermissionDeniedError(
+      absl::StrCat("admin calls need the admin credential, not worker ", identity, "'s"));
+}
+
+absl::Status CallerCheck::Viewer(const grpc::ServerContext& context) const {
+  if (insecure()) return absl::OkStatus();
+  const std::string identity = PeerIdentity(context);
+  if (identity == kAdminIdentity) return absl::OkStatus();
+  if (!identity.empty()) {
+    if (options_->access->IsWorkerRevoked(identity)) {
+      return absl::PermissionDeniedError(absl::StrCat("worker ", identity, " was revoked"));
+    }
+    return absl::OkStatus();
+  }
+  auto token = context.client_metadata().find(kTokenMetadataKey);
+  if (token == context.client_metadata().end()) {
+    return absl::UnauthenticatedError(
+        "status needs a credential: --admin_credential=FILE, a worker's, or a viewer token "
+        "(--token=TOKEN from `geotrain-ctl token create --role=viewer`)");
+  }
+  absl::StatusOr<std::string> checked = options_->access->CheckToken(
+      std::string(token->second.data(), token->second.size()), v1::TOKEN_ROLE_VIEWER);
+  return checked.status();
+}
+
+grpc::Status CoordinatorService::AdmitSource(const grpc::ServerContext& context) {
+  const std::string source = PeerHost(context.peer());
+  if (joins_.Admit(source)) return grpc::Status::OK;
+  GT_LOG(Warning) << "refused a join from " << source << ": over "
+                  << options_.joins_per_source_per_minute << " per minute";
+  return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                      absl::StrCat("more than ", options_.joins_per_source_per_minute,
+                                   " joins per minute from ", source, "; try again later"));
+}
+
+grpc::Status CoordinatorService::Enroll(grpc::ServerContext* context,
+                                        const v1::EnrollRequest* request,
+                                        v1::EnrollResponse* response) {
+  if (caller_.insecure()) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        "this coordinator runs --insecure: join without a token");
+  }
+  if (grpc::Status admitted = AdmitSource(*context); !admitted.ok()) return admitted;
+  // Nothing is used up by a token that fails, or by a CSR that would.
+  if (absl::StatusOr<std::string> checked =
+          options_.access->CheckToken(request->token(), v1::TOKEN_ROLE_WORKER);
+      !checked.ok()) {
+    GT_LOG(Warning) << "refused an enrollment from " << context->peer() << ": "
+                    << checked.status().message();
+    return Refused(checked.status());
+  }
+  if (absl::StatusOr<std::string> trial =
+          options_.authority->IssueWorkerCertificate(request->csr_pem(), "w-trial");
+      !trial.ok()) {
+    return Refused(trial.status());
+  }
+  if (absl::Status name = ValidateWorkerName(request->name()); !name.ok()) return Refused(name);
+  std::string token_id;
+  absl::StatusOr<std::string> worker_id = options_.access->RedeemForWorker(
+      request->token(), [this](const std::string& id) { return options_.controller->KnowsWorker(id); },
+      &token_id);
+  if (!worker_id.ok()) return Refused(worker_id.status());
+  absl::StatusOr<std::string> certificate =
+      options_.authority->IssueWorkerCertificate(request->csr_pem(), *worker_id);
+  if (!certificate.ok()) return Refused(certificate.status());
+  options_.controller->RecordEnrollment(*worker_id, request->name(), token_id);
+  response->set_worker_id(*worker_id);
+  response->set_certificate_pem(*certificate);
+  response->set_ca_pem(options_.authority->cluster_ca_pem());
   return grpc::Status::OK;
 }
 
-grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext*,
+grpc::Status CoordinatorService::Join(grpc::ServerContext* context,
+                                      const v1::JoinRequest* request,
+                                      v1::JoinResponse* response) {
+  absl::StatusOr<std::string> worker = caller_.Worker(*context, "");
+  if (!worker.ok()) return Refused(worker.status());
+  if (grpc::Status admitted = AdmitSource(*context); !admitted.ok()) return admitted;
+  absl::StatusOr<v1::JoinResponse> joined = options_.controller->Join(*request, *worker);
+  if (!joined.ok()) return Refused(joined.status());
+  *response = *std::move(joined);
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext* context,
                                            const v1::HeartbeatRequest* request,
                                            v1::HeartbeatResponse* response) {
-  response->set_known(controller_->Heartbeat(*request));
+  absl::StatusOr<std::string> worker = caller_.Worker(*context, request->worker_id());
+  if (!worker.ok()) return Refused(worker.status());
+  v1::HeartbeatRequest checked = *request;
+  checked.set_worker_id(*worker);
+  response->set_known(options_.controller->Heartbeat(checked));
   return grpc::Status::OK;
 }
 
 grpc::Status CoordinatorService::WatchPlan(grpc::ServerContext* context,
-                                           const v1::WatchPlanRequest*,
+                                           const v1::WatchPlanRequest* request,
                                            grpc::ServerWriter<v1::Plan>* writer) {
+  absl::StatusOr<std::string> worker = caller_.Worker(*context, request->worker_id());
+  if (!worker.ok()) return Refused(worker.status());
+  JobController* controller = options_.controller;
   uint64_t sent_epoch = 0;
   while (!context->IsCancelled()) {
-    std::optional<v1::Plan> plan =
-        controller_->WaitForPlan(sent_epoch, absl::Milliseconds(500));
+    std::optional<v1::Plan> plan = controller->WaitForPlan(sent_epoch, absl::Milliseconds(500));
     if (!plan.has_value()) {
-      if (controller_->done()) return grpc::Status::OK;
-      if (controller_->shutting_down()) {
+      if (controller->done()) return grpc::Status::OK;
+      if (controller->shutting_down()) {
         return grpc::Status(grpc::StatusCode::UNAVAILABLE, "coordinator shutting down");
       }
       continue;
@@ -43,37 +183,56 @@ grpc::Status CoordinatorService::WatchPlan(grpc::ServerContext* context,
   return grpc::Status::CANCELLED;
 }
 
-grpc::Status CoordinatorService::Leave(grpc::ServerContext*,
-                                       const v1::LeaveRequest* request,
-                                       v1::LeaveResponse*) {
-  controller_->Leave(request->worker_id());
+grpc::Status CoordinatorService::Leave(grpc::ServerContext* context,
+                                       const v1::LeaveRequest* request, v1::LeaveResponse*) {
+  absl::StatusOr<std::string> worker = caller_.Worker(*context, request->worker_id());
+  if (!worker.ok()) return Refused(worker.status());
+  options_.controller->Leave(*worker);
   return grpc::Status::OK;
 }
 
-grpc::Status CoordinatorService::ReportStep(grpc::ServerContext*,
-                                            const v1::StepReport* request,
-                                            v1::ReportAck*) {
-  return ToGrpcStatus(controller_->ReportStep(*request));
+grpc::Status CoordinatorService::ReportStep(grpc::ServerContext* context,
+                                            const v1::StepReport* request, v1::ReportAck*) {
+  absl::StatusOr<std::string> worker = caller_.Worker(*context, request->worker_id());
+  if (!worker.ok()) return Refused(worker.status());
+  v1::StepReport checked = *request;
+  checked.set_worker_id(*worker);
+  return ToGrpcStatus(options_.controller->ReportStep(checked));
 }
 
-grpc::Status CoordinatorService::ReportEval(grpc::ServerContext*,
-                                            const v1::EvalReport* request,
-                                            v1::ReportAck*) {
-  return ToGrpcStatus(controller_->ReportEval(*request));
+grpc::Status CoordinatorService::ReportEval(grpc::ServerContext* context,
+                                            const v1::EvalReport* request, v1::ReportAck*) {
+  absl::StatusOr<std::string> worker = caller_.Worker(*context, request->worker_id());
+  if (!worker.ok()) return Refused(worker.status());
+  v1::EvalReport checked = *request;
+  checked.set_worker_id(*worker);
+  return ToGrpcStatus(options_.controller->ReportEval(checked));
 }
 
-grpc::Status CoordinatorService::ReportDone(grpc::ServerContext*,
-                                            const v1::DoneReport* request,
-                                            v1::ReportAck*) {
-  return ToGrpcStatus(controller_->ReportDone(*request));
+grpc::Status CoordinatorService::ReportDone(grpc::ServerContext* context,
+                                            const v1::DoneReport* request, v1::ReportAck*) {
+  absl::StatusOr<std::string> worker = caller_.Worker(*context, request->worker_id());
+  if (!worker.ok()) return Refused(worker.status());
+  v1::DoneReport checked = *request;
+  checked.set_worker_id(*worker);
+  return ToGrpcStatus(options_.controller->ReportDone(checked));
 }
 
-grpc::Status CoordinatorService::SaveCheckpoint(grpc::ServerContext*,
+grpc::Status CoordinatorService::SaveCheckpoint(grpc::ServerContext* context,
                                                 grpc::ServerReader<v1::LayerCheckpoint>* reader,
                                                 v1::SaveCheckpointResponse* response) {
+  absl::StatusOr<std::string> worker = caller_.Worker(*context, "");
+  if (!worker.ok()) return Refused(worker.status());
   v1::LayerCheckpoint checkpoint;
   while (reader->Read(&checkpoint)) {
-    if (absl::Status saved = controller_->SaveCheckpoint(checkpoint); !saved.ok()) {
+    if (caller_.insecure()) {
+      *worker = checkpoint.worker_id();
+    } else if (!checkpoint.worker_id().empty() && checkpoint.worker_id() != *worker) {
+      return Refused(absl::PermissionDeniedError(
+          absl::StrCat("worker ", *worker, " uploads a checkpoint for ", checkpoint.worker_id())));
+    }
+    checkpoint.set_worker_id(*worker);
+    if (absl::Status saved = options_.controller->SaveCheckpoint(checkpoint); !saved.ok()) {
       return ToGrpcStatus(saved);
     }
     response->set_layers_saved(response->layers_saved() + 1);
@@ -81,29 +240,96 @@ grpc::Status CoordinatorService::SaveCheckpoint(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
-grpc::Status CoordinatorService::LoadCheckpoint(grpc::ServerContext*,
+grpc::Status CoordinatorService::LoadCheckpoint(grpc::ServerContext* context,
                                                 const v1::LoadCheckpointRequest* request,
                                                 v1::LayerCheckpoint* response) {
+  absl::StatusOr<std::string> worker = caller_.Worker(*context, request->worker_id());
+  if (!worker.ok()) return Refused(worker.status());
   absl::StatusOr<v1::LayerCheckpoint> checkpoint =
-      controller_->LoadCheckpoint(request->worker_id(), request->layer());
+      options_.controller->LoadCheckpoint(*worker, request->layer());
   if (!checkpoint.ok()) return ToGrpcStatus(checkpoint.status());
   *response = *std::move(checkpoint);
   return grpc::Status::OK;
 }
 
-grpc::Status CoordinatorService::ReportEvent(grpc::ServerContext*, const v1::WorkerEvent* request,
-                                             v1::ReportAck*) {
-  if (request->kind().empty()) {
-    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "event without a kind");
+grpc::Status CoordinatorService::ReportEvent(grpc::ServerContext* context,
+                                             const v1::WorkerEvent* request, v1::ReportAck*) {
+  absl::StatusOr<std::string> worker = caller_.Worker(*context, request->worker_id());
+  if (!worker.ok()) return Refused(worker.status());
+  v1::WorkerEvent checked = *request;
+  checked.set_worker_id(*worker);
+  return ToGrpcStatus(options_.controller->RecordWorkerEvent(checked));
+}
+
+grpc::Status AdminService::CheckAdmin(const grpc::ServerContext& context) const {
+  if (caller_.insecure()) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                        "this coordinator runs --insecure: it has no tokens or certificates");
   }
-  controller_->RecordWorkerEvent(*request);
+  return ToGrpcStatus(caller_.Admin(context));
+}
+
+grpc::Status AdminService::CreateToken(grpc::ServerContext* context,
+                                       const v1::CreateTokenRequest* request,
+                                       v1::CreateTokenResponse* response) {
+  if (grpc::Status admin = CheckAdmin(*context); !admin.ok()) return admin;
+  absl::StatusOr<v1::CreateTokenResponse> created = options_.access->CreateToken(*request);
+  if (!created.ok()) return Refused(created.status());
+  *response = *std::move(created);
+  options_.controller->RecordAdminEvent(
+      "token_created", absl::StrCat("token ", response->info().id(), " (",
+                                    response->info().label(), ")"));
   return grpc::Status::OK;
 }
 
-grpc::Status StatusService::GetClusterStatus(grpc::ServerContext*,
+grpc::Status AdminService::ListTokens(grpc::ServerContext* context,
+                                      const v1::ListTokensRequest*,
+                                      v1::ListTokensResponse* response) {
+  if (grpc::Status admin = CheckAdmin(*context); !admin.ok()) return admin;
+  *response = options_.access->ListTokens();
+  return grpc::Status::OK;
+}
+
+grpc::Status AdminService::RevokeToken(grpc::ServerContext* context,
+                                       const v1::RevokeTokenRequest* request,
+                                       v1::RevokeTokenResponse* response) {
+  if (grpc::Status admin = CheckAdmin(*context); !admin.ok()) return admin;
+  absl::StatusOr<v1::TokenInfo> revoked = options_.access->RevokeToken(request->id_or_token());
+  if (!revoked.ok()) return Refused(revoked.status());
+  *response->mutable_info() = *revoked;
+  options_.controller->RecordAdminEvent("token_revoked", absl::StrCat("token ", revoked->id()));
+  return grpc::Status::OK;
+}
+
+grpc::Status AdminService::RevokeWorker(grpc::ServerContext* context,
+                                        const v1::RevokeWorkerRequest* request,
+                                        v1::RevokeWorkerResponse* response) {
+  if (grpc::Status admin = CheckAdmin(*context); !admin.ok()) return admin;
+  if (!options_.controller->KnowsWorker(request->worker_id())) {
+    return grpc::Status(grpc::StatusCode::NOT_FOUND,
+                        absl::StrCat("no worker '", request->worker_id().substr(0, 128), "'"));
+  }
+  if (absl::Status revoked = options_.access->RevokeWorker(request->worker_id()); !revoked.ok()) {
+    return Refused(revoked);
+  }
+  response->set_was_live(options_.controller->RevokeWorker(request->worker_id()));
+  return grpc::Status::OK;
+}
+
+grpc::Status StatusService::GetClusterStatus(grpc::ServerContext* context,
                                              const v1::ClusterStatusRequest*,
                                              v1::ClusterStatus* response) {
-  *response = controller_->Status();
+  if (absl::Status viewer = caller_.Viewer(*context); !viewer.ok()) return Refused(viewer);
+  *response = options_.controller->Status();
+  response->set_security(caller_.insecure()
+                             ? "insecure (plaintext, no authentication)"
+                             : absl::StrCat("tls, CA ",
+                                            options_.authority->serving_ca_fingerprint()));
+  if (!caller_.insecure()) {
+    for (v1::WorkerStatus& w : *response->mutable_workers()) {
+      w.set_token_id(options_.access->TokenOfWorker(w.id()));
+    }
+  }
   return grpc::Status::OK;
 }
 

@@ -1,20 +1,84 @@
-// gRPC adapters for the Coordinator and Status services: they translate
-// messages and statuses and call JobController, nothing else. Sync API: the
-// control plane is small unary calls plus one plan watch per worker.
+// gRPC adapters for the Coordinator, Admin and Status services: they
+// establish who the caller is, translate messages and statuses, and call
+// the domain classes (JobController, AccessStore, ClusterAuthority).
+//
+// Who may call what (TLS mode; with `insecure` everyone may do everything
+// and a worker is whoever a request's worker_id names):
+// - Enroll: anyone holding a valid worker token (no certificate yet);
+// - the other Coordinator calls: a worker, as itself: its id comes from its
+//   client certificate, and a request naming another worker is refused;
+// - Admin: the admin credential only;
+// - Status: any certificate of the cluster, or a viewer token
+//   (metadata kTokenMetadataKey).
+// Joins and enrollments are limited per source address (JoinRateLimiter).
+// Sync API: the control plane is small unary calls plus one plan watch per worker.
 #ifndef GEOTRAIN_COORDINATOR_COORDINATOR_SERVICE_H_
 #define GEOTRAIN_COORDINATOR_COORDINATOR_SERVICE_H_
 
+#include <map>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "coordinator/access_store.h"
+#include "coordinator/cluster_authority.h"
 #include "coordinator/job_controller.h"
 #include "geotrain/v1/coordinator.grpc.pb.h"
 #include "geotrain/v1/status.grpc.pb.h"
 
 namespace geotrain {
 
+// At most `per_minute` calls per source host in any minute (a sliding
+// count over two half-minute buckets). Thread-safe.
+class JoinRateLimiter {
+ public:
+  JoinRateLimiter(const Clock* clock, int per_minute) : clock_(clock), per_minute_(per_minute) {}
+  // False when `source` is over its budget.
+  bool Admit(const std::string& source);
+
+ private:
+  struct Window {
+    int64_t bucket = 0;
+    int current = 0, previous = 0;
+  };
+  const Clock* clock_;
+  const int per_minute_;
+  absl::Mutex mu_;
+  std::map<std::string, Window> windows_ ABSL_GUARDED_BY(mu_);
+};
+
+struct CoordinatorServiceOptions {
+  JobController* controller = nullptr;     // not owned, required
+  const ClusterAuthority* authority = nullptr;  // not owned; null: insecure
+  AccessStore* access = nullptr;           // not owned; null: insecure
+  const Clock* clock = nullptr;            // not owned, required
+  int joins_per_source_per_minute = 60;
+};
+
+// Who is calling, as far as the transport tells (see the header comment).
+class CallerCheck {
+ public:
+  explicit CallerCheck(const CoordinatorServiceOptions* options) : options_(options) {}
+  bool insecure() const { return options_->access == nullptr; }
+  // The worker the caller is. With TLS: the certificate's identity, which a
+  // non-empty `claimed` id must equal; insecure: `claimed`.
+  absl::StatusOr<std::string> Worker(const grpc::ServerContext& context,
+                                     const std::string& claimed) const;
+  absl::Status Admin(const grpc::ServerContext& context) const;
+  absl::Status Viewer(const grpc::ServerContext& context) const;
+
+ private:
+  const CoordinatorServiceOptions* options_;
+};
+
 class CoordinatorService final : public v1::Coordinator::Service {
  public:
-  explicit CoordinatorService(JobController* controller)
-      : controller_(controller) {}
+  explicit CoordinatorService(CoordinatorServiceOptions options)
+      : options_(options), caller_(&options_), joins_(options.clock,
+                                                      options.joins_per_source_per_minute) {}
 
+  grpc::Status Enroll(grpc::ServerContext* context, const v1::EnrollRequest* request,
+                      v1::EnrollResponse* response) override;
   grpc::Status Join(grpc::ServerContext* context, const v1::JoinRequest* request,
                     v1::JoinResponse* response) override;
   grpc::Status Heartbeat(grpc::ServerContext* context,
@@ -45,18 +109,43 @@ class CoordinatorService final : public v1::Coordinator::Service {
                            v1::ReportAck* response) override;
 
  private:
-  JobController* controller_;  // not owned
+  grpc::Status AdmitSource(const grpc::ServerContext& context);
+
+  const CoordinatorServiceOptions options_;
+  const CallerCheck caller_;
+  JoinRateLimiter joins_;
+};
+
+class AdminService final : public v1::Admin::Service {
+ public:
+  explicit AdminService(CoordinatorServiceOptions options)
+      : options_(options), caller_(&options_) {}
+  grpc::Status CreateToken(grpc::ServerContext* context, const v1::CreateTokenRequest* request,
+                           v1::CreateTokenResponse* response) override;
+  grpc::Status ListTokens(grpc::ServerContext* context, const v1::ListTokensRequest* request,
+                          v1::ListTokensResponse* response) override;
+  grpc::Status RevokeToken(grpc::ServerContext* context, const v1::RevokeTokenRequest* request,
+                           v1::RevokeTokenResponse* response) override;
+  grpc::Status RevokeWorker(grpc::ServerContext* context, const v1::RevokeWorkerRequest* request,
+                            v1::RevokeWorkerResponse* response) override;
+
+ private:
+  grpc::Status CheckAdmin(const grpc::ServerContext& context) const;
+  const CoordinatorServiceOptions options_;
+  const CallerCheck caller_;
 };
 
 class StatusService final : public v1::Status::Service {
  public:
-  explicit StatusService(JobController* controller) : controller_(controller) {}
+  explicit StatusService(CoordinatorServiceOptions options)
+      : options_(options), caller_(&options_) {}
   grpc::Status GetClusterStatus(grpc::ServerContext* context,
                                 const v1::ClusterStatusRequest* request,
                                 v1::ClusterStatus* response) override;
 
  private:
-  JobController* controller_;  // not owned
+  const CoordinatorServiceOptions options_;
+  const CallerCheck caller_;
 };
 
 }  // namespace geotrain

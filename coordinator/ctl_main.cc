@@ -1,5 +1,12 @@
-// geotrain-ctl: the status CLI.
-//   geotrain-ctl status --coordinator=HOST:PORT [--json] [--timeout_ms=N]
+// geotrain-ctl: the operator's CLI.
+//   geotrain-ctl status --coordinator=HOST:PORT [--json | --brief]
+//   geotrain-ctl token create [--ttl=24h] [--uses=N] [--name=LABEL] [--role=worker|viewer]
+//   geotrain-ctl token list
+//   geotrain-ctl token revoke ID_OR_TOKEN
+//   geotrain-ctl worker revoke ID
+// Credentials: --admin_credential=FILE (<state_dir>/tls/admin.credential,
+// or a worker's credential for status), --token=TOKEN (status with a
+// viewer token), or --insecure for a coordinator started with --insecure.
 #include <google/protobuf/util/json_util.h>
 #include <grpcpp/grpcpp.h>
 
@@ -11,7 +18,14 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "common/join_token.h"
 #include "common/rpc_options.h"
+#include "common/transport_security.h"
+#include "common/x509.h"
+#include "geotrain/v1/coordinator.grpc.pb.h"
 #include "geotrain/v1/status.grpc.pb.h"
 
 ABSL_FLAG(std::string, coordinator, "127.0.0.1:7070", "coordinator HOST:PORT");
@@ -19,6 +33,16 @@ ABSL_FLAG(bool, json, false, "print the status as JSON");
 ABSL_FLAG(bool, brief, false, "print one line: state, step, loss, samples/s");
 ABSL_FLAG(int, timeout_ms, 3000, "deadline of the status call");
 ABSL_FLAG(int, events, 8, "how many recent events to show (table only)");
+ABSL_FLAG(std::string, admin_credential, "",
+          "credential file: the coordinator's <state_dir>/tls/admin.credential (or a worker's)");
+ABSL_FLAG(std::string, token, "", "a viewer token (status only); it also pins the CA");
+ABSL_FLAG(bool, insecure, false, "plaintext, for a coordinator started with --insecure");
+ABSL_FLAG(std::string, tls_server_name, "geotrain-coordinator",
+          "the name the coordinator's certificate must carry");
+ABSL_FLAG(absl::Duration, ttl, absl::Hours(24), "token create: how long the token is valid");
+ABSL_FLAG(int, uses, 0, "token create: how many workers may enroll with it (0: unlimited)");
+ABSL_FLAG(std::string, name, "", "token create: a label shown by token list");
+ABSL_FLAG(std::string, role, "worker", "token create: worker or viewer (status only)");
 
 namespace {
 
@@ -52,6 +76,8 @@ void PrintTable(const geotrain::v1::ClusterStatus& s) {
               s.samples_per_s(), s.elapsed_s());
   if (s.val_loss() > 0) std::printf("  val_loss %.4f", s.val_loss());
   if (s.accuracy() > 0) std::printf("  accuracy %.4f", s.accuracy());
+  if (!s.security().empty()) std::printf("\nsecurity %s", s.security().c_str());
+  for (const std::string& note : s.truncated()) std::printf("\nnote: %s", note.c_str());
   std::printf("\n\n%-4s %-12s %-22s %-7s %8s %5s %-8s %-9s %6s %8s %5s\n", "ID",
               "NAME", "ADDRESS", "DEVICE", "GFLOP/s", "STAGE", "LAYERS",
               "STATE", "HB_AGE", "RSS_MiB", "STEP");
@@ -119,6 +145,11 @@ void PrintTable(const geotrain::v1::ClusterStatus& s) {
     }
   }
   for (const auto& w : s.workers()) {
+    if (!w.suspected().empty()) {
+      std::printf("%-4s SUSPECTED: %s\n", w.id().c_str(), w.suspected().c_str());
+    }
+  }
+  for (const auto& w : s.workers()) {
     if (w.weight_averages() > 0) {
       std::printf("%-4s stage %d replica %d: %ld weight averages with its replicas\n",
                   w.id().c_str(), w.stage(), w.replica(), static_cast<long>(w.weight_averages()));
@@ -135,30 +166,189 @@ void PrintTable(const geotrain::v1::ClusterStatus& s) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "geotrain-ctl status --coordinator=HOST:PORT [--json | --brief]");
-  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
-  if (args.size() != 2 || std::string(args[1]) != "status") {
-    std::fprintf(stderr, "usage: geotrain-ctl status --coordinator=HOST:PORT [--json | --brief]\n");
+namespace {
+
+constexpr char kUsage[] =
+    "usage: geotrain-ctl COMMAND --coordinator=HOST:PORT (--admin_credential=FILE | "
+    "--token=TOKEN | --insecure)\n"
+    "  status [--json | --brief]\n"
+    "  token create [--ttl=24h] [--uses=N] [--name=LABEL] [--role=worker|viewer]\n"
+    "  token list\n"
+    "  token revoke ID_OR_TOKEN\n"
+    "  worker revoke ID\n";
+
+int Fail(const std::string& message) {
+  std::fprintf(stderr, "geotrain-ctl: %s\n", message.c_str());
+  return 1;
+}
+
+// A flag out of range: exit 2, as for a usage error.
+int UsageError(const std::string& message) {
+  Fail(message);
+  return 2;
+}
+
+// How this invocation talks to the coordinator.
+struct Connection {
+  std::shared_ptr<grpc::Channel> channel;
+  std::string token;  // sent as metadata (viewer token)
+};
+
+absl::StatusOr<Connection> Connect(const std::string& address) {
+  Connection connection;
+  const std::string server_name = absl::GetFlag(FLAGS_tls_server_name);
+  if (absl::GetFlag(FLAGS_insecure)) {
+    connection.channel = geotrain::MakeChannel(address);
+  } else if (!absl::GetFlag(FLAGS_admin_credential).empty()) {
+    absl::StatusOr<geotrain::TransportSecurity> security =
+        geotrain::LoadCredentialFile(absl::GetFlag(FLAGS_admin_credential));
+    if (!security.ok()) return security.status();
+    connection.channel = geotrain::MakeSecureChannel(address, *security, server_name);
+  } else if (!absl::GetFlag(FLAGS_token).empty()) {
+    absl::StatusOr<geotrain::JoinToken> token = geotrain::ParseJoinToken(absl::GetFlag(FLAGS_token));
+    if (!token.ok()) return token.status();
+    absl::StatusOr<std::string> ca =
+        geotrain::PinCertificateAuthority(address, token->ca_fingerprint, absl::Seconds(5));
+    if (!ca.ok()) return ca.status();
+    geotrain::TransportSecurity security;
+    security.insecure = false;
+    security.trusted_ca_pem = *ca;
+    connection.channel = geotrain::MakeSecureChannel(address, security, server_name);
+    connection.token = absl::GetFlag(FLAGS_token);
+  } else {
+    return absl::UnauthenticatedError(
+        "no credential: pass --admin_credential=<state_dir>/tls/admin.credential, "
+        "--token=TOKEN (a viewer token, status only), or --insecure");
+  }
+  return connection;
+}
+
+std::unique_ptr<grpc::ClientContext> NewContext(const Connection& connection) {
+  auto context = std::make_unique<grpc::ClientContext>();
+  context->set_deadline(geotrain::DeadlineFromNow(
+      std::chrono::milliseconds(absl::GetFlag(FLAGS_timeout_ms))));
+  if (!connection.token.empty()) {
+    context->AddMetadata(geotrain::kTokenMetadataKey, connection.token);
+  }
+  return context;
+}
+
+int RpcFailed(const std::string& what, const std::string& address, const grpc::Status& rpc) {
+  return Fail(absl::StrCat(what, " at ", address, " failed: ", rpc.error_message(), " (",
+                           rpc.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED
+                               ? "deadline exceeded: is the coordinator running?"
+                               : rpc.error_code() == grpc::StatusCode::UNAVAILABLE
+                                     ? "unreachable, or a TLS/--insecure mismatch"
+                                     : "refused",
+                           ")"));
+}
+
+std::string RoleName(geotrain::v1::TokenRole role) {
+  return role == geotrain::v1::TOKEN_ROLE_VIEWER ? "viewer" : "worker";
+}
+
+int TokenCommand(const std::vector<std::string>& args, const Connection& connection,
+                 const std::string& address) {
+  auto stub = geotrain::v1::Admin::NewStub(connection.channel);
+  const std::string& verb = args[2];
+  if (verb == "create" && args.size() == 3) {
+    geotrain::v1::CreateTokenRequest request;
+    const absl::Duration ttl = absl::GetFlag(FLAGS_ttl);
+    if (ttl <= absl::ZeroDuration()) return UsageError("--ttl must be positive (e.g. 24h, 30m)");
+    if (absl::GetFlag(FLAGS_uses) < 0) return UsageError("--uses must be >= 0 (0: unlimited)");
+    const std::string role = absl::GetFlag(FLAGS_role);
+    if (role != "worker" && role != "viewer") return UsageError("--role must be worker or viewer");
+    request.set_ttl_s(absl::ToInt64Seconds(ttl));
+    request.set_uses(absl::GetFlag(FLAGS_uses));
+    request.set_label(absl::GetFlag(FLAGS_name));
+    request.set_role(role == "viewer" ? geotrain::v1::TOKEN_ROLE_VIEWER
+                                      : geotrain::v1::TOKEN_ROLE_WORKER);
+    geotrain::v1::CreateTokenResponse response;
+    grpc::Status rpc = stub->CreateToken(NewContext(connection).get(), request, &response);
+    if (!rpc.ok()) return RpcFailed("token create", address, rpc);
+    std::printf("%s\n", response.token().c_str());  // alone on stdout, for scripts
+    return 0;
+  }
+  if (verb == "list" && args.size() == 3) {
+    geotrain::v1::ListTokensResponse response;
+    grpc::Status rpc = stub->ListTokens(NewContext(connection).get(),
+                                        geotrain::v1::ListTokensRequest(), &response);
+    if (!rpc.ok()) return RpcFailed("token list", address, rpc);
+    std::printf("%-6s  %-16s  %-6s  %-9s  %-20s  %-8s  %s\n", "ID", "LABEL", "ROLE", "USES LEFT",
+                "EXPIRES (UTC)", "STATE", "WORKERS");
+    const int64_t now = absl::ToUnixSeconds(absl::Now());
+    for (const geotrain::v1::TokenInfo& t : response.tokens()) {
+      const std::string uses = t.uses_left() < 0 ? "unlimited" : std::to_string(t.uses_left());
+      const std::string state = t.revoked()                   ? "revoked"
+                                : now >= t.expires_unix_s()   ? "expired"
+                                : t.uses_left() == 0          ? "used up"
+                                                              : "valid";
+      std::printf("%-6s  %-16s  %-6s  %-9s  %-20s  %-8s  %s\n", t.id().c_str(),
+                  t.label().c_str(), RoleName(t.role()).c_str(), uses.c_str(),
+                  absl::FormatTime("%Y-%m-%d %H:%M:%S", absl::FromUnixSeconds(t.expires_unix_s()),
+                                   absl::UTCTimeZone())
+                      .c_str(),
+                  state.c_str(), absl::StrJoin(t.workers(), ",").c_str());
+    }
+    return 0;
+  }
+  if (verb == "revoke" && args.size() == 4) {
+    geotrain::v1::RevokeTokenRequest request;
+    request.set_id_or_token(args[3]);
+    geotrain::v1::RevokeTokenResponse response;
+    grpc::Status rpc = stub->RevokeToken(NewContext(connection).get(), request, &response);
+    if (!rpc.ok()) return RpcFailed("token revoke", address, rpc);
+    std::printf("revoked token %s (%s)\n", response.info().id().c_str(),
+                response.info().label().c_str());
+    return 0;
+  }
+  std::fprintf(stderr, "%s", kUsage);
+  return 2;
+}
+
+int WorkerCommand(const std::vector<std::string>& args, const Connection& connection,
+                  const std::string& address) {
+  if (args.size() != 4 || args[2] != "revoke") {
+    std::fprintf(stderr, "%s", kUsage);
     return 2;
   }
-  const std::string address = absl::GetFlag(FLAGS_coordinator);
-  auto stub = geotrain::v1::Status::NewStub(geotrain::MakeChannel(address));
-  grpc::ClientContext context;
-  context.set_deadline(geotrain::DeadlineFromNow(
-      std::chrono::milliseconds(absl::GetFlag(FLAGS_timeout_ms))));
-  geotrain::v1::ClusterStatus status;
-  grpc::Status rpc = stub->GetClusterStatus(
-      &context, geotrain::v1::ClusterStatusRequest(), &status);
-  if (!rpc.ok()) {
-    std::fprintf(stderr, "geotrain-ctl: cannot get status from %s: %s (%s)\n",
-                 address.c_str(), rpc.error_message().c_str(),
-                 rpc.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED
-                     ? "deadline exceeded: is the coordinator running?"
-                     : "rpc failed");
-    return 1;
+  auto stub = geotrain::v1::Admin::NewStub(connection.channel);
+  geotrain::v1::RevokeWorkerRequest request;
+  request.set_worker_id(args[3]);
+  geotrain::v1::RevokeWorkerResponse response;
+  grpc::Status rpc = stub->RevokeWorker(NewContext(connection).get(), request, &response);
+  if (!rpc.ok()) return RpcFailed("worker revoke", address, rpc);
+  std::printf("revoked worker %s%s\n", args[3].c_str(),
+              response.was_live() ? " (its lease ended now)" : " (it was not live)");
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(kUsage);
+  const std::vector<char*> raw_args = absl::ParseCommandLine(argc, argv);
+  const std::vector<std::string> args(raw_args.begin(), raw_args.end());
+  const bool known = (args.size() == 2 && args[1] == "status") ||
+                     (args.size() >= 3 && (args[1] == "token" || args[1] == "worker"));
+  if (!known) {
+    std::fprintf(stderr, "%s", kUsage);
+    return 2;
   }
+  if (absl::GetFlag(FLAGS_timeout_ms) <= 0) return UsageError("--timeout_ms must be > 0");
+  const std::string address = absl::GetFlag(FLAGS_coordinator);
+  if (absl::Status valid = geotrain::ValidateHostPort("coordinator", address, false); !valid.ok()) {
+    return UsageError(std::string(valid.message()));
+  }
+  absl::StatusOr<Connection> connection = Connect(address);
+  if (!connection.ok()) return Fail(std::string(connection.status().message()));
+  if (args[1] == "token") return TokenCommand(args, *connection, address);
+  if (args[1] == "worker") return WorkerCommand(args, *connection, address);
+  auto stub = geotrain::v1::Status::NewStub(connection->channel);
+  geotrain::v1::ClusterStatus status;
+  grpc::Status rpc = stub->GetClusterStatus(NewContext(*connection).get(),
+                                            geotrain::v1::ClusterStatusRequest(), &status);
+  if (!rpc.ok()) return RpcFailed("status", address, rpc);
   if (absl::GetFlag(FLAGS_json)) {
     std::string json;
     google::protobuf::util::JsonPrintOptions options;

@@ -1,6 +1,8 @@
 #include "coordinator/job_controller.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstdlib>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -25,6 +27,15 @@ constexpr int64_t kStragglerPatienceMs = 5000;
 // is made a replica again (it may still replace a lost worker before that):
 // a link that keeps failing would otherwise cycle it in and out.
 constexpr int64_t kReplicaCooldownMs = 30000;
+// Dead workers kept (shown in status, persisted); older ones are forgotten.
+constexpr size_t kMaxDeadMembers = 256;
+// Status shows at most this many workers (live first) and cuts event
+// details, so that it stays far below the 16 MiB message limit.
+constexpr int kMaxStatusWorkers = 2000;
+constexpr size_t kMaxEventDetailBytes = 512;
+constexpr size_t kMaxEventKindBytes = 64;
+// An accuser whose accusations were this many times not confirmed is suspected.
+constexpr int kUnconfirmedAccusationsToSuspect = 2;
 
 std::string JsonEscape(const std::string& s) {
   std::string out;
@@ -103,7 +114,7 @@ absl::Status JobController::RecoverLocked() {
     r.end_reason = m.end_reason();
     live += r.alive ? 1 : 0;
   }
-  membership_.Restore(std::move(records));
+  membership_.Restore(std::move(records), saved.next_worker_number());
   step_ = saved.step();
   samples_ = saved.samples();
   loss_ = saved.loss();
@@ -146,6 +157,7 @@ void JobController::PersistLocked() {
   state.set_val_loss(val_loss_);
   state.set_accuracy(accuracy_);
   state.set_done(done_);
+  state.set_next_worker_number(membership_.next_number());
   absl::Status written = store_.WriteState(state);
   if (!written.ok()) GT_LOG(Warning) << "could not persist state: " << written.message();
   last_persist_ms_ = options_.clock->NowMs();
@@ -155,9 +167,11 @@ double JobController::ElapsedS() const {
   return (options_.clock->NowMs() - start_ms_) / 1000.0;
 }
 
-v1::JoinResponse JobController::Join(const v1::JoinRequest& request) {
+absl::StatusOr<v1::JoinResponse> JobController::Join(const v1::JoinRequest& request,
+                                                     const std::string& worker_id) {
+  if (absl::Status valid = ValidateJoinRequest(request); !valid.ok()) return valid;
   WorkerRecord record =
-      membership_.Join(request.name(), request.address(), request.device());
+      membership_.Join(request.name(), request.address(), request.device(), worker_id);
   v1::JoinResponse response;
   response.set_worker_id(record.id);
   response.set_lease_ms(static_cast<int32_t>(membership_.lease_ms()));
@@ -174,6 +188,33 @@ v1::JoinResponse JobController::Join(const v1::JoinRequest& request) {
   return response;
 }
 
+bool JobController::KnowsWorker(const std::string& worker_id) const {
+  return membership_.Knows(worker_id);
+}
+
+void JobController::RecordEnrollment(const std::string& worker_id, const std::string& name,
+                                     const std::string& token_id) {
+  absl::MutexLock lock(&mu_);
+  AddEventLocked("enrolled", name.empty() ? worker_id : name,
+                 absl::StrCat(worker_id, " with token ", token_id));
+}
+
+void JobController::RecordAdminEvent(const std::string& kind, const std::string& detail) {
+  absl::MutexLock lock(&mu_);
+  AddEventLocked(kind, "", detail);
+}
+
+bool JobController::RevokeWorker(const std::string& worker_id) {
+  const bool was_live = membership_.Leave(worker_id, "revoked");
+  absl::MutexLock lock(&mu_);
+  AddEventLocked("revoked", NameOf(worker_id),
+                 absl::StrCat(worker_id, ": its certificate is denied from now on"));
+  if (was_live) MaybeReplanLocked();
+  membership_.PruneDead(kMaxDeadMembers);
+  PersistLocked();
+  return was_live;
+}
+
 bool JobController::Heartbeat(const v1::HeartbeatRequest& request) {
   return membership_.Heartbeat(request.worker_id(), request.rss_bytes(), request.step(),
                                request.stats());
@@ -184,6 +225,7 @@ void JobController::Leave(const std::string& worker_id) {
     absl::MutexLock lock(&mu_);
     AddEventLocked("left", NameOf(worker_id), worker_id);
     MaybeReplanLocked();
+    membership_.PruneDead(kMaxDeadMembers);
     PersistLocked();
   }
 }
@@ -206,6 +248,19 @@ absl::Status JobController::ReportStep(const v1::StepReport& report) {
         absl::StrCat("step report of epoch ", report.epoch(),
                      " refused: current epoch is ",
                      plan_.has_value() ? plan_->epoch() : 0));
+  }
+  const v1::StageAssignment* stage = StageOf(*plan_, report.worker_id());
+  if (stage == nullptr || stage->stage() + 1 != plan_->stages_size()) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "step reports come from the last stage; ", report.worker_id().substr(0, 128),
+        " is not on it"));
+  }
+  if (report.step() < 1 || report.step() > options_.job.steps() ||
+      !std::isfinite(report.loss()) || report.samples() < 0 ||
+      report.samples() > int64_t{options_.job.microbatches()} * options_.job.microbatch_size()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "step report out of range (step %d of %d, loss %g, %d samples): refused",
+        report.step(), options_.job.steps(), report.loss(), report.samples()));
   }
   if (report.step() <= step_) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -239,6 +294,19 @@ absl::Status JobController::ReportEval(const v1::EvalReport& report) {
   if (!plan_.has_value() || report.epoch() != plan_->epoch()) {
     return absl::FailedPreconditionError("eval report of another epoch");
   }
+  const v1::StageAssignment* stage = StageOf(*plan_, report.worker_id());
+  if (stage == nullptr || stage->stage() + 1 != plan_->stages_size()) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "evaluations come from the last stage; ", report.worker_id().substr(0, 128),
+        " is not on it"));
+  }
+  if (report.step() < 0 || report.step() > options_.job.steps() ||
+      !std::isfinite(report.val_loss()) || !std::isfinite(report.accuracy()) ||
+      report.accuracy() < 0 || report.accuracy() > 1 || report.samples() < 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "eval report out of range (step %d, val_loss %g, accuracy %g): refused", report.step(),
+        report.val_loss(), report.accuracy()));
+  }
   val_loss_ = report.val_loss();
   accuracy_ = report.accuracy();
   std::string line = absl::StrFormat(
@@ -268,8 +336,12 @@ absl::Status JobController::ReportDone(const v1::DoneReport& report) {
     return absl::FailedPreconditionError("done reported before any plan");
   }
   if (StageOf(*plan_, report.worker_id()) == nullptr) {
-    return absl::NotFoundError(
-        absl::StrCat(report.worker_id(), " has no stage in the plan"));
+    return absl::PermissionDeniedError(
+        absl::StrCat(report.worker_id().substr(0, 128), " has no stage in the plan"));
+  }
+  if (report.step() < 0 || report.step() > options_.job.steps()) {
+    return absl::InvalidArgumentError(absl::StrCat("done at step ", report.step(), " of ",
+                                                   options_.job.steps(), ": refused"));
   }
   done_workers_.insert(report.worker_id());
   AddEventLocked("worker_done", NameOf(report.worker_id()),
@@ -294,53 +366,153 @@ void JobController::Tick() {
   for (const WorkerRecord& w : expired) {
     AddEventLocked("lost", w.name, absl::StrCat(w.id, ": ", w.end_reason));
   }
+  CheckAccusationsLocked();
   MaybeReplanLocked();
   MaybePlanLocked();
   CheckStragglersLocked();
-  if (!expired.empty()) PersistLocked();
+  if (!expired.empty()) {
+    membership_.PruneDead(kMaxDeadMembers);
+    PersistLocked();
+  }
 }
 
 absl::Status JobController::SaveCheckpoint(const v1::LayerCheckpoint& checkpoint) {
-  if (checkpoint.layer() >= NumLayers(options_.job)) {
-    return absl::InvalidArgumentError(absl::StrCat("checkpoint of layer ", checkpoint.layer(),
-                                                   ": the model has ",
-                                                   NumLayers(options_.job)));
+  absl::Status valid = CheckLayerCheckpoint(options_.job, checkpoint);
+  {
+    absl::MutexLock lock(&mu_);
+    if (valid.ok()) {
+      const v1::StageAssignment* stage =
+          plan_.has_value() ? StageOf(*plan_, checkpoint.worker_id()) : nullptr;
+      if (stage == nullptr || stage->worker_id() != checkpoint.worker_id() ||
+          checkpoint.layer() < stage->layer_begin() || checkpoint.layer() >= stage->layer_end()) {
+        valid = absl::PermissionDeniedError(absl::StrCat(
+            "checkpoint of layer ", checkpoint.layer(), " from ",
+            checkpoint.worker_id().substr(0, 128),
+            ", which is not the primary of the stage that holds it"));
+      }
+    }
+    if (!valid.ok()) {
+      AddEventLocked("checkpoint_refused", NameOf(checkpoint.worker_id()),
+                     std::string(valid.message()));
+      return valid;
+    }
   }
   return checkpoints_->Save(checkpoint);
 }
 
 absl::StatusOr<v1::LayerCheckpoint> JobController::LoadCheckpoint(const std::string& worker_id,
-                                                                   int layer) {
+                                                                   int layer, bool probe) {
+  {
+    absl::MutexLock lock(&mu_);
+    const v1::StageAssignment* stage = plan_.has_value() ? StageOf(*plan_, worker_id) : nullptr;
+    if (stage == nullptr || layer < stage->layer_begin() || layer >= stage->layer_end()) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          worker_id.substr(0, 128), " may load only the layers of its own stage, not ", layer));
+    }
+  }
   std::vector<std::string> skipped;
   absl::StatusOr<v1::LayerCheckpoint> checkpoint = checkpoints_->LoadLatest(layer, &skipped);
   absl::MutexLock lock(&mu_);
   for (const std::string& why : skipped) {
     AddEventLocked("checkpoint_corrupt", "", absl::StrCat(why, "; using an older one"));
   }
-  if (checkpoint.ok()) {
+  if (checkpoint.ok() && !probe) {
     AddEventLocked("restore", NameOf(worker_id),
                    absl::StrCat("layer ", layer, " from step ", checkpoint->step()));
   }
   return checkpoint;
 }
 
-void JobController::RecordWorkerEvent(const v1::WorkerEvent& event) {
+absl::Status JobController::RecordWorkerEvent(const v1::WorkerEvent& event) {
+  if (event.kind().size() > kMaxEventKindBytes) {
+    return absl::InvalidArgumentError("event kind longer than 64 bytes");
+  }
   absl::MutexLock lock(&mu_);
-  AddEventLocked(event.kind(), NameOf(event.worker_id()),
+  const std::string& accuser = event.worker_id();
+  if (!membership_.Knows(accuser)) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("event from unknown worker '", accuser.substr(0, 128), "'"));
+  }
+  AddEventLocked(event.kind(), NameOf(accuser),
                  event.peer().empty()
                      ? event.detail()
-                     : absl::StrCat(event.detail(), " (peer ", NameOf(event.peer()), ")"));
+                     : absl::StrCat(event.detail().substr(0, kMaxEventDetailBytes), " (peer ",
+                                    NameOf(event.peer()).substr(0, 128), ")"));
+  if (event.kind() == "draining") draining_.insert(accuser);
   // A lost link on the current plan: the neighbour accused is taken out of
   // the pipeline (it stays a standby if it is alive). Only the first report
   // of an epoch counts: the other end of the same link accuses this one.
-  if (event.kind() == "draining") draining_.insert(event.worker_id());
   // A draining worker closes its links on purpose: not a failure.
-  if (event.kind() == "link_lost" && plan_.has_value() && !done_ &&
-      event.epoch() == plan_->epoch() && draining_.count(event.peer()) == 0) {
-    const std::string accused = event.peer();
-    ReplaceLocked(accused, absl::StrCat("its link from ", NameOf(event.worker_id()), " was lost"),
-                  Replacement::kTakeOut);
-    suspended_at_ms_[accused] = options_.clock->NowMs();
+  if (event.kind() != "link_lost" || !plan_.has_value() || done_ ||
+      event.epoch() != plan_->epoch() || draining_.count(event.peer()) > 0) {
+    return absl::OkStatus();
+  }
+  const std::string& accused = event.peer();
+  const v1::StageAssignment* accuser_stage = StageOf(*plan_, accuser);
+  const v1::StageAssignment* accused_stage = StageOf(*plan_, accused);
+  if (accuser_stage == nullptr || accused_stage == nullptr ||
+      std::abs(accuser_stage->stage() - accused_stage->stage()) != 1) {
+    const std::string why = absl::StrCat(
+        "accusation of ", accused.substr(0, 128), " by ", accuser,
+        " refused: they are not neighbours in the plan of epoch ", plan_->epoch());
+    AddEventLocked("accusation_refused", NameOf(accuser), why);
+    return absl::PermissionDeniedError(why);
+  }
+  if (auto suspected = suspected_.find(accuser); suspected != suspected_.end()) {
+    const std::string why = absl::StrCat("accusation of ", accused, " by ", accuser,
+                                         " ignored: the accuser is suspected (",
+                                         suspected->second, ")");
+    AddEventLocked("accusation_refused", NameOf(accuser), why);
+    return absl::PermissionDeniedError(why);
+  }
+  const int64_t now = options_.clock->NowMs();
+  if (auto last = last_accusation_ms_.find(accuser);
+      last != last_accusation_ms_.end() && now - last->second < membership_.lease_ms()) {
+    const std::string why = absl::StrCat("accusation of ", accused, " by ", accuser,
+                                         " refused: one accusation per worker per lease (",
+                                         membership_.lease_ms(), " ms)");
+    AddEventLocked("accusation_refused", NameOf(accuser), why);
+    return absl::ResourceExhaustedError(why);
+  }
+  last_accusation_ms_[accuser] = now;
+  pending_accusations_[accused] = {accuser, now};
+  ReplaceLocked(accused, absl::StrCat("its link from ", NameOf(accuser), " was lost"),
+                Replacement::kTakeOut);
+  suspended_at_ms_[accused] = now;
+  return absl::OkStatus();
+}
+
+void JobController::CheckAccusationsLocked() {
+  const int64_t now = options_.clock->NowMs();
+  const int64_t lease = membership_.lease_ms();
+  std::map<std::string, WorkerRecord> records;
+  for (const WorkerRecord& w : membership_.Snapshot()) records[w.id] = w;
+  for (auto it = pending_accusations_.begin(); it != pending_accusations_.end();) {
+    const auto& [accused, accusation] = *it;
+    auto record = records.find(accused);
+    if (record == records.end() || !record->second.alive) {
+      it = pending_accusations_.erase(it);  // confirmed: the accused is gone
+      continue;
+    }
+    if (now - accusation.at_ms < 2 * lease) {
+      ++it;
+      continue;
+    }
+    // The accused kept its lease for two lease periods after the
+    // accusation: it was alive, and only its link from the accuser failed.
+    if (record->second.last_heartbeat_ms > accusation.at_ms + lease &&
+        options_.authenticated_callers) {
+      const int count = ++unconfirmed_accusations_[accusation.accuser];
+      if (count >= kUnconfirmedAccusationsToSuspect && suspected_.count(accusation.accuser) == 0) {
+        suspected_[accusation.accuser] =
+            absl::StrCat(count, " of its link_lost accusations were not confirmed: the accused "
+                                "kept heartbeating");
+        AddEventLocked("suspected", NameOf(accusation.accuser),
+                       absl::StrCat(accusation.accuser, ": ", suspected_[accusation.accuser],
+                                    "; its accusations no longer count"));
+      }
+    }
+    it = pending_accusations_.erase(it);
   }
 }
 
@@ -739,8 +911,19 @@ v1::ClusterStatus JobController::Status() const {
     status.set_samples_per_s((recent_.back().second - recent_.front().second) /
                              (recent_.back().first - recent_.front().first));
   }
+  if (static_cast<int>(workers.size()) > kMaxStatusWorkers) {
+    // Live workers first, then the most recent of the dead.
+    std::stable_partition(workers.begin(), workers.end(),
+                          [](const WorkerRecord& w) { return w.alive; });
+    status.add_truncated(absl::StrCat("showing ", kMaxStatusWorkers, " of ", workers.size(),
+                                      " workers (live ones first)"));
+    workers.resize(kMaxStatusWorkers);
+  }
   for (const WorkerRecord& w : workers) {
     v1::WorkerStatus* out = status.add_workers();
+    if (auto suspected = suspected_.find(w.id); suspected != suspected_.end()) {
+      out->set_suspected(suspected->second);
+    }
     out->set_id(w.id);
     out->set_name(w.name);
     out->set_address(w.address);
@@ -825,12 +1008,15 @@ void JobController::AddEventLocked(const std::string& kind,
   event.set_time_s(ElapsedS());
   event.set_kind(kind);
   event.set_worker(worker);
-  event.set_detail(detail);
-  GT_LOG(Info) << "event " << kind << (worker.empty() ? "" : " " + worker)
-               << ": " << detail;
+  event.set_detail(detail.size() > kMaxEventDetailBytes
+                       ? absl::StrCat(detail.substr(0, kMaxEventDetailBytes), "...")
+                       : detail);
+  event.set_worker(worker.substr(0, 128));
+  GT_LOG(Info) << "event " << kind << (event.worker().empty() ? "" : " " + event.worker())
+               << ": " << event.detail();
   absl::Status logged = store_.AppendEvent(absl::StrFormat(
       "{\"time_s\":%.3f,\"kind\":\"%s\",\"worker\":\"%s\",\"detail\":\"%s\"}",
-      event.time_s(), JsonEscape(kind), JsonEscape(worker), JsonEscape(detail)));
+      event.time_s(), JsonEscape(kind), JsonEscape(event.worker()), JsonEscape(event.detail())));
   if (!logged.ok()) GT_LOG(Warning) << logged.message();
   events_.push_back(std::move(event));
   while (events_.size() > kMaxEvents) events_.pop_front();

@@ -36,6 +36,10 @@ struct JobControllerOptions {
   std::string metrics_log_path;  // one JSON line per step/eval; empty: none
   const Clock* clock = nullptr;  // not owned; must outlive the controller
   int heartbeat_ms = 1000;
+  // Callers' worker ids are certified (TLS): an accuser whose accusations
+  // are not confirmed can be suspected. Insecure, anyone may speak for
+  // anyone, so nobody is suspected on what "they" said.
+  bool authenticated_callers = false;
 };
 
 class JobController {
@@ -43,7 +47,18 @@ class JobController {
   static absl::StatusOr<std::unique_ptr<JobController>> Create(
       JobControllerOptions options);
 
-  v1::JoinResponse Join(const v1::JoinRequest& request);
+  // INVALID_ARGUMENT for a join whose fields are out of range
+  // (ValidateJoinRequest). `worker_id`: the caller's certified id (TLS),
+  // or empty for a new id (insecure).
+  absl::StatusOr<v1::JoinResponse> Join(const v1::JoinRequest& request,
+                                        const std::string& worker_id = "");
+  bool KnowsWorker(const std::string& worker_id) const;
+  // Events for the Admin service and enrollments (TLS mode).
+  void RecordEnrollment(const std::string& worker_id, const std::string& name,
+                        const std::string& token_id);
+  void RecordAdminEvent(const std::string& kind, const std::string& detail);
+  // Ends a revoked worker's lease now (re-planning around it). True when it was live.
+  bool RevokeWorker(const std::string& worker_id);
   // False when the worker is unknown or dead (it must join again).
   bool Heartbeat(const v1::HeartbeatRequest& request);
   void Leave(const std::string& worker_id);
@@ -54,18 +69,30 @@ class JobController {
                                       absl::Duration timeout);
 
   // Refuses reports of another epoch or of a step that is not new
-  // (FAILED_PRECONDITION) and of unknown workers (NOT_FOUND).
+  // (FAILED_PRECONDITION), of workers the plan does not put on the last
+  // stage (PERMISSION_DENIED; ReportDone: on any stage), and of figures out
+  // of range: a step past the job's, a loss that is not finite
+  // (INVALID_ARGUMENT).
   absl::Status ReportStep(const v1::StepReport& report);
   absl::Status ReportEval(const v1::EvalReport& report);
   absl::Status ReportDone(const v1::DoneReport& report);
 
   // Stage checkpoints (CheckpointStore; no lock of the controller is held
-  // for the disk I/O). LoadCheckpoint records a restore event, and an event
-  // for each corrupt file passed over.
+  // for the disk I/O). A worker saves only the layers of the stage it is
+  // the primary of, loads only its own stage's (PERMISSION_DENIED), and a
+  // checkpoint must match the model (CheckLayerCheckpoint) or it is refused
+  // with an event. LoadCheckpoint records a restore event unless `probe`,
+  // and an event for each corrupt file passed over.
   absl::Status SaveCheckpoint(const v1::LayerCheckpoint& checkpoint);
-  absl::StatusOr<v1::LayerCheckpoint> LoadCheckpoint(const std::string& worker_id, int layer);
+  absl::StatusOr<v1::LayerCheckpoint> LoadCheckpoint(const std::string& worker_id, int layer,
+                                                     bool probe = false);
   // A worker's report (restore, drain, dropped microbatches, dead link).
-  void RecordWorkerEvent(const v1::WorkerEvent& event);
+  // A link_lost accusation counts only from a neighbour of the accused in
+  // the current plan, at most one per accuser per lease period, and not
+  // from a suspected accuser (one whose accusations were twice not
+  // confirmed: the accused kept heartbeating); refusals are
+  // PERMISSION_DENIED or RESOURCE_EXHAUSTED with an event.
+  absl::Status RecordWorkerEvent(const v1::WorkerEvent& event);
 
   // Expires leases, re-plans around lost workers (a standby takes an
   // orphaned stage; without one the layers are re-partitioned over the
@@ -158,6 +185,18 @@ class JobController {
   std::map<std::string, Pace> pace_ ABSL_GUARDED_BY(mu_);
   // Workers demoted as stragglers: standbys, but never made replicas again.
   std::set<std::string> demoted_ ABSL_GUARDED_BY(mu_);
+  // link_lost accusations: the last one counted per accuser, those still
+  // to be confirmed (accused -> accuser, when), and the accusers whose
+  // accusations were not confirmed (how often, and whether suspected).
+  std::map<std::string, int64_t> last_accusation_ms_ ABSL_GUARDED_BY(mu_);
+  struct PendingAccusation {
+    std::string accuser;
+    int64_t at_ms = 0;
+  };
+  std::map<std::string, PendingAccusation> pending_accusations_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, int> unconfirmed_accusations_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::string> suspected_ ABSL_GUARDED_BY(mu_);
+  void CheckAccusationsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::ofstream metrics_ ABSL_GUARDED_BY(mu_);
   std::optional<v1::Plan> plan_ ABSL_GUARDED_BY(mu_);
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;

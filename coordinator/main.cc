@@ -7,6 +7,8 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <optional>
+#include <vector>
 #include <thread>
 
 #include "absl/flags/flag.h"
@@ -17,6 +19,9 @@
 #include "common/job_spec.h"
 #include "common/logging.h"
 #include "common/rpc_options.h"
+#include "common/transport_security.h"
+#include "coordinator/access_store.h"
+#include "coordinator/cluster_authority.h"
 #include "coordinator/coordinator_service.h"
 #include "coordinator/job_controller.h"
 
@@ -24,10 +29,10 @@ ABSL_FLAG(std::string, listen, "0.0.0.0:7070", "HOST:PORT to serve on (port 0: a
 ABSL_FLAG(std::string, job, "", "job spec (.textproto), required");
 ABSL_FLAG(std::string, state_dir, "geotrain-state", "directory for durable state");
 ABSL_FLAG(std::string, metrics_log, "", "JSON-lines metrics file (default: <state_dir>/metrics.jsonl)");
-ABSL_FLAG(int, min_workers, 0, "override the job's min_workers");
-ABSL_FLAG(int, steps, 0, "override the job's steps");
+ABSL_FLAG(std::optional<int>, min_workers, std::nullopt, "override the job's min_workers");
+ABSL_FLAG(std::optional<int>, steps, std::nullopt, "override the job's steps");
 ABSL_FLAG(std::string, schedule, "", "override the job's schedule (sync)");
-ABSL_FLAG(int64_t, seed, -1, "override the job's seed");
+ABSL_FLAG(std::optional<int64_t>, seed, std::nullopt, "override the job's seed (>= 0)");
 ABSL_FLAG(std::string, activation_codec, "", "override the job's activation codec (none, fp16, bf16, int8, int4, topk)");
 ABSL_FLAG(std::string, gradient_codec, "", "override the job's gradient codec");
 ABSL_FLAG(bool, adaptive, false,
@@ -35,6 +40,14 @@ ABSL_FLAG(bool, adaptive, false,
           "(the strongest allowed) as the link or the compute limits it");
 ABSL_FLAG(std::string, port_file, "", "write the bound port here once serving");
 ABSL_FLAG(bool, exit_when_done, false, "exit once the job has finished");
+ABSL_FLAG(bool, insecure, false,
+          "plaintext and no authentication on every call (loopback demos and tests only)");
+ABSL_FLAG(std::string, tls_cert, "", "serving certificate (PEM) instead of the generated one");
+ABSL_FLAG(std::string, tls_key, "", "its private key (PEM)");
+ABSL_FLAG(std::string, tls_ca, "", "the CA that issued --tls_cert (PEM); tokens pin it");
+ABSL_FLAG(std::vector<std::string>, tls_san, {},
+          "extra DNS names or IP addresses for the generated serving certificate");
+ABSL_FLAG(int, joins_per_minute, 60, "joins and enrollments accepted per source host per minute");
 
 namespace {
 std::atomic<bool> g_stop{false};
@@ -50,19 +63,32 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "geotrain-coordinator --listen=HOST:PORT --job=FILE [--state_dir=DIR] "
       "[--metrics_log=FILE]");
-  absl::ParseCommandLine(argc, argv);
+  const std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   geotrain::SetLogPrefix("coordinator");
+  if (positional.size() > 1) {
+    return Fail(std::string("unexpected argument '") + positional[1] + "' (flags are --name=value)");
+  }
+  if (absl::Status listen = geotrain::ValidateHostPort("listen", absl::GetFlag(FLAGS_listen), true);
+      !listen.ok()) {
+    return Fail(std::string(listen.message()));
+  }
+  if (absl::GetFlag(FLAGS_joins_per_minute) < 1) return Fail("--joins_per_minute must be >= 1");
 
   const std::string job_path = absl::GetFlag(FLAGS_job);
   if (job_path.empty()) return Fail("--job=FILE is required");
   absl::StatusOr<geotrain::v1::JobSpec> job = geotrain::LoadJobSpec(job_path);
   if (!job.ok()) return Fail(std::string(job.status().message()));
-  if (absl::GetFlag(FLAGS_min_workers) > 0) {
-    job->set_min_workers(absl::GetFlag(FLAGS_min_workers));
+  if (std::optional<int> min_workers = absl::GetFlag(FLAGS_min_workers)) {
+    if (*min_workers < 1) return Fail("--min_workers must be >= 1");
+    job->set_min_workers(*min_workers);
   }
-  if (absl::GetFlag(FLAGS_steps) > 0) job->set_steps(absl::GetFlag(FLAGS_steps));
-  if (absl::GetFlag(FLAGS_seed) >= 0) {
-    job->set_seed(static_cast<uint64_t>(absl::GetFlag(FLAGS_seed)));
+  if (std::optional<int> steps = absl::GetFlag(FLAGS_steps)) {
+    if (*steps < 1) return Fail("--steps must be >= 1");
+    job->set_steps(*steps);
+  }
+  if (std::optional<int64_t> seed = absl::GetFlag(FLAGS_seed)) {
+    if (*seed < 0) return Fail("--seed must be >= 0");
+    job->set_seed(static_cast<uint64_t>(*seed));
   }
   if (!absl::GetFlag(FLAGS_schedule).empty()) {
     absl::StatusOr<geotrain::v1::Schedule> schedule =
@@ -92,17 +118,57 @@ int main(int argc, char** argv) {
                                  : absl::GetFlag(FLAGS_metrics_log);
   options.clock = &clock;
   options.heartbeat_ms = std::max(100, job->lease_ms() / 5);
+  const bool insecure = absl::GetFlag(FLAGS_insecure);
+  options.authenticated_callers = !insecure;
+
+  // TLS: the cluster CA and the tokens live in the state dir.
+  std::unique_ptr<geotrain::ClusterAuthority> authority;
+  std::unique_ptr<geotrain::AccessStore> access;
+  geotrain::TransportSecurity server_security = geotrain::TransportSecurity::Insecure();
+  if (insecure) {
+    GT_LOG(Warning) << "--insecure: every call is plaintext and unauthenticated; anyone who "
+                       "can reach this port can join, report and evict. Loopback demos and "
+                       "tests only.";
+  } else {
+    geotrain::ClusterAuthorityOptions tls;
+    tls.dir = options.state_dir + "/tls";
+    tls.serving_certificate_path = absl::GetFlag(FLAGS_tls_cert);
+    tls.serving_key_path = absl::GetFlag(FLAGS_tls_key);
+    tls.serving_ca_path = absl::GetFlag(FLAGS_tls_ca);
+    tls.extra_names = absl::GetFlag(FLAGS_tls_san);
+    absl::StatusOr<std::unique_ptr<geotrain::ClusterAuthority>> opened =
+        geotrain::ClusterAuthority::Open(tls);
+    if (!opened.ok()) return Fail(absl::StrCat("TLS: ", opened.status().message()));
+    authority = *std::move(opened);
+    absl::StatusOr<std::unique_ptr<geotrain::AccessStore>> tokens = geotrain::AccessStore::Open(
+        options.state_dir + "/access.textproto", authority->serving_ca_fingerprint());
+    if (!tokens.ok()) return Fail(std::string(tokens.status().message()));
+    access = *std::move(tokens);
+    server_security = authority->server_security();
+    GT_LOG(Info) << "TLS on; CA " << authority->serving_ca_fingerprint() << "; admin credential "
+                 << authority->admin_credential_path();
+  }
   auto controller = geotrain::JobController::Create(options);
   if (!controller.ok()) return Fail(std::string(controller.status().message()));
 
-  geotrain::CoordinatorService coordinator_service(controller->get());
-  geotrain::StatusService status_service(controller->get());
+  geotrain::CoordinatorServiceOptions service_options;
+  service_options.controller = controller->get();
+  service_options.authority = authority.get();
+  service_options.access = access.get();
+  service_options.clock = &clock;
+  service_options.joins_per_source_per_minute = absl::GetFlag(FLAGS_joins_per_minute);
+  geotrain::CoordinatorService coordinator_service(service_options);
+  geotrain::AdminService admin_service(service_options);
+  geotrain::StatusService status_service(service_options);
   grpc::ServerBuilder builder;
   geotrain::ConfigureServerBuilder(&builder);
   int port = 0;
-  builder.AddListeningPort(absl::GetFlag(FLAGS_listen),
-                           grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(
+      absl::GetFlag(FLAGS_listen),
+      geotrain::MakeServerCredentials(server_security, geotrain::ClientCertificates::kOptional),
+      &port);
   builder.RegisterService(&coordinator_service);
+  builder.RegisterService(&admin_service);
   builder.RegisterService(&status_service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {

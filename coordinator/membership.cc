@@ -1,26 +1,160 @@
 #include "coordinator/membership.h"
 
+#include <cmath>
+
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
 
 namespace geotrain {
+namespace {
+
+constexpr size_t kMaxNameBytes = 128;
+constexpr size_t kMaxAddressBytes = 256;
+constexpr size_t kMaxDeviceStringBytes = 512;
+constexpr size_t kMaxStatsEntries = 64;
+constexpr size_t kMaxStatsStringBytes = 256;
+constexpr double kMaxGflops = 1e7;          // 10 PFLOP/s: no single device is faster
+constexpr uint64_t kMaxMemoryBytes = 1ULL << 50;  // 1 PiB
+
+bool Printable(const std::string& s) {
+  for (unsigned char c : s) {
+    if (c < 0x20 || c == 0x7f) return false;
+  }
+  return true;
+}
+
+double Finite(double x) { return std::isfinite(x) ? x : 0; }
+
+std::string Cut(const std::string& s) { return s.substr(0, kMaxStatsStringBytes); }
+
+// "w12" -> 12, else -1.
+int WorkerNumber(const std::string& id) {
+  int n = -1;
+  if (id.size() < 2 || id[0] != 'w' || !absl::SimpleAtoi(id.substr(1), &n)) return -1;
+  return n;
+}
+
+}  // namespace
+
+absl::Status ValidateWorkerName(const std::string& name) {
+  if (name.size() > kMaxNameBytes || !Printable(name)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "worker name of ", name.size(), " bytes: at most ", kMaxNameBytes,
+        " printable bytes"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateJoinRequest(const v1::JoinRequest& request) {
+  if (absl::Status name = ValidateWorkerName(request.name()); !name.ok()) return name;
+  const std::string& address = request.address();
+  const size_t colon = address.rfind(':');
+  int port = 0;
+  if (address.empty() || address.size() > kMaxAddressBytes || !Printable(address) ||
+      colon == std::string::npos || colon == 0 ||
+      !absl::SimpleAtoi(address.substr(colon + 1), &port) || port < 1 || port > 65535 ||
+      address.find_first_of(" /,") != std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "join address '", address.substr(0, kMaxAddressBytes),
+        "' is not HOST:PORT (port 1-65535, at most 256 bytes) that peers can dial"));
+  }
+  const v1::DeviceInfo& d = request.device();
+  if (!std::isfinite(d.matmul_gflops()) || d.matmul_gflops() <= 0 ||
+      d.matmul_gflops() > kMaxGflops) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "join with ", d.matmul_gflops(), " GFLOP/s: must be finite, positive and at most 1e7"));
+  }
+  if (d.memory_bytes() > kMaxMemoryBytes || d.memory_total_bytes() > kMaxMemoryBytes) {
+    return absl::InvalidArgumentError("join with more than 1 PiB of memory");
+  }
+  if (d.threads() < 0 || d.threads() > 65536) {
+    return absl::InvalidArgumentError(absl::StrCat("join with ", d.threads(), " threads"));
+  }
+  for (const std::string* field : {&d.device(), &d.blas(), &d.threads_reason(),
+                                   &d.environment()}) {
+    if (field->size() > kMaxDeviceStringBytes) {
+      return absl::InvalidArgumentError("join with a device description over 512 bytes");
+    }
+  }
+  return absl::OkStatus();
+}
+
+v1::StageStats BoundedStageStats(const v1::StageStats& stats) {
+  v1::StageStats out = stats;
+  out.set_schedule(Cut(out.schedule()));
+  out.set_threads_reason(Cut(out.threads_reason()));
+  out.set_staleness_mean(Finite(out.staleness_mean()));
+  out.set_bubble_fraction(Finite(out.bubble_fraction()));
+  out.set_microbatches_per_s(Finite(out.microbatches_per_s()));
+  out.set_compute_s_per_microbatch(Finite(out.compute_s_per_microbatch()));
+  if (out.links_size() > static_cast<int>(kMaxStatsEntries)) {
+    out.mutable_links()->DeleteSubrange(kMaxStatsEntries, out.links_size() - kMaxStatsEntries);
+  }
+  if (out.routes_size() > static_cast<int>(kMaxStatsEntries)) {
+    out.mutable_routes()->DeleteSubrange(kMaxStatsEntries, out.routes_size() - kMaxStatsEntries);
+  }
+  for (v1::LinkStats& link : *out.mutable_links()) {
+    std::string bytes;
+    link.SerializeToString(&bytes);
+    if (bytes.size() > 4 * kMaxStatsStringBytes) link.Clear();
+  }
+  for (v1::RouteStats& route : *out.mutable_routes()) {
+    std::string bytes;
+    route.SerializeToString(&bytes);
+    if (bytes.size() > 4 * kMaxStatsStringBytes) route.Clear();
+  }
+  return out;
+}
 
 Membership::Membership(const Clock* clock, int64_t lease_ms)
     : clock_(clock), lease_ms_(lease_ms) {}
 
-WorkerRecord Membership::Join(const std::string& name,
-                              const std::string& address,
-                              const v1::DeviceInfo& device) {
+WorkerRecord Membership::Join(const std::string& name, const std::string& address,
+                              const v1::DeviceInfo& device, const std::string& id) {
   absl::MutexLock lock(&mu_);
-  WorkerRecord record;
-  record.join_order = static_cast<int>(workers_.size());
-  record.id = absl::StrCat("w", record.join_order);
-  record.name = name.empty() ? record.id : name;
-  record.address = address;
-  record.device = device;
-  record.joined_ms = clock_->NowMs();
-  record.last_heartbeat_ms = record.joined_ms;
-  workers_.push_back(record);
-  return record;
+  WorkerRecord* record = nullptr;
+  for (WorkerRecord& w : workers_) {
+    if (!id.empty() && w.id == id) record = &w;
+  }
+  if (record == nullptr) {
+    record = &workers_.emplace_back();
+    record->join_order = next_join_order_++;
+    record->id = id.empty() ? absl::StrCat("w", next_number_) : id;
+    next_number_ = std::max(next_number_, WorkerNumber(record->id) + 1);
+  }
+  // A worker that joins again (with its certificate) keeps its id.
+  record->name = name.empty() ? record->id : name;
+  record->address = address;
+  record->device = device;
+  record->joined_ms = clock_->NowMs();
+  record->last_heartbeat_ms = record->joined_ms;
+  record->alive = true;
+  record->end_reason.clear();
+  record->stats.Clear();
+  return *record;
+}
+
+bool Membership::Knows(const std::string& id) const {
+  absl::MutexLock lock(&mu_);
+  for (const WorkerRecord& w : workers_) {
+    if (w.id == id) return true;
+  }
+  return false;
+}
+
+void Membership::PruneDead(size_t keep_dead) {
+  absl::MutexLock lock(&mu_);
+  size_t dead = 0;
+  for (const WorkerRecord& w : workers_) dead += w.alive ? 0 : 1;
+  for (auto it = workers_.begin(); it != workers_.end() && dead > keep_dead;) {
+    if (it->alive) {
+      ++it;
+    } else {
+      it = workers_.erase(it);
+      --dead;
+    }
+  }
 }
 
 bool Membership::Heartbeat(const std::string& id, uint64_t rss_bytes, int step,
@@ -32,7 +166,7 @@ bool Membership::Heartbeat(const std::string& id, uint64_t rss_bytes, int step,
     w.last_heartbeat_ms = clock_->NowMs();
     w.rss_bytes = rss_bytes;
     w.step = step;
-    w.stats = stats;
+    w.stats = BoundedStageStats(stats);
     return true;
   }
   return false;
@@ -65,14 +199,22 @@ std::vector<WorkerRecord> Membership::ExpireLeases() {
   return expired;
 }
 
-void Membership::Restore(std::vector<WorkerRecord> records) {
+void Membership::Restore(std::vector<WorkerRecord> records, int next_number) {
   absl::MutexLock lock(&mu_);
+  next_number_ = std::max(next_number_, next_number);
   const int64_t now = clock_->NowMs();
   for (WorkerRecord& record : records) {
     record.joined_ms = now;
     record.last_heartbeat_ms = now;
+    next_number_ = std::max(next_number_, WorkerNumber(record.id) + 1);
+    next_join_order_ = std::max(next_join_order_, record.join_order + 1);
   }
   workers_ = std::move(records);
+}
+
+int Membership::next_number() const {
+  absl::MutexLock lock(&mu_);
+  return next_number_;
 }
 
 std::vector<WorkerRecord> Membership::Snapshot() const {

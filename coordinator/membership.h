@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "common/clock.h"
 #include "geotrain/v1/coordinator.pb.h"
@@ -28,15 +29,28 @@ struct WorkerRecord {
   std::string end_reason;  // why it is no longer alive
 };
 
+// Range checks of what a joiner says about itself (INVALID_ARGUMENT naming
+// the field): a name of at most 128 printable bytes, HOST:PORT of at most
+// 256 bytes, a finite positive GFLOP/s, a memory size under 1 PiB, short
+// device strings.
+absl::Status ValidateWorkerName(const std::string& name);
+absl::Status ValidateJoinRequest(const v1::JoinRequest& request);
+// Heartbeat figures made safe to keep and show: at most 64 links and
+// routes, strings cut to 256 bytes, non-finite numbers zeroed.
+v1::StageStats BoundedStageStats(const v1::StageStats& stats);
+
 // Keeps worker records and leases. A worker whose last heartbeat (or join)
 // is older than the lease is dead once ExpireLeases() runs. Thread-safe.
 class Membership {
  public:
   Membership(const Clock* clock, int64_t lease_ms);
 
-  // Admits a worker and returns its record.
+  // Admits a worker and returns its record. `id` empty: a new id
+  // ("w<n>", never reused); otherwise the worker with that id (allocated
+  // by the caller), which is re-admitted with a new lease if it was known.
   WorkerRecord Join(const std::string& name, const std::string& address,
-                    const v1::DeviceInfo& device);
+                    const v1::DeviceInfo& device, const std::string& id = "");
+  bool Knows(const std::string& id) const;
   // Renews the lease. False when the worker is unknown or already dead.
   bool Heartbeat(const std::string& id, uint64_t rss_bytes, int step,
                  const v1::StageStats& stats = v1::StageStats());
@@ -47,9 +61,16 @@ class Membership {
 
   // Re-admits workers persisted by a previous coordinator: ids and join
   // order are kept, live ones get a fresh lease from now.
-  void Restore(std::vector<WorkerRecord> records);
+  // `next_number`: the persisted next_number() (ids of pruned workers are
+  // not given out again).
+  void Restore(std::vector<WorkerRecord> records, int next_number = 0);
+  int next_number() const;
 
-  // All workers ever admitted, in join order.
+  // Forgets the oldest dead workers beyond `keep_dead` (they can no
+  // longer be shown, but their ids are never given out again).
+  void PruneDead(size_t keep_dead);
+
+  // All workers admitted and not pruned, in join order.
   std::vector<WorkerRecord> Snapshot() const;
   std::vector<WorkerRecord> LiveWorkers() const;
   int64_t lease_ms() const { return lease_ms_; }
@@ -59,6 +80,8 @@ class Membership {
   const int64_t lease_ms_;
   mutable absl::Mutex mu_;
   std::vector<WorkerRecord> workers_ ABSL_GUARDED_BY(mu_);
+  int next_number_ ABSL_GUARDED_BY(mu_) = 0;  // of the next "w<n>"
+  int next_join_order_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace geotrain

@@ -8,6 +8,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/files.h"
 #include "geotrain/v1/coordinator.pb.h"
 
 namespace geotrain {
@@ -30,11 +31,6 @@ class StateStore {
   explicit StateStore(std::string dir) : dir_(std::move(dir)) {}
   std::string dir_;
 };
-
-// Writes `contents` to `path` so that readers see the old or the new file,
-// never a torn one: temp file, fsync, rename, fsync of the directory.
-absl::Status WriteFileAtomically(const std::string& path,
-                                 const std::string& contents);
 
 }  // namespace geotrain
 

@@ -10,6 +10,7 @@ PACKAGES=(
   libopenblas0-openmp       # without it LibTorch's matmuls use reference BLAS (~16x slower)
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev libzstd-dev zlib1g-dev
+  libssl-dev                # keys, CSRs and certificates of the cluster CA
   fortunes                  # text corpus for the byte-level GPT
   dataset-fashion-mnist     # idx files for the MLP
   procps iproute2 python3 python3-venv

@@ -53,18 +53,25 @@ if [ ! -s "$RUN_DIR/port" ]; then
   echo "the coordinator did not start:"; cat "$RUN_DIR/coordinator.log"; exit 1
 fi
 COORDINATOR="127.0.0.1:$(cat "$RUN_DIR/port")"
-echo "   coordinator at $COORDINATOR"
+echo "   coordinator at $COORDINATOR (TLS; its CA and admin credential in $RUN_DIR/state/tls)"
+ADMIN="--admin_credential=$RUN_DIR/state/tls/admin.credential"
+
+# A token for exactly these workers, valid for an hour. It carries the CA's
+# fingerprint, so a worker needs nothing else to trust the coordinator.
+TOKEN=$("$BIN/geotrain-ctl" token create --coordinator="$COORDINATOR" "$ADMIN" \
+  --uses="$WORKERS" --ttl=1h --name=quickstart)
+echo "   join token ${TOKEN:0:10}... (geotrain-ctl token create)"
 
 for i in $(seq 0 $((WORKERS - 1))); do
   "$BIN/geotrain-worker" --coordinator="$COORDINATOR" --listen=127.0.0.1:0 \
-    --device=auto --name="worker$i" >"$RUN_DIR/worker$i.log" 2>&1 &
+    --device=auto --name="worker$i" --token="$TOKEN" >"$RUN_DIR/worker$i.log" 2>&1 &
   PIDS+=($!)
 done
 
 echo "== training (geotrain-ctl status --brief every 3 s)"
 START=$(date +%s)
 while true; do
-  line=$("$BIN/geotrain-ctl" status --coordinator="$COORDINATOR" --brief 2>&1) || true
+  line=$("$BIN/geotrain-ctl" status --coordinator="$COORDINATOR" "$ADMIN" --brief 2>&1) || true
   echo "$line"
   case "$line" in *" done "*) break ;; esac
   for i in $(seq 1 $((${#PIDS[@]} - 1))); do
@@ -77,7 +84,7 @@ done
 
 echo
 echo "== final status"
-"$BIN/geotrain-ctl" status --coordinator="$COORDINATOR"
+"$BIN/geotrain-ctl" status --coordinator="$COORDINATOR" "$ADMIN"
 METRICS="$RUN_DIR/state/metrics.jsonl"
 first=$(grep -m1 '"loss"' "$METRICS" | sed 's/.*"loss":\([0-9.eE+-]*\).*/\1/')
 last=$(grep -v '"eval"' "$METRICS" | tail -n 1 | sed 's/.*"loss":\([0-9.eE+-]*\).*/\1/')

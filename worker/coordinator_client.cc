@@ -15,6 +15,11 @@ CoordinatorClient::CoordinatorClient(std::string address)
     : address_(std::move(address)),
       stub_(v1::Coordinator::NewStub(MakeChannel(address_))) {}
 
+void CoordinatorClient::UseSecurity(const TransportSecurity& security,
+                                    const std::string& server_name) {
+  stub_ = v1::Coordinator::NewStub(MakeSecureChannel(address_, security, server_name));
+}
+
 absl::StatusOr<v1::JoinResponse> CoordinatorClient::JoinWithRetry(
     const v1::JoinRequest& request, const std::atomic<bool>& stop,
     absl::Duration give_up_after) {

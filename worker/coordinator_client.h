@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "geotrain/v1/coordinator.grpc.pb.h"
+#include "common/transport_security.h"
 #include "worker/pipeline_driver.h"
 
 namespace geotrain {
@@ -23,6 +24,9 @@ namespace geotrain {
 class CoordinatorClient final : public ProgressSink {
  public:
   explicit CoordinatorClient(std::string address);
+  // TLS towards the coordinator (whose certificate must name
+  // `server_name`). REQUIRES: called before any other method.
+  void UseSecurity(const TransportSecurity& security, const std::string& server_name);
 
   // Joins, retrying with exponential backoff (0.5 s doubling to 10 s) and
   // logging the address it cannot reach, until it succeeds, `stop` is set,

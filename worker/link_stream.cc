@@ -9,6 +9,7 @@
 #include "common/link_rate_meter.h"
 #include "common/logging.h"
 #include "common/rpc_options.h"
+#include "worker/stall_watchdog.h"
 
 namespace geotrain {
 namespace {
@@ -24,14 +25,25 @@ grpc::Status Refuse(grpc::StatusCode code, const std::string& peer,
 }
 
 // Frames go back to back; a message of kMinTimedMessageBytes or more is
-// split in at least two, so the receiver can time its dispersion.
-template <typename Stream>
-bool WriteMessage(Stream* stream, const LinkMessage& message) {
+// split in at least two, so the receiver can time its dispersion. A frame
+// that cannot be written within `stall_limit` (the peer stopped reading)
+// cancels the stream through `context`.
+template <typename Stream, typename Context>
+bool WriteMessage(Stream* stream, const LinkMessage& message, Context* context,
+                  absl::Duration stall_limit) {
   const size_t size = message.payload.size();
   const size_t frame_bytes =
       size >= kMinTimedMessageBytes ? std::min(kFrameBytes, (size + 1) / 2) : kFrameBytes;
   for (const v1::LinkFrame& frame : SplitIntoFrames(message, frame_bytes)) {
-    if (!stream->Write(frame)) return false;
+    StallWatchdog::Guard guard =
+        StallWatchdog::Shared().Watch(stall_limit, [context] { context->TryCancel(); });
+    if (!stream->Write(frame)) {
+      if (guard.stalled()) {
+        GT_LOG(Warning) << "cut a link whose peer read nothing for "
+                        << absl::FormatDuration(stall_limit);
+      }
+      return false;
+    }
   }
   return true;
 }
@@ -75,12 +87,58 @@ void UpstreamLinkServer::Shutdown() {
   EndAllLocked();
 }
 
+grpc::Status UpstreamLinkServer::ReadHello(
+    grpc::ServerContext* context, grpc::ServerReaderWriter<v1::LinkFrame, v1::LinkFrame>* stream,
+    const std::string& pending_key, v1::LinkFrame* hello) {
+  const std::string peer = context->peer();
+  {
+    absl::MutexLock lock(&mu_);
+    if (pending_total_ >= security_.max_pending ||
+        pending_hellos_[pending_key] >= security_.max_pending_per_peer) {
+      if (pending_hellos_[pending_key] == 0) pending_hellos_.erase(pending_key);
+      return Refuse(grpc::StatusCode::RESOURCE_EXHAUSTED, peer,
+                    absl::StrCat("too many link streams waiting for their HELLO (",
+                                 security_.max_pending_per_peer, " per peer, ",
+                                 security_.max_pending, " in all)"));
+    }
+    ++pending_hellos_[pending_key];
+    ++pending_total_;
+  }
+  bool read, stalled;
+  {
+    StallWatchdog::Guard guard = StallWatchdog::Shared().Watch(
+        security_.hello_timeout, [context] { context->TryCancel(); });
+    read = stream->Read(hello);
+    stalled = guard.stalled();
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    --pending_total_;
+    if (--pending_hellos_[pending_key] == 0) pending_hellos_.erase(pending_key);
+  }
+  if (stalled) {
+    return Refuse(grpc::StatusCode::DEADLINE_EXCEEDED, peer,
+                  absl::StrCat("no HELLO within ", absl::FormatDuration(security_.hello_timeout)));
+  }
+  return read ? grpc::Status::OK : grpc::Status::CANCELLED;
+}
+
 grpc::Status UpstreamLinkServer::Link(
     grpc::ServerContext* context,
     grpc::ServerReaderWriter<v1::LinkFrame, v1::LinkFrame>* stream) {
   const std::string peer = context->peer();
+  const bool authenticated = !security_.transport.insecure;
+  const std::string identity = authenticated ? PeerIdentity(*context) : "";
+  if (authenticated && identity.empty()) {
+    return Refuse(grpc::StatusCode::UNAUTHENTICATED, peer,
+                  "a link needs a worker certificate of this cluster");
+  }
   v1::LinkFrame hello;
-  if (!stream->Read(&hello)) return grpc::Status::CANCELLED;
+  if (grpc::Status read = ReadHello(context, stream, authenticated ? identity : PeerHost(peer),
+                                    &hello);
+      !read.ok()) {
+    return read;
+  }
   std::shared_ptr<const LinkValidator> validator;
   std::shared_ptr<Inbox> inbox;
   auto upstream = std::make_shared<Upstream>();
@@ -98,6 +156,11 @@ grpc::Status UpstreamLinkServer::Link(
     if (!hello.has_header()) {
       return Refuse(grpc::StatusCode::INVALID_ARGUMENT, peer,
                     "first frame of a link has no header");
+    }
+    if (authenticated && hello.header().from_worker() != identity) {
+      return Refuse(grpc::StatusCode::PERMISSION_DENIED, peer,
+                    absl::StrCat("HELLO as '", hello.header().from_worker().substr(0, 128),
+                                 "' from a peer whose certificate names '", identity, "'"));
     }
     absl::Status valid = validator->CheckHello(hello.header());
     if (!valid.ok()) {
@@ -125,7 +188,9 @@ grpc::Status UpstreamLinkServer::Link(
     }
     LinkMessage ack;
     ack.header = MakeHello(validator->epoch(), validator->stage());
-    if (!WriteMessage(stream, ack)) return grpc::Status::CANCELLED;
+    if (!WriteMessage(stream, ack, context, security_.write_stall_timeout)) {
+      return grpc::Status::CANCELLED;
+    }
     upstreams_[upstream->worker] = upstream;
   }
   GT_LOG(Info) << "accepted upstream link from " << peer
@@ -169,7 +234,9 @@ grpc::Status UpstreamLinkServer::Link(
 absl::Status UpstreamLinkServer::ServeAccepted(Upstream* upstream,
                                                const LinkValidator& validator, Inbox* inbox,
                                                int64_t* delivered) {
-  FrameAssembler assembler;
+  FrameAssembler assembler(kMaxMessageBytes, [&validator](const v1::LinkHeader& header) {
+    return validator.CheckHeaderFromUpstream(header);
+  });
   v1::LinkFrame frame;
   bool after_stall = false;
   absl::Time first_at;
@@ -230,7 +297,8 @@ absl::Status UpstreamLinkServer::Send(const LinkMessage& message) {
   bool written;
   {
     absl::MutexLock write_lock(&upstream->write_mu);
-    written = WriteMessage(upstream->stream, message);
+    written = WriteMessage(upstream->stream, message, upstream->context,
+                           security_.write_stall_timeout);
   }
   absl::MutexLock lock(&mu_);
   --upstream->writers;
@@ -249,13 +317,16 @@ std::string UpstreamLinkServer::failed_peer() const {
 absl::StatusOr<std::unique_ptr<DownstreamLinkClient>> DownstreamLinkClient::Connect(
     const std::string& address, std::shared_ptr<const LinkValidator> validator,
     Inbox* inbox, absl::Duration timeout, const std::atomic<bool>* stop,
-    const std::string& self_id, const std::string& peer_id) {
+    const std::string& self_id, const std::string& peer_id,
+    const LinkSecurityOptions& security) {
   std::unique_ptr<DownstreamLinkClient> client(new DownstreamLinkClient());
   client->address_ = address;
   client->peer_id_ = peer_id;
   client->validator_ = validator;
   client->inbox_ = inbox;
-  client->stub_ = v1::Stage::NewStub(MakeChannel(address));
+  client->write_stall_timeout_ = security.write_stall_timeout;
+  // With TLS the peer's certificate must name the worker the plan put there.
+  client->stub_ = v1::Stage::NewStub(MakeSecureChannel(address, security.transport, peer_id));
   const absl::Time deadline = absl::Now() + timeout;
   // A peer that answers "not ready" is waited for up to `timeout`; one that
   // cannot be reached at all is given up on as soon as an open link to it
@@ -274,7 +345,9 @@ absl::StatusOr<std::unique_ptr<DownstreamLinkClient>> DownstreamLinkClient::Conn
     // (rpc_options.cc) rather than a deadline.
     client->stream_ = client->stub_->Link(client->context_.get());
     v1::LinkFrame ack;
-    if (WriteMessage(client->stream_.get(), hello) && client->stream_->Read(&ack) &&
+    if (WriteMessage(client->stream_.get(), hello, client->context_.get(),
+                     security.write_stall_timeout) &&
+        client->stream_->Read(&ack) &&
         ack.has_header() && ack.header().kind() == v1::MESSAGE_KIND_HELLO) {
       break;
     }
@@ -315,7 +388,9 @@ absl::StatusOr<std::unique_ptr<DownstreamLinkClient>> DownstreamLinkClient::Conn
 }
 
 void DownstreamLinkClient::ReadLoop() {
-  FrameAssembler assembler;
+  FrameAssembler assembler(kMaxMessageBytes, [this](const v1::LinkHeader& header) {
+    return validator_->CheckHeaderFromDownstream(header);
+  });
   v1::LinkFrame frame;
   absl::Status failure;
   bool after_stall = false;
@@ -373,7 +448,7 @@ void DownstreamLinkClient::Cancel() {
 absl::Status DownstreamLinkClient::Send(const LinkMessage& message) {
   absl::MutexLock lock(&write_mu_);
   if (closed_) return absl::FailedPreconditionError("link closed");
-  if (!WriteMessage(stream_.get(), message)) {
+  if (!WriteMessage(stream_.get(), message, context_.get(), write_stall_timeout_)) {
     return absl::UnavailableError(
         absl::StrCat("downstream link to ", address_, " broke while sending"));
   }

@@ -24,6 +24,8 @@
 #include "absl/time/time.h"
 #include "common/bounded_queue.h"
 #include "common/link_message.h"
+#include "common/rpc_options.h"
+#include "common/transport_security.h"
 #include "geotrain/v1/stage.grpc.pb.h"
 #include "worker/link_validator.h"
 
@@ -56,19 +58,37 @@ class MessageSink {
   virtual std::string failed_peer() const { return ""; }
 };
 
+struct LinkSecurityOptions {
+  // mTLS: who is at the far end comes from its certificate (see
+  // transport_security.h); plaintext when `transport.insecure`.
+  TransportSecurity transport;
+  // A stream must send its HELLO within this long.
+  absl::Duration hello_timeout = absl::Seconds(5);
+  // Streams still waiting for a HELLO, per peer identity (the certificate's,
+  // or the source host's when insecure) and in all.
+  int max_pending_per_peer = 4;
+  int max_pending = 64;
+  // A peer that stops reading: one frame (<= 1 MiB) that cannot be written
+  // for this long ends the stream, as keepalive would end a silent one.
+  absl::Duration write_stall_timeout = absl::Milliseconds(kKeepaliveTimeMs + kKeepaliveTimeoutMs);
+};
+
 // Serves Link streams from the upstream stage. Until Activate() every stream
 // is refused with FAILED_PRECONDITION; afterwards one stream per upstream
 // worker (several when that stage has replicas) is accepted if its HELLO
 // matches the plan; a new stream from the same worker replaces its old one.
 // Malformed or inconsistent messages end that stream with INVALID_ARGUMENT;
-// the worker keeps running.
+// the worker keeps running. With TLS a HELLO must come from the worker its
+// certificate names (PERMISSION_DENIED otherwise); streams without a HELLO
+// are bounded in number and time (LinkSecurityOptions).
 //
 // Each training activation's microbatch is remembered with the worker it
 // came from, and Send() returns the microbatch's gradient on that worker's
 // stream: the worker that ran the forward holds its stashed weights.
 class UpstreamLinkServer final : public v1::Stage::Service, public MessageSink {
  public:
-  UpstreamLinkServer() = default;
+  explicit UpstreamLinkServer(LinkSecurityOptions security = LinkSecurityOptions())
+      : security_(std::move(security)) {}
 
   // Accepts streams for `validator`'s plan epoch, delivering to `inbox`
   // (shared: a stream of an older epoch may still be finishing).
@@ -106,6 +126,12 @@ class UpstreamLinkServer final : public v1::Stage::Service, public MessageSink {
   absl::Status ServeAccepted(Upstream* upstream, const LinkValidator& validator, Inbox* inbox,
                              int64_t* delivered);
   void EndAllLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Reads the HELLO under the pending-stream limits and the HELLO timeout.
+  grpc::Status ReadHello(grpc::ServerContext* context,
+                         grpc::ServerReaderWriter<v1::LinkFrame, v1::LinkFrame>* stream,
+                         const std::string& pending_key, v1::LinkFrame* hello);
+
+  const LinkSecurityOptions security_;
 
   // mu_ guards the stream table; each stream's write_mu serialises its
   // writes, so a write blocked by a stalled peer never holds mu_ (Shutdown()
@@ -120,6 +146,8 @@ class UpstreamLinkServer final : public v1::Stage::Service, public MessageSink {
   std::map<uint64_t, std::string> origin_ ABSL_GUARDED_BY(mu_);
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
   std::string failed_peer_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, int> pending_hellos_ ABSL_GUARDED_BY(mu_);
+  int pending_total_ ABSL_GUARDED_BY(mu_) = 0;
   // A reply goes back on the stream its request came on; if that stream is
   // gone, wait only briefly for the upstream worker to reconnect.
   absl::Duration connect_wait_ = absl::Seconds(2);
@@ -133,11 +161,13 @@ class DownstreamLinkClient final : public MessageSink {
   // keepalive time + timeout, 15 s, as for a link that goes silent), or
   // until `*stop` is set. REQUIRES: `inbox` and `stop` outlive the returned client.
   // `self_id` goes in the HELLO; `peer_id` (the downstream worker) labels
-  // what this link delivers to the inbox.
+  // what this link delivers to the inbox and, with TLS, is the identity the
+  // peer's certificate must have.
   static absl::StatusOr<std::unique_ptr<DownstreamLinkClient>> Connect(
       const std::string& address, std::shared_ptr<const LinkValidator> validator,
       Inbox* inbox, absl::Duration timeout, const std::atomic<bool>* stop,
-      const std::string& self_id = "", const std::string& peer_id = "");
+      const std::string& self_id = "", const std::string& peer_id = "",
+      const LinkSecurityOptions& security = LinkSecurityOptions());
 
   // Cancels the stream: a blocked Send() fails. Thread-safe.
   void Cancel();
@@ -154,6 +184,7 @@ class DownstreamLinkClient final : public MessageSink {
 
   std::string address_;
   std::string peer_id_;
+  absl::Duration write_stall_timeout_;
   std::shared_ptr<const LinkValidator> validator_;
   Inbox* inbox_ = nullptr;
   std::unique_ptr<v1::Stage::Stub> stub_;

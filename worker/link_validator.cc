@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/codec.h"
 #include "common/model_profile.h"
 #include "common/status_macros.h"
 
@@ -46,11 +47,9 @@ absl::Status LinkValidator::CheckHello(const v1::LinkHeader& hello) const {
         "HELLO from stage ", hello.from_stage(), " but stage ", stage_,
         " accepts links only from stage ", stage_ - 1));
   }
-  // A HELLO without a worker id (from a worker that predates replicas) is
-  // unambiguous when the stage before has a single worker.
-  const bool anonymous_single = hello.from_worker().empty() && upstream_workers_.size() == 1;
-  if (!upstream_workers_.empty() && !anonymous_single &&
-      upstream_workers_.count(hello.from_worker()) == 0) {
+  // Every HELLO names its worker: an anonymous link could not be told
+  // apart from its legitimate twin (and with TLS the name is certified).
+  if (!upstream_workers_.empty() && upstream_workers_.count(hello.from_worker()) == 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "HELLO from worker '", hello.from_worker(), "', which the plan of epoch ", epoch_,
         " does not put on stage ", stage_ - 1));
@@ -58,8 +57,7 @@ absl::Status LinkValidator::CheckHello(const v1::LinkHeader& hello) const {
   return absl::OkStatus();
 }
 
-absl::Status LinkValidator::CheckFromUpstream(const LinkMessage& message) const {
-  const v1::LinkHeader& h = message.header;
+absl::Status LinkValidator::CheckHeaderFromUpstream(const v1::LinkHeader& h) const {
   RETURN_IF_ERROR(CheckEpoch(h));
   switch (h.kind()) {
     case v1::MESSAGE_KIND_ACTIVATION:
@@ -75,19 +73,7 @@ absl::Status LinkValidator::CheckFromUpstream(const LinkMessage& message) const 
       if (h.tensors(0).shape(0) != h.tensors(1).shape(0)) {
         return absl::InvalidArgumentError("activation and targets differ in batch size");
       }
-      // Targets index the loss: a label out of range would fail inside it.
-      const int64_t classes = NumTargetClasses(job_);
-      if (h.tensors(1).zstd()) return absl::OkStatus();  // checked once decoded
-      const char* targets = message.payload.data() + h.tensors(0).payload_bytes();
-      for (uint64_t i = 0; i < h.tensors(1).payload_bytes() / 8; ++i) {
-        int64_t label;
-        std::memcpy(&label, targets + 8 * i, 8);
-        if (label < 0 || label >= classes) {
-          return absl::InvalidArgumentError(absl::StrCat("target ", label, " outside [0, ",
-                                                         classes, ")"));
-        }
-      }
-      return CheckFinite(h.tensors(0), message.payload, 0);
+      return absl::OkStatus();
     }
     case v1::MESSAGE_KIND_EVAL_END:
     case v1::MESSAGE_KIND_DONE:
@@ -101,8 +87,7 @@ absl::Status LinkValidator::CheckFromUpstream(const LinkMessage& message) const 
   }
 }
 
-absl::Status LinkValidator::CheckFromDownstream(const LinkMessage& message) const {
-  const v1::LinkHeader& h = message.header;
+absl::Status LinkValidator::CheckHeaderFromDownstream(const v1::LinkHeader& h) const {
   RETURN_IF_ERROR(CheckEpoch(h));
   if (h.kind() != v1::MESSAGE_KIND_GRADIENT) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -111,9 +96,51 @@ absl::Status LinkValidator::CheckFromDownstream(const LinkMessage& message) cons
   if (h.tensors_size() != 1) {
     return absl::InvalidArgumentError("gradient message must carry one tensor");
   }
-  RETURN_IF_ERROR(CheckTensorMatches(
-      h.tensors(0), LayerInputSpec(job_, layer_end_, job_.microbatch_size()), "gradient"));
-  return CheckFinite(h.tensors(0), message.payload, 0);
+  return CheckTensorMatches(h.tensors(0),
+                            LayerInputSpec(job_, layer_end_, job_.microbatch_size()), "gradient");
+}
+
+absl::Status LinkValidator::CheckFromUpstream(const LinkMessage& message) const {
+  const v1::LinkHeader& h = message.header;
+  RETURN_IF_ERROR(CheckHeaderFromUpstream(h));
+  switch (h.kind()) {
+    case v1::MESSAGE_KIND_ACTIVATION:
+    case v1::MESSAGE_KIND_EVAL: {
+      // Encoded or zstd'd activations are checked for finiteness once decoded
+      // (DecodeTensor); raw ones here.
+      RETURN_IF_ERROR(CheckFinite(h.tensors(0), message.payload, 0));
+      // Targets index the loss: a label out of range would fail inside it.
+      // zstd'd targets are unpacked here, within the size their header
+      // announces (CheckTensorMatches has tied that to the shape).
+      absl::string_view targets(message.payload.data() + h.tensors(0).payload_bytes(),
+                                h.tensors(1).payload_bytes());
+      std::string unpacked;
+      if (h.tensors(1).zstd()) {
+        ASSIGN_OR_RETURN(unpacked, ZstdDecompress(targets, h.tensors(1).encoded_bytes()));
+        if (unpacked.size() != h.tensors(1).encoded_bytes()) {
+          return absl::InvalidArgumentError("zstd'd targets do not hold the announced bytes");
+        }
+        targets = unpacked;
+      }
+      const int64_t classes = NumTargetClasses(job_);
+      for (size_t i = 0; i < targets.size() / 8; ++i) {
+        int64_t label;
+        std::memcpy(&label, targets.data() + 8 * i, 8);
+        if (label < 0 || label >= classes) {
+          return absl::InvalidArgumentError(absl::StrCat("target ", label, " outside [0, ",
+                                                         classes, ")"));
+        }
+      }
+      return absl::OkStatus();
+    }
+    default:
+      return absl::OkStatus();  // control messages: the header is all
+  }
+}
+
+absl::Status LinkValidator::CheckFromDownstream(const LinkMessage& message) const {
+  RETURN_IF_ERROR(CheckHeaderFromDownstream(message.header));
+  return CheckFinite(message.header.tensors(0), message.payload, 0);
 }
 
 }  // namespace geotrain

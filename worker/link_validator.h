@@ -18,9 +18,8 @@ class LinkValidator {
  public:
   // `layer_begin`/`layer_end`: the receiving stage's layers.
   // `upstream_workers`: the ids of the workers the plan puts on the stage
-  // before (one, or several with replicas); a HELLO must name one of them,
-  // or name none when there is only one. Empty: any sender id is accepted
-  // (tools and tests).
+  // before (one, or several with replicas); a HELLO must name one of them.
+  // Empty: any sender id is accepted (tools and tests).
   LinkValidator(const v1::JobSpec& job, uint64_t epoch, int stage,
                 int layer_begin, int layer_end,
                 std::set<std::string> upstream_workers = {});
@@ -29,6 +28,10 @@ class LinkValidator {
   absl::Status CheckFromUpstream(const LinkMessage& message) const;
   // A message from the downstream neighbour (gradients).
   absl::Status CheckFromDownstream(const LinkMessage& message) const;
+  // The header alone, at a message's first frame (FrameAssembler): epoch,
+  // kind and every tensor's shape, dtype and sizes. CheckFrom* repeat it.
+  absl::Status CheckHeaderFromUpstream(const v1::LinkHeader& header) const;
+  absl::Status CheckHeaderFromDownstream(const v1::LinkHeader& header) const;
   // The HELLO that opens a stream from upstream. FAILED_PRECONDITION (try
   // again) for a newer plan epoch than this stage's: the dialler saw it
   // first. INVALID_ARGUMENT for anything else that does not match.

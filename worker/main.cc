@@ -4,11 +4,14 @@
 
 #include <cstdio>
 #include <thread>
+#include <tuple>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "common/logging.h"
+#include "common/rpc_options.h"
 #include "worker/compute_environment.h"
 #include "worker/worker.h"
 
@@ -23,6 +26,23 @@ ABSL_FLAG(std::string, route, "",
           "PEER=VIA[,...]: dial VIA (HOST:PORT, e.g. a geotrain-linkem relay) instead of the "
           "peer advertised as PEER");
 ABSL_FLAG(int, join_timeout_s, 0, "give up joining after this long (0: keep trying)");
+ABSL_FLAG(std::string, token, "",
+          "join token from `geotrain-ctl token create` (first join; it also pins the "
+          "coordinator's CA)");
+ABSL_FLAG(std::string, state_dir, "",
+          "keep this worker's key and certificate here, to rejoin as itself after a restart");
+ABSL_FLAG(bool, insecure, false,
+          "plaintext and no identities, for a coordinator started with --insecure "
+          "(loopback demos and tests only)");
+ABSL_FLAG(std::string, tls_server_name, "geotrain-coordinator",
+          "the name the coordinator's certificate must carry");
+
+namespace {
+int Fail(const std::string& message) {
+  std::fprintf(stderr, "geotrain-worker: %s\n", message.c_str());
+  return 2;
+}
+}  // namespace
 
 int main(int argc, char** argv) {
   // First of all: LibTorch's BLAS and OpenMP read their settings when they
@@ -31,8 +51,30 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "geotrain-worker --coordinator=HOST:PORT [--listen=HOST:PORT] [--device=auto] "
       "[--threads=N] [--name=NAME]");
-  absl::ParseCommandLine(argc, argv);
+  const std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
+  if (positional.size() > 1) {
+    return Fail(std::string("unexpected argument '") + positional[1] + "' (flags are --name=value)");
+  }
+  for (auto [flag, value, any_port] :
+       {std::tuple{"coordinator", absl::GetFlag(FLAGS_coordinator), false},
+        std::tuple{"listen", absl::GetFlag(FLAGS_listen), true}}) {
+    if (absl::Status valid = geotrain::ValidateHostPort(flag, value, any_port); !valid.ok()) {
+      return Fail(std::string(valid.message()));
+    }
+  }
+  if (absl::GetFlag(FLAGS_threads) < 0 || absl::GetFlag(FLAGS_threads) > 4096) {
+    return Fail("--threads must be in [0, 4096] (0: a fair share of this host's CPUs)");
+  }
+  if (absl::GetFlag(FLAGS_join_timeout_s) < 0) return Fail("--join_timeout_s must be >= 0");
+  if (absl::GetFlag(FLAGS_name).size() > 128) return Fail("--name: at most 128 bytes");
+  if (absl::GetFlag(FLAGS_insecure) && !absl::GetFlag(FLAGS_token).empty()) {
+    return Fail("--token and --insecure contradict each other");
+  }
   geotrain::WorkerOptions options;
+  options.insecure = absl::GetFlag(FLAGS_insecure);
+  options.token = absl::GetFlag(FLAGS_token);
+  options.state_dir = absl::GetFlag(FLAGS_state_dir);
+  options.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
   options.coordinator = absl::GetFlag(FLAGS_coordinator);
   options.listen = absl::GetFlag(FLAGS_listen);
   options.advertise = absl::GetFlag(FLAGS_advertise);
@@ -41,9 +83,7 @@ int main(int argc, char** argv) {
   options.name = absl::GetFlag(FLAGS_name);
   auto routes = geotrain::ParseLinkRoutes(absl::GetFlag(FLAGS_route));
   if (!routes.ok()) {
-    std::fprintf(stderr, "geotrain-worker: --route: %s\n",
-                 std::string(routes.status().message()).c_str());
-    return 2;
+    return Fail("--route: " + std::string(routes.status().message()));
   }
   options.routes = *std::move(routes);
   if (absl::GetFlag(FLAGS_join_timeout_s) > 0) {

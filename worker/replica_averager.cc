@@ -108,6 +108,12 @@ grpc::Status ReplicaAverager::PushWeights(grpc::ServerContext* context,
                                request->stage(), "; this worker runs epoch ", target.epoch,
                                " stage ", target.stage));
   }
+  if (!security_.insecure && PeerIdentity(*context) != request->from_worker()) {
+    return Refuse(grpc::StatusCode::PERMISSION_DENIED,
+                  absl::StrCat("weights from '", request->from_worker().substr(0, 128),
+                               "' pushed by a peer whose certificate names '",
+                               PeerIdentity(*context), "'"));
+  }
   bool known = false;
   for (const Peer& peer : target.peers) known = known || peer.worker_id == request->from_worker();
   if (!known) {
@@ -153,7 +159,10 @@ void ReplicaAverager::SendLoop() {
     }
     for (const Peer& peer : peers) {
       auto& stub = stubs_[peer.address];
-      if (stub == nullptr) stub = v1::ReplicaSync::NewStub(MakeChannel(peer.address));
+      if (stub == nullptr) {
+        stub = v1::ReplicaSync::NewStub(
+            MakeSecureChannel(peer.address, security_, peer.worker_id));
+      }
       for (const v1::ReplicaWeights& message : messages) {
         grpc::ClientContext context;
         context.set_deadline(DeadlineFromNow(

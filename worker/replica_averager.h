@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
+#include "common/transport_security.h"
 #include "absl/time/time.h"
 #include "geotrain/v1/stage.grpc.pb.h"
 
@@ -50,6 +51,11 @@ class ReplicaAverager final : public v1::ReplicaSync::Service {
 
   explicit ReplicaAverager(absl::Duration push_deadline = absl::Seconds(5));
   ~ReplicaAverager() override;
+
+  // mTLS between replicas: a push must come from the worker its
+  // certificate names, and goes only to a peer whose certificate names it.
+  // REQUIRES: called before serving or the first Activate().
+  void UseSecurity(const TransportSecurity& security) { security_ = security; }
 
   // Serves and pushes for `target` until Deactivate() or the next Activate().
   void Activate(Target target);
@@ -82,6 +88,7 @@ class ReplicaAverager final : public v1::ReplicaSync::Service {
   void SendLoop();
 
   const absl::Duration push_deadline_;
+  TransportSecurity security_;
   mutable absl::Mutex mu_;
   std::optional<Target> target_ ABSL_GUARDED_BY(mu_);
   // The newest push of each peer, not yet taken. A stage too large for one

@@ -62,7 +62,7 @@ Worker::~Worker() {
 
 void Worker::Stop() {
   stop_ = true;
-  link_server_.Shutdown();
+  if (link_server_ != nullptr) link_server_->Shutdown();
   absl::MutexLock lock(&mu_);
   AbortTrainingLocked();
   if (watch_context_) watch_context_->TryCancel();
@@ -91,7 +91,7 @@ void Worker::AbortTrainingLocked() {
   abort_ = true;
   if (inbox_ != nullptr) inbox_->Close();
   for (DownstreamLinkClient* downstream : downstreams_) downstream->Cancel();
-  link_server_.Deactivate();
+  if (link_server_ != nullptr) link_server_->Deactivate();
   averager_.Deactivate();
 }
 
@@ -99,8 +99,11 @@ absl::Status Worker::StartServer() {
   grpc::ServerBuilder builder;
   ConfigureServerBuilder(&builder);
   int port = 0;
-  builder.AddListeningPort(options_.listen, grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&link_server_);
+  link_server_ = std::make_unique<UpstreamLinkServer>(link_security_);
+  builder.AddListeningPort(
+      options_.listen,
+      MakeServerCredentials(link_security_.transport, ClientCertificates::kRequire), &port);
+  builder.RegisterService(link_server_.get());
   builder.RegisterService(&averager_);
   server_ = builder.BuildAndStart();
   if (server_ == nullptr || port == 0) {
@@ -139,6 +142,10 @@ absl::Status Worker::JoinCoordinator() {
   *join.mutable_device() = device;
   ASSIGN_OR_RETURN(v1::JoinResponse joined,
                    coordinator_.JoinWithRetry(join, stop_, options_.join_timeout));
+  if (!worker_id_.empty() && !options_.insecure && joined.worker_id() != worker_id_) {
+    return absl::InternalError(absl::StrCat("joined as ", joined.worker_id(),
+                                            " with the certificate of ", worker_id_));
+  }
   worker_id_ = joined.worker_id();
   job_ = joined.job();
   heartbeat_ms_ = joined.heartbeat_ms();
@@ -148,6 +155,22 @@ absl::Status Worker::JoinCoordinator() {
 }
 
 absl::Status Worker::Run() {
+  if (options_.insecure) {
+    GT_LOG(Warning) << "--insecure: plaintext links, no identities (loopback demos and tests only)";
+  } else {
+    WorkerCredentialOptions credential_options;
+    credential_options.coordinator = options_.coordinator;
+    credential_options.token = options_.token;
+    credential_options.state_dir = options_.state_dir;
+    credential_options.name = options_.name;
+    credential_options.coordinator_server_name = options_.tls_server_name;
+    ASSIGN_OR_RETURN(WorkerCredentials credentials,
+                     ObtainWorkerCredentials(credential_options, stop_, options_.join_timeout));
+    worker_id_ = credentials.worker_id;
+    coordinator_.UseSecurity(credentials.coordinator, options_.tls_server_name);
+    link_security_.transport = credentials.peers;
+    averager_.UseSecurity(credentials.peers);
+  }
   RETURN_IF_ERROR(StartServer());
   RETURN_IF_ERROR(JoinCoordinator());
   heartbeat_thread_ = std::thread([this] { HeartbeatLoop(heartbeat_ms_); });
@@ -167,10 +190,18 @@ absl::Status Worker::Run() {
       coordinator_.Leave();  // the coordinator re-plans at once, no lease to wait for
       return absl::CancelledError("stopped");
     }
+    {
+      absl::MutexLock lock(&fatal_mu_);
+      if (!fatal_.ok()) {
+        Stop();
+        return fatal_;
+      }
+    }
     if (rejoin) {
-      // Whatever this worker held belongs to its old identity.
+      // Whatever this worker held is out of date: it joins as a standby
+      // (insecure: under a new id; with TLS: as itself, by its certificate).
       runtime_.reset();
-      GT_LOG(Warning) << "joining again as a new worker";
+      GT_LOG(Warning) << "joining again";
       RETURN_IF_ERROR(JoinCoordinator());
       continue;
     }
@@ -360,7 +391,7 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
                                                          mine.layer_begin(), mine.layer_end(),
                                                          std::move(upstream_ids));
   coordinator_.SetEpoch(plan.epoch());
-  link_server_.Activate(validator, inbox);
+  link_server_->Activate(validator, inbox);
   auto dial_address = [this](const std::string& address) {
     auto route = options_.routes.find(address);
     if (route == options_.routes.end()) return address;
@@ -397,7 +428,8 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
   for (const StageWorker& next : downstream_workers) {
     absl::StatusOr<std::unique_ptr<DownstreamLinkClient>> connected =
         DownstreamLinkClient::Connect(dial_address(next.address), validator, inbox.get(),
-                                      absl::Seconds(120), &abort_, worker_id_, next.id);
+                                      absl::Seconds(120), &abort_, worker_id_, next.id,
+                                      link_security_);
     if (!connected.ok()) {
       // A peer that never answers (dead before it could be noticed, or
       // behind a black hole) is reported like a broken link, or nothing
@@ -449,11 +481,11 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
                << ", update every " << schedule.update_every << " backward(s)"
                << (schedule.flush ? ", flush each step" : ", no flush");
   PipelineDriver driver(job_, driver_options, runtime,
-                        mine.stage() > 0 ? &link_server_ : nullptr, router ? &*router : nullptr,
+                        mine.stage() > 0 ? link_server_.get() : nullptr, router ? &*router : nullptr,
                         inbox.get(), &coordinator_, &stats_);
   absl::Status ran = driver.Run();
   if (!ran.ok()) {
-    link_server_.Deactivate();
+    link_server_->Deactivate();
     for (auto& downstream : downstreams) downstream->Cancel();
     // A broken link (not one this worker ended itself) is reported with the
     // neighbour at its other end, so the coordinator can route around it
@@ -492,6 +524,18 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
 void Worker::HeartbeatLoop(int interval_ms) {
   while (!stop_) {
     absl::StatusOr<bool> known = coordinator_.Heartbeat(ResidentBytes(), stats_.Get());
+    if (!known.ok() && (known.status().code() == absl::StatusCode::kPermissionDenied ||
+                        known.status().code() == absl::StatusCode::kUnauthenticated)) {
+      GT_LOG(Error) << "the coordinator refuses this worker: " << known.status().message();
+      {
+        absl::MutexLock lock(&fatal_mu_);
+        fatal_ = known.status();
+      }
+      absl::MutexLock lock(&mu_);
+      rejoin_needed_ = true;  // wakes Run(), which stops
+      AbortTrainingLocked();
+      return;
+    }
     if (!known.ok()) {
       GT_LOG(Warning) << "heartbeat to " << coordinator_.address()
                       << " failed: " << known.status().message();

@@ -41,6 +41,7 @@
 #include "worker/pipeline_driver.h"
 #include "worker/replica_averager.h"
 #include "worker/stage_runtime.h"
+#include "worker/worker_credentials.h"
 
 namespace geotrain {
 
@@ -55,6 +56,11 @@ struct WorkerOptions {
   // geotrain-linkem relay in front of that peer.
   std::map<std::string, std::string> routes;
   absl::Duration join_timeout = absl::InfiniteDuration();
+  // Plaintext, no identities: for a coordinator started with --insecure.
+  bool insecure = false;
+  std::string token;      // join token (first join; see worker_credentials.h)
+  std::string state_dir;  // keeps this worker's key and certificate; empty: none
+  std::string tls_server_name = kCoordinatorServerName;
 };
 
 // Parses "PEER=VIA[,PEER=VIA...]" (each a HOST:PORT) into WorkerOptions::routes.
@@ -95,7 +101,8 @@ class Worker {
   const WorkerOptions options_;
   std::atomic<bool> stop_{false};
   CoordinatorClient coordinator_;
-  UpstreamLinkServer link_server_;
+  LinkSecurityOptions link_security_;  // set by Run() before anything dials or serves
+  std::unique_ptr<UpstreamLinkServer> link_server_;  // made by StartServer()
   ReplicaAverager averager_;
   std::unique_ptr<grpc::Server> server_;
   std::string advertise_;
@@ -110,6 +117,9 @@ class Worker {
   bool was_standby_ = false;               // Run()'s thread only: since the last Train
   std::atomic<bool> abort_{false};         // the current attempt must end
   std::atomic<bool> drain_{false};
+  // Set when the coordinator refuses this worker for good (revoked).
+  absl::Mutex fatal_mu_;
+  absl::Status fatal_ ABSL_GUARDED_BY(fatal_mu_);
 
   std::thread heartbeat_thread_;
   std::thread watch_thread_;

@@ -77,7 +77,7 @@ class WanJob:
         self.coordinator = self._start("coordinator", [
             self._bin("geotrain-coordinator"), f"--listen=127.0.0.1:{self.port}",
             f"--job={self.job}", f"--state_dir={os.path.join(self.dir, 'state')}",
-            "--exit_when_done"] + self.coordinator_flags)
+            "--exit_when_done", "--insecure"] + self.coordinator_flags)
         listen, relays = self.listen_ports, self.relay_ports
         for k in range(self.num_workers):
             self._start(f"linkem{k}", [self._bin("geotrain-linkem"),
@@ -88,14 +88,14 @@ class WanJob:
         self.workers = [self._start(f"w{k}", [
             self._bin("geotrain-worker"), f"--coordinator=127.0.0.1:{self.port}",
             f"--listen=127.0.0.1:{listen[k]}", "--device=cpu", f"--threads={self.threads}",
-            f"--name=w{k}", f"--route={routes}"] + self.worker_flags)
+            f"--name=w{k}", f"--route={routes}", "--insecure"] + self.worker_flags)
             for k in range(self.num_workers)]
         return self
 
     def status(self):
         out = subprocess.run([self._bin("geotrain-ctl"), "status",
                               f"--coordinator=127.0.0.1:{self.port}", "--json",
-                              "--timeout_ms=3000"], capture_output=True, text=True, timeout=30)
+                              "--timeout_ms=3000", "--insecure"], capture_output=True, text=True, timeout=30)
         return json.loads(out.stdout) if out.returncode == 0 else None
 
     def metrics(self):

@@ -2,7 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstring>
 #include <filesystem>
+#include <limits>
 #include <set>
 #include <fstream>
 #include <sstream>
@@ -34,6 +37,7 @@ class JobControllerTest : public testing::Test {
     options.state_dir = dir_;
     options.metrics_log_path = dir_ + "/metrics.jsonl";
     options.clock = &clock_;
+    options.authenticated_callers = authenticated_callers_;
     auto controller = JobController::Create(options);
     ASSERT_TRUE(controller.ok()) << controller.status();
     controller_ = std::move(*controller);
@@ -44,7 +48,9 @@ class JobControllerTest : public testing::Test {
     request.set_name(name);
     request.set_address(name + ":1");
     request.mutable_device()->set_matmul_gflops(10);
-    return controller_->Join(request);
+    absl::StatusOr<v1::JoinResponse> joined = controller_->Join(request);
+    EXPECT_TRUE(joined.ok()) << joined.status();
+    return joined.ok() ? *joined : v1::JoinResponse();
   }
 
   std::string ReadFile(const std::string& path) {
@@ -55,6 +61,7 @@ class JobControllerTest : public testing::Test {
   }
 
   FakeClock clock_{0};
+  bool authenticated_callers_ = false;
   v1::JobSpec job_;
   std::string dir_;
   std::unique_ptr<JobController> controller_;
@@ -84,9 +91,9 @@ TEST_F(JobControllerTest, PlansOnceEnoughWorkersJoined) {
 
 TEST_F(JobControllerTest, ReportsOfOtherEpochsOrOldStepsAreRefused) {
   v1::JoinResponse a = Join("a");
-  Join("b");
+  v1::JoinResponse b = Join("b");  // the last stage: it reports the steps
   v1::StepReport report;
-  report.set_worker_id(a.worker_id());
+  report.set_worker_id(b.worker_id());
   report.set_epoch(7);
   report.set_step(1);
   EXPECT_EQ(controller_->ReportStep(report).code(), absl::StatusCode::kFailedPrecondition);
@@ -114,10 +121,10 @@ TEST_F(JobControllerTest, ReportsOfOtherEpochsOrOldStepsAreRefused) {
 }
 
 TEST_F(JobControllerTest, EvalIsLogged) {
-  v1::JoinResponse a = Join("a");
-  Join("b");
+  Join("a");
+  v1::JoinResponse b = Join("b");
   v1::EvalReport eval;
-  eval.set_worker_id(a.worker_id());
+  eval.set_worker_id(b.worker_id());
   eval.set_epoch(1);
   eval.set_step(3);
   eval.set_val_loss(1.5);
@@ -137,7 +144,7 @@ TEST_F(JobControllerTest, JobEndsWhenEveryStageIsDone) {
   ASSERT_TRUE(controller_->ReportDone(done).ok());
   EXPECT_FALSE(controller_->done());
   done.set_worker_id("w42");
-  EXPECT_EQ(controller_->ReportDone(done).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(controller_->ReportDone(done).code(), absl::StatusCode::kPermissionDenied);
   done.set_worker_id(b.worker_id());
   ASSERT_TRUE(controller_->ReportDone(done).ok());
   EXPECT_TRUE(controller_->done());
@@ -180,13 +187,14 @@ class ReplanTest : public JobControllerTest {
   }
   v1::Plan Plan() { return *controller_->WaitForPlan(0, absl::ZeroDuration()); }
   // `reporter` says its link to `peer` broke while running `epoch`.
-  void ReportLinkLost(const std::string& reporter, const std::string& peer, uint64_t epoch) {
+  absl::Status ReportLinkLost(const std::string& reporter, const std::string& peer,
+                              uint64_t epoch) {
     v1::WorkerEvent lost;
     lost.set_kind("link_lost");
     lost.set_worker_id(reporter);
     lost.set_peer(peer);
     lost.set_epoch(epoch);
-    controller_->RecordWorkerEvent(lost);
+    return controller_->RecordWorkerEvent(lost);
   }
   bool HasEvent(const std::string& kind) {
     const v1::ClusterStatus status = controller_->Status();
@@ -308,10 +316,10 @@ TEST_F(ReplanTest, ModeratelySlowerStagesAreNoStragglers) {
 }
 
 TEST_F(ReplanTest, ARestartedControllerRecoversFromTheStateDir) {
-  const std::string a = Join("a").worker_id();
-  Join("b");
+  Join("a");
+  const std::string b = Join("b").worker_id();
   v1::StepReport report;
-  report.set_worker_id(a);
+  report.set_worker_id(b);
   report.set_epoch(1);
   report.set_step(1);
   report.set_samples(8);
@@ -522,6 +530,214 @@ TEST(ReplicaJobSpecTest, ReplicasNeedAnAsynchronousSchedule) {
   job = ParseJobSpec(async + "replica_codec: CODEC_TOPK", "test");
   ASSERT_FALSE(job.ok());
   EXPECT_NE(job.status().message().find("TOPK"), std::string::npos) << job.status();
+}
+
+}  // namespace
+}  // namespace geotrain
+
+namespace geotrain {
+namespace {
+
+// What a hostile (or broken) worker may say, each refused with the
+// controller still working; regressions of the attacks in issue 11.
+class HostileInputTest : public ReplanTest {
+ protected:
+  // A checkpoint of `layer` that fits the model: one flat parameter.
+  v1::LayerCheckpoint FittingCheckpoint(const std::string& worker, int layer, int step) {
+    v1::LayerCheckpoint c;
+    c.set_worker_id(worker);
+    c.set_layer(layer);
+    c.set_step(step);
+    const uint64_t n = ProfileLayers(job_)[layer].parameter_count;
+    v1::TensorHeader* h = c.add_params();
+    h->set_dtype(v1::DTYPE_FLOAT32);
+    h->set_codec(v1::CODEC_NONE);
+    h->add_shape(static_cast<int64_t>(n));
+    h->set_payload_bytes(4 * n);
+    h->set_encoded_bytes(4 * n);
+    c.mutable_payload()->assign(4 * n, '\0');
+    return c;
+  }
+};
+
+TEST_F(HostileInputTest, StepReportsOutOfRangeAreRefusedAndRealOnesStillCount) {
+  const std::string a = Join("a").worker_id();
+  const std::string b = Join("b").worker_id();
+  v1::StepReport report;
+  report.set_worker_id(b);
+  report.set_epoch(1);
+  report.set_samples(64);
+  report.set_step(1000000000);
+  report.set_loss(std::nan(""));
+  EXPECT_EQ(controller_->ReportStep(report).code(), absl::StatusCode::kInvalidArgument);
+  report.set_step(1);
+  EXPECT_EQ(controller_->ReportStep(report).code(), absl::StatusCode::kInvalidArgument)
+      << "a NaN loss";
+  report.set_loss(2.5);
+  report.set_samples(1 << 30);
+  EXPECT_EQ(controller_->ReportStep(report).code(), absl::StatusCode::kInvalidArgument);
+  report.set_samples(64);
+  report.set_worker_id(a);  // stage 0 does not own the loss
+  EXPECT_EQ(controller_->ReportStep(report).code(), absl::StatusCode::kPermissionDenied);
+  report.set_worker_id(b);
+  ASSERT_TRUE(controller_->ReportStep(report).ok());
+  EXPECT_EQ(controller_->Status().step(), 1);
+  EXPECT_EQ(ReadFile(dir_ + "/metrics.jsonl").find("nan"), std::string::npos);
+  v1::EvalReport eval;
+  eval.set_worker_id(b);
+  eval.set_epoch(1);
+  eval.set_step(1);
+  eval.set_val_loss(std::numeric_limits<double>::infinity());
+  EXPECT_EQ(controller_->ReportEval(eval).code(), absl::StatusCode::kInvalidArgument);
+  v1::DoneReport done;
+  done.set_worker_id(b);
+  done.set_step(1 << 30);
+  EXPECT_EQ(controller_->ReportDone(done).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(HostileInputTest, JoinsOutOfRangeAreRefusedAndPlanningGoesOn) {
+  auto join = [this](const std::string& name, const std::string& address, double gflops) {
+    v1::JoinRequest request;
+    request.set_name(name);
+    request.set_address(address);
+    request.mutable_device()->set_matmul_gflops(gflops);
+    return controller_->Join(request).status();
+  };
+  EXPECT_EQ(join("nan", "h:1", std::nan("")).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(join("inf", "h:1", std::numeric_limits<double>::infinity()).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(join("zero", "h:1", 0).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(join(std::string(1 << 20, 'x'), "h:1", 1).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(join("ctrl\n", "h:1", 1).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(join("port", "h:99999", 1).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(join("noport", "h", 1).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(controller_->Status().workers_size(), 0);
+  Join("a");
+  Join("b");
+  EXPECT_EQ(Plan().stages_size(), 2);
+}
+
+TEST_F(HostileInputTest, AccusationsCountOnlyFromNeighboursAndOncePerLease) {
+  const std::string a = Join("a").worker_id();
+  const std::string b = Join("b").worker_id();
+  const std::string c = Join("c").worker_id();  // standby
+  const std::string d = Join("d").worker_id();  // standby
+  EXPECT_EQ(ReportLinkLost(a, c, 1).code(), absl::StatusCode::kPermissionDenied)
+      << "c is not in the plan";
+  EXPECT_EQ(ReportLinkLost(a, a, 1).code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(Plan().epoch(), 1u);
+  EXPECT_TRUE(HasEvent("accusation_refused"));
+  ASSERT_TRUE(ReportLinkLost(a, b, 1).ok());
+  const v1::Plan second = Plan();
+  ASSERT_EQ(second.epoch(), 2u);
+  const std::string replacement = second.stages(1).worker_id();
+  EXPECT_NE(replacement, b);
+  // A second accusation within the lease does not take out another worker.
+  EXPECT_EQ(ReportLinkLost(a, replacement, 2).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(Plan().epoch(), 2u);
+  (void)d;
+}
+
+TEST_F(HostileInputTest, AnAccuserWhoseAccusationsAreNotConfirmedIsSuspected) {
+  authenticated_callers_ = true;
+  Start("gpt { context: 8 d_model: 16 heads: 2 blocks: 2 } text {} steps: 3 "
+        "min_workers: 2 lease_ms: 1000");
+  std::vector<std::string> ids;
+  for (const char* name : {"a", "b", "c", "d"}) ids.push_back(Join(name).worker_id());
+  const std::string accuser = Plan().stages(0).worker_id();
+  auto heartbeat_all = [&](int ms) {
+    for (int t = 0; t < ms; t += 200) {
+      clock_.AdvanceMs(200);
+      for (const std::string& id : ids) Heartbeat(id, 0);
+      controller_->Tick();
+    }
+  };
+  for (int round = 0; round < 2; ++round) {
+    const v1::Plan plan = Plan();
+    ASSERT_TRUE(ReportLinkLost(accuser, plan.stages(1).worker_id(), plan.epoch()).ok())
+        << "round " << round;
+    heartbeat_all(2600);  // the accused lives on: not confirmed
+  }
+  EXPECT_TRUE(HasEvent("suspected"));
+  const v1::Plan plan = Plan();
+  EXPECT_EQ(ReportLinkLost(accuser, plan.stages(1).worker_id(), plan.epoch()).code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(Plan().epoch(), plan.epoch());
+  bool shown = false;
+  const v1::ClusterStatus status = controller_->Status();
+  for (const v1::WorkerStatus& w : status.workers()) {
+    if (w.id() == accuser) shown = !w.suspected().empty();
+  }
+  EXPECT_TRUE(shown) << "the suspicion is in status";
+}
+
+TEST_F(HostileInputTest, CheckpointsMustFitTheModelAndComeFromTheStagesPrimary) {
+  Join("a");
+  Join("b");
+  const v1::Plan plan = Plan();
+  const v1::StageAssignment& last = plan.stages(1);
+  const std::string owner = last.worker_id();
+  const std::string other = plan.stages(0).worker_id();
+  const int layer = last.layer_begin();
+  ASSERT_TRUE(controller_->SaveCheckpoint(FittingCheckpoint(owner, layer, 2)).ok());
+  {
+    // AdamW's layout: two parameters, then m and v of each, in parameter order.
+    v1::LayerCheckpoint adam = FittingCheckpoint(owner, layer, 1);
+    const int64_t n = adam.params(0).shape(0);
+    auto set = [](v1::TensorHeader* h, int64_t elements) {
+      h->set_dtype(v1::DTYPE_FLOAT32);
+      h->set_codec(v1::CODEC_NONE);
+      h->clear_shape();
+      h->add_shape(elements);
+      h->set_payload_bytes(4 * elements);
+      h->set_encoded_bytes(4 * elements);
+    };
+    set(adam.mutable_params(0), n - 3);
+    set(adam.add_params(), 3);
+    adam.set_state_per_param(2);
+    for (int64_t elements : {n - 3, n - 3, int64_t{3}, int64_t{3}}) {
+      set(adam.add_optimizer_state(), elements);
+    }
+    adam.mutable_payload()->assign(4 * 3 * n, '\0');
+    EXPECT_TRUE(controller_->SaveCheckpoint(adam).ok());
+  }
+
+  v1::LayerCheckpoint nan = FittingCheckpoint(owner, layer, 3);
+  const float bad = std::nanf("");
+  std::memcpy(nan.mutable_payload()->data() + 8, &bad, 4);
+  EXPECT_EQ(controller_->SaveCheckpoint(nan).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(controller_->SaveCheckpoint(FittingCheckpoint(owner, layer, 2147483000)).code(),
+            absl::StatusCode::kInvalidArgument);
+  v1::LayerCheckpoint shape = FittingCheckpoint(owner, layer, 3);
+  shape.mutable_params(0)->set_shape(0, shape.params(0).shape(0) - 1);
+  shape.mutable_params(0)->set_payload_bytes(shape.params(0).payload_bytes() - 4);
+  shape.mutable_params(0)->set_encoded_bytes(shape.params(0).encoded_bytes() - 4);
+  shape.mutable_payload()->resize(shape.payload().size() - 4);
+  EXPECT_EQ(controller_->SaveCheckpoint(shape).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(controller_->SaveCheckpoint(FittingCheckpoint(other, layer, 3)).code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_TRUE(HasEvent("checkpoint_refused"));
+  // The good one is still the latest.
+  absl::StatusOr<v1::LayerCheckpoint> latest = controller_->LoadCheckpoint(owner, layer);
+  ASSERT_TRUE(latest.ok()) << latest.status();
+  EXPECT_EQ(latest->step(), 2);
+  EXPECT_EQ(controller_->LoadCheckpoint(other, layer).status().code(),
+            absl::StatusCode::kPermissionDenied);
+}
+
+TEST_F(HostileInputTest, DeadMembersArePrunedAndStatusStaysSmall) {
+  Join("a");
+  Join("b");
+  for (int i = 0; i < 400; ++i) {
+    const std::string id = Join(std::string(128, 'n')).worker_id();
+    controller_->Leave(id);
+  }
+  const v1::ClusterStatus status = controller_->Status();
+  EXPECT_LE(status.workers_size(), 2 + 256);
+  EXPECT_LT(status.ByteSizeLong(), 1u << 20);
+  // Ids of forgotten workers are not given out again.
+  const std::string next = Join("z").worker_id();
+  EXPECT_EQ(next, "w402");
 }
 
 }  // namespace

@@ -72,10 +72,14 @@ class Process:
 class Cluster:
     """A coordinator on 127.0.0.1:<port 0> and any number of workers."""
 
-    def __init__(self, job, coordinator_flags=(), workdir=None):
+    def __init__(self, job, coordinator_flags=(), workdir=None, secure=False):
+        """`secure`: TLS, tokens and certificates (the default of the
+        daemons); otherwise every process runs --insecure, as the suites
+        that test other things do."""
         self.dir = workdir or tempfile.mkdtemp(prefix="geotrain-it-")
         self.job = job
-        self.coordinator_flags = list(coordinator_flags)
+        self.secure = secure
+        self.coordinator_flags = list(coordinator_flags) + ([] if secure else ["--insecure"])
         self.coordinator = None
         self.workers = []
         self.port = None
@@ -124,15 +128,38 @@ class Cluster:
         `env` adds to the environment."""
         args = [binary("geotrain-worker"), f"--coordinator={self.address}",
                 "--listen=127.0.0.1:0", "--device=cpu", "--threads=1",
-                f"--name={name}"] + list(extra)
+                f"--name={name}"] + ([] if self.secure else ["--insecure"]) + list(extra)
         worker = Process(args, os.path.join(self.dir, f"{name}.log"), env)
         self.workers.append(worker)
         return worker
 
+    @property
+    def admin_credential(self):
+        return os.path.join(self.dir, "state", "tls", "admin.credential")
+
+    def ctl_credentials(self):
+        """The geotrain-ctl flags that authenticate to this cluster."""
+        if not self.secure:
+            return ["--insecure"]
+        return [f"--admin_credential={self.admin_credential}"]
+
+    def ctl(self, *args, timeout_ms=3000, credentials=None):
+        """Runs geotrain-ctl ARGS against this cluster; returns the
+        CompletedProcess (stdout and stderr as text)."""
+        creds = self.ctl_credentials() if credentials is None else list(credentials)
+        return subprocess.run([binary("geotrain-ctl"), *args, f"--coordinator={self.address}",
+                               f"--timeout_ms={timeout_ms}", *creds],
+                              capture_output=True, text=True, timeout=30,
+                              stdin=subprocess.DEVNULL)
+
+    def create_token(self, *flags):
+        out = self.ctl("token", "create", *flags)
+        if out.returncode != 0:
+            raise RuntimeError(f"geotrain-ctl token create failed: {out.stderr}")
+        return out.stdout.strip()
+
     def status(self, timeout_ms=3000):
-        out = subprocess.run([binary("geotrain-ctl"), "status", f"--coordinator={self.address}",
-                              "--json", f"--timeout_ms={timeout_ms}"],
-                             capture_output=True, text=True, timeout=30)
+        out = self.ctl("status", "--json", timeout_ms=timeout_ms)
         if out.returncode != 0:
             raise RuntimeError(f"geotrain-ctl failed: {out.stderr}")
         return json.loads(out.stdout)

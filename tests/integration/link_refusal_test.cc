@@ -55,7 +55,7 @@ class LinkRefusalTest : public testing::Test {
                           "--port_file=" + dir_ + "/port",
                           "--job=" + std::string(GEOTRAIN_SOURCE_DIR) +
                               "/deploy/jobs/fmnist-mlp.textproto",
-                          "--min_workers=2", "--state_dir=" + dir_ + "/state"},
+                          "--min_workers=2", "--state_dir=" + dir_ + "/state", "--insecure"},
                          dir_ + "/coordinator.log");
     int port = 0;
     for (auto start = Clock::now(); port == 0 && Clock::now() - start < std::chrono::seconds(30);) {
@@ -81,7 +81,8 @@ class LinkRefusalTest : public testing::Test {
     job_ = joined.job();
 
     worker_ = Spawn({bin + "/geotrain-worker", "--coordinator=" + coordinator,
-                     "--listen=127.0.0.1:0", "--device=cpu", "--threads=1", "--name=target"},
+                     "--listen=127.0.0.1:0", "--device=cpu", "--threads=1", "--name=target",
+                     "--insecure"},
                     dir_ + "/worker.log");
 
     grpc::ClientContext watch_context;

@@ -22,6 +22,19 @@ class BadJobFileTest(unittest.TestCase):
             'gpt { context: 8 d_model: 10 heads: 4 blocks: 1 }\ntext {}\nsteps: 3\n',
             "multiple of heads"),
         "no_steps.textproto": ('mlp { hidden: 8 }\nfashion_mnist {}\n', "steps"),
+        # Absurd sizes are refused before anything is allocated or planned.
+        "million_blocks.textproto": (
+            'gpt { context: 8 d_model: 16 heads: 2 blocks: 1000000 }\ntext {}\nsteps: 3\n',
+            "blocks at most"),
+        "huge_microbatch.textproto": (
+            'mlp { hidden: 8 }\nfashion_mnist {}\nsteps: 3\nmicrobatch_size: 1073741824\n',
+            "microbatch_size at most"),
+        "wide_activation.textproto": (
+            'gpt { context: 4096 d_model: 4096 heads: 8 blocks: 1 }\ntext {}\nsteps: 3\n'
+            'microbatch_size: 1024\n', "over 1 GiB"),
+        "eval_batches.textproto": (
+            'mlp { hidden: 8 }\nfashion_mnist {}\nsteps: 3\neval_batches: 2000000000\n',
+            "eval_batches at most"),
     }
 
     def test_coordinator_names_file_and_problem(self):
@@ -36,6 +49,22 @@ class BadJobFileTest(unittest.TestCase):
             self.assertIn(path, out.stderr, name)
             self.assertIn(fragment, out.stderr, name)
 
+    def test_job_file_that_is_not_a_regular_file_or_too_big(self):
+        start = time.monotonic()
+        out = run([binary("geotrain-coordinator"), "--job=/dev/zero", "--listen=127.0.0.1:0",
+                   f"--state_dir={tempfile.mkdtemp()}"])
+        self.assertNotEqual(out.returncode, 0)
+        self.assertIn("/dev/zero is not a regular file", out.stderr)
+        self.assertNotIn("bad_alloc", out.stderr)
+        big = os.path.join(tempfile.mkdtemp(), "big.textproto")
+        with open(big, "w") as f:
+            f.write("# " + "x" * (2 << 20) + "\n")
+        out = run([binary("geotrain-coordinator"), f"--job={big}", "--listen=127.0.0.1:0",
+                   f"--state_dir={tempfile.mkdtemp()}"])
+        self.assertNotEqual(out.returncode, 0)
+        self.assertIn("larger than", out.stderr)
+        self.assertLess(time.monotonic() - start, 20)
+
     def test_missing_job_file(self):
         out = run([binary("geotrain-coordinator"), "--job=/nonexistent/j.textproto"])
         self.assertNotEqual(out.returncode, 0)
@@ -47,6 +76,30 @@ class BadJobFileTest(unittest.TestCase):
                    f"--state_dir={tempfile.mkdtemp()}"])
         self.assertNotEqual(out.returncode, 0)
         self.assertIn("bogus", out.stderr)
+
+
+class FlagRangeTest(unittest.TestCase):
+    """Flags out of range are errors, not silently ignored or wrapped."""
+
+    def test_out_of_range_flags_are_refused(self):
+        job = f"--job={job_path('fmnist-mlp.textproto')}"
+        cases = [
+            ([binary("geotrain-coordinator"), job, "--listen=127.0.0.1:99999"], "--listen"),
+            ([binary("geotrain-coordinator"), job, "--steps=-5"], "--steps"),
+            ([binary("geotrain-coordinator"), job, "--seed=-1"], "--seed"),
+            ([binary("geotrain-coordinator"), job, "--min_workers=-2"], "--min_workers"),
+            ([binary("geotrain-worker"), "--threads=-3", "--insecure"], "--threads"),
+            ([binary("geotrain-worker"), "--listen=127.0.0.1:70000", "--insecure"], "--listen"),
+            ([binary("geotrain-worker"), "--coordinator=nowhere", "--insecure"], "--coordinator"),
+            ([binary("geotrain-ctl"), "status", "--coordinator=127.0.0.1:0", "--insecure"],
+             "--coordinator"),
+        ]
+        for args, fragment in cases:
+            out = run(args + [f"--state_dir={tempfile.mkdtemp()}"]
+                      if "coordinator" in os.path.basename(args[0]) and "ctl" not in args[0]
+                      else args)
+            self.assertEqual(out.returncode, 2, (args, out.stderr))
+            self.assertIn(fragment, out.stderr, args)
 
 
 class UnknownFlagTest(unittest.TestCase):
@@ -63,7 +116,7 @@ class UnreachableCoordinatorTest(unittest.TestCase):
         d = tempfile.mkdtemp(prefix="geotrain-unreachable-")
         worker = Process([binary("geotrain-worker"), f"--coordinator=127.0.0.1:{port}",
                           "--listen=127.0.0.1:0", "--device=cpu", "--threads=1",
-                          "--name=patient"], os.path.join(d, "worker.log"))
+                          "--name=patient", "--insecure"], os.path.join(d, "worker.log"))
         coordinator = None
         try:
             wait_for(lambda: worker.log().count("cannot reach coordinator") >= 2, 30,
@@ -73,7 +126,7 @@ class UnreachableCoordinatorTest(unittest.TestCase):
             self.assertTrue(worker.alive())
             coordinator = Process([binary("geotrain-coordinator"), f"--listen=127.0.0.1:{port}",
                                    f"--job={job_path('fmnist-mlp.textproto')}",
-                                   "--min_workers=2", f"--state_dir={d}/state"],
+                                   "--min_workers=2", f"--state_dir={d}/state", "--insecure"],
                                   os.path.join(d, "coordinator.log"))
             wait_for(lambda: "joined" in worker.log(), 30, "the worker to join")
         finally:
@@ -85,7 +138,8 @@ class UnreachableCoordinatorTest(unittest.TestCase):
         port = free_port()
         start = time.monotonic()
         out = run([binary("geotrain-worker"), f"--coordinator=127.0.0.1:{port}",
-                   "--listen=127.0.0.1:0", "--device=cpu", "--join_timeout_s=2"], timeout=60)
+                   "--listen=127.0.0.1:0", "--device=cpu", "--join_timeout_s=2", "--insecure"],
+                  timeout=60)
         self.assertNotEqual(out.returncode, 0)
         self.assertIn(f"cannot reach coordinator at 127.0.0.1:{port}", out.stderr)
         self.assertLess(time.monotonic() - start, 30)
@@ -96,7 +150,7 @@ class CtlTest(unittest.TestCase):
         port = free_port()
         start = time.monotonic()
         out = run([binary("geotrain-ctl"), "status", f"--coordinator=127.0.0.1:{port}",
-                   "--timeout_ms=1500"])
+                   "--timeout_ms=1500", "--insecure"])
         elapsed = time.monotonic() - start
         self.assertNotEqual(out.returncode, 0)
         self.assertIn(f"127.0.0.1:{port}", out.stderr)
@@ -110,7 +164,8 @@ class CtlTest(unittest.TestCase):
 
 class DeviceTest(unittest.TestCase):
     def test_unknown_device_is_refused(self):
-        out = run([binary("geotrain-worker"), "--device=tpu", "--coordinator=127.0.0.1:1"])
+        out = run([binary("geotrain-worker"), "--device=tpu", "--coordinator=127.0.0.1:1",
+                   "--insecure"])
         self.assertNotEqual(out.returncode, 0)
         self.assertIn("--device=tpu", out.stderr)
 

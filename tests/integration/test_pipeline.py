@@ -74,9 +74,7 @@ class PipelineTest(unittest.TestCase):
             self.assertEqual(evals[0]["step"], 15)
             self.assertGreater(evals[0]["val_loss"], 0)
 
-            table = subprocess.run([binary("geotrain-ctl"), "status",
-                                    f"--coordinator={c.address}"],
-                                   capture_output=True, text=True, timeout=30)
+            table = c.ctl("status")
             self.assertEqual(table.returncode, 0, table.stderr)
             for text in ("gpt-tiny", "STAGE", "GFLOP/s", "w0", "done", "BLAS", "THREADS",
                          "fair share"):
@@ -137,9 +135,7 @@ class PipelineTest(unittest.TestCase):
             last = next(w for w in status["workers"] if w["stage"] == 1)
             self.assertEqual(int(stage0["staleness_max"]), 1, "one update between F and B")
             self.assertEqual(int(last["staleness_max"]), 0, "the last stage runs F and B at once")
-            table = subprocess.run([binary("geotrain-ctl"), "status",
-                                    f"--coordinator={c.address}"],
-                                   capture_output=True, text=True, timeout=30)
+            table = c.ctl("status")
             for text in ("SCHEDULE", "STALE_MAX", "BUBBLE", "async-stash"):
                 self.assertIn(text, table.stdout)
             c.wait_done(timeout=120)

@@ -80,11 +80,13 @@ TEST(LinkValidatorTest, AcceptsHellosOnlyFromTheUpstreamStagesWorkers) {
   absl::Status stranger = v.CheckHello(MakeHello(5, 0, "w9"));
   EXPECT_EQ(stranger.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(stranger.message().find("w9"), std::string::npos) << stranger;
-  // Without an id it is ambiguous between two workers ...
+  // Without an id it is refused, with two upstream workers or with one: an
+  // anonymous link could not be told from the real one (a stranger's DONE
+  // on it once ended the last stage).
   EXPECT_EQ(v.CheckHello(MakeHello(5, 0)).code(), absl::StatusCode::kInvalidArgument);
-  // ... but not with one (a worker from before replicas).
   LinkValidator single(Job(), 5, 1, 1, 3, {"w0"});
-  EXPECT_TRUE(single.CheckHello(MakeHello(5, 0)).ok());
+  EXPECT_EQ(single.CheckHello(MakeHello(5, 0)).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(single.CheckHello(MakeHello(5, 0, "w0")).ok());
   EXPECT_EQ(single.CheckHello(MakeHello(5, 0, "w9")).code(), absl::StatusCode::kInvalidArgument);
 }
 

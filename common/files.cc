@@ -1,0 +1,87 @@
+#include "common/files.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+
+namespace geotrain {
+namespace {
+
+absl::Status ErrnoError(const std::string& what) {
+  return absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(errno)));
+}
+
+absl::Status WriteAll(int fd, const std::string& data, const std::string& path) {
+  size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t n = write(fd, data.data() + done, data.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoError(absl::StrCat("write ", path));
+    }
+    done += static_cast<size_t>(n);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status WriteFileAtomically(const std::string& path,
+                                 const std::string& contents, mode_t mode) {
+  const std::string tmp = path + ".tmp";
+  const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, mode);
+  if (fd >= 0) fchmod(fd, mode);
+  if (fd < 0) return ErrnoError(absl::StrCat("open ", tmp));
+  absl::Status written = WriteAll(fd, contents, tmp);
+  if (written.ok() && fsync(fd) != 0) written = ErrnoError("fsync " + tmp);
+  close(fd);
+  if (!written.ok()) return written;
+  if (rename(tmp.c_str(), path.c_str()) != 0) {
+    return ErrnoError(absl::StrCat("rename ", tmp, " -> ", path));
+  }
+  const std::string dir = std::filesystem::path(path).parent_path().string();
+  const int dir_fd = open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (dir_fd >= 0) {
+    fsync(dir_fd);
+    close(dir_fd);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AppendToFile(const std::string& path, const std::string& data) {
+  const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+  if (fd < 0) return ErrnoError(absl::StrCat("open ", path));
+  absl::Status status = WriteAll(fd, data, path);
+  close(fd);
+  return status;
+}
+
+absl::StatusOr<std::string> ReadFileBounded(const std::string& path, uint64_t max_bytes) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path, ": ", std::strerror(errno)));
+  std::error_code error;
+  if (!std::filesystem::is_regular_file(path, error)) {
+    return absl::InvalidArgumentError(absl::StrCat(path, " is not a regular file"));
+  }
+  const uintmax_t size = std::filesystem::file_size(path, error);
+  if (error || size > max_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(path, " is larger than ", max_bytes,
+                                                   " bytes; refused before reading"));
+  }
+  std::string contents(static_cast<size_t>(size), '\0');
+  in.read(contents.data(), static_cast<std::streamsize>(size));
+  if (static_cast<uintmax_t>(in.gcount()) != size) {
+    return absl::UnavailableError(absl::StrCat("short read of ", path));
+  }
+  return contents;
+}
+
+}  // namespace geotrain

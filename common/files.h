@@ -1,0 +1,31 @@
+// Small file helpers shared by the daemons. Thread-compatible.
+#ifndef GEOTRAIN_COMMON_FILES_H_
+#define GEOTRAIN_COMMON_FILES_H_
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace geotrain {
+
+// Writes `contents` to `path` so that readers see the old or the new file,
+// never a torn one: temp file, fsync, rename, fsync of the directory. The
+// file gets `mode` (0600 for keys and credentials) from its creation on.
+absl::Status WriteFileAtomically(const std::string& path, const std::string& contents,
+                                 mode_t mode = 0644);
+
+// Appends `data` (O_APPEND: whole lines from concurrent writers stay whole).
+absl::Status AppendToFile(const std::string& path, const std::string& data);
+
+// The whole of a regular file, refused (INVALID_ARGUMENT) without reading
+// it when it is larger than `max_bytes` or not a regular file (/dev/zero, a
+// FIFO). NOT_FOUND when it cannot be opened.
+absl::StatusOr<std::string> ReadFileBounded(const std::string& path, uint64_t max_bytes);
+
+}  // namespace geotrain
+
+#endif  // GEOTRAIN_COMMON_FILES_H_

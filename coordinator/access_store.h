@@ -1,0 +1,70 @@
+// Join tokens and revoked worker identities, persisted in
+// <state_dir>/access.textproto (a token's secret only as its SHA-256).
+//
+// A worker token buys one enrollment per use until it expires or is
+// revoked; a viewer token only reads the status API. Worker ids are
+// allocated here ("w<n>", never reused, also across restarts), so that two
+// certificates never name the same worker.
+// Thread-safe.
+#ifndef GEOTRAIN_COORDINATOR_ACCESS_STORE_H_
+#define GEOTRAIN_COORDINATOR_ACCESS_STORE_H_
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "geotrain/v1/coordinator.pb.h"
+
+namespace geotrain {
+
+class AccessStore {
+ public:
+  using WallClock = std::function<absl::Time()>;
+  // `ca_fingerprint`: what new tokens carry and presented ones must match.
+  static absl::StatusOr<std::unique_ptr<AccessStore>> Open(const std::string& path,
+                                                           std::string ca_fingerprint,
+                                                           WallClock now = absl::Now);
+
+  // The token's text is in the response, once; only its hash is kept.
+  absl::StatusOr<v1::CreateTokenResponse> CreateToken(const v1::CreateTokenRequest& request);
+  v1::ListTokensResponse ListTokens() const;
+  // NOT_FOUND for an unknown id.
+  absl::StatusOr<v1::TokenInfo> RevokeToken(const std::string& id_or_token);
+
+  // Checks a presented token for `role` without using it up:
+  // INVALID_ARGUMENT for a malformed one, UNAUTHENTICATED for an unknown id,
+  // a wrong secret or another coordinator's CA, PERMISSION_DENIED for an
+  // expired, revoked or used-up token or one of another role. Returns its id.
+  absl::StatusOr<std::string> CheckToken(const std::string& token, v1::TokenRole role) const;
+  // Checks a worker token as CheckToken does, takes one use and allocates
+  // a new worker id for it (one that `taken` says is free).
+  absl::StatusOr<std::string> RedeemForWorker(const std::string& token,
+                                              const std::function<bool(const std::string&)>& taken,
+                                              std::string* token_id);
+
+  absl::Status RevokeWorker(const std::string& worker_id);
+  bool IsWorkerRevoked(const std::string& worker_id) const;
+  // The token a worker enrolled with ("" if none).
+  std::string TokenOfWorker(const std::string& worker_id) const;
+
+ private:
+  AccessStore(std::string path, std::string ca_fingerprint, WallClock now)
+      : path_(std::move(path)), ca_fingerprint_(std::move(ca_fingerprint)), now_(std::move(now)) {}
+  absl::StatusOr<const v1::TokenRecord*> FindValidLocked(const std::string& token,
+                                                         v1::TokenRole role) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  absl::Status PersistLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const std::string path_;
+  const std::string ca_fingerprint_;
+  const WallClock now_;
+  mutable absl::Mutex mu_;
+  v1::AccessState state_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace geotrain
+
+#endif  // GEOTRAIN_COORDINATOR_ACCESS_STORE_H_
