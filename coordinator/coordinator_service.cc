@@ -246,7 +246,7 @@ grpc::Status CoordinatorService::LoadCheckpoint(grpc::ServerContext* context,
   absl::StatusOr<std::string> worker = caller_.Worker(*context, request->worker_id());
   if (!worker.ok()) return Refused(worker.status());
   absl::StatusOr<v1::LayerCheckpoint> checkpoint =
-      options_.controller->LoadCheckpoint(*worker, request->layer());
+      options_.controller->LoadCheckpoint(*worker, request->layer(), request->probe());
   if (!checkpoint.ok()) return ToGrpcStatus(checkpoint.status());
   *response = *std::move(checkpoint);
   return grpc::Status::OK;

@@ -377,19 +377,19 @@ void JobController::Tick() {
 }
 
 absl::Status JobController::SaveCheckpoint(const v1::LayerCheckpoint& checkpoint) {
-  absl::Status valid = CheckLayerCheckpoint(options_.job, checkpoint);
+  absl::Status valid;
   {
     absl::MutexLock lock(&mu_);
-    if (valid.ok()) {
-      const v1::StageAssignment* stage =
-          plan_.has_value() ? StageOf(*plan_, checkpoint.worker_id()) : nullptr;
-      if (stage == nullptr || stage->worker_id() != checkpoint.worker_id() ||
-          checkpoint.layer() < stage->layer_begin() || checkpoint.layer() >= stage->layer_end()) {
-        valid = absl::PermissionDeniedError(absl::StrCat(
-            "checkpoint of layer ", checkpoint.layer(), " from ",
-            checkpoint.worker_id().substr(0, 128),
-            ", which is not the primary of the stage that holds it"));
-      }
+    const v1::StageAssignment* stage =
+        plan_.has_value() ? StageOf(*plan_, checkpoint.worker_id()) : nullptr;
+    if (stage == nullptr || stage->worker_id() != checkpoint.worker_id() ||
+        checkpoint.layer() < stage->layer_begin() || checkpoint.layer() >= stage->layer_end()) {
+      valid = absl::PermissionDeniedError(absl::StrCat(
+          "checkpoint of layer ", checkpoint.layer(), " from ",
+          checkpoint.worker_id().substr(0, 128),
+          ", which is not the primary of the stage that holds it"));
+    } else {
+      valid = CheckLayerCheckpoint(options_.job, checkpoint);  // a few MiB: quick
     }
     if (!valid.ok()) {
       AddEventLocked("checkpoint_refused", NameOf(checkpoint.worker_id()),
@@ -409,6 +409,17 @@ absl::StatusOr<v1::LayerCheckpoint> JobController::LoadCheckpoint(const std::str
       return absl::PermissionDeniedError(absl::StrCat(
           worker_id.substr(0, 128), " may load only the layers of its own stage, not ", layer));
     }
+  }
+  if (probe) {
+    const std::map<int, std::vector<int>> index = checkpoints_->Index();
+    auto it = index.find(layer);
+    if (it == index.end() || it->second.empty()) {
+      return absl::NotFoundError(absl::StrCat("no checkpoint of layer ", layer));
+    }
+    v1::LayerCheckpoint newest;
+    newest.set_layer(layer);
+    newest.set_step(it->second.back());
+    return newest;
   }
   std::vector<std::string> skipped;
   absl::StatusOr<v1::LayerCheckpoint> checkpoint = checkpoints_->LoadLatest(layer, &skipped);

@@ -81,8 +81,9 @@ class JobController {
   // for the disk I/O). A worker saves only the layers of the stage it is
   // the primary of, loads only its own stage's (PERMISSION_DENIED), and a
   // checkpoint must match the model (CheckLayerCheckpoint) or it is refused
-  // with an event. LoadCheckpoint records a restore event unless `probe`,
-  // and an event for each corrupt file passed over.
+  // with an event. LoadCheckpoint records a restore event and one for each
+  // corrupt file passed over; with `probe` it returns only the newest
+  // step (from the index, no tensors, no event).
   absl::Status SaveCheckpoint(const v1::LayerCheckpoint& checkpoint);
   absl::StatusOr<v1::LayerCheckpoint> LoadCheckpoint(const std::string& worker_id, int layer,
                                                      bool probe = false);

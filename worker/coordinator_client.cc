@@ -93,12 +93,13 @@ absl::Status CoordinatorClient::SaveCheckpoint(std::vector<v1::LayerCheckpoint> 
   return status;
 }
 
-absl::StatusOr<v1::LayerCheckpoint> CoordinatorClient::LoadCheckpoint(int layer) {
+absl::StatusOr<v1::LayerCheckpoint> CoordinatorClient::LoadCheckpoint(int layer, bool probe) {
   grpc::ClientContext context;
   context.set_deadline(DeadlineFromNow(std::chrono::seconds(30)));
   v1::LoadCheckpointRequest request;
   request.set_worker_id(worker_id());
   request.set_layer(layer);
+  request.set_probe(probe);
   v1::LayerCheckpoint response;
   const grpc::Status status = stub_->LoadCheckpoint(&context, request, &response);
   if (!status.ok()) return FromGrpcStatus(status);

@@ -51,7 +51,8 @@ class CoordinatorClient final : public ProgressSink {
   // uploader that keeps only the newest pending one, so a slow coordinator
   // never stalls training. LoadCheckpoint: NOT_FOUND when there is none.
   absl::Status SaveCheckpoint(std::vector<v1::LayerCheckpoint> layers);
-  absl::StatusOr<v1::LayerCheckpoint> LoadCheckpoint(int layer);
+  // `probe`: only to compare steps (the coordinator records no restore).
+  absl::StatusOr<v1::LayerCheckpoint> LoadCheckpoint(int layer, bool probe = false);
   void CheckpointReady(std::vector<v1::LayerCheckpoint> layers) override;
   // Logged and dropped on failure.
   // Carries the epoch set by SetEpoch().

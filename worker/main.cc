@@ -119,7 +119,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (!status.ok()) {
-    GT_LOG(Error) << status.message();
+    GT_LOG(Error) << absl::StatusCodeToString(status.code()) << ": " << status.message();
     return 1;
   }
   GT_LOG(Info) << "done";

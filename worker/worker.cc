@@ -286,8 +286,23 @@ absl::StatusOr<bool> Worker::PrepareRuntime(const StagePlacement& placement,
                                             const ScheduleConfig& schedule) {
   if (runtime_ != nullptr) {
     const StagePlacement& held = runtime_->placement();
-    if (held.stage == placement.stage && held.num_stages == placement.num_stages &&
-        held.layer_begin == placement.layer_begin && held.layer_end == placement.layer_end) {
+    const bool same_place =
+        held.stage == placement.stage && held.num_stages == placement.num_stages &&
+        held.layer_begin == placement.layer_begin && held.layer_end == placement.layer_end;
+    // A worker that gets back a stage it held before (it was a standby
+    // meanwhile) keeps its own weights only if nobody trained the stage
+    // since: a newer checkpoint of it means another worker did.
+    if (same_place) {
+      absl::StatusOr<v1::LayerCheckpoint> newest =
+          coordinator_.LoadCheckpoint(placement.layer_begin, /*probe=*/true);
+      if (newest.ok() && newest->step() > coordinator_.stage_step()) {
+        GT_LOG(Info) << "the stage's checkpoint (step " << newest->step()
+                     << ") is newer than this worker's weights (step "
+                     << coordinator_.stage_step() << "): restoring it";
+        runtime_.reset();
+      }
+    }
+    if (runtime_ != nullptr && same_place) {
       const int dropped = runtime_->DropInFlight();
       dropped_microbatches_ += dropped;
       if (dropped > 0) {

@@ -1,8 +1,10 @@
-// A real coordinator and a real worker process; this test joins as the
-// worker of stage 0 and sends the worker (stage 1) malformed link traffic.
-// Each bad message must end its stream with INVALID_ARGUMENT (or gRPC's own
-// RESOURCE_EXHAUSTED for an over-limit message) while the worker keeps
-// running and still trains on a correct message afterwards.
+// A real coordinator and a real worker process, with TLS (the default).
+// This test enrolls with a token like any worker, so it holds a valid
+// worker certificate, joins first (the planner puts it on stage 0) and then
+// behaves as a hostile stage 0: it sends the worker (stage 1) malformed,
+// oversized, compressed-bomb and impersonating link traffic, floods it with
+// streams, and stops reading. Each must be refused with a clear status while
+// the worker keeps running and still trains on a correct message afterwards.
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -11,17 +13,25 @@
 #include <gtest/gtest.h>
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <map>
+#include <sstream>
 #include <thread>
 
 #include "common/link_message.h"
 #include "common/model_profile.h"
+#include <zstd.h>
+
 #include "common/rpc_options.h"
+#include "common/transport_security.h"
+#include "common/x509.h"
 #include "geotrain/v1/coordinator.grpc.pb.h"
 #include "geotrain/v1/stage.grpc.pb.h"
+#include "geotrain/v1/status.grpc.pb.h"
 
 namespace geotrain {
 namespace {
@@ -45,6 +55,23 @@ pid_t Spawn(const std::vector<std::string>& args, const std::string& log) {
 
 bool Alive(pid_t pid) { return waitpid(pid, nullptr, WNOHANG) == 0; }
 
+// Resident memory of `pid` in bytes (VmRSS), 0 if unknown.
+uint64_t ResidentBytes(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+  }
+  return 0;
+}
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
 class LinkRefusalTest : public testing::Test {
  protected:
   void SetUp() override {
@@ -55,7 +82,7 @@ class LinkRefusalTest : public testing::Test {
                           "--port_file=" + dir_ + "/port",
                           "--job=" + std::string(GEOTRAIN_SOURCE_DIR) +
                               "/deploy/jobs/fmnist-mlp.textproto",
-                          "--min_workers=2", "--state_dir=" + dir_ + "/state", "--insecure"},
+                          "--min_workers=2", "--state_dir=" + dir_ + "/state"},
                          dir_ + "/coordinator.log");
     int port = 0;
     for (auto start = Clock::now(); port == 0 && Clock::now() - start < std::chrono::seconds(30);) {
@@ -67,7 +94,52 @@ class LinkRefusalTest : public testing::Test {
     }
     ASSERT_NE(port, 0) << "coordinator did not start";
     const std::string coordinator = "127.0.0.1:" + std::to_string(port);
-    coordinator_stub_ = v1::Coordinator::NewStub(MakeChannel(coordinator));
+    port_ = port;
+
+    // A token, as the operator would make one.
+    absl::StatusOr<TransportSecurity> admin =
+        LoadCredentialFile(dir_ + "/state/tls/admin.credential");
+    ASSERT_TRUE(admin.ok()) << admin.status();
+    auto admin_stub = v1::Admin::NewStub(
+        MakeSecureChannel(coordinator, *admin, kCoordinatorServerName));
+    v1::CreateTokenRequest create;
+    create.set_uses(2);
+    v1::CreateTokenResponse token;
+    {
+      grpc::ClientContext context;
+      context.set_deadline(DeadlineFromNow(std::chrono::seconds(5)));
+      ASSERT_TRUE(admin_stub->CreateToken(&context, create, &token).ok());
+    }
+    // Enroll like a worker: pin the CA, send a CSR, get a certificate.
+    absl::StatusOr<std::string> serving_ca =
+        PinCertificateAuthority(coordinator, "sha256:" + token.token().substr(token.token().rfind('.') + 1),
+                                absl::Seconds(5));
+    ASSERT_TRUE(serving_ca.ok()) << serving_ca.status();
+    TransportSecurity anonymous;
+    anonymous.insecure = false;
+    anonymous.trusted_ca_pem = *serving_ca;
+    const std::string key = *GeneratePrivateKeyPem();
+    v1::EnrollRequest enroll;
+    enroll.set_token(token.token());
+    enroll.set_csr_pem(*CreateCsrPem(key, "hostile"));
+    enroll.set_name("test-stage0");
+    v1::EnrollResponse enrolled;
+    {
+      grpc::ClientContext context;
+      context.set_deadline(DeadlineFromNow(std::chrono::seconds(5)));
+      auto stub = v1::Coordinator::NewStub(
+          MakeSecureChannel(coordinator, anonymous, kCoordinatorServerName));
+      const grpc::Status status = stub->Enroll(&context, enroll, &enrolled);
+      ASSERT_TRUE(status.ok()) << status.error_message();
+    }
+    peers_.insecure = false;
+    peers_.certificate_pem = enrolled.certificate_pem();
+    peers_.private_key_pem = key;
+    peers_.trusted_ca_pem = enrolled.ca_pem();
+    TransportSecurity to_coordinator = peers_;
+    to_coordinator.trusted_ca_pem = *serving_ca;
+    coordinator_stub_ = v1::Coordinator::NewStub(
+        MakeSecureChannel(coordinator, to_coordinator, kCoordinatorServerName));
 
     // Join first, so that the planner puts this test on stage 0.
     v1::JoinRequest join;
@@ -82,7 +154,7 @@ class LinkRefusalTest : public testing::Test {
 
     worker_ = Spawn({bin + "/geotrain-worker", "--coordinator=" + coordinator,
                      "--listen=127.0.0.1:0", "--device=cpu", "--threads=1", "--name=target",
-                     "--insecure"},
+                     "--token=" + token.token()},
                     dir_ + "/worker.log");
 
     grpc::ClientContext watch_context;
@@ -96,11 +168,37 @@ class LinkRefusalTest : public testing::Test {
     ASSERT_EQ(plan_.stages_size(), 2);
     ASSERT_EQ(plan_.stages(0).worker_id(), joined.worker_id());
     stage0_id_ = joined.worker_id();
-    stage_stub_ = v1::Stage::NewStub(MakeChannel(plan_.stages(1).address()));
+    // Keep this test's lease while it works (the job's lease is 5 s).
+    heartbeats_ = std::thread([this] {
+      while (!stop_heartbeats_) {
+        v1::HeartbeatRequest beat;
+        beat.set_worker_id(stage0_id_);
+        v1::HeartbeatResponse known;
+        grpc::ClientContext context;
+        context.set_deadline(DeadlineFromNow(std::chrono::seconds(2)));
+        coordinator_stub_->Heartbeat(&context, beat, &known);
+        for (int i = 0; i < 10 && !stop_heartbeats_; ++i) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        }
+      }
+    });
+    stage1_id_ = plan_.stages(1).worker_id();
+    stage_stub_ = v1::Stage::NewStub(
+        MakeSecureChannel(plan_.stages(1).address(), peers_, stage1_id_));
     boundary_ = plan_.stages(1).layer_begin();
+    // The worker activates its stage a moment after the plan arrives.
+    grpc::Status ready;
+    for (auto start = Clock::now(); Clock::now() - start < std::chrono::seconds(30);) {
+      ready = Exchange({});
+      if (ready.error_code() != grpc::StatusCode::FAILED_PRECONDITION) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    ASSERT_TRUE(ready.ok()) << "the worker never accepted a link: " << ready.error_message();
   }
 
   void TearDown() override {
+    stop_heartbeats_ = true;
+    if (heartbeats_.joinable()) heartbeats_.join();
     for (pid_t pid : {worker_, coordinator_}) {
       if (pid > 0) {
         kill(pid, SIGKILL);
@@ -145,7 +243,8 @@ class LinkRefusalTest : public testing::Test {
   // frames it sent back.
   grpc::Status Exchange(const std::vector<v1::LinkFrame>& frames,
                         std::vector<v1::LinkFrame>* received = nullptr,
-                        uint64_t hello_epoch = 0, const std::string& from_worker = "") {
+                        uint64_t hello_epoch = 0, const std::string& from_worker = "",
+                        bool anonymous = false) {
     grpc::ClientContext context;
     context.set_deadline(DeadlineFromNow(std::chrono::seconds(20)));
     auto stream = stage_stub_->Link(&context);
@@ -154,7 +253,9 @@ class LinkRefusalTest : public testing::Test {
     hello.mutable_header()->set_epoch(hello_epoch ? hello_epoch : plan_.epoch());
     hello.mutable_header()->set_from_stage(0);
     // The plan names the worker that may dial: this test, as stage 0.
-    hello.mutable_header()->set_from_worker(from_worker.empty() ? stage0_id_ : from_worker);
+    hello.mutable_header()->set_from_worker(anonymous ? ""
+                                            : from_worker.empty() ? stage0_id_
+                                                                  : from_worker);
     hello.set_last(true);
     stream->Write(hello);
     for (const v1::LinkFrame& f : frames) {
@@ -177,7 +278,30 @@ class LinkRefusalTest : public testing::Test {
     return stream->Finish();
   }
 
+  // The same activation with its targets zstd'd (as a job with zstd sends
+  // them), labels set to `label`.
+  LinkMessage ZstdTargetsActivation(int64_t label) {
+    LinkMessage m = GoodActivation();
+    const int64_t batch = job_.microbatch_size();
+    const size_t activation_bytes = m.header.tensors(0).payload_bytes();
+    std::vector<int64_t> labels(batch, label);
+    std::string packed(ZSTD_compressBound(batch * 8), '\0');
+    packed.resize(ZSTD_compress(packed.data(), packed.size(), labels.data(), batch * 8, 1));
+    m.payload.resize(activation_bytes);
+    m.payload += packed;
+    v1::TensorHeader* t = m.header.mutable_tensors(1);
+    t->set_zstd(true);
+    t->set_encoded_bytes(batch * 8);
+    t->set_payload_bytes(packed.size());
+    return m;
+  }
+
   std::string dir_;
+  TransportSecurity peers_;  // this test's worker certificate
+  std::string stage1_id_;
+  int port_ = 0;
+  std::thread heartbeats_;
+  std::atomic<bool> stop_heartbeats_{false};
   pid_t coordinator_ = -1, worker_ = -1;
   std::unique_ptr<v1::Coordinator::Stub> coordinator_stub_;
   std::unique_ptr<v1::Stage::Stub> stage_stub_;
@@ -200,8 +324,36 @@ TEST_F(LinkRefusalTest, BadMessagesAreRefusedAndTheWorkerKeepsWorking) {
   // A future epoch is "not yet": the dialler saw the plan first and retries.
   cases.push_back({"hello of an epoch the worker has not started", {},
                    grpc::StatusCode::FAILED_PRECONDITION, plan_.epoch() + 7});
-  cases.push_back({"hello from a worker the plan does not name", {},
-                   grpc::StatusCode::INVALID_ARGUMENT, 0, "w-stranger"});
+  // With TLS a HELLO must name the worker of its certificate: as another
+  // worker (the real stage 1, or nobody) it is refused before the plan is
+  // consulted.
+  cases.push_back({"hello as another worker", {}, grpc::StatusCode::PERMISSION_DENIED, 0,
+                   "w-stranger"});
+  cases.push_back({"hello as the worker it is sent to", {}, grpc::StatusCode::PERMISSION_DENIED,
+                   0, "self"});
+  cases.push_back({"anonymous hello", {}, grpc::StatusCode::PERMISSION_DENIED, 0, "anonymous"});
+  {
+    LinkMessage m = ZstdTargetsActivation(3);
+    const float nan = std::nanf("");
+    std::memcpy(&m.payload[8], &nan, 4);
+    cases.push_back({"non-finite activation with zstd'd targets", SplitIntoFrames(m),
+                     grpc::StatusCode::INVALID_ARGUMENT});
+  }
+  cases.push_back({"zstd'd targets out of range", SplitIntoFrames(ZstdTargetsActivation(1000)),
+                   grpc::StatusCode::INVALID_ARGUMENT});
+  {
+    // A zstd bomb: a small frame that unpacks to 256 MiB, announced as the
+    // targets' few bytes.
+    LinkMessage m = ZstdTargetsActivation(3);
+    const std::string zeros(256 << 20, '\0');
+    std::string bomb(ZSTD_compressBound(zeros.size()), '\0');
+    bomb.resize(ZSTD_compress(bomb.data(), bomb.size(), zeros.data(), zeros.size(), 1));
+    const size_t activation_bytes = m.header.tensors(0).payload_bytes();
+    m.payload.resize(activation_bytes);
+    m.payload += bomb;
+    m.header.mutable_tensors(1)->set_payload_bytes(bomb.size());
+    cases.push_back({"zstd bomb", SplitIntoFrames(m), grpc::StatusCode::INVALID_ARGUMENT});
+  }
   {
     LinkMessage m = GoodActivation();
     m.header.mutable_tensors(0)->set_shape(1, m.header.tensors(0).shape(1) + 1);
@@ -258,7 +410,9 @@ TEST_F(LinkRefusalTest, BadMessagesAreRefusedAndTheWorkerKeepsWorking) {
   }
 
   for (const Case& c : cases) {
-    const grpc::Status status = Exchange(c.frames, nullptr, c.hello_epoch, c.from_worker);
+    const grpc::Status status = Exchange(
+        c.frames, nullptr, c.hello_epoch,
+        c.from_worker == "self" ? stage1_id_ : c.from_worker, c.from_worker == "anonymous");
     EXPECT_EQ(status.error_code(), c.expected)
         << c.name << ": " << status.error_code() << " " << status.error_message();
     EXPECT_FALSE(status.error_message().empty()) << c.name << " gave no reason";
@@ -281,6 +435,196 @@ TEST_F(LinkRefusalTest, BadMessagesAreRefusedAndTheWorkerKeepsWorking) {
   EXPECT_EQ(gradient->header.kind(), v1::MESSAGE_KIND_GRADIENT);
   EXPECT_EQ(gradient->header.tensors(0).shape(0), job_.microbatch_size());
   EXPECT_TRUE(Alive(worker_));
+}
+
+// The control plane with this test's (valid) worker certificate: it may
+// speak only for itself.
+TEST_F(LinkRefusalTest, ControlCallsForAnotherWorkerAreRefused) {
+  auto context = [] {
+    auto c = std::make_unique<grpc::ClientContext>();
+    c->set_deadline(DeadlineFromNow(std::chrono::seconds(5)));
+    return c;
+  };
+  const std::string victim = stage1_id_;
+  v1::HeartbeatRequest beat;
+  beat.set_worker_id(victim);
+  v1::HeartbeatResponse known;
+  EXPECT_EQ(coordinator_stub_->Heartbeat(context().get(), beat, &known).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  v1::LeaveRequest leave;
+  leave.set_worker_id(victim);
+  v1::LeaveResponse left;
+  EXPECT_EQ(coordinator_stub_->Leave(context().get(), leave, &left).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  v1::ReportAck ack;
+  v1::StepReport step;
+  step.set_worker_id(victim);
+  step.set_epoch(plan_.epoch());
+  step.set_step(1);
+  EXPECT_EQ(coordinator_stub_->ReportStep(context().get(), step, &ack).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  step.set_worker_id("");  // as itself: stage 0 does not own the loss
+  EXPECT_EQ(coordinator_stub_->ReportStep(context().get(), step, &ack).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  v1::DoneReport done;
+  done.set_worker_id(victim);
+  EXPECT_EQ(coordinator_stub_->ReportDone(context().get(), done, &ack).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  // Checkpoints: NaN weights of its own layer, and a layer it does not hold.
+  v1::LayerCheckpoint checkpoint;
+  checkpoint.set_layer(0);
+  checkpoint.set_step(1);
+  const int64_t n = 784 * 256 + 256;  // fmnist-mlp's first layer, flat
+  v1::TensorHeader* h = checkpoint.add_params();
+  h->set_dtype(v1::DTYPE_FLOAT32);
+  h->set_codec(v1::CODEC_NONE);
+  h->add_shape(n);
+  h->set_payload_bytes(4 * n);
+  h->set_encoded_bytes(4 * n);
+  std::vector<float> weights(n, std::nanf(""));
+  checkpoint.set_payload(std::string(reinterpret_cast<const char*>(weights.data()), 4 * n));
+  for (auto [layer, expected] : {std::pair{0, grpc::StatusCode::INVALID_ARGUMENT},
+                                 std::pair{boundary_, grpc::StatusCode::PERMISSION_DENIED}}) {
+    checkpoint.set_layer(layer);
+    auto ctx = context();
+    v1::SaveCheckpointResponse saved;
+    auto writer = coordinator_stub_->SaveCheckpoint(ctx.get(), &saved);
+    writer->Write(checkpoint);
+    writer->WritesDone();
+    EXPECT_EQ(writer->Finish().error_code(), expected) << "layer " << layer;
+  }
+  // The victim is still training: its heartbeats were never replaced.
+  grpc::ClientContext status_context;
+  status_context.set_deadline(DeadlineFromNow(std::chrono::seconds(5)));
+  auto admin = LoadCredentialFile(dir_ + "/state/tls/admin.credential");
+  ASSERT_TRUE(admin.ok());
+  auto status_stub = v1::Status::NewStub(MakeSecureChannel(
+      "127.0.0.1:" + std::to_string(port_), *admin, kCoordinatorServerName));
+  v1::ClusterStatus status;
+  ASSERT_TRUE(status_stub->GetClusterStatus(&status_context, {}, &status).ok());
+  for (const v1::WorkerStatus& w : status.workers()) {
+    if (w.id() == victim) EXPECT_EQ(w.state(), v1::WORKER_STATE_TRAINING);
+  }
+  ASSERT_TRUE(Alive(worker_));
+}
+
+TEST_F(LinkRefusalTest, AnAccusationFloodTakesOutAtMostOnePeer) {
+  const uint64_t epoch = plan_.epoch();
+  std::map<grpc::StatusCode, int> codes;
+  for (int i = 0; i < 50; ++i) {
+    v1::WorkerEvent lost;
+    lost.set_kind("link_lost");
+    lost.set_peer(stage1_id_);
+    lost.set_epoch(epoch + (i == 0 ? 0 : 1));  // then the epoch its first accusation caused
+    v1::ReportAck ack;
+    grpc::ClientContext context;
+    context.set_deadline(DeadlineFromNow(std::chrono::seconds(5)));
+    ++codes[coordinator_stub_->ReportEvent(&context, lost, &ack).error_code()];
+  }
+  EXPECT_EQ(codes[grpc::StatusCode::OK], 1);
+  EXPECT_EQ(codes[grpc::StatusCode::RESOURCE_EXHAUSTED], 49);
+  grpc::ClientContext watch_context;
+  watch_context.set_deadline(DeadlineFromNow(std::chrono::seconds(5)));
+  v1::WatchPlanRequest watch;
+  auto reader = coordinator_stub_->WatchPlan(&watch_context, watch);
+  v1::Plan plan;
+  ASSERT_TRUE(reader->Read(&plan));
+  EXPECT_EQ(plan.epoch(), epoch + 1) << "one re-plan, not fifty";
+  watch_context.TryCancel();
+  reader->Finish();
+}
+
+TEST_F(LinkRefusalTest, ADeclaredGigabyteTensorReservesNothing) {
+  const uint64_t before = ResidentBytes(worker_);
+  ASSERT_GT(before, 0u);
+  // A header announcing 1 GiB of activation, then frames of it: refused at
+  // the first frame, before anything is buffered.
+  LinkMessage m = GoodActivation();
+  v1::TensorHeader* a = m.header.mutable_tensors(0);
+  a->set_shape(0, 1 << 18);
+  a->set_payload_bytes(uint64_t{1} << 30);
+  std::vector<v1::LinkFrame> frames;
+  v1::LinkFrame first;
+  *first.mutable_header() = m.header;
+  first.set_data(std::string(1 << 20, 'x'));
+  frames.push_back(first);
+  for (int i = 0; i < 100; ++i) {
+    v1::LinkFrame more;
+    more.set_data(std::string(1 << 20, 'y'));
+    frames.push_back(more);
+  }
+  const grpc::Status status = Exchange(frames);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+  const uint64_t after = ResidentBytes(worker_);
+  EXPECT_LT(after, before + (64u << 20)) << "resident memory grew from " << before << " to "
+                                          << after;
+  ASSERT_TRUE(Alive(worker_));
+}
+
+TEST_F(LinkRefusalTest, AThousandStreamsWithoutHelloAreBounded) {
+  // Each stream is opened and left silent: the worker refuses those beyond
+  // its per-peer limit at once and ends the rest when their HELLO is late.
+  constexpr int kStreams = 1000;
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
+  std::vector<std::unique_ptr<grpc::ClientReaderWriter<v1::LinkFrame, v1::LinkFrame>>> streams;
+  const auto start = Clock::now();
+  for (int i = 0; i < kStreams; ++i) {
+    contexts.push_back(std::make_unique<grpc::ClientContext>());
+    contexts.back()->set_deadline(DeadlineFromNow(std::chrono::seconds(30)));
+    streams.push_back(stage_stub_->Link(contexts.back().get()));
+  }
+  std::map<grpc::StatusCode, int> codes;
+  for (auto& stream : streams) {
+    v1::LinkFrame in;
+    while (stream->Read(&in)) {
+    }
+    ++codes[stream->Finish().error_code()];
+  }
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  EXPECT_GE(codes[grpc::StatusCode::RESOURCE_EXHAUSTED], kStreams - 8);
+  EXPECT_EQ(codes[grpc::StatusCode::OK], 0);
+  EXPECT_LT(seconds, 25) << "silent streams were held";
+  ASSERT_TRUE(Alive(worker_));
+  // The real link still works.
+  std::vector<v1::LinkFrame> received;
+  const grpc::Status status = Exchange(SplitIntoFrames(GoodActivation()), &received);
+  EXPECT_GE(received.size(), 2u) << status.error_message();
+}
+
+TEST_F(LinkRefusalTest, AnUpstreamThatStopsReadingIsCut) {
+  // Activations keep coming, gradients are never read: once the flow-control
+  // windows are full the worker's gradient writes stall, and it cuts the
+  // link instead of holding it (and its buffers) for good.
+  grpc::ClientContext context;
+  context.set_deadline(DeadlineFromNow(std::chrono::seconds(90)));
+  auto stream = stage_stub_->Link(&context);
+  v1::LinkFrame hello;
+  hello.mutable_header()->set_kind(v1::MESSAGE_KIND_HELLO);
+  hello.mutable_header()->set_epoch(plan_.epoch());
+  hello.mutable_header()->set_from_stage(0);
+  hello.mutable_header()->set_from_worker(stage0_id_);
+  hello.set_last(true);
+  ASSERT_TRUE(stream->Write(hello));
+  const auto start = Clock::now();
+  int sent = 0;
+  for (uint64_t microbatch = 0; microbatch < 100000; ++microbatch) {
+    LinkMessage m = GoodActivation();
+    m.header.set_microbatch(microbatch);
+    bool ok = true;
+    for (const v1::LinkFrame& f : SplitIntoFrames(m)) ok = ok && stream->Write(f);
+    if (!ok) break;
+    ++sent;
+    if (Clock::now() - start > std::chrono::seconds(60)) break;
+  }
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  v1::LinkFrame in;
+  while (stream->Read(&in)) {
+  }
+  const grpc::Status status = stream->Finish();
+  EXPECT_NE(status.error_code(), grpc::StatusCode::OK);
+  EXPECT_LT(seconds, 45) << "the stalled link was held (" << sent << " activations sent)";
+  EXPECT_NE(ReadAll(dir_ + "/worker.log").find("read nothing"), std::string::npos);
+  ASSERT_TRUE(Alive(worker_));
 }
 
 }  // namespace
