@@ -122,7 +122,26 @@ absl::StatusOr<v1::LayerCheckpoint> ParseFile(const std::string& path, int layer
   if (!in) return absl::NotFoundError("cannot open");
   std::stringstream buffer;
   buffer << in.rdbuf();
-  const std::string data = buffer.str();
+  absl::StatusOr<v1::LayerCheckpoint> checkpoint = ParseCheckpointFile(buffer.str());
+  if (!checkpoint.ok()) return checkpoint.status();
+  if (checkpoint->layer() != layer || checkpoint->step() != step) {
+    return absl::DataLossError(absl::StrCat("holds layer ", checkpoint->layer(), " step ",
+                                            checkpoint->step(), ", not what its name says"));
+  }
+  return checkpoint;
+}
+
+}  // namespace
+
+std::string FormatCheckpointFile(const v1::LayerCheckpoint& checkpoint) {
+  const std::string body = checkpoint.SerializeAsString();
+  std::string file(kMagic, kMagicBytes);
+  AppendLittleEndian<uint32_t>(&file, Crc32(body));
+  AppendLittleEndian<uint64_t>(&file, body.size());
+  return file + body;
+}
+
+absl::StatusOr<v1::LayerCheckpoint> ParseCheckpointFile(const std::string& data) {
   if (data.size() < kHeaderBytes || data.compare(0, kMagicBytes, kMagic) != 0) {
     return absl::DataLossError("not a checkpoint file (bad magic or too short)");
   }
@@ -136,14 +155,9 @@ absl::StatusOr<v1::LayerCheckpoint> ParseFile(const std::string& path, int layer
   if (Crc32(body) != crc) return absl::DataLossError("checksum mismatch");
   v1::LayerCheckpoint checkpoint;
   if (!checkpoint.ParseFromString(body)) return absl::DataLossError("body does not parse");
-  if (checkpoint.layer() != layer || checkpoint.step() != step) {
-    return absl::DataLossError(absl::StrCat("holds layer ", checkpoint.layer(), " step ",
-                                            checkpoint.step(), ", not what its name says"));
-  }
   return checkpoint;
 }
 
-}  // namespace
 
 absl::StatusOr<std::unique_ptr<CheckpointStore>> CheckpointStore::Open(
     const std::string& state_dir, int keep) {
@@ -197,12 +211,7 @@ absl::Status CheckpointStore::Save(const v1::LayerCheckpoint& checkpoint) {
   if (checkpoint.layer() < 0 || checkpoint.step() < 0) {
     return absl::InvalidArgumentError("checkpoint with a negative layer or step");
   }
-  std::string body;
-  checkpoint.SerializeToString(&body);
-  std::string file(kMagic, kMagicBytes);
-  AppendLittleEndian<uint32_t>(&file, Crc32(body));
-  AppendLittleEndian<uint64_t>(&file, body.size());
-  file += body;
+  const std::string file = FormatCheckpointFile(checkpoint);
   absl::MutexLock lock(&mu_);
   if (absl::Status made = MakeDir(LayerDir(checkpoint.layer())); !made.ok()) return made;
   const std::string path = PathOf(checkpoint.layer(), checkpoint.step());

@@ -32,6 +32,12 @@ namespace geotrain {
 // every value finite. INVALID_ARGUMENT saying what does not fit.
 absl::Status CheckLayerCheckpoint(const v1::JobSpec& job, const v1::LayerCheckpoint& checkpoint);
 
+// The file format (see above): FormatCheckpointFile writes it,
+// ParseCheckpointFile checks magic, length and CRC and parses the body
+// (DATA_LOSS saying what is wrong).
+std::string FormatCheckpointFile(const v1::LayerCheckpoint& checkpoint);
+absl::StatusOr<v1::LayerCheckpoint> ParseCheckpointFile(const std::string& data);
+
 class CheckpointStore {
  public:
   // Creates <state_dir>/checkpoints if needed.

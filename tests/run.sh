@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs what is missing, builds, and runs every test through ctest; then
+# Installs what is missing, builds, and runs every test through ctest, then
+# the fuzz targets (tests/fuzz/run.sh, with clang); then
 # builds the same code a second time against PyPI's CUDA LibTorch (the torch
 # wheel, with the CUDA codec kernels where nvcc is installed) and runs every
 # unit test there too, plus the GPU check in its CPU mode.
@@ -13,6 +14,9 @@ BUILD_DIR="${GEOTRAIN_BUILD_DIR:-build}"
 cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=RelWithDebInfo
 cmake --build "$BUILD_DIR" -j2
 (cd "$BUILD_DIR" && ctest --output-on-failure -j2 "$@")
+
+# libFuzzer targets with clang, 30 s each (two at a time); a crash fails.
+./tests/fuzz/run.sh
 
 if [ "${GEOTRAIN_SKIP_WHEEL:-0}" = 1 ]; then
   echo "GEOTRAIN_SKIP_WHEEL=1: the build against the torch wheel was skipped"
