@@ -241,6 +241,16 @@ std::optional<v1::Plan> JobController::WaitForPlan(uint64_t after_epoch,
   return std::nullopt;
 }
 
+absl::Status JobController::CheckOnLastStageLocked(const std::string& worker_id,
+                                                   const char* what) const {
+  const v1::StageAssignment* stage = StageOf(*plan_, worker_id);
+  if (stage == nullptr || stage->stage() + 1 != plan_->stages_size()) {
+    return absl::PermissionDeniedError(absl::StrCat(what, " come from the last stage; ",
+                                                    worker_id.substr(0, 128), " is not on it"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status JobController::ReportStep(const v1::StepReport& report) {
   absl::MutexLock lock(&mu_);
   if (!plan_.has_value() || report.epoch() != plan_->epoch()) {
@@ -249,11 +259,9 @@ absl::Status JobController::ReportStep(const v1::StepReport& report) {
                      " refused: current epoch is ",
                      plan_.has_value() ? plan_->epoch() : 0));
   }
-  const v1::StageAssignment* stage = StageOf(*plan_, report.worker_id());
-  if (stage == nullptr || stage->stage() + 1 != plan_->stages_size()) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "step reports come from the last stage; ", report.worker_id().substr(0, 128),
-        " is not on it"));
+  if (absl::Status last = CheckOnLastStageLocked(report.worker_id(), "step reports");
+      !last.ok()) {
+    return last;
   }
   if (report.step() < 1 || report.step() > options_.job.steps() ||
       !std::isfinite(report.loss()) || report.samples() < 0 ||
@@ -294,11 +302,9 @@ absl::Status JobController::ReportEval(const v1::EvalReport& report) {
   if (!plan_.has_value() || report.epoch() != plan_->epoch()) {
     return absl::FailedPreconditionError("eval report of another epoch");
   }
-  const v1::StageAssignment* stage = StageOf(*plan_, report.worker_id());
-  if (stage == nullptr || stage->stage() + 1 != plan_->stages_size()) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "evaluations come from the last stage; ", report.worker_id().substr(0, 128),
-        " is not on it"));
+  if (absl::Status last = CheckOnLastStageLocked(report.worker_id(), "evaluations");
+      !last.ok()) {
+    return last;
   }
   if (report.step() < 0 || report.step() > options_.job.steps() ||
       !std::isfinite(report.val_loss()) || !std::isfinite(report.accuracy()) ||

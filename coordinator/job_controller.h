@@ -198,6 +198,10 @@ class JobController {
   std::map<std::string, int> unconfirmed_accusations_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> suspected_ ABSL_GUARDED_BY(mu_);
   void CheckAccusationsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // PERMISSION_DENIED unless the current plan puts `worker_id` on the last
+  // stage (which owns the loss). REQUIRES: a plan.
+  absl::Status CheckOnLastStageLocked(const std::string& worker_id, const char* what) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::ofstream metrics_ ABSL_GUARDED_BY(mu_);
   std::optional<v1::Plan> plan_ ABSL_GUARDED_BY(mu_);
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
