@@ -148,30 +148,6 @@ absl::Status ValidateJobSpec(const v1::JobSpec& job) {
   if (job.codec_block_size() < 0 || job.codec_block_size() > (1 << 20)) {
     return Invalid("codec_block_size at most 2^20");
   }
-  // The biggest tensor that crosses a boundary must fit one link message,
-  // and a layer's parameters must be countable: products in 64 bits, from
-  // the bounded dimensions above (no product of two int32s overflows).
-  const int64_t batch = job.microbatch_size();
-  int64_t widest = 0;
-  if (job.has_gpt()) {
-    widest = int64_t{job.gpt().context()} *
-             std::max<int64_t>(int64_t{job.gpt().d_model()} * job.gpt().mlp_ratio(), 256);
-  } else if (job.has_mlp()) {
-    widest = 784;
-    for (int width : job.mlp().hidden()) widest = std::max<int64_t>(widest, width);
-  }
-  if (batch * widest * 4 > int64_t{1} << 30) {
-    return Invalid(absl::StrCat(
-        "microbatch_size ", batch, " x the widest activation (", widest,
-        " values) is over 1 GiB: no link message may carry it; use smaller microbatches"));
-  }
-  int64_t largest_layer = 0;
-  for (const LayerProfile& layer : ProfileLayers(job)) {
-    largest_layer = std::max<int64_t>(largest_layer, layer.parameter_count);
-  }
-  if (largest_layer > int64_t{1} << 32) {
-    return Invalid(absl::StrCat("a layer of ", largest_layer, " parameters: at most 2^32"));
-  }
   if (job.microbatches() <= 0) return Invalid("microbatches must be > 0");
   if (job.microbatch_size() <= 0) return Invalid("microbatch_size must be > 0");
   if (job.min_workers() <= 0) return Invalid("min_workers must be > 0");
@@ -236,6 +212,32 @@ absl::Status ValidateJobSpec(const v1::JobSpec& job) {
   if (opt.beta1() <= 0 || opt.beta1() >= 1 || opt.beta2() <= 0 ||
       opt.beta2() >= 1) {
     return Invalid("optimizer betas must be in (0, 1)");
+  }
+  // Last, once every count above is known to be positive and bounded (the
+  // profile below multiplies them; a negative count was undefined behaviour
+  // here, found by job_spec_fuzz): the biggest tensor that crosses a
+  // boundary must fit one link message, and a layer's parameters must be
+  // countable. Products in 64 bits.
+  const int64_t batch = job.microbatch_size();
+  int64_t widest = 0;
+  if (job.has_gpt()) {
+    widest = int64_t{job.gpt().context()} *
+             std::max<int64_t>(int64_t{job.gpt().d_model()} * job.gpt().mlp_ratio(), 256);
+  } else if (job.has_mlp()) {
+    widest = 784;
+    for (int width : job.mlp().hidden()) widest = std::max<int64_t>(widest, width);
+  }
+  if (batch * widest * 4 > int64_t{1} << 30) {
+    return Invalid(absl::StrCat(
+        "microbatch_size ", batch, " x the widest activation (", widest,
+        " values) is over 1 GiB: no link message may carry it; use smaller microbatches"));
+  }
+  int64_t largest_layer = 0;
+  for (const LayerProfile& layer : ProfileLayers(job)) {
+    largest_layer = std::max<int64_t>(largest_layer, layer.parameter_count);
+  }
+  if (largest_layer > int64_t{1} << 32) {
+    return Invalid(absl::StrCat("a layer of ", largest_layer, " parameters: at most 2^32"));
   }
   return absl::OkStatus();
 }
