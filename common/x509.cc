@@ -282,9 +282,7 @@ absl::StatusOr<std::string> CreateCsrPem(const std::string& private_key_pem,
   return BioText(bio.get());
 }
 
-absl::StatusOr<std::string> IssueCertificateForCsr(const std::string& csr_pem,
-                                                   const CertifiedKey& ca,
-                                                   const IssueOptions& options) {
+absl::StatusOr<Key> VerifiedCsrKey(const std::string& csr_pem) {
   if (csr_pem.size() > 16384) return absl::InvalidArgumentError("CSR larger than 16 KiB");
   Bio bio = MemoryBio(csr_pem);
   Req req(PEM_read_bio_X509_REQ(bio.get(), nullptr, nullptr, nullptr));
@@ -297,7 +295,17 @@ absl::StatusOr<std::string> IssueCertificateForCsr(const std::string& csr_pem,
     ERR_clear_error();
     return absl::InvalidArgumentError("the CSR's signature does not verify with its own key");
   }
-  return IssueForKey(key.get(), ca, options);
+  return key;
+}
+
+absl::Status CheckCsr(const std::string& csr_pem) { return VerifiedCsrKey(csr_pem).status(); }
+
+absl::StatusOr<std::string> IssueCertificateForCsr(const std::string& csr_pem,
+                                                   const CertifiedKey& ca,
+                                                   const IssueOptions& options) {
+  absl::StatusOr<Key> key = VerifiedCsrKey(csr_pem);
+  if (!key.ok()) return key.status();
+  return IssueForKey(key->get(), ca, options);
 }
 
 absl::StatusOr<CertifiedKey> IssueCertifiedKey(const CertifiedKey& ca,

@@ -42,6 +42,10 @@ struct IssueOptions {
   bool server = true;  // extendedKeyUsage serverAuth (clientAuth always)
 };
 
+// OK when `csr_pem` is a PEM CSR (at most 16 KiB) whose signature verifies
+// with its own key; INVALID_ARGUMENT otherwise.
+absl::Status CheckCsr(const std::string& csr_pem);
+
 // Signs the public key of `csr_pem` (whose own signature must verify) with
 // the CA. INVALID_ARGUMENT for a malformed or unsigned CSR.
 absl::StatusOr<std::string> IssueCertificateForCsr(const std::string& csr_pem,

@@ -5,6 +5,7 @@
 #include "common/logging.h"
 #include "common/rpc_options.h"
 #include "common/transport_security.h"
+#include "common/x509.h"
 
 namespace geotrain {
 namespace {
@@ -116,11 +117,7 @@ grpc::Status CoordinatorService::Enroll(grpc::ServerContext* context,
                     << checked.status().message();
     return Refused(checked.status());
   }
-  if (absl::StatusOr<std::string> trial =
-          options_.authority->IssueWorkerCertificate(request->csr_pem(), "w-trial");
-      !trial.ok()) {
-    return Refused(trial.status());
-  }
+  if (absl::Status csr = CheckCsr(request->csr_pem()); !csr.ok()) return Refused(csr);
   if (absl::Status name = ValidateWorkerName(request->name()); !name.ok()) return Refused(name);
   std::string token_id;
   absl::StatusOr<std::string> worker_id = options_.access->RedeemForWorker(

@@ -394,9 +394,12 @@ absl::Status JobController::SaveCheckpoint(const v1::LayerCheckpoint& checkpoint
           "checkpoint of layer ", checkpoint.layer(), " from ",
           checkpoint.worker_id().substr(0, 128),
           ", which is not the primary of the stage that holds it"));
-    } else {
-      valid = CheckLayerCheckpoint(options_.job, checkpoint);  // a few MiB: quick
     }
+  }
+  // The content check reads every value (megabytes): not under the lock.
+  if (valid.ok()) valid = CheckLayerCheckpoint(options_.job, checkpoint);
+  {
+    absl::MutexLock lock(&mu_);
     if (!valid.ok()) {
       AddEventLocked("checkpoint_refused", NameOf(checkpoint.worker_id()),
                      std::string(valid.message()));

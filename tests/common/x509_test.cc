@@ -48,6 +48,9 @@ TEST(X509Test, RefusesMalformedOrForgedCsrs) {
   const size_t body = csr.find('\n') + 40;
   csr[body] = csr[body] == 'A' ? 'B' : 'A';
   EXPECT_FALSE(IssueCertificateForCsr(csr, ca, options).ok());
+  EXPECT_EQ(CheckCsr(csr).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CheckCsr("not a csr").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(CheckCsr(*CreateCsrPem(*GeneratePrivateKeyPem(), "x")).ok());
 }
 
 TEST(X509Test, SplitsPemBundles) {
