@@ -1,5 +1,7 @@
 #include "coordinator/coordinator_service.h"
 
+#include "coordinator/membership.h"
+
 #include "absl/strings/str_cat.h"
 #include "common/grpc_status.h"
 #include "common/logging.h"
@@ -140,7 +142,15 @@ grpc::Status CoordinatorService::Join(grpc::ServerContext* context,
   absl::StatusOr<std::string> worker = caller_.Worker(*context, "");
   if (!worker.ok()) return Refused(worker.status());
   if (grpc::Status admitted = AdmitSource(*context); !admitted.ok()) return admitted;
-  absl::StatusOr<v1::JoinResponse> joined = options_.controller->Join(*request, *worker);
+  if (absl::Status valid = ValidateJoinRequest(*request); !valid.ok()) return Refused(valid);
+  // Dialled back before it is admitted, so that its first plan already
+  // knows who must dial whom.
+  v1::Reachability reachability;
+  if (options_.prober != nullptr) {
+    reachability = options_.prober->Probe(request->address(), *worker, request->role());
+  }
+  absl::StatusOr<v1::JoinResponse> joined =
+      options_.controller->Join(*request, *worker, reachability);
   if (!joined.ok()) return Refused(joined.status());
   *response = *std::move(joined);
   return grpc::Status::OK;

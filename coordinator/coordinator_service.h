@@ -23,6 +23,7 @@
 #include "coordinator/access_store.h"
 #include "coordinator/cluster_authority.h"
 #include "coordinator/job_controller.h"
+#include "coordinator/reachability_prober.h"
 #include "geotrain/v1/coordinator.grpc.pb.h"
 #include "geotrain/v1/status.grpc.pb.h"
 
@@ -52,6 +53,8 @@ struct CoordinatorServiceOptions {
   const ClusterAuthority* authority = nullptr;  // not owned; null: insecure
   AccessStore* access = nullptr;           // not owned; null: insecure
   const Clock* clock = nullptr;            // not owned, required
+  // Dials each joiner back (not owned); null: none is probed.
+  const ReachabilityProber* prober = nullptr;
   int joins_per_source_per_minute = 60;
 };
 

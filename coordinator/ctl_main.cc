@@ -78,9 +78,9 @@ void PrintTable(const geotrain::v1::ClusterStatus& s) {
   if (s.accuracy() > 0) std::printf("  accuracy %.4f", s.accuracy());
   if (!s.security().empty()) std::printf("\nsecurity %s", s.security().c_str());
   for (const std::string& note : s.truncated()) std::printf("\nnote: %s", note.c_str());
-  std::printf("\n\n%-4s %-12s %-22s %-7s %8s %5s %-8s %-9s %6s %8s %5s\n", "ID",
+  std::printf("\n\n%-4s %-12s %-22s %-7s %8s %5s %-8s %-9s %6s %8s %5s %5s\n", "ID",
               "NAME", "ADDRESS", "DEVICE", "GFLOP/s", "STAGE", "LAYERS",
-              "STATE", "HB_AGE", "RSS_MiB", "STEP");
+              "STATE", "HB_AGE", "RSS_MiB", "STEP", "REACH");
   for (const auto& w : s.workers()) {
     std::string layers =
         w.stage() >= 0 ? absl::StrFormat("[%d,%d)", w.layer_begin(), w.layer_end())
@@ -89,11 +89,30 @@ void PrintTable(const geotrain::v1::ClusterStatus& s) {
     std::string stage = w.stage() < 0     ? "-"
                          : w.replica() > 0 ? absl::StrFormat("%d.%d", w.stage(), w.replica())
                                            : std::to_string(w.stage());
-    std::printf("%-4s %-12s %-22s %-7s %8.1f %5s %-8s %-9s %5.1fs %8.1f %5d\n",
+    const std::string device = w.role() == "relay" ? "relay" : w.device();
+    std::printf("%-4s %-12s %-22s %-7s %8.1f %5s %-8s %-9s %5.1fs %8.1f %5d %5s\n",
                 w.id().c_str(), w.name().c_str(), w.address().c_str(),
-                w.device().c_str(), w.gflops(), stage.c_str(), layers.c_str(),
+                device.c_str(), w.gflops(), stage.c_str(), layers.c_str(),
                 StateName(w.state()).c_str(), w.heartbeat_age_s(),
-                w.rss_bytes() / 1048576.0, w.step());
+                w.rss_bytes() / 1048576.0, w.step(), w.reachable() ? "yes" : "NO");
+  }
+  for (const auto& w : s.workers()) {
+    if (!w.reachable()) std::printf("%-4s not reachable: %s\n", w.id().c_str(),
+                                    w.reachability().c_str());
+  }
+  if (s.links_size() > 0) {
+    std::printf("\n%-6s %-10s %-10s %-10s  %s\n", "LINK", "UPSTREAM", "DOWNSTREAM", "DIALER",
+                "VIA / WHY");
+    for (const auto& l : s.links()) {
+      const std::string stages =
+          absl::StrFormat("%d->%d", l.upstream_stage(), l.upstream_stage() + 1);
+      const std::string via =
+          l.dialer() == "relay"
+              ? absl::StrCat("relay ", l.relay_worker(), " at ", l.relay_address())
+              : l.reason();
+      std::printf("%-6s %-10s %-10s %-10s  %s\n", stages.c_str(), l.upstream_worker().c_str(),
+                  l.downstream_worker().c_str(), l.dialer().c_str(), via.c_str());
+    }
   }
   std::printf("\n%-4s %-7s %7s %9s  %s\n", "ID", "DEVICE", "THREADS", "MEM_GiB", "BLAS");
   for (const auto& w : s.workers()) {

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdlib>
 
+#include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/job_spec.h"
@@ -112,6 +113,8 @@ absl::Status JobController::RecoverLocked() {
     r.join_order = m.join_order();
     r.alive = m.alive();
     r.end_reason = m.end_reason();
+    r.role = m.role() == v1::MEMBER_ROLE_UNSPECIFIED ? v1::MEMBER_ROLE_WORKER : m.role();
+    r.reachability = m.reachability();
     live += r.alive ? 1 : 0;
   }
   membership_.Restore(std::move(records), saved.next_worker_number());
@@ -149,6 +152,8 @@ void JobController::PersistLocked() {
     m->set_alive(w.alive);
     m->set_end_reason(w.end_reason);
     m->set_join_order(w.join_order);
+    m->set_role(w.role);
+    *m->mutable_reachability() = w.reachability;
   }
   state.set_step(step_);
   state.set_samples(samples_);
@@ -168,20 +173,39 @@ double JobController::ElapsedS() const {
 }
 
 absl::StatusOr<v1::JoinResponse> JobController::Join(const v1::JoinRequest& request,
-                                                     const std::string& worker_id) {
+                                                     const std::string& worker_id,
+                                                     const v1::Reachability& reachability) {
   if (absl::Status valid = ValidateJoinRequest(request); !valid.ok()) return valid;
-  WorkerRecord record =
-      membership_.Join(request.name(), request.address(), request.device(), worker_id);
+  const bool relay = request.role() == v1::MEMBER_ROLE_RELAY;
+  WorkerRecord record = membership_.Join(request.name(), request.address(), request.device(),
+                                         worker_id, request.role(), reachability);
   v1::JoinResponse response;
   response.set_worker_id(record.id);
   response.set_lease_ms(static_cast<int32_t>(membership_.lease_ms()));
   response.set_heartbeat_ms(options_.heartbeat_ms);
-  *response.mutable_job() = options_.job;
+  *response.mutable_reachability() = reachability;
+  if (!relay) *response.mutable_job() = options_.job;
   absl::MutexLock lock(&mu_);
+  const std::string reach =
+      !reachability.known() ? "" : reachability.reachable() ? ", reachable" : ", not reachable";
+  if (relay) {
+    AddEventLocked("joined", record.name, absl::StrCat(record.id, " at ", record.address,
+                                                       ", relay", reach));
+    if (plan_.has_value() && !done_) {
+      for (const v1::PlannedLink& link : plan_->links()) {
+        if (link.dialer() == v1::LINK_DIALER_NONE) {
+          RelinkLocked(absl::StrCat("relay ", NameOf(record.id), " joined"));
+          break;
+        }
+      }
+    }
+    PersistLocked();
+    return response;
+  }
   AddEventLocked("joined", record.name,
-                 absl::StrFormat("%s at %s, %s, %.1f GFLOP/s", record.id,
-                                 record.address, request.device().device(),
-                                 request.device().matmul_gflops()));
+                 absl::StrFormat("%s at %s, %s, %.1f GFLOP/s%s", record.id, record.address,
+                                 request.device().device(), request.device().matmul_gflops(),
+                                 reach));
   MaybeReplanLocked();
   MaybePlanLocked();
   PersistLocked();
@@ -373,6 +397,18 @@ void JobController::Tick() {
     AddEventLocked("lost", w.name, absl::StrCat(w.id, ": ", w.end_reason));
   }
   CheckAccusationsLocked();
+  if (plan_.has_value()) {
+    for (const WorkerRecord& w : expired) {
+      if (!w.relay()) continue;
+      const bool used = std::any_of(
+          plan_->links().begin(), plan_->links().end(),
+          [&w](const v1::PlannedLink& l) { return l.relay_worker() == w.id; });
+      if (used) {
+        RelinkLocked(absl::StrCat("relay ", NameOf(w.id), " was lost"));
+        break;
+      }
+    }
+  }
   MaybeReplanLocked();
   MaybePlanLocked();
   CheckStragglersLocked();
@@ -468,6 +504,23 @@ absl::Status JobController::RecordWorkerEvent(const v1::WorkerEvent& event) {
     return absl::OkStatus();
   }
   const std::string& accused = event.peer();
+  for (const v1::PlannedLink& link : plan_->links()) {
+    if (link.dialer() != v1::LINK_DIALER_RELAY || link.relay_worker() != accused ||
+        (link.upstream_worker() != accuser && link.downstream_worker() != accuser)) {
+      continue;
+    }
+    // A link through a relay broke: its ends are re-linked through another
+    // relay (or the same one once it heartbeats again).
+    const int64_t now = options_.clock->NowMs();
+    if (auto last = relay_suspended_at_ms_.find(accused);
+        last != relay_suspended_at_ms_.end() && now - last->second < 1000) {
+      return absl::OkStatus();  // the other end of the same link, or another link
+    }
+    relay_suspended_at_ms_[accused] = now;
+    RelinkLocked(absl::StrCat("the link of ", NameOf(accuser), " through relay ",
+                              NameOf(accused), " was lost"));
+    return absl::OkStatus();
+  }
   const v1::StageAssignment* accuser_stage = StageOf(*plan_, accuser);
   const v1::StageAssignment* accused_stage = StageOf(*plan_, accused);
   if (accuser_stage == nullptr || accused_stage == nullptr ||
@@ -902,7 +955,79 @@ void JobController::MaybePlanLocked() {
   PersistLocked();
 }
 
+void JobController::AssignLinksLocked(v1::Plan* plan) {
+  plan->clear_links();
+  std::map<std::string, WorkerRecord> records;
+  for (const WorkerRecord& w : membership_.Snapshot()) records[w.id] = w;
+  auto reachable = [&records](const std::string& id) {
+    auto it = records.find(id);
+    // Not probed (e.g. a record from before probes): as before, reachable.
+    return it == records.end() || !it->second.reachability.known() ||
+           it->second.reachability.reachable();
+  };
+  std::vector<WorkerRecord> relays;
+  for (const WorkerRecord& r : membership_.LiveRelays()) {
+    auto suspended = relay_suspended_at_ms_.find(r.id);
+    if (suspended != relay_suspended_at_ms_.end() && r.last_heartbeat_ms <= suspended->second) {
+      continue;
+    }
+    if (r.reachability.known() && !r.reachability.reachable()) continue;
+    relays.push_back(r);
+  }
+  std::map<std::string, int> relay_load;
+  absl::BitGen random;
+  for (int k = 0; k + 1 < plan->stages_size(); ++k) {
+    for (const StageWorker& up : WorkersOf(plan->stages(k))) {
+      for (const StageWorker& down : WorkersOf(plan->stages(k + 1))) {
+        v1::PlannedLink* link = plan->add_links();
+        link->set_upstream_worker(up.id);
+        link->set_downstream_worker(down.id);
+        if (reachable(down.id)) {
+          link->set_dialer(v1::LINK_DIALER_UPSTREAM);
+          continue;
+        }
+        if (reachable(up.id)) {
+          link->set_dialer(v1::LINK_DIALER_DOWNSTREAM);
+          link->set_reason(absl::StrCat(NameOf(down.id), " is not reachable: it dials"));
+          continue;
+        }
+        if (relays.empty()) {
+          link->set_dialer(v1::LINK_DIALER_NONE);
+          link->set_reason(absl::StrCat(
+              "neither ", NameOf(up.id), " nor ", NameOf(down.id),
+              " is reachable and no relay is live: start geotrain-relay on a reachable host, "
+              "or make one of them reachable (forward its port, or set --advertise)"));
+          continue;
+        }
+        const WorkerRecord* best = &relays[0];
+        for (const WorkerRecord& r : relays) {
+          if (relay_load[r.id] < relay_load[best->id]) best = &r;
+        }
+        ++relay_load[best->id];
+        link->set_dialer(v1::LINK_DIALER_RELAY);
+        link->set_relay_worker(best->id);
+        link->set_relay_address(best->address);
+        link->set_rendezvous(absl::StrFormat("%016x%016x", absl::Uniform<uint64_t>(random),
+                                             absl::Uniform<uint64_t>(random)));
+        link->set_reason(absl::StrCat("neither ", NameOf(up.id), " nor ", NameOf(down.id),
+                                      " is reachable"));
+      }
+    }
+  }
+  for (const v1::PlannedLink& link : plan->links()) {
+    if (link.dialer() == v1::LINK_DIALER_NONE) {
+      AddEventLocked("link_needs_relay", "", link.reason());
+    }
+  }
+}
+
+void JobController::RelinkLocked(const std::string& why) {
+  if (!plan_.has_value() || done_ || plan_->job_done()) return;
+  PublishReplanLocked(*plan_, why);
+}
+
 void JobController::PublishLocked(v1::Plan plan) {
+  if (!plan.job_done()) AssignLinksLocked(&plan);
   straggling_since_ms_.clear();  // figures of the old plan say nothing of the new
   absl::Status written = store_.WritePlan(plan);
   if (!written.ok()) {
@@ -947,6 +1072,9 @@ v1::ClusterStatus JobController::Status() const {
     out->set_id(w.id);
     out->set_name(w.name);
     out->set_address(w.address);
+    out->set_role(w.relay() ? "relay" : "worker");
+    out->set_reachable(!w.reachability.known() || w.reachability.reachable());
+    out->set_reachability(w.reachability.known() ? w.reachability.detail() : "not probed");
     out->set_device(w.device.device());
     out->set_gflops(w.device.matmul_gflops());
     out->set_blas(w.device.blas());
@@ -998,6 +1126,27 @@ v1::ClusterStatus JobController::Status() const {
     }
   }
   for (const v1::Event& e : events_) *status.add_events() = e;
+  if (plan_.has_value()) {
+    std::map<std::string, int> stage_of;
+    for (const v1::StageAssignment& s : plan_->stages()) {
+      for (const StageWorker& w : WorkersOf(s)) stage_of[w.id] = s.stage();
+    }
+    for (const v1::PlannedLink& link : plan_->links()) {
+      v1::LinkStatus* out = status.add_links();
+      out->set_upstream_stage(stage_of[link.upstream_worker()]);
+      out->set_upstream_worker(link.upstream_worker());
+      out->set_downstream_worker(link.downstream_worker());
+      switch (link.dialer()) {
+        case v1::LINK_DIALER_DOWNSTREAM: out->set_dialer("downstream"); break;
+        case v1::LINK_DIALER_RELAY: out->set_dialer("relay"); break;
+        case v1::LINK_DIALER_NONE: out->set_dialer("none"); break;
+        default: out->set_dialer("upstream"); break;
+      }
+      out->set_relay_worker(link.relay_worker());
+      out->set_relay_address(link.relay_address());
+      out->set_reason(link.reason());
+    }
+  }
   const std::map<int, std::vector<int>> index = checkpoints_->Index();
   for (int layer = 0; layer < NumLayers(options_.job); ++layer) {
     auto it = index.find(layer);

@@ -50,8 +50,12 @@ class JobController {
   // INVALID_ARGUMENT for a join whose fields are out of range
   // (ValidateJoinRequest). `worker_id`: the caller's certified id (TLS),
   // or empty for a new id (insecure).
+  // `reachability`: what the coordinator found dialling the joiner back
+  // (ReachabilityProber); it decides who dials each of its links. Not
+  // known (not probed): taken as reachable.
   absl::StatusOr<v1::JoinResponse> Join(const v1::JoinRequest& request,
-                                        const std::string& worker_id = "");
+                                        const std::string& worker_id = "",
+                                        const v1::Reachability& reachability = v1::Reachability());
   bool KnowsWorker(const std::string& worker_id) const;
   // Events for the Admin service and enrollments (TLS mode).
   void RecordEnrollment(const std::string& worker_id, const std::string& name,
@@ -153,6 +157,14 @@ class JobController {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PersistLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PublishLocked(v1::Plan plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Fills plan->links: per pair of neighbouring workers, the upstream one
+  // dials when the downstream one is reachable, else the downstream one
+  // when the upstream one is, else both dial a live relay (the least
+  // loaded that is not suspended), else none can and the link's reason
+  // says what to do.
+  void AssignLinksLocked(v1::Plan* plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The same stages with links assigned anew (a relay came or went).
+  void RelinkLocked(const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AddEventLocked(const std::string& kind, const std::string& worker,
                       const std::string& detail)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -172,6 +184,9 @@ class JobController {
   bool waiting_for_workers_ ABSL_GUARDED_BY(mu_) = false;
   // Workers taken out of a plan for a lost link, and when.
   std::map<std::string, int64_t> suspended_at_ms_ ABSL_GUARDED_BY(mu_);
+  // Relays reported broken by a worker whose link ran through them, and
+  // when: not used again until they heartbeat after that.
+  std::map<std::string, int64_t> relay_suspended_at_ms_ ABSL_GUARDED_BY(mu_);
   // Workers handing their stage over (their links close on purpose).
   std::set<std::string> draining_ ABSL_GUARDED_BY(mu_);
   // Stage workers currently straggling, and since when.

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "absl/flags/flag.h"
+#include "absl/time/time.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
@@ -40,6 +41,10 @@ ABSL_FLAG(bool, adaptive, false,
           "(the strongest allowed) as the link or the compute limits it");
 ABSL_FLAG(std::string, port_file, "", "write the bound port here once serving");
 ABSL_FLAG(bool, exit_when_done, false, "exit once the job has finished");
+ABSL_FLAG(absl::Duration, probe_timeout, absl::Seconds(2),
+          "how long the coordinator tries to dial a joiner's advertised address back "
+          "(its reachability decides who dials each link); 0 turns probes off (every member "
+          "is taken as reachable)");
 ABSL_FLAG(bool, insecure, false,
           "plaintext and no authentication on every call (loopback demos and tests only)");
 ABSL_FLAG(std::string, tls_cert, "", "serving certificate (PEM) instead of the generated one");
@@ -157,6 +162,15 @@ int main(int argc, char** argv) {
   service_options.access = access.get();
   service_options.clock = &clock;
   service_options.joins_per_source_per_minute = absl::GetFlag(FLAGS_joins_per_minute);
+  geotrain::ReachabilityProberOptions probe_options;
+  probe_options.security = server_security;
+  probe_options.deadline = absl::GetFlag(FLAGS_probe_timeout);
+  probe_options.enabled = probe_options.deadline > absl::ZeroDuration();
+  if (probe_options.deadline > absl::Seconds(4)) {
+    return Fail("--probe_timeout: at most 4s (a joiner's Join call waits for the probe)");
+  }
+  geotrain::ReachabilityProber prober(probe_options);
+  service_options.prober = &prober;
   geotrain::CoordinatorService coordinator_service(service_options);
   geotrain::AdminService admin_service(service_options);
   geotrain::StatusService status_service(service_options);

@@ -59,6 +59,13 @@ absl::Status ValidateJoinRequest(const v1::JoinRequest& request) {
         "join address '", address.substr(0, kMaxAddressBytes),
         "' is not HOST:PORT (port 1-65535, at most 256 bytes) that peers can dial"));
   }
+  if (request.role() == v1::MEMBER_ROLE_RELAY) {
+    if (request.has_device()) return absl::InvalidArgumentError("a relay joins without a device");
+    return absl::OkStatus();
+  }
+  if (request.role() != v1::MEMBER_ROLE_UNSPECIFIED && request.role() != v1::MEMBER_ROLE_WORKER) {
+    return absl::InvalidArgumentError(absl::StrCat("join with unknown role ", request.role()));
+  }
   const v1::DeviceInfo& d = request.device();
   if (!std::isfinite(d.matmul_gflops()) || d.matmul_gflops() <= 0 ||
       d.matmul_gflops() > kMaxGflops) {
@@ -111,7 +118,8 @@ Membership::Membership(const Clock* clock, int64_t lease_ms)
     : clock_(clock), lease_ms_(lease_ms) {}
 
 WorkerRecord Membership::Join(const std::string& name, const std::string& address,
-                              const v1::DeviceInfo& device, const std::string& id) {
+                              const v1::DeviceInfo& device, const std::string& id,
+                              v1::MemberRole role, const v1::Reachability& reachability) {
   absl::MutexLock lock(&mu_);
   WorkerRecord* record = nullptr;
   for (WorkerRecord& w : workers_) {
@@ -127,6 +135,8 @@ WorkerRecord Membership::Join(const std::string& name, const std::string& addres
   record->name = name.empty() ? record->id : name;
   record->address = address;
   record->device = device;
+  record->role = role == v1::MEMBER_ROLE_UNSPECIFIED ? v1::MEMBER_ROLE_WORKER : role;
+  record->reachability = reachability;
   record->joined_ms = clock_->NowMs();
   record->last_heartbeat_ms = record->joined_ms;
   record->alive = true;
@@ -226,7 +236,16 @@ std::vector<WorkerRecord> Membership::LiveWorkers() const {
   absl::MutexLock lock(&mu_);
   std::vector<WorkerRecord> live;
   for (const WorkerRecord& w : workers_) {
-    if (w.alive) live.push_back(w);
+    if (w.alive && !w.relay()) live.push_back(w);
+  }
+  return live;
+}
+
+std::vector<WorkerRecord> Membership::LiveRelays() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<WorkerRecord> live;
+  for (const WorkerRecord& w : workers_) {
+    if (w.alive && w.relay()) live.push_back(w);
   }
   return live;
 }

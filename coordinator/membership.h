@@ -27,12 +27,15 @@ struct WorkerRecord {
   v1::StageStats stats;  // from the latest heartbeat
   bool alive = true;
   std::string end_reason;  // why it is no longer alive
+  v1::MemberRole role = v1::MEMBER_ROLE_WORKER;  // a relay holds no stage
+  v1::Reachability reachability;  // found at join (see ReachabilityProber)
+  bool relay() const { return role == v1::MEMBER_ROLE_RELAY; }
 };
 
 // Range checks of what a joiner says about itself (INVALID_ARGUMENT naming
 // the field): a name of at most 128 printable bytes, HOST:PORT of at most
 // 256 bytes, a finite positive GFLOP/s, a memory size under 1 PiB, short
-// device strings.
+// device strings. A relay needs no device.
 absl::Status ValidateWorkerName(const std::string& name);
 absl::Status ValidateJoinRequest(const v1::JoinRequest& request);
 // Heartbeat figures made safe to keep and show: at most 64 links and
@@ -49,7 +52,9 @@ class Membership {
   // ("w<n>", never reused); otherwise the worker with that id (allocated
   // by the caller), which is re-admitted with a new lease if it was known.
   WorkerRecord Join(const std::string& name, const std::string& address,
-                    const v1::DeviceInfo& device, const std::string& id = "");
+                    const v1::DeviceInfo& device, const std::string& id = "",
+                    v1::MemberRole role = v1::MEMBER_ROLE_WORKER,
+                    const v1::Reachability& reachability = v1::Reachability());
   bool Knows(const std::string& id) const;
   // Renews the lease. False when the worker is unknown or already dead.
   bool Heartbeat(const std::string& id, uint64_t rss_bytes, int step,
@@ -72,7 +77,9 @@ class Membership {
 
   // All workers admitted and not pruned, in join order.
   std::vector<WorkerRecord> Snapshot() const;
+  // Live members that may hold stages (no relays).
   std::vector<WorkerRecord> LiveWorkers() const;
+  std::vector<WorkerRecord> LiveRelays() const;
   int64_t lease_ms() const { return lease_ms_; }
 
  private:

@@ -1,14 +1,18 @@
 #include "worker/link_stream.h"
 
 #include <algorithm>
-#include <chrono>
 #include <optional>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "common/grpc_status.h"
 #include "common/link_rate_meter.h"
 #include "common/logging.h"
+#include "common/status_macros.h"
 #include "common/rpc_options.h"
+#include "common/tcp_socket.h"
+#include "common/tls_session.h"
 #include "worker/stall_watchdog.h"
 
 namespace geotrain {
@@ -17,27 +21,26 @@ namespace {
 // A reader that spent this long handing a message to the inbox was held up
 // by it; what it reads next arrived meanwhile (see LinkRateMeter).
 constexpr absl::Duration kStall = absl::Milliseconds(1);
+constexpr absl::Duration kTlsHandshakeTimeout = absl::Seconds(10);
 
-grpc::Status Refuse(grpc::StatusCode code, const std::string& peer,
-                    absl::string_view reason) {
+absl::Status Refusal(absl::StatusCode code, const std::string& peer, absl::string_view reason) {
   GT_LOG(Warning) << "refused link from " << peer << ": " << reason;
-  return grpc::Status(code, std::string(reason));
+  return absl::Status(code, reason);
 }
 
 // Frames go back to back; a message of kMinTimedMessageBytes or more is
 // split in at least two, so the receiver can time its dispersion. A frame
 // that cannot be written within `stall_limit` (the peer stopped reading)
-// cancels the stream through `context`.
-template <typename Stream, typename Context>
-bool WriteMessage(Stream* stream, const LinkMessage& message, Context* context,
+// cancels the transport.
+bool WriteMessage(LinkTransport* transport, const LinkMessage& message,
                   absl::Duration stall_limit) {
   const size_t size = message.payload.size();
   const size_t frame_bytes =
       size >= kMinTimedMessageBytes ? std::min(kFrameBytes, (size + 1) / 2) : kFrameBytes;
   for (const v1::LinkFrame& frame : SplitIntoFrames(message, frame_bytes)) {
     StallWatchdog::Guard guard =
-        StallWatchdog::Shared().Watch(stall_limit, [context] { context->TryCancel(); });
-    if (!stream->Write(frame)) {
+        StallWatchdog::Shared().Watch(stall_limit, [transport] { transport->Cancel(); });
+    if (!transport->Write(frame)) {
       if (guard.stalled()) {
         GT_LOG(Warning) << "cut a link whose peer read nothing for "
                         << absl::FormatDuration(stall_limit);
@@ -48,355 +51,101 @@ bool WriteMessage(Stream* stream, const LinkMessage& message, Context* context,
   return true;
 }
 
+// What to check when a dial fails, from the words of the error.
+std::string DialAdvice(const std::string& address, absl::string_view error) {
+  if (absl::StrContains(error, "andshake") || absl::StrContains(error, "CERTIFICATE") ||
+      absl::StrContains(error, "ertificate")) {
+    return absl::StrCat("the TLS handshake with ", address,
+                        " failed: the peer's certificate must come from this cluster's CA, name "
+                        "the worker the plan put there, and be unexpired");
+  }
+  if (absl::StrContains(error, "refused")) {
+    return absl::StrCat("nothing accepts TCP on ", address,
+                        ": check the peer's --listen/--advertise port and its firewall");
+  }
+  return absl::StrCat("no answer from ", address,
+                      ": check that it is the peer's reachable address (its --advertise) and "
+                      "that no firewall or NAT drops connections to that port");
+}
+
 }  // namespace
 
-v1::LinkHeader MakeHello(uint64_t epoch, int from_stage, const std::string& from_worker) {
+const char* PeerSideName(PeerSide side) {
+  return side == PeerSide::kUpstream ? "upstream" : "downstream";
+}
+
+v1::LinkHeader MakeHello(uint64_t epoch, int from_stage, const std::string& from_worker,
+                         const std::string& to_worker) {
   v1::LinkHeader hello;
   hello.set_kind(v1::MESSAGE_KIND_HELLO);
   hello.set_epoch(epoch);
   hello.set_from_stage(from_stage);
   hello.set_from_worker(from_worker);
+  hello.set_to_worker(to_worker);
   return hello;
 }
 
-void UpstreamLinkServer::Activate(std::shared_ptr<const LinkValidator> validator,
-                                  std::shared_ptr<Inbox> inbox) {
-  absl::MutexLock lock(&mu_);
-  validator_ = std::move(validator);
-  inbox_ = std::move(inbox);
+// ---- LinkEnd ----
+
+LinkEnd::LinkEnd(std::unique_ptr<LinkTransport> transport, Peer peer, bool dialled,
+                 std::shared_ptr<const LinkValidator> validator, std::shared_ptr<Inbox> inbox,
+                 absl::Duration write_stall_timeout)
+    : transport_(std::move(transport)),
+      peer_(std::move(peer)),
+      dialled_(dialled),
+      description_(transport_->description()),
+      validator_(std::move(validator)),
+      inbox_(std::move(inbox)),
+      write_stall_timeout_(write_stall_timeout) {}
+
+LinkEnd::~LinkEnd() {
+  if (!served_.HasBeenNotified()) EndOnPurpose();
+  if (reader_.joinable()) reader_.join();
 }
 
-void UpstreamLinkServer::EndAllLocked() {
-  for (auto& [worker, upstream] : upstreams_) {
-    upstream->ended_on_purpose = true;
-    upstream->context->TryCancel();
-  }
-  origin_.clear();
+void LinkEnd::SetHooks(std::function<void(uint64_t)> on_activation,
+                       std::function<void()> on_end) {
+  on_activation_ = std::move(on_activation);
+  on_end_ = std::move(on_end);
 }
 
-void UpstreamLinkServer::Deactivate() {
-  absl::MutexLock lock(&mu_);
-  validator_ = nullptr;
-  inbox_ = nullptr;
-  EndAllLocked();
+void LinkEnd::CancelTransport() {
+  absl::MutexLock lock(&cancel_mu_);
+  if (!retired_) transport_->Cancel();
 }
 
-void UpstreamLinkServer::Shutdown() {
-  absl::MutexLock lock(&mu_);
-  shutdown_ = true;
-  EndAllLocked();
+void LinkEnd::EndOnPurpose() {
+  on_purpose_ = true;
+  CancelTransport();
 }
 
-grpc::Status UpstreamLinkServer::ReadHello(
-    grpc::ServerContext* context, grpc::ServerReaderWriter<v1::LinkFrame, v1::LinkFrame>* stream,
-    const std::string& pending_key, v1::LinkFrame* hello) {
-  const std::string peer = context->peer();
-  {
-    absl::MutexLock lock(&mu_);
-    if (pending_total_ >= security_.max_pending ||
-        pending_hellos_[pending_key] >= security_.max_pending_per_peer) {
-      if (pending_hellos_[pending_key] == 0) pending_hellos_.erase(pending_key);
-      return Refuse(grpc::StatusCode::RESOURCE_EXHAUSTED, peer,
-                    absl::StrCat("too many link streams waiting for their HELLO (",
-                                 security_.max_pending_per_peer, " per peer, ",
-                                 security_.max_pending, " in all)"));
-    }
-    ++pending_hellos_[pending_key];
-    ++pending_total_;
+absl::Status LinkEnd::Send(const LinkMessage& message) {
+  absl::MutexLock lock(&write_mu_);
+  if (retired_) {
+    return absl::UnavailableError(absl::StrCat(PeerSideName(peer_.side), " link to '", peer_.id,
+                                               "' (", description_, ") is closed"));
   }
-  bool read, stalled;
-  {
-    StallWatchdog::Guard guard = StallWatchdog::Shared().Watch(
-        security_.hello_timeout, [context] { context->TryCancel(); });
-    read = stream->Read(hello);
-    stalled = guard.stalled();
-  }
-  {
-    absl::MutexLock lock(&mu_);
-    --pending_total_;
-    if (--pending_hellos_[pending_key] == 0) pending_hellos_.erase(pending_key);
-  }
-  if (stalled) {
-    return Refuse(grpc::StatusCode::DEADLINE_EXCEEDED, peer,
-                  absl::StrCat("no HELLO within ", absl::FormatDuration(security_.hello_timeout)));
-  }
-  return read ? grpc::Status::OK : grpc::Status::CANCELLED;
-}
-
-grpc::Status UpstreamLinkServer::Link(
-    grpc::ServerContext* context,
-    grpc::ServerReaderWriter<v1::LinkFrame, v1::LinkFrame>* stream) {
-  const std::string peer = context->peer();
-  const bool authenticated = !security_.transport.insecure;
-  const std::string identity = authenticated ? PeerIdentity(*context) : "";
-  if (authenticated && identity.empty()) {
-    return Refuse(grpc::StatusCode::UNAUTHENTICATED, peer,
-                  "a link needs a worker certificate of this cluster");
-  }
-  v1::LinkFrame hello;
-  if (grpc::Status read = ReadHello(context, stream, authenticated ? identity : PeerHost(peer),
-                                    &hello);
-      !read.ok()) {
-    return read;
-  }
-  std::shared_ptr<const LinkValidator> validator;
-  std::shared_ptr<Inbox> inbox;
-  auto upstream = std::make_shared<Upstream>();
-  upstream->stream = stream;
-  upstream->context = context;
-  {
-    absl::MutexLock lock(&mu_);
-    validator = validator_;
-    inbox = inbox_;
-    if (shutdown_) return Refuse(grpc::StatusCode::UNAVAILABLE, peer, "shutting down");
-    if (validator == nullptr) {
-      return Refuse(grpc::StatusCode::FAILED_PRECONDITION, peer,
-                    "this worker has no stage in a plan yet");
-    }
-    if (!hello.has_header()) {
-      return Refuse(grpc::StatusCode::INVALID_ARGUMENT, peer,
-                    "first frame of a link has no header");
-    }
-    if (authenticated && hello.header().from_worker() != identity) {
-      return Refuse(grpc::StatusCode::PERMISSION_DENIED, peer,
-                    absl::StrCat("HELLO as '", hello.header().from_worker().substr(0, 128),
-                                 "' from a peer whose certificate names '", identity, "'"));
-    }
-    absl::Status valid = validator->CheckHello(hello.header());
-    if (!valid.ok()) {
-      // INVALID_ARGUMENT, or FAILED_PRECONDITION (the dialler retries) for a
-      // plan epoch this worker has not started yet.
-      return Refuse(static_cast<grpc::StatusCode>(valid.code()), peer, valid.message());
-    }
-    upstream->worker = hello.header().from_worker();
-    if (auto old = upstreams_.find(upstream->worker); old != upstreams_.end()) {
-      // The same upstream worker reconnected (its old stream may be dead
-      // without this side having noticed yet): the newer stream wins.
-      GT_LOG(Info) << "replacing the open upstream link of '" << upstream->worker
-                   << "' with one from " << peer;
-      std::shared_ptr<Upstream> previous = old->second;
-      previous->ended_on_purpose = true;
-      previous->context->TryCancel();
-      auto old_gone = [this, &previous]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        auto it = upstreams_.find(previous->worker);
-        return it == upstreams_.end() || it->second != previous;
-      };
-      if (!mu_.AwaitWithTimeout(absl::Condition(&old_gone), absl::Seconds(5))) {
-        return Refuse(grpc::StatusCode::ALREADY_EXISTS, peer,
-                      "an upstream link from this worker is already open");
-      }
-    }
-    LinkMessage ack;
-    ack.header = MakeHello(validator->epoch(), validator->stage());
-    if (!WriteMessage(stream, ack, context, security_.write_stall_timeout)) {
-      return grpc::Status::CANCELLED;
-    }
-    upstreams_[upstream->worker] = upstream;
-  }
-  GT_LOG(Info) << "accepted upstream link from " << peer
-               << (upstream->worker.empty() ? "" : " ('" + upstream->worker + "')");
-  int64_t delivered = 0;
-  absl::Status served = ServeAccepted(upstream.get(), *validator, inbox.get(), &delivered);
-  bool report_broken = false;
-  {
-    absl::MutexLock lock(&mu_);
-    if (auto it = upstreams_.find(upstream->worker);
-        it != upstreams_.end() && it->second == upstream) {
-      upstreams_.erase(it);
-    }
-    // A Send() still writing to this stream must finish before the stream
-    // goes away; cancelling makes a blocked write fail at once.
-    if (upstream->writers > 0) context->TryCancel();
-    auto no_writers = [&upstream]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return upstream->writers == 0;
-    };
-    mu_.Await(absl::Condition(&no_writers));
-    // A link that carried training traffic was cut (not a clean close, a
-    // replacement, a re-plan or our own shutdown): the upstream worker
-    // vanished. Tell the driver rather than let it wait forever.
-    report_broken = delivered > 0 && served.code() == absl::StatusCode::kCancelled &&
-                    !upstream->ended_on_purpose;
-  }
-  if (report_broken) {
-    GT_LOG(Error) << "upstream link from " << peer << " broke";
-    InboundMessage broken{true, LinkMessage(),
-                          absl::UnavailableError(absl::StrCat("upstream link from ", peer,
-                                                              " broke"))};
-    broken.peer = upstream->worker;
-    inbox->TryPush(std::move(broken));
-  }
-  if (served.code() == absl::StatusCode::kInvalidArgument) {
-    return Refuse(grpc::StatusCode::INVALID_ARGUMENT, peer, served.message());
-  }
-  return ToGrpcStatus(served);
-}
-
-absl::Status UpstreamLinkServer::ServeAccepted(Upstream* upstream,
-                                               const LinkValidator& validator, Inbox* inbox,
-                                               int64_t* delivered) {
-  FrameAssembler assembler(kMaxMessageBytes, [&validator](const v1::LinkHeader& header) {
-    return validator.CheckHeaderFromUpstream(header);
-  });
-  v1::LinkFrame frame;
-  bool after_stall = false;
-  absl::Time first_at;
-  uint64_t first_bytes = 0;
-  while (upstream->stream->Read(&frame)) {
-    if (frame.has_header()) {
-      first_at = absl::Now();
-      first_bytes = frame.data().size();
-    }
-    absl::StatusOr<std::optional<LinkMessage>> added = assembler.Add(std::move(frame));
-    if (!added.ok()) return added.status();
-    if (!added->has_value()) continue;
-    LinkMessage& message = **added;
-    const absl::Duration dispersion = absl::Now() - first_at;
-    const uint64_t trailing = message.payload.size() - first_bytes;
-    absl::Status valid = validator.CheckFromUpstream(message);
-    if (!valid.ok()) return valid;
-    if (message.header.kind() == v1::MESSAGE_KIND_ACTIVATION) {
-      absl::MutexLock lock(&mu_);
-      origin_[message.header.microbatch()] = upstream->worker;
-    }
-    const absl::Time pushing = absl::Now();
-    InboundMessage in{true, std::move(message), absl::OkStatus(), trailing, dispersion,
-                      after_stall};
-    in.peer = upstream->worker;
-    if (!inbox->Push(std::move(in))) return absl::CancelledError("worker is stopping");
-    after_stall = absl::Now() - pushing > kStall;
-    ++*delivered;
-  }
-  if (upstream->context->IsCancelled()) return absl::CancelledError("link cancelled");
-  return absl::OkStatus();
-}
-
-absl::Status UpstreamLinkServer::Send(const LinkMessage& message) {
-  std::shared_ptr<Upstream> upstream;
-  {
-    absl::MutexLock lock(&mu_);
-    auto origin = origin_.find(message.header.microbatch());
-    if (origin == origin_.end()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "no upstream link delivered microbatch ", message.header.microbatch()));
-    }
-    const std::string worker = origin->second;
-    origin_.erase(origin);
-    auto ready = [this, &worker]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      return shutdown_ || upstreams_.count(worker) > 0;
-    };
-    mu_.AwaitWithTimeout(absl::Condition(&ready), connect_wait_);
-    auto it = upstreams_.find(worker);
-    if (it == upstreams_.end()) {
-      failed_peer_ = worker;
-      return absl::UnavailableError(
-          absl::StrCat("no upstream link to '", worker, "' to send to"));
-    }
-    upstream = it->second;
-    ++upstream->writers;
-  }
-  bool written;
-  {
-    absl::MutexLock write_lock(&upstream->write_mu);
-    written = WriteMessage(upstream->stream, message, upstream->context,
-                           security_.write_stall_timeout);
-  }
-  absl::MutexLock lock(&mu_);
-  --upstream->writers;
-  if (!written) {
-    failed_peer_ = upstream->worker;
-    return absl::UnavailableError("upstream link broke while sending");
+  if (!WriteMessage(transport_.get(), message, write_stall_timeout_)) {
+    return absl::UnavailableError(absl::StrCat(PeerSideName(peer_.side), " link to '", peer_.id,
+                                               "' (", description_, ") broke while sending"));
   }
   return absl::OkStatus();
 }
 
-std::string UpstreamLinkServer::failed_peer() const {
-  absl::MutexLock lock(&mu_);
-  return failed_peer_;
-}
-
-absl::StatusOr<std::unique_ptr<DownstreamLinkClient>> DownstreamLinkClient::Connect(
-    const std::string& address, std::shared_ptr<const LinkValidator> validator,
-    Inbox* inbox, absl::Duration timeout, const std::atomic<bool>* stop,
-    const std::string& self_id, const std::string& peer_id,
-    const LinkSecurityOptions& security) {
-  std::unique_ptr<DownstreamLinkClient> client(new DownstreamLinkClient());
-  client->address_ = address;
-  client->peer_id_ = peer_id;
-  client->validator_ = validator;
-  client->inbox_ = inbox;
-  client->write_stall_timeout_ = security.write_stall_timeout;
-  // With TLS the peer's certificate must name the worker the plan put there.
-  client->stub_ = v1::Stage::NewStub(MakeSecureChannel(address, security.transport, peer_id));
-  const absl::Time deadline = absl::Now() + timeout;
-  // A peer that answers "not ready" is waited for up to `timeout`; one that
-  // cannot be reached at all is given up on as soon as an open link to it
-  // would have been declared dead (keepalive time + timeout).
-  const absl::Duration unreachable_limit =
-      absl::Milliseconds(kKeepaliveTimeMs + kKeepaliveTimeoutMs);
-  std::optional<absl::Time> unreachable_since;
-  absl::Duration backoff = absl::Milliseconds(100);
-  LinkMessage hello;
-  hello.header = MakeHello(validator->epoch(), validator->stage(), self_id);
-  while (true) {
-    const absl::Time attempt_start = absl::Now();
-    client->stream_.reset();  // a call goes before its context
-    client->context_ = std::make_unique<grpc::ClientContext>();
-    // The stream lives as long as training; liveness is checked by keepalive
-    // (rpc_options.cc) rather than a deadline.
-    client->stream_ = client->stub_->Link(client->context_.get());
-    v1::LinkFrame ack;
-    if (WriteMessage(client->stream_.get(), hello, client->context_.get(),
-                     security.write_stall_timeout) &&
-        client->stream_->Read(&ack) &&
-        ack.has_header() && ack.header().kind() == v1::MESSAGE_KIND_HELLO) {
-      break;
-    }
-    client->context_->TryCancel();
-    const grpc::Status finished = client->stream_->Finish();
-    client->stream_.reset();  // finished: the destructor must not finish it again
-    const bool retryable = finished.error_code() == grpc::StatusCode::UNAVAILABLE ||
-                           finished.error_code() == grpc::StatusCode::FAILED_PRECONDITION ||
-                           finished.error_code() == grpc::StatusCode::ALREADY_EXISTS ||
-                           finished.error_code() == grpc::StatusCode::CANCELLED;
-    if (!retryable) {
-      return absl::Status(FromGrpcStatus(finished).code(),
-                          absl::StrCat("link to ", address, " refused: ",
-                                       finished.error_message()));
-    }
-    if (finished.error_code() == grpc::StatusCode::UNAVAILABLE) {
-      if (!unreachable_since) unreachable_since = attempt_start;
-    } else {
-      unreachable_since.reset();  // it answered: alive, not ready yet
-    }
-    if (absl::Now() + backoff > deadline ||
-        (unreachable_since && absl::Now() - *unreachable_since > unreachable_limit)) {
-      return absl::UnavailableError(absl::StrCat("cannot open a link to ", address,
-                                                 ": ", finished.error_message()));
-    }
-    if (stop != nullptr && *stop) return absl::CancelledError("stopped while connecting");
-    GT_LOG(Info) << "link to " << address << " not ready (" << finished.error_message()
-                 << "); retrying in " << absl::FormatDuration(backoff);
-    absl::SleepFor(backoff);
-    // Capped low: after a re-plan the peer usually activates its stage
-    // within a second or two, and each retry is one small RPC.
-    backoff = std::min(backoff * 2, absl::Milliseconds(500));
-  }
-  GT_LOG(Info) << "opened downstream link to " << address;
-  DownstreamLinkClient* raw = client.get();
-  client->reader_ = std::thread([raw] { raw->ReadLoop(); });
-  return client;
-}
-
-void DownstreamLinkClient::ReadLoop() {
-  FrameAssembler assembler(kMaxMessageBytes, [this](const v1::LinkHeader& header) {
-    return validator_->CheckHeaderFromDownstream(header);
+absl::Status LinkEnd::Serve() {
+  const bool from_upstream = peer_.side == PeerSide::kUpstream;
+  const LinkValidator* validator = validator_.get();
+  FrameAssembler assembler(kMaxMessageBytes, [validator, from_upstream](const v1::LinkHeader& h) {
+    return from_upstream ? validator->CheckHeaderFromUpstream(h)
+                         : validator->CheckHeaderFromDownstream(h);
   });
   v1::LinkFrame frame;
   absl::Status failure;
-  bool after_stall = false;
+  bool after_stall = false, stopping = false;
   absl::Time first_at;
   uint64_t first_bytes = 0;
-  while (failure.ok() && stream_->Read(&frame)) {
+  int64_t delivered = 0;
+  while (transport_->Read(&frame)) {
     if (frame.has_header()) {
       first_at = absl::Now();
       first_bytes = frame.data().size();
@@ -407,75 +156,567 @@ void DownstreamLinkClient::ReadLoop() {
       break;
     }
     if (!added->has_value()) continue;
+    LinkMessage& message = **added;
     const absl::Duration dispersion = absl::Now() - first_at;
-    const uint64_t trailing = (**added).payload.size() - first_bytes;
-    absl::Status valid = validator_->CheckFromDownstream(**added);
-    if (!valid.ok()) {
-      failure = valid;
-      break;
+    const uint64_t trailing = message.payload.size() - first_bytes;
+    failure = from_upstream ? validator->CheckFromUpstream(message)
+                            : validator->CheckFromDownstream(message);
+    if (!failure.ok()) break;
+    if (from_upstream && message.header.kind() == v1::MESSAGE_KIND_ACTIVATION &&
+        on_activation_) {
+      on_activation_(message.header.microbatch());
     }
     const absl::Time pushing = absl::Now();
-    InboundMessage in{false, std::move(**added), absl::OkStatus(), trailing, dispersion,
+    InboundMessage in{from_upstream, std::move(message), absl::OkStatus(), trailing, dispersion,
                       after_stall};
-    in.peer = peer_id_;
-    if (!inbox_->Push(std::move(in))) return;
+    in.peer = peer_.id;
+    if (!inbox_->Push(std::move(in))) {
+      stopping = true;  // the worker is ending this attempt
+      break;
+    }
     after_stall = absl::Now() - pushing > kStall;
+    ++delivered;
   }
-  bool closed;
+  if ((!failure.ok() || stopping) && !transport_->ends_when_served()) CancelTransport();
+  absl::Status ended;
+  {
+    // No write is in flight once this lock is held (one blocked on a peer
+    // that stopped reading fails within the stall limit); none starts
+    // afterwards. How the peer ended the link is read before anything
+    // here cancels it.
+    absl::MutexLock write_lock(&write_mu_);
+    ended = failure.ok() ? transport_->Finish() : failure;
+    absl::MutexLock cancel_lock(&cancel_mu_);
+    retired_ = true;
+  }
+  // A link this worker opened is broken unless it closed it. One a peer
+  // opened is broken when it was cut (not cleanly closed) after carrying
+  // traffic, or at once for a downstream peer (this worker sends to it); a
+  // refused message only ends that stream (the peer may open another), so
+  // a hostile stream cannot stop the pipeline.
+  const bool broken =
+      !on_purpose_ && !stopping &&
+      (dialled_ ? !failure.ok() || !closing_
+                : failure.ok() && !ended.ok() && (delivered > 0 || !from_upstream));
+  if (!failure.ok()) {
+    GT_LOG(Error) << "refused a message on the " << PeerSideName(peer_.side) << " link to '"
+                  << peer_.id << "' (" << description_ << "): " << failure.message();
+  }
+  if (broken) {
+    const std::string why = absl::StrCat(
+        PeerSideName(peer_.side), " link to '", peer_.id, "' (", description_, ") ",
+        failure.ok() ? (ended.ok() ? "ended unexpectedly" : "broke: " + std::string(ended.message()))
+                     : "refused a message: " + std::string(failure.message()));
+    GT_LOG(Error) << why;
+    InboundMessage message{from_upstream, LinkMessage(), absl::UnavailableError(why)};
+    message.peer = peer_.id;
+    inbox_->TryPush(std::move(message));
+  }
+  if (on_end_) on_end_();
+  served_.Notify();
+  return ended;
+}
+
+void LinkEnd::StartReader() {
+  reader_ = std::thread([this] { (void)Serve(); });
+}
+
+absl::Status LinkEnd::Close(absl::Duration timeout) {
+  closing_ = true;
   {
     absl::MutexLock lock(&write_mu_);
-    closed = closed_;
+    if (!retired_) transport_->CloseWrites();
   }
-  if (!failure.ok()) {
-    GT_LOG(Error) << "refused message from downstream " << address_ << ": "
-                  << failure.message();
-    context_->TryCancel();
-  } else if (!closed) {
-    failure = absl::UnavailableError(
-        absl::StrCat("downstream link to ", address_, " ended unexpectedly"));
-  }
-  if (!failure.ok()) {
-    InboundMessage broken{false, LinkMessage(), failure};
-    broken.peer = peer_id_;
-    inbox_->Push(std::move(broken));
-  }
-}
-
-void DownstreamLinkClient::Cancel() {
-  if (context_ != nullptr) context_->TryCancel();
-}
-
-absl::Status DownstreamLinkClient::Send(const LinkMessage& message) {
-  absl::MutexLock lock(&write_mu_);
-  if (closed_) return absl::FailedPreconditionError("link closed");
-  if (!WriteMessage(stream_.get(), message, context_.get(), write_stall_timeout_)) {
-    return absl::UnavailableError(
-        absl::StrCat("downstream link to ", address_, " broke while sending"));
+  if (!served_.WaitForNotificationWithTimeout(timeout)) {
+    EndOnPurpose();
+    served_.WaitForNotification();
+    return absl::DeadlineExceededError(absl::StrCat(
+        "the peer of the ", PeerSideName(peer_.side), " link to '", peer_.id,
+        "' did not close it within ", absl::FormatDuration(timeout)));
   }
   return absl::OkStatus();
 }
 
-absl::Status DownstreamLinkClient::Close() {
-  {
-    absl::MutexLock lock(&write_mu_);
-    if (closed_) return absl::OkStatus();
-    closed_ = true;
-    stream_->WritesDone();
-  }
-  if (reader_.joinable()) reader_.join();
-  return FromGrpcStatus(stream_->Finish());
+bool LinkEnd::WaitServed(absl::Duration timeout) const {
+  return served_.WaitForNotificationWithTimeout(timeout);
 }
 
-DownstreamLinkClient::~DownstreamLinkClient() {
-  bool closed;
-  {
-    absl::MutexLock lock(&write_mu_);
-    closed = closed_;
-    closed_ = true;
+// ---- UpstreamLinks ----
+
+absl::Status UpstreamLinks::Register(std::shared_ptr<LinkEnd> end) {
+  absl::MutexLock lock(&mu_);
+  const std::string worker = end->peer().id;
+  if (auto old = links_.find(worker); old != links_.end()) {
+    // The same upstream worker reconnected (its old link may be dead
+    // without this side having noticed yet): the newer link wins.
+    GT_LOG(Info) << "replacing the open upstream link of '" << worker << "' ("
+                 << old->second->description() << ") with " << end->description();
+    std::shared_ptr<LinkEnd> previous = old->second;
+    previous->EndOnPurpose();
+    auto old_gone = [this, &previous, &worker]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      auto it = links_.find(worker);
+      return it == links_.end() || it->second != previous;
+    };
+    if (!mu_.AwaitWithTimeout(absl::Condition(&old_gone), absl::Seconds(5))) {
+      return absl::AlreadyExistsError("an upstream link from this worker is already open");
+    }
   }
-  if (!closed && context_ != nullptr) context_->TryCancel();
-  if (reader_.joinable()) reader_.join();
-  if (!closed && stream_ != nullptr) stream_->Finish();
+  links_[worker] = std::move(end);
+  return absl::OkStatus();
+}
+
+void UpstreamLinks::Unregister(const LinkEnd* end) {
+  absl::MutexLock lock(&mu_);
+  if (auto it = links_.find(end->peer().id); it != links_.end() && it->second.get() == end) {
+    links_.erase(it);
+  }
+}
+
+void UpstreamLinks::NoteOrigin(uint64_t microbatch, const std::string& worker) {
+  absl::MutexLock lock(&mu_);
+  origin_[microbatch] = worker;
+}
+
+void UpstreamLinks::EndAll() {
+  absl::MutexLock lock(&mu_);
+  for (auto& [worker, end] : links_) end->EndOnPurpose();
+  origin_.clear();
+}
+
+absl::Status UpstreamLinks::Send(const LinkMessage& message) {
+  std::shared_ptr<LinkEnd> end;
+  {
+    absl::MutexLock lock(&mu_);
+    auto origin = origin_.find(message.header.microbatch());
+    if (origin == origin_.end()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "no upstream link delivered microbatch ", message.header.microbatch()));
+    }
+    const std::string worker = origin->second;
+    origin_.erase(origin);
+    auto ready = [this, &worker]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return links_.count(worker) > 0;
+    };
+    mu_.AwaitWithTimeout(absl::Condition(&ready), connect_wait_);
+    auto it = links_.find(worker);
+    if (it == links_.end()) {
+      failed_peer_ = worker;
+      return absl::UnavailableError(
+          absl::StrCat("no upstream link to '", worker, "' to send to"));
+    }
+    end = it->second;
+  }
+  absl::Status sent = end->Send(message);
+  if (!sent.ok()) {
+    absl::MutexLock lock(&mu_);
+    failed_peer_ = end->peer().id;
+  }
+  return sent;
+}
+
+std::string UpstreamLinks::failed_peer() const {
+  absl::MutexLock lock(&mu_);
+  return failed_peer_;
+}
+
+// ---- LinkService ----
+
+void LinkService::SetWorkerId(const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  worker_id_ = id;
+}
+
+void LinkService::Activate(std::shared_ptr<const LinkValidator> validator,
+                           std::shared_ptr<Inbox> inbox,
+                           std::set<std::string> dialling_downstream) {
+  absl::MutexLock lock(&mu_);
+  validator_ = std::move(validator);
+  inbox_ = std::move(inbox);
+  dialling_downstream_ = std::move(dialling_downstream);
+}
+
+void LinkService::Deactivate() {
+  {
+    absl::MutexLock lock(&mu_);
+    validator_ = nullptr;
+    inbox_ = nullptr;
+    dialling_downstream_.clear();
+    for (auto& [worker, end] : downstream_) end->EndOnPurpose();
+    downstream_.clear();
+  }
+  upstream_links_.EndAll();
+}
+
+void LinkService::Shutdown() {
+  {
+    absl::MutexLock lock(&mu_);
+    shutdown_ = true;
+  }
+  Deactivate();
+}
+
+absl::Status LinkService::ReadHello(LinkTransport* transport, const std::string& pending_key,
+                                    const std::string& peer_name, v1::LinkFrame* hello) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (pending_total_ >= options_.max_pending ||
+        pending_hellos_[pending_key] >= options_.max_pending_per_peer) {
+      if (pending_hellos_[pending_key] == 0) pending_hellos_.erase(pending_key);
+      return Refusal(absl::StatusCode::kResourceExhausted, peer_name,
+                     absl::StrCat("too many link streams waiting for their HELLO (",
+                                  options_.max_pending_per_peer, " per peer, ",
+                                  options_.max_pending, " in all)"));
+    }
+    ++pending_hellos_[pending_key];
+    ++pending_total_;
+  }
+  bool read, stalled;
+  {
+    StallWatchdog::Guard guard = StallWatchdog::Shared().Watch(
+        options_.hello_timeout, [transport] { transport->Cancel(); });
+    read = transport->Read(hello);
+    stalled = guard.stalled();
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    --pending_total_;
+    if (--pending_hellos_[pending_key] == 0) pending_hellos_.erase(pending_key);
+  }
+  if (stalled) {
+    return Refusal(absl::StatusCode::kDeadlineExceeded, peer_name,
+                   absl::StrCat("no HELLO within ", absl::FormatDuration(options_.hello_timeout)));
+  }
+  return read ? absl::OkStatus() : absl::CancelledError("link ended before its HELLO");
+}
+
+absl::StatusOr<std::shared_ptr<LinkEnd>> LinkService::Answer(
+    std::unique_ptr<LinkTransport> transport, const std::string& identity,
+    const std::string& peer_name) {
+  const bool authenticated = !options_.transport.insecure;
+  if (authenticated && identity.empty()) {
+    return Refusal(absl::StatusCode::kUnauthenticated, peer_name,
+                   "a link needs a worker certificate of this cluster");
+  }
+  v1::LinkFrame hello;
+  if (absl::Status read = ReadHello(transport.get(), authenticated ? identity : PeerHost(peer_name),
+                                    peer_name, &hello);
+      !read.ok()) {
+    return read;
+  }
+  std::shared_ptr<LinkEnd> end;
+  PeerSide side;
+  {
+    absl::MutexLock lock(&mu_);
+    if (shutdown_) return Refusal(absl::StatusCode::kUnavailable, peer_name, "shutting down");
+    if (validator_ == nullptr) {
+      return Refusal(absl::StatusCode::kFailedPrecondition, peer_name,
+                     "this worker has no stage in a plan yet");
+    }
+    if (!hello.has_header()) {
+      return Refusal(absl::StatusCode::kInvalidArgument, peer_name,
+                     "first frame of a link has no header");
+    }
+    const v1::LinkHeader& h = hello.header();
+    if (authenticated && h.from_worker() != identity) {
+      return Refusal(absl::StatusCode::kPermissionDenied, peer_name,
+                     absl::StrCat("HELLO as '", h.from_worker().substr(0, 128),
+                                  "' from a peer whose certificate names '", identity, "'"));
+    }
+    side = h.from_stage() == validator_->stage() + 1 && h.kind() == v1::MESSAGE_KIND_HELLO
+               ? PeerSide::kDownstream
+               : PeerSide::kUpstream;
+    absl::Status valid = side == PeerSide::kUpstream
+                             ? validator_->CheckHello(h)
+                             : validator_->CheckHelloFromDownstream(h, dialling_downstream_,
+                                                                    worker_id_);
+    if (!valid.ok()) {
+      // INVALID_ARGUMENT, or FAILED_PRECONDITION (the dialler retries) for a
+      // plan epoch this worker has not started yet.
+      return Refusal(valid.code(), peer_name, valid.message());
+    }
+    LinkEnd::Peer peer{h.from_worker(), peer_name, side};
+    end = std::make_shared<LinkEnd>(std::move(transport), std::move(peer), /*dialled=*/false,
+                                    validator_, inbox_, options_.write_stall_timeout);
+  }
+  LinkEnd* raw = end.get();
+  if (side == PeerSide::kUpstream) {
+    if (absl::Status registered = upstream_links_.Register(end); !registered.ok()) {
+      return Refusal(registered.code(), peer_name, registered.message());
+    }
+    end->SetHooks(
+        [this, worker = end->peer().id](uint64_t mb) { upstream_links_.NoteOrigin(mb, worker); },
+        [this, raw] { upstream_links_.Unregister(raw); });
+  } else {
+    end->SetHooks(nullptr, [this, raw] {
+      absl::MutexLock lock(&mu_);
+      if (auto it = downstream_.find(raw->peer().id);
+          it != downstream_.end() && it->second.get() == raw) {
+        downstream_.erase(it);
+      }
+    });
+  }
+  LinkMessage ack;
+  {
+    absl::MutexLock lock(&mu_);
+    if (validator_ == nullptr) return absl::CancelledError("the plan changed");
+    ack.header = MakeHello(validator_->epoch(), validator_->stage());
+  }
+  if (absl::Status sent = end->Send(ack); !sent.ok()) {
+    end->EndOnPurpose();
+    if (side == PeerSide::kUpstream) upstream_links_.Unregister(raw);
+    return absl::CancelledError("link ended before its HELLO was answered");
+  }
+  if (side == PeerSide::kDownstream) {
+    absl::MutexLock lock(&mu_);
+    if (auto old = downstream_.find(end->peer().id); old != downstream_.end()) {
+      old->second->EndOnPurpose();
+    }
+    downstream_[end->peer().id] = end;
+  }
+  GT_LOG(Info) << "accepted " << PeerSideName(side) << " link from " << peer_name << " ('"
+               << end->peer().id << "')";
+  return end;
+}
+
+absl::StatusOr<std::shared_ptr<LinkEnd>> LinkService::AwaitDownstream(
+    const std::string& id, absl::Duration timeout, const std::atomic<bool>* stop) {
+  const absl::Time deadline = absl::Now() + timeout;
+  absl::MutexLock lock(&mu_);
+  auto arrived = [this, &id]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return shutdown_ || downstream_.count(id) > 0;
+  };
+  while (!mu_.AwaitWithTimeout(absl::Condition(&arrived), absl::Milliseconds(200))) {
+    if (stop != nullptr && *stop) return absl::CancelledError("stopped while waiting for a link");
+    if (absl::Now() > deadline) {
+      return absl::UnavailableError(absl::StrCat(
+          "the downstream worker '", id, "' did not dial in within ",
+          absl::FormatDuration(timeout),
+          " (the plan has it dial this worker because it is not reachable itself): check that "
+          "it can reach this worker's advertised address"));
+    }
+  }
+  if (shutdown_) return absl::CancelledError("shutting down");
+  return downstream_[id];
+}
+
+grpc::Status LinkService::Link(grpc::ServerContext* context,
+                               grpc::ServerReaderWriter<v1::LinkFrame, v1::LinkFrame>* stream) {
+  const std::string peer = context->peer();
+  const std::string identity = options_.transport.insecure ? "" : PeerIdentity(*context);
+  absl::StatusOr<std::shared_ptr<LinkEnd>> end =
+      Answer(MakeGrpcServerTransport(context, stream, "dialled by " + peer), identity, peer);
+  if (!end.ok()) return ToGrpcStatus(end.status());
+  absl::Status served = (*end)->Serve();
+  if (served.code() == absl::StatusCode::kInvalidArgument) return ToGrpcStatus(served);
+  return served.ok() ? grpc::Status::OK : grpc::Status(grpc::StatusCode::CANCELLED, "link ended");
+}
+
+grpc::Status LinkService::Probe(grpc::ServerContext* context, const v1::ProbeRequest* request,
+                                v1::ProbeResponse* response) {
+  absl::MutexLock lock(&mu_);
+  response->set_worker_id(worker_id_);
+  return grpc::Status::OK;
+}
+
+// ---- Opening links ----
+
+namespace {
+
+struct Opened {
+  std::unique_ptr<LinkTransport> transport;
+  std::string identity;  // the peer's certified id (relayed TLS); "" otherwise
+};
+
+// HELLO out, answer in, on a transport this end opened.
+absl::Status ExchangeHello(LinkTransport* transport, const LinkMessage& hello,
+                           const LinkOptions& options) {
+  v1::LinkFrame ack;
+  if (!WriteMessage(transport, hello, options.write_stall_timeout)) {
+    absl::Status end = transport->Finish();
+    return end.ok() ? absl::UnavailableError("the link broke while sending its HELLO") : end;
+  }
+  bool read, stalled;
+  {
+    StallWatchdog::Guard guard = StallWatchdog::Shared().Watch(
+        options.connect_timeout, [transport] { transport->Cancel(); });
+    read = transport->Read(&ack);
+    stalled = guard.stalled();
+  }
+  if (!read || stalled || !ack.has_header() || ack.header().kind() != v1::MESSAGE_KIND_HELLO) {
+    absl::Status end = transport->Finish();
+    return end.ok() ? absl::UnavailableError("the peer ended the link without answering its HELLO")
+                    : end;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<LinkTransport>> DialDirect(const DialTarget& target,
+                                                          const std::string& address,
+                                                          const LinkMessage& hello,
+                                                          const LinkOptions& options,
+                                                          const std::atomic<bool>* stop) {
+  const std::string direction = PeerSideName(target.peer.side);
+  // With TLS the peer's certificate must name the worker the plan put there.
+  auto channel = MakeSecureChannel(address, options.transport, target.peer.id);
+  const absl::Time deadline = absl::Now() + options.connect_timeout;
+  std::optional<absl::Time> unreachable_since;
+  absl::Duration backoff = absl::Milliseconds(100);
+  while (true) {
+    const absl::Time attempt_start = absl::Now();
+    auto stub = v1::Stage::NewStub(channel);
+    auto context = std::make_unique<grpc::ClientContext>();
+    // The stream lives as long as training; liveness is checked by keepalive
+    // (rpc_options.cc) rather than a deadline.
+    auto stream = stub->Link(context.get());
+    auto transport = MakeGrpcClientTransport(
+        std::move(stub), std::move(context), std::move(stream),
+        absl::StrCat("dialled to ", address));
+    absl::Status exchanged = ExchangeHello(transport.get(), hello, options);
+    if (exchanged.ok()) return transport;
+    const absl::StatusCode code = exchanged.code();
+    const bool retryable = code == absl::StatusCode::kUnavailable ||
+                           code == absl::StatusCode::kFailedPrecondition ||
+                           code == absl::StatusCode::kAlreadyExists ||
+                           code == absl::StatusCode::kCancelled;
+    if (!retryable) {
+      return absl::Status(code, absl::StrCat("the ", direction, " link to '", target.peer.id,
+                                             "' at ", address, " was refused: ",
+                                             exchanged.message()));
+    }
+    if (code == absl::StatusCode::kUnavailable) {
+      if (!unreachable_since) unreachable_since = attempt_start;
+    } else {
+      unreachable_since.reset();  // it answered: alive, not ready yet
+    }
+    if (absl::Now() + backoff > deadline ||
+        (unreachable_since && absl::Now() - *unreachable_since > options.unreachable_timeout)) {
+      return absl::UnavailableError(absl::StrCat(
+          "cannot open the ", direction, " link to '", target.peer.id, "' at ", address,
+          " (this worker dials): ", exchanged.message(), ". ",
+          DialAdvice(address, exchanged.message())));
+    }
+    if (stop != nullptr && *stop) return absl::CancelledError("stopped while connecting");
+    GT_LOG(Info) << "link to " << address << " not ready (" << exchanged.message()
+                 << "); retrying in " << absl::FormatDuration(backoff);
+    absl::SleepFor(backoff);
+    // Capped low: after a re-plan the peer usually activates its stage
+    // within a second or two, and each retry is one small RPC.
+    backoff = std::min(backoff * 2, absl::Milliseconds(500));
+  }
+}
+
+// Both ends dial the relay and present the link's rendezvous; the relay
+// answers "OK" once the other end is there, then splices.
+absl::StatusOr<Opened> DialRelay(const DialTarget& target, const LinkOptions& options,
+                                 const std::atomic<bool>* stop) {
+  const v1::PlannedLink& planned = *target.planned;
+  const std::string& relay = planned.relay_address();
+  const bool upstream_end = target.peer.side == PeerSide::kDownstream;
+  const absl::Time deadline = absl::Now() + options.unreachable_timeout;
+  absl::StatusOr<TcpSocket> socket = absl::UnavailableError("not tried");
+  while (true) {
+    socket = TcpSocket::Connect(relay, absl::Seconds(5));
+    if (socket.ok()) break;
+    if (absl::Now() > deadline || (stop != nullptr && *stop)) {
+      return absl::UnavailableError(absl::StrCat(
+          "cannot reach the relay '", planned.relay_worker(), "' at ", relay, " for the ",
+          PeerSideName(target.peer.side), " link to '", target.peer.id, "': ",
+          socket.status().message()));
+    }
+    absl::SleepFor(absl::Milliseconds(500));
+  }
+  socket->SetKeepalive(absl::Milliseconds(kKeepaliveTimeMs), absl::Seconds(2));
+  socket->SetTimeouts(options.connect_timeout, options.write_stall_timeout);
+  const std::string greeting = absl::StrCat(kRelayGreeting, " ", planned.rendezvous(), " ",
+                                            upstream_end ? "up" : "down", "\n");
+  if (!socket->WriteAll(greeting.data(), greeting.size())) {
+    return absl::UnavailableError(absl::StrCat("the relay at ", relay, " closed the connection"));
+  }
+  absl::StatusOr<std::string> answer = socket->ReadLine(512);
+  if (!answer.ok() || *answer != "OK") {
+    return absl::UnavailableError(absl::StrCat(
+        "the relay '", planned.relay_worker(), "' at ", relay, " did not pair the ",
+        PeerSideName(target.peer.side), " link to '", target.peer.id, "': ",
+        answer.ok() ? *answer : std::string(answer.status().message())));
+  }
+  socket->SetTimeouts(absl::InfiniteDuration(), absl::InfiniteDuration());
+  const std::string description =
+      absl::StrCat("via relay ", planned.relay_worker(), " at ", relay);
+  Opened opened;
+  if (options.transport.insecure) {
+    opened.transport = MakeRelayedTransport(*std::move(socket), description);
+    return opened;
+  }
+  absl::StatusOr<std::unique_ptr<TlsSession>> tls = TlsSession::Establish(
+      *std::move(socket), upstream_end ? TlsSession::Role::kClient : TlsSession::Role::kServer,
+      options.transport, target.peer.id, kTlsHandshakeTimeout);
+  if (!tls.ok()) {
+    return absl::Status(tls.status().code(),
+                        absl::StrCat("end-to-end TLS with '", target.peer.id, "' ", description,
+                                     ": ", tls.status().message()));
+  }
+  opened.identity = (*tls)->peer_identity();
+  opened.transport = MakeRelayedTransport(*std::move(tls), description);
+  return opened;
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<LinkEnd>> OpenLink(
+    const DialTarget& target, std::shared_ptr<const LinkValidator> validator,
+    std::shared_ptr<Inbox> inbox, const LinkOptions& options, LinkService* service,
+    const std::atomic<bool>* stop) {
+  LinkMessage hello;
+  hello.header = MakeHello(validator->epoch(), validator->stage(), target.self_id, target.peer.id);
+  const bool relayed =
+      target.planned != nullptr && target.planned->dialer() == v1::LINK_DIALER_RELAY;
+  std::shared_ptr<LinkEnd> end;
+  if (relayed) {
+    ASSIGN_OR_RETURN(Opened opened, DialRelay(target, options, stop));
+    if (target.peer.side == PeerSide::kUpstream) {
+      // The upstream end speaks first; answer it as if it had dialled.
+      ASSIGN_OR_RETURN(end, service->Answer(std::move(opened.transport), opened.identity,
+                                            opened.identity.empty() ? target.peer.id
+                                                                    : opened.identity));
+      if (end->peer().id != target.peer.id) {
+        return absl::PermissionDeniedError(absl::StrCat(
+            "the relayed link meant for '", target.peer.id, "' came from '", end->peer().id, "'"));
+      }
+      end->StartReader();
+      return end;
+    }
+    if (absl::Status exchanged = ExchangeHello(opened.transport.get(), hello, options);
+        !exchanged.ok()) {
+      return absl::Status(exchanged.code(),
+                          absl::StrCat("the downstream link to '", target.peer.id, "' ",
+                                       opened.transport->description(), ": ",
+                                       exchanged.message()));
+    }
+    end = std::make_shared<LinkEnd>(std::move(opened.transport), target.peer, /*dialled=*/true,
+                                    validator, inbox, options.write_stall_timeout);
+  } else {
+    std::string address = target.peer.address;
+    if (auto route = options.routes.find(address); route != options.routes.end()) {
+      GT_LOG(Info) << "routing the link to " << address << " via " << route->second;
+      address = route->second;
+    }
+    ASSIGN_OR_RETURN(std::unique_ptr<LinkTransport> transport,
+                     DialDirect(target, address, hello, options, stop));
+    end = std::make_shared<LinkEnd>(std::move(transport), target.peer, /*dialled=*/true,
+                                    validator, inbox, options.write_stall_timeout);
+  }
+  if (target.peer.side == PeerSide::kUpstream) {
+    UpstreamLinks* upstream = service->upstream_links();
+    RETURN_IF_ERROR(upstream->Register(end));
+    LinkEnd* raw = end.get();
+    end->SetHooks(
+        [upstream, worker = target.peer.id](uint64_t mb) { upstream->NoteOrigin(mb, worker); },
+        [upstream, raw] { upstream->Unregister(raw); });
+  }
+  GT_LOG(Info) << "opened " << PeerSideName(target.peer.side) << " link to '" << target.peer.id
+               << "' (" << end->description() << ")";
+  end->StartReader();
+  return end;
 }
 
 }  // namespace geotrain

@@ -1,32 +1,50 @@
-// The two ends of a Link stream between neighbouring stages.
+// Links between neighbouring stages, whichever end dials.
 //
-// The upstream worker dials (DownstreamLinkClient); the downstream worker
-// serves (UpstreamLinkServer, the Stage service). Either end reassembles
-// frames, validates each message (LinkValidator) and pushes it to the
-// worker's Inbox, whose bound gives back-pressure: a full inbox stops the
-// reader, so HTTP/2 flow control stalls the sender.
+// The plan says, per pair of neighbouring workers, who opens the link
+// (PlannedLink): the upstream worker dials the downstream one when that is
+// reachable; a downstream worker behind NAT dials its upstream neighbour;
+// two unreachable workers both dial a geotrain-relay, which splices them.
+// Once open every link is the same: a LinkEnd on each side over a
+// LinkTransport (link_transport.h), carrying activations down and
+// gradients up. Each end reassembles frames, validates each message
+// (LinkValidator) and pushes it to the worker's Inbox, whose bound gives
+// back-pressure: a full inbox stops the reader, so flow control (HTTP/2,
+// or TCP through a relay) stalls the sender.
 //
-// Threading: gRPC's sync API; each stream has one reader thread (the
-// server's handler thread, or the client's own reader) and writes come from
-// the pipeline driver thread through MessageSink::Send, one at a time under
-// a mutex. See docs/threading.md.
+// - LinkService: the Stage service. Accepts Link streams from either
+//   neighbour (the HELLO's stage says which), bounded in number and time
+//   before their HELLO, and answers reachability probes.
+// - DialLink: opens the link this worker dials, direct or via a relay.
+// - UpstreamLinks: the MessageSink for gradients: each goes back on the
+//   link its activation came on (the worker that ran the forward holds its
+//   stashed weights).
+//
+// Threading: gRPC's sync API. Each link has one reader (the service's
+// handler thread for a stream a peer dialled, else a thread of the
+// LinkEnd's own) and writes come from the pipeline driver through
+// MessageSink::Send, one at a time per link. See docs/threading.md.
 #ifndef GEOTRAIN_WORKER_LINK_STREAM_H_
 #define GEOTRAIN_WORKER_LINK_STREAM_H_
 
 #include <atomic>
+#include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "common/bounded_queue.h"
 #include "common/link_message.h"
 #include "common/rpc_options.h"
 #include "common/transport_security.h"
+#include "geotrain/v1/coordinator.pb.h"
 #include "geotrain/v1/stage.grpc.pb.h"
+#include "worker/link_transport.h"
 #include "worker/link_validator.h"
 
 namespace geotrain {
@@ -58,7 +76,8 @@ class MessageSink {
   virtual std::string failed_peer() const { return ""; }
 };
 
-struct LinkSecurityOptions {
+// Deadlines, limits and credentials of every link of one worker.
+struct LinkOptions {
   // mTLS: who is at the far end comes from its certificate (see
   // transport_security.h); plaintext when `transport.insecure`.
   TransportSecurity transport;
@@ -71,133 +90,203 @@ struct LinkSecurityOptions {
   // A peer that stops reading: one frame (<= 1 MiB) that cannot be written
   // for this long ends the stream, as keepalive would end a silent one.
   absl::Duration write_stall_timeout = absl::Milliseconds(kKeepaliveTimeMs + kKeepaliveTimeoutMs);
+  // How long a dialler waits for a peer that answers "not ready" (it has
+  // not started the plan yet), and how long an end waits for its peer to
+  // dial in or to reach the relay.
+  absl::Duration connect_timeout = absl::Seconds(120);
+  // A peer that cannot be reached at all is given up on after this long (as
+  // an open link that went silent would be).
+  absl::Duration unreachable_timeout = absl::Milliseconds(kKeepaliveTimeMs + kKeepaliveTimeoutMs);
+  absl::Duration close_timeout = absl::Seconds(30);
+  // Peer address (as the plan names it) -> address to dial instead, e.g. a
+  // geotrain-linkem relay in front of that peer.
+  std::map<std::string, std::string> routes;
 };
 
-// Serves Link streams from the upstream stage. Until Activate() every stream
-// is refused with FAILED_PRECONDITION; afterwards one stream per upstream
-// worker (several when that stage has replicas) is accepted if its HELLO
-// matches the plan; a new stream from the same worker replaces its old one.
-// Malformed or inconsistent messages end that stream with INVALID_ARGUMENT;
-// the worker keeps running. With TLS a HELLO must come from the worker its
-// certificate names (PERMISSION_DENIED otherwise); streams without a HELLO
-// are bounded in number and time (LinkSecurityOptions).
-//
-// Each training activation's microbatch is remembered with the worker it
-// came from, and Send() returns the microbatch's gradient on that worker's
-// stream: the worker that ran the forward holds its stashed weights.
-class UpstreamLinkServer final : public v1::Stage::Service, public MessageSink {
+enum class PeerSide { kUpstream, kDownstream };
+const char* PeerSideName(PeerSide side);  // "upstream", "downstream"
+
+// One end of an open link (after the HELLOs). Thread-safe.
+class LinkEnd final : public MessageSink {
  public:
-  explicit UpstreamLinkServer(LinkSecurityOptions security = LinkSecurityOptions())
-      : security_(std::move(security)) {}
+  struct Peer {
+    std::string id;       // worker id at the far end
+    std::string address;  // as the plan names it
+    PeerSide side = PeerSide::kDownstream;
+  };
+  LinkEnd(std::unique_ptr<LinkTransport> transport, Peer peer, bool dialled,
+          std::shared_ptr<const LinkValidator> validator, std::shared_ptr<Inbox> inbox,
+          absl::Duration write_stall_timeout);
+  // Cancels the link if it is still open and joins its reader.
+  ~LinkEnd() override;
 
-  // Accepts streams for `validator`'s plan epoch, delivering to `inbox`
-  // (shared: a stream of an older epoch may still be finishing).
-  void Activate(std::shared_ptr<const LinkValidator> validator, std::shared_ptr<Inbox> inbox);
-  // Ends the active stream, if any, and refuses new ones (as before the
-  // first Activate) until the next Activate: the plan changed.
-  void Deactivate();
+  absl::Status Send(const LinkMessage& message) override;
+  std::string failed_peer() const override { return peer_.id; }
 
-  grpc::Status Link(grpc::ServerContext* context,
-                    grpc::ServerReaderWriter<v1::LinkFrame, v1::LinkFrame>* stream)
-      override;
+  // Before serving: `on_activation` sees each training activation's
+  // microbatch before it is delivered; `on_end` runs when Serve() ends.
+  void SetHooks(std::function<void(uint64_t)> on_activation, std::function<void()> on_end);
+  // Reads until the link ends, in the calling thread, delivering to the
+  // inbox. A link that breaks (not ended by this side or cleanly closed by
+  // the peer) pushes an error for the driver. After it returns nothing
+  // touches the transport again. Returns why it ended (INVALID_ARGUMENT: a
+  // message was refused).
+  absl::Status Serve();
+  // Serve() on a thread of its own.
+  void StartReader();
+  // Ends the link on purpose (a re-plan, a replacement, shutdown): no error
+  // is pushed. Blocked sends fail.
+  void EndOnPurpose();
+  // Half-closes and waits up to `timeout` for the peer to end the link.
+  absl::Status Close(absl::Duration timeout);
+  // Waits up to `timeout` for Serve() to return.
+  bool WaitServed(absl::Duration timeout) const;
+
+  const Peer& peer() const { return peer_; }
+  bool dialled() const { return dialled_; }
+  std::string description() const { return description_; }
+
+ private:
+  void CancelTransport();
+
+  std::unique_ptr<LinkTransport> transport_;
+  const Peer peer_;
+  const bool dialled_;
+  const std::string description_;
+  const std::shared_ptr<const LinkValidator> validator_;
+  const std::shared_ptr<Inbox> inbox_;
+  const absl::Duration write_stall_timeout_;
+  std::function<void(uint64_t)> on_activation_;
+  std::function<void()> on_end_;
+  std::atomic<bool> on_purpose_{false};
+  std::atomic<bool> closing_{false};
+  absl::Notification served_;
+  std::thread reader_;
+  // write_mu_ serialises writes (a blocked write holds it; the stall
+  // watchdog or a Cancel unblocks it). cancel_mu_ guards cancelling against
+  // retirement. Order: write_mu_ before cancel_mu_.
+  absl::Mutex write_mu_;
+  absl::Mutex cancel_mu_;
+  // Serve() returned: the transport is not used again (a borrowed gRPC
+  // stream is gone with its handler).
+  bool retired_ = false;  // written under both mutexes
+};
+
+// The links from the stage upstream, by worker. Thread-safe.
+class UpstreamLinks final : public MessageSink {
+ public:
+  // Makes `end` the link to its worker; an older link of the same worker
+  // (it reconnected) is ended first. ALREADY_EXISTS when that does not end
+  // within 5 s.
+  absl::Status Register(std::shared_ptr<LinkEnd> end);
+  // After `end`'s Serve() returned.
+  void Unregister(const LinkEnd* end);
+  void NoteOrigin(uint64_t microbatch, const std::string& worker);
+  // Ends every link on purpose and forgets the origins.
+  void EndAll();
 
   // Sends a gradient to the upstream worker that delivered its microbatch,
-  // waiting up to `connect_wait` for that worker's stream when it is
+  // waiting up to `connect_wait` for that worker's link when it is
   // reconnecting. UNAVAILABLE when there is none or it broke;
   // FAILED_PRECONDITION for a microbatch no upstream delivered.
   absl::Status Send(const LinkMessage& message) override;
   std::string failed_peer() const override;
 
-  // Cancels the active streams, if any.
-  void Shutdown();
-
  private:
-  // One accepted stream. Its handler owns it; `upstreams_` points at the
-  // newest stream of each worker.
-  struct Upstream {
-    std::string worker;
-    grpc::ServerReaderWriter<v1::LinkFrame, v1::LinkFrame>* stream = nullptr;
-    grpc::ServerContext* context = nullptr;
-    int writers = 0;                // Send()s writing to it
-    bool ended_on_purpose = false;  // replaced, deactivated or shut down
-    absl::Mutex write_mu;           // serialises writes to `stream`
-  };
-
-  absl::Status ServeAccepted(Upstream* upstream, const LinkValidator& validator, Inbox* inbox,
-                             int64_t* delivered);
-  void EndAllLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Reads the HELLO under the pending-stream limits and the HELLO timeout.
-  grpc::Status ReadHello(grpc::ServerContext* context,
-                         grpc::ServerReaderWriter<v1::LinkFrame, v1::LinkFrame>* stream,
-                         const std::string& pending_key, v1::LinkFrame* hello);
-
-  const LinkSecurityOptions security_;
-
-  // mu_ guards the stream table; each stream's write_mu serialises its
-  // writes, so a write blocked by a stalled peer never holds mu_ (Shutdown()
-  // and a reconnecting peer can still cancel it). Order: mu_ is never taken
-  // while holding a write_mu.
   mutable absl::Mutex mu_;
-  std::shared_ptr<const LinkValidator> validator_ ABSL_GUARDED_BY(mu_);
-  std::shared_ptr<Inbox> inbox_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, std::shared_ptr<Upstream>> upstreams_ ABSL_GUARDED_BY(mu_);
-  // Training microbatch -> the upstream worker its activation came from,
-  // until its gradient is sent back.
+  std::map<std::string, std::shared_ptr<LinkEnd>> links_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, std::string> origin_ ABSL_GUARDED_BY(mu_);
-  bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
   std::string failed_peer_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, int> pending_hellos_ ABSL_GUARDED_BY(mu_);
-  int pending_total_ ABSL_GUARDED_BY(mu_) = 0;
-  // A reply goes back on the stream its request came on; if that stream is
-  // gone, wait only briefly for the upstream worker to reconnect.
   absl::Duration connect_wait_ = absl::Seconds(2);
 };
 
-// Dials the downstream neighbour and keeps one Link stream to it.
-class DownstreamLinkClient final : public MessageSink {
+// The Stage service: accepts Link streams for the active plan and answers
+// probes. Until Activate() every stream is refused with FAILED_PRECONDITION.
+// A stream from upstream (HELLO from stage - 1, a worker the plan puts
+// there) joins UpstreamLinks; one from downstream (stage + 1, a worker the
+// plan says dials this one) waits for AwaitDownstream(). Malformed or
+// inconsistent messages end that stream with INVALID_ARGUMENT; the worker
+// keeps running. With TLS a HELLO must come from the worker its certificate
+// names (PERMISSION_DENIED otherwise); streams without a HELLO are bounded
+// in number and time (LinkOptions).
+class LinkService final : public v1::Stage::Service {
  public:
-  // Connects and exchanges HELLOs, retrying with backoff while the peer has
-  // not yet seen the plan (for up to `timeout`) or is unreachable (for up to
-  // keepalive time + timeout, 15 s, as for a link that goes silent), or
-  // until `*stop` is set. REQUIRES: `inbox` and `stop` outlive the returned client.
-  // `self_id` goes in the HELLO; `peer_id` (the downstream worker) labels
-  // what this link delivers to the inbox and, with TLS, is the identity the
-  // peer's certificate must have.
-  static absl::StatusOr<std::unique_ptr<DownstreamLinkClient>> Connect(
-      const std::string& address, std::shared_ptr<const LinkValidator> validator,
-      Inbox* inbox, absl::Duration timeout, const std::atomic<bool>* stop,
-      const std::string& self_id = "", const std::string& peer_id = "",
-      const LinkSecurityOptions& security = LinkSecurityOptions());
+  explicit LinkService(LinkOptions options) : options_(std::move(options)) {}
 
-  // Cancels the stream: a blocked Send() fails. Thread-safe.
-  void Cancel();
-  ~DownstreamLinkClient() override;
+  void SetWorkerId(const std::string& id);
+  // Accepts links for `validator`'s plan epoch, delivering to `inbox`
+  // (shared: a stream of an older epoch may still be finishing).
+  // `dialling_downstream`: the next stage's workers that dial this one.
+  void Activate(std::shared_ptr<const LinkValidator> validator, std::shared_ptr<Inbox> inbox,
+                std::set<std::string> dialling_downstream);
+  // Ends every accepted link and refuses new ones until the next Activate.
+  void Deactivate();
+  void Shutdown();
+  UpstreamLinks* upstream_links() { return &upstream_links_; }
 
-  absl::Status Send(const LinkMessage& message) override;
-  std::string failed_peer() const override { return peer_id_; }
-  // Half-closes, waits for the peer to end the stream, and returns its status.
-  absl::Status Close();
+  // Reads the HELLO on a transport a peer opened (a gRPC stream, or a link
+  // a relay spliced) under the pending-stream limits, checks it against the
+  // plan, answers it and registers the link. `identity`: the peer's
+  // certified worker id ("" when insecure). The caller then runs Serve().
+  absl::StatusOr<std::shared_ptr<LinkEnd>> Answer(std::unique_ptr<LinkTransport> transport,
+                                                  const std::string& identity,
+                                                  const std::string& peer_name);
+  // The link the downstream worker `id` dialled for the active plan, waiting
+  // up to `timeout` (UNAVAILABLE then) or until `*stop`.
+  absl::StatusOr<std::shared_ptr<LinkEnd>> AwaitDownstream(const std::string& id,
+                                                           absl::Duration timeout,
+                                                           const std::atomic<bool>* stop);
+
+  grpc::Status Link(grpc::ServerContext* context,
+                    grpc::ServerReaderWriter<v1::LinkFrame, v1::LinkFrame>* stream) override;
+  grpc::Status Probe(grpc::ServerContext* context, const v1::ProbeRequest* request,
+                     v1::ProbeResponse* response) override;
 
  private:
-  DownstreamLinkClient() = default;
-  void ReadLoop();
+  absl::Status ReadHello(LinkTransport* transport, const std::string& pending_key,
+                         const std::string& peer_name, v1::LinkFrame* hello);
 
-  std::string address_;
-  std::string peer_id_;
-  absl::Duration write_stall_timeout_;
-  std::shared_ptr<const LinkValidator> validator_;
-  Inbox* inbox_ = nullptr;
-  std::unique_ptr<v1::Stage::Stub> stub_;
-  std::unique_ptr<grpc::ClientContext> context_;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::LinkFrame, v1::LinkFrame>> stream_;
-  std::thread reader_;
-  absl::Mutex write_mu_;
-  bool closed_ ABSL_GUARDED_BY(write_mu_) = false;
+  const LinkOptions options_;
+  UpstreamLinks upstream_links_;
+  mutable absl::Mutex mu_;
+  std::string worker_id_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<const LinkValidator> validator_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<Inbox> inbox_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> dialling_downstream_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::shared_ptr<LinkEnd>> downstream_ ABSL_GUARDED_BY(mu_);
+  bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
+  std::map<std::string, int> pending_hellos_ ABSL_GUARDED_BY(mu_);
+  int pending_total_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-// HELLO header for worker `from_worker` on `from_stage` opening a link
-// downstream (also the server's answer, without a worker).
-v1::LinkHeader MakeHello(uint64_t epoch, int from_stage, const std::string& from_worker = "");
+// What this worker knows about a link it opens.
+struct DialTarget {
+  std::string self_id;
+  int self_stage = 0;
+  LinkEnd::Peer peer;
+  const v1::PlannedLink* planned = nullptr;  // null: direct, upstream dials
+};
+
+// Opens the link to `target.peer` that the plan says this worker opens:
+// direct (a gRPC stream to the peer's address, or its route), retrying
+// while the peer has not yet started the plan (up to connect_timeout) or
+// cannot be reached (up to unreachable_timeout); or through the plan's
+// relay, where the upstream end opens the TLS session and sends the HELLO
+// and the downstream end answers it through `service` (which registers it).
+// The returned end's reader is running. Errors say which address, which
+// direction and what to check.
+absl::StatusOr<std::shared_ptr<LinkEnd>> OpenLink(
+    const DialTarget& target, std::shared_ptr<const LinkValidator> validator,
+    std::shared_ptr<Inbox> inbox, const LinkOptions& options, LinkService* service,
+    const std::atomic<bool>* stop);
+
+// HELLO header for worker `from_worker` on `from_stage` opening a link to
+// `to_worker` (also the answer, without workers).
+v1::LinkHeader MakeHello(uint64_t epoch, int from_stage, const std::string& from_worker = "",
+                         const std::string& to_worker = "");
+
+// "GTRELAY1 <rendezvous> <up|down>": what a link end says to a relay first.
+inline constexpr char kRelayGreeting[] = "GTRELAY1";
 
 }  // namespace geotrain
 

@@ -28,7 +28,7 @@ absl::Status LinkValidator::CheckEpoch(const v1::LinkHeader& header) const {
   return absl::OkStatus();
 }
 
-absl::Status LinkValidator::CheckHello(const v1::LinkHeader& hello) const {
+absl::Status LinkValidator::CheckHelloEpoch(const v1::LinkHeader& hello) const {
   if (hello.kind() != v1::MESSAGE_KIND_HELLO) {
     return absl::InvalidArgumentError("a link stream must open with HELLO");
   }
@@ -38,7 +38,32 @@ absl::Status LinkValidator::CheckHello(const v1::LinkHeader& hello) const {
         "HELLO of plan epoch ", hello.epoch(), ": this worker has not started it yet (on ",
         epoch_, ")"));
   }
-  RETURN_IF_ERROR(CheckEpoch(hello));
+  return CheckEpoch(hello);
+}
+
+absl::Status LinkValidator::CheckHelloFromDownstream(
+    const v1::LinkHeader& hello, const std::set<std::string>& dialling_downstream,
+    const std::string& self_id) const {
+  RETURN_IF_ERROR(CheckHelloEpoch(hello));
+  if (hello.from_stage() != stage_ + 1) {
+    return absl::InvalidArgumentError(absl::StrCat("HELLO from stage ", hello.from_stage(),
+                                                   ": not a neighbour of stage ", stage_));
+  }
+  if (dialling_downstream.count(hello.from_worker()) == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "HELLO from worker '", hello.from_worker().substr(0, 128), "', which the plan of epoch ",
+        epoch_, " does not have dial stage ", stage_, " from stage ", stage_ + 1));
+  }
+  if (hello.to_worker() != self_id) {
+    return absl::InvalidArgumentError(absl::StrCat("HELLO for worker '",
+                                                   hello.to_worker().substr(0, 128),
+                                                   "' reached ", self_id));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LinkValidator::CheckHello(const v1::LinkHeader& hello) const {
+  RETURN_IF_ERROR(CheckHelloEpoch(hello));
   if (stage_ == 0) {
     return absl::InvalidArgumentError("stage 0 has no upstream and accepts no links");
   }

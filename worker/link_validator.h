@@ -36,12 +36,19 @@ class LinkValidator {
   // again) for a newer plan epoch than this stage's: the dialler saw it
   // first. INVALID_ARGUMENT for anything else that does not match.
   absl::Status CheckHello(const v1::LinkHeader& hello) const;
+  // The HELLO of a downstream worker that dials this one (the plan's
+  // LINK_DIALER_DOWNSTREAM): from stage + 1, one of `dialling_downstream`,
+  // addressed to `self_id`. Epochs as CheckHello.
+  absl::Status CheckHelloFromDownstream(const v1::LinkHeader& hello,
+                                        const std::set<std::string>& dialling_downstream,
+                                        const std::string& self_id) const;
 
   uint64_t epoch() const { return epoch_; }
   int stage() const { return stage_; }
 
  private:
   absl::Status CheckEpoch(const v1::LinkHeader& header) const;
+  absl::Status CheckHelloEpoch(const v1::LinkHeader& hello) const;
 
   v1::JobSpec job_;
   uint64_t epoch_;

@@ -62,7 +62,7 @@ Worker::~Worker() {
 
 void Worker::Stop() {
   stop_ = true;
-  if (link_server_ != nullptr) link_server_->Shutdown();
+  if (link_service_ != nullptr) link_service_->Shutdown();
   absl::MutexLock lock(&mu_);
   AbortTrainingLocked();
   if (watch_context_) watch_context_->TryCancel();
@@ -90,8 +90,8 @@ void Worker::Drain() {
 void Worker::AbortTrainingLocked() {
   abort_ = true;
   if (inbox_ != nullptr) inbox_->Close();
-  for (DownstreamLinkClient* downstream : downstreams_) downstream->Cancel();
-  if (link_server_ != nullptr) link_server_->Deactivate();
+  for (const std::shared_ptr<LinkEnd>& link : open_links_) link->EndOnPurpose();
+  if (link_service_ != nullptr) link_service_->Deactivate();
   averager_.Deactivate();
 }
 
@@ -99,11 +99,13 @@ absl::Status Worker::StartServer() {
   grpc::ServerBuilder builder;
   ConfigureServerBuilder(&builder);
   int port = 0;
-  link_server_ = std::make_unique<UpstreamLinkServer>(link_security_);
+  link_options_.routes = options_.routes;
+  link_service_ = std::make_unique<LinkService>(link_options_);
+  if (!worker_id_.empty()) link_service_->SetWorkerId(worker_id_);
   builder.AddListeningPort(
       options_.listen,
-      MakeServerCredentials(link_security_.transport, ClientCertificates::kRequire), &port);
-  builder.RegisterService(link_server_.get());
+      MakeServerCredentials(link_options_.transport, ClientCertificates::kRequire), &port);
+  builder.RegisterService(link_service_.get());
   builder.RegisterService(&averager_);
   server_ = builder.BuildAndStart();
   if (server_ == nullptr || port == 0) {
@@ -147,6 +149,12 @@ absl::Status Worker::JoinCoordinator() {
                                             " with the certificate of ", worker_id_));
   }
   worker_id_ = joined.worker_id();
+  link_service_->SetWorkerId(worker_id_);
+  if (joined.reachability().known() && !joined.reachability().reachable()) {
+    GT_LOG(Warning) << "not reachable at " << advertise_ << ": " << joined.reachability().detail();
+  } else if (joined.reachability().known()) {
+    GT_LOG(Info) << "reachable: " << joined.reachability().detail();
+  }
   job_ = joined.job();
   heartbeat_ms_ = joined.heartbeat_ms();
   GT_LOG(Info) << "joined " << coordinator_.address() << " as " << worker_id_
@@ -168,7 +176,7 @@ absl::Status Worker::Run() {
                      ObtainWorkerCredentials(credential_options, stop_, options_.join_timeout));
     worker_id_ = credentials.worker_id;
     coordinator_.UseSecurity(credentials.coordinator, options_.tls_server_name);
-    link_security_.transport = credentials.peers;
+    link_options_.transport = credentials.peers;
     averager_.UseSecurity(credentials.peers);
   }
   RETURN_IF_ERROR(StartServer());
@@ -387,7 +395,7 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
       absl::MutexLock lock(&worker->mu_);
       if (worker->inbox_ != nullptr) worker->inbox_->Close();
       worker->inbox_ = nullptr;
-      worker->downstreams_.clear();
+      worker->open_links_.clear();
       worker->training_epoch_ = 0;
       worker->averager_.Deactivate();
     }
@@ -406,13 +414,26 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
                                                          mine.layer_begin(), mine.layer_end(),
                                                          std::move(upstream_ids));
   coordinator_.SetEpoch(plan.epoch());
-  link_server_->Activate(validator, inbox);
-  auto dial_address = [this](const std::string& address) {
-    auto route = options_.routes.find(address);
-    if (route == options_.routes.end()) return address;
-    GT_LOG(Info) << "routing the link to " << address << " via " << route->second;
-    return route->second;
+  // Who opens each of this worker's links (a plan without links, from an
+  // older coordinator, has every upstream worker dial).
+  auto planned_link = [&plan](const std::string& up, const std::string& down) {
+    for (const v1::PlannedLink& link : plan.links()) {
+      if (link.upstream_worker() == up && link.downstream_worker() == down) return &link;
+    }
+    return static_cast<const v1::PlannedLink*>(nullptr);
   };
+  auto dialer_of = [](const v1::PlannedLink* link) {
+    return link == nullptr || link->dialer() == v1::LINK_DIALER_UNSPECIFIED
+               ? v1::LINK_DIALER_UPSTREAM
+               : link->dialer();
+  };
+  std::set<std::string> dialling_downstream;
+  for (const StageWorker& next : downstream_workers) {
+    if (dialer_of(planned_link(worker_id_, next.id)) == v1::LINK_DIALER_DOWNSTREAM) {
+      dialling_downstream.insert(next.id);
+    }
+  }
+  link_service_->Activate(validator, inbox, dialling_downstream);
   primary_ = stage_workers[0].id == worker_id_;
   if (stage_workers.size() > 1) {
     ReplicaAverager::Target target;
@@ -422,48 +443,76 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
     target.layer_end = mine.layer_end();
     target.self_id = worker_id_;
     for (const StageWorker& w : stage_workers) {
-      if (w.id != worker_id_) target.peers.push_back({w.id, dial_address(w.address)});
+      if (w.id == worker_id_) continue;
+      auto route = options_.routes.find(w.address);
+      target.peers.push_back({w.id, route == options_.routes.end() ? w.address : route->second});
     }
     GT_LOG(Info) << "stage " << mine.stage() << " has " << stage_workers.size()
                  << " workers; this one is " << (primary_ ? "the primary" : "a replica");
     averager_.Activate(std::move(target));
   }
 
-  // One link per worker of the next stage; the router picks among them.
-  std::vector<std::unique_ptr<DownstreamLinkClient>> downstreams;
-  std::vector<ReplicaRouter::Route> routes;
   // The links are unregistered (under mu_) before they are destroyed.
+  std::vector<std::shared_ptr<LinkEnd>> links;
   struct UnregisterLinks {
     Worker* worker;
     ~UnregisterLinks() {
       absl::MutexLock lock(&worker->mu_);
-      worker->downstreams_.clear();
+      worker->open_links_.clear();
     }
   } unregister_links{this};
-  for (const StageWorker& next : downstream_workers) {
-    absl::StatusOr<std::unique_ptr<DownstreamLinkClient>> connected =
-        DownstreamLinkClient::Connect(dial_address(next.address), validator, inbox.get(),
-                                      absl::Seconds(120), &abort_, worker_id_, next.id,
-                                      link_security_);
-    if (!connected.ok()) {
-      // A peer that never answers (dead before it could be noticed, or
-      // behind a black hole) is reported like a broken link, or nothing
-      // would ever re-plan around it.
-      if (!abort_) {
-        coordinator_.ReportEvent("link_lost",
-                                 absl::StrCat("downstream link to ", next.address,
-                                              " could not be opened: ",
-                                              connected.status().message()),
-                                 next.id);
-      }
-      return connected.status();
+  // Opens (or awaits) the link to `peer`; null when the peer dials this
+  // worker's Stage service (its link joins UpstreamLinks there). A link
+  // that cannot be opened is reported like a broken one (naming its relay
+  // when it had one), or nothing would ever re-plan around it.
+  auto open = [&](const StageWorker& peer,
+                  PeerSide side) -> absl::StatusOr<std::shared_ptr<LinkEnd>> {
+    const bool to_downstream = side == PeerSide::kDownstream;
+    const v1::PlannedLink* planned = to_downstream ? planned_link(worker_id_, peer.id)
+                                                   : planned_link(peer.id, worker_id_);
+    const v1::LinkDialer dialer = dialer_of(planned);
+    absl::StatusOr<std::shared_ptr<LinkEnd>> end;
+    std::string accused = peer.id;
+    if (dialer == v1::LINK_DIALER_NONE) {
+      end = absl::FailedPreconditionError(
+          absl::StrCat("no way to open the ", PeerSideName(side), " link to '", peer.id,
+                       "': ", planned->reason()));
+    } else if (dialer == v1::LINK_DIALER_UPSTREAM && !to_downstream) {
+      return std::shared_ptr<LinkEnd>();  // it dials in
+    } else if (dialer == v1::LINK_DIALER_DOWNSTREAM && to_downstream) {
+      GT_LOG(Info) << "waiting for '" << peer.id << "' to dial in (" << planned->reason() << ")";
+      end = link_service_->AwaitDownstream(peer.id, link_options_.connect_timeout, &abort_);
+    } else {
+      if (dialer == v1::LINK_DIALER_RELAY) accused = planned->relay_worker();
+      DialTarget target{worker_id_, mine.stage(), {peer.id, peer.address, side}, planned};
+      end = OpenLink(target, validator, inbox, link_options_, link_service_.get(), &abort_);
     }
-    std::unique_ptr<DownstreamLinkClient> downstream = *std::move(connected);
-    routes.push_back({next.id, next.address, downstream.get()});
+    if (!end.ok()) {
+      if (!abort_ && dialer != v1::LINK_DIALER_NONE) {
+        coordinator_.ReportEvent("link_lost",
+                                 absl::StrCat(PeerSideName(side), " link to ", peer.address,
+                                              " could not be opened: ", end.status().message()),
+                                 accused);
+      }
+      GT_LOG(Error) << end.status().message();
+      return end.status();
+    }
     absl::MutexLock lock(&mu_);
-    downstreams_.push_back(downstream.get());
-    if (abort_) downstream->Cancel();
-    downstreams.push_back(std::move(downstream));
+    open_links_.push_back(*end);
+    if (abort_) (*end)->EndOnPurpose();
+    links.push_back(*end);
+    return end;
+  };
+  // Downstream links first: the chain of waits (an end waiting for its
+  // neighbour to dial in, or at a relay) then runs toward the last stage,
+  // which waits for no one.
+  std::vector<ReplicaRouter::Route> routes;
+  for (const StageWorker& next : downstream_workers) {
+    ASSIGN_OR_RETURN(std::shared_ptr<LinkEnd> end, open(next, PeerSide::kDownstream));
+    routes.push_back({next.id, next.address, end.get()});
+  }
+  for (const StageWorker& previous : upstream_workers) {
+    RETURN_IF_ERROR(open(previous, PeerSide::kUpstream).status());
   }
   std::optional<ReplicaRouter> router;
   if (!routes.empty()) router.emplace(std::move(routes));
@@ -496,12 +545,13 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
                << ", update every " << schedule.update_every << " backward(s)"
                << (schedule.flush ? ", flush each step" : ", no flush");
   PipelineDriver driver(job_, driver_options, runtime,
-                        mine.stage() > 0 ? link_server_.get() : nullptr, router ? &*router : nullptr,
+                        mine.stage() > 0 ? link_service_->upstream_links() : nullptr,
+                        router ? &*router : nullptr,
                         inbox.get(), &coordinator_, &stats_);
   absl::Status ran = driver.Run();
   if (!ran.ok()) {
-    link_server_->Deactivate();
-    for (auto& downstream : downstreams) downstream->Cancel();
+    link_service_->Deactivate();
+    for (const std::shared_ptr<LinkEnd>& link : links) link->EndOnPurpose();
     // A broken link (not one this worker ended itself) is reported with the
     // neighbour at its other end, so the coordinator can route around it
     // without waiting for a lease: a blackholed link never ends a lease.
@@ -513,16 +563,28 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
       for (const StageWorker& w : neighbours) {
         if (w.id == driver.failed_peer()) peer = w;
       }
+      // Through a relay, the relay is what is reported: the coordinator
+      // re-links the pair through another (see JobController).
+      const v1::PlannedLink* planned =
+          up ? planned_link(peer.id, worker_id_) : planned_link(worker_id_, peer.id);
+      const bool relayed = planned != nullptr && planned->dialer() == v1::LINK_DIALER_RELAY;
       coordinator_.ReportEvent("link_lost",
                                absl::StrCat(up ? "upstream" : "downstream", " link to ",
-                                            peer.address, ": ", ran.message()),
-                               peer.id);
+                                            peer.address,
+                                            relayed ? " via relay " + planned->relay_address() : "",
+                                            ": ", ran.message()),
+                               relayed ? planned->relay_worker() : peer.id);
     }
     return ran;
   }
-  for (auto& downstream : downstreams) {
-    absl::Status closed = downstream->Close();
-    if (!closed.ok()) GT_LOG(Warning) << "closing downstream link: " << closed.message();
+  // Downstream links first (see above), then the upstream ones this worker
+  // opened; a link a peer opened here ends when that peer closes it.
+  for (PeerSide side : {PeerSide::kDownstream, PeerSide::kUpstream}) {
+    for (const std::shared_ptr<LinkEnd>& link : links) {
+      if (link->peer().side != side) continue;
+      absl::Status closed = link->Close(link_options_.close_timeout);
+      if (!closed.ok()) GT_LOG(Warning) << "closing a link: " << closed.message();
+    }
   }
   GT_LOG(Info) << "stage " << mine.stage() << " finished " << job_.steps() << " steps";
   // A last heartbeat so that the status shows the final step and memory.

@@ -14,12 +14,17 @@
 // A stage may have several workers (replicas, middle stages only): the
 // stage before routes microbatches among them (ReplicaRouter), the stage
 // after returns each gradient to the one that sent its activation
-// (UpstreamLinkServer), and they average weights (ReplicaAverager). Only a
+// (UpstreamLinks), and they average weights (ReplicaAverager). Only a
 // stage's primary uploads checkpoints.
 //
+// Links: the plan says which end of each link dials (PlannedLink): this
+// worker dials its downstream neighbours that are reachable, waits for the
+// unreachable ones to dial it, dials upstream neighbours that cannot be
+// dialled, and meets the others at a relay.
+//
 // Threads: Run()'s caller (plan handling, then the driver), a heartbeat
-// thread, a plan-watch thread, gRPC's server threads, one reader per
-// downstream link and the averager's sender.
+// thread, a plan-watch thread, gRPC's server threads, one reader per link
+// this worker opened and the averager's sender.
 #ifndef GEOTRAIN_WORKER_WORKER_H_
 #define GEOTRAIN_WORKER_WORKER_H_
 
@@ -101,8 +106,8 @@ class Worker {
   const WorkerOptions options_;
   std::atomic<bool> stop_{false};
   CoordinatorClient coordinator_;
-  LinkSecurityOptions link_security_;  // set by Run() before anything dials or serves
-  std::unique_ptr<UpstreamLinkServer> link_server_;  // made by StartServer()
+  LinkOptions link_options_;  // set by Run() before anything dials or serves
+  std::unique_ptr<LinkService> link_service_;  // made by StartServer()
   ReplicaAverager averager_;
   std::unique_ptr<grpc::Server> server_;
   std::string advertise_;
@@ -126,7 +131,8 @@ class Worker {
   absl::Mutex mu_;
   std::unique_ptr<grpc::ClientContext> watch_context_ ABSL_GUARDED_BY(mu_);
   std::optional<v1::Plan> latest_plan_ ABSL_GUARDED_BY(mu_);
-  std::vector<DownstreamLinkClient*> downstreams_ ABSL_GUARDED_BY(mu_);  // while training
+  // The links this worker opened or awaited for the current attempt.
+  std::vector<std::shared_ptr<LinkEnd>> open_links_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<Inbox> inbox_ ABSL_GUARDED_BY(mu_);                // while training
   uint64_t training_epoch_ ABSL_GUARDED_BY(mu_) = 0;  // 0: not training
   bool rejoin_needed_ ABSL_GUARDED_BY(mu_) = false;
