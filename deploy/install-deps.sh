@@ -11,6 +11,7 @@ PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev libzstd-dev zlib1g-dev
   libssl-dev                # keys, CSRs and certificates of the cluster CA
+  nftables                  # the network lab (deploy/net-lab): namespaces, veth, tbf, NAT
   clang-14 libclang-rt-14-dev  # libFuzzer (tests/fuzz)
   fortunes                  # text corpus for the byte-level GPT
   dataset-fashion-mnist     # idx files for the MLP

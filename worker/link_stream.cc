@@ -133,6 +133,7 @@ absl::Status LinkEnd::Send(const LinkMessage& message) {
 }
 
 absl::Status LinkEnd::Serve() {
+  serving_ = true;
   const bool from_upstream = peer_.side == PeerSide::kUpstream;
   const LinkValidator* validator = validator_.get();
   FrameAssembler assembler(kMaxMessageBytes, [validator, from_upstream](const v1::LinkHeader& h) {
@@ -218,6 +219,7 @@ absl::Status LinkEnd::Serve() {
 }
 
 void LinkEnd::StartReader() {
+  serving_ = true;
   reader_ = std::thread([this] { (void)Serve(); });
 }
 
@@ -238,10 +240,21 @@ absl::Status LinkEnd::Close(absl::Duration timeout) {
 }
 
 bool LinkEnd::WaitServed(absl::Duration timeout) const {
+  if (!serving_) return true;
   return served_.WaitForNotificationWithTimeout(timeout);
 }
 
 // ---- UpstreamLinks ----
+
+UpstreamLinks::~UpstreamLinks() {
+  std::map<std::string, std::shared_ptr<LinkEnd>> links;
+  {
+    absl::MutexLock lock(&mu_);
+    links.swap(links_);
+  }
+  for (auto& [worker, end] : links) end->EndOnPurpose();
+  for (auto& [worker, end] : links) end->WaitServed(absl::InfiniteDuration());
+}
 
 absl::Status UpstreamLinks::Register(std::shared_ptr<LinkEnd> end) {
   absl::MutexLock lock(&mu_);
@@ -320,6 +333,16 @@ std::string UpstreamLinks::failed_peer() const {
 }
 
 // ---- LinkService ----
+
+LinkService::~LinkService() {
+  Shutdown();
+  std::map<std::string, std::shared_ptr<LinkEnd>> downstream;
+  {
+    absl::MutexLock lock(&mu_);
+    downstream.swap(downstream_);
+  }
+  for (auto& [worker, end] : downstream) end->WaitServed(absl::InfiniteDuration());
+}
 
 void LinkService::SetWorkerId(const std::string& id) {
   absl::MutexLock lock(&mu_);
@@ -679,6 +702,8 @@ absl::StatusOr<std::shared_ptr<LinkEnd>> OpenLink(
                                             opened.identity.empty() ? target.peer.id
                                                                     : opened.identity));
       if (end->peer().id != target.peer.id) {
+        end->EndOnPurpose();
+        service->upstream_links()->Unregister(end.get());
         return absl::PermissionDeniedError(absl::StrCat(
             "the relayed link meant for '", target.peer.id, "' came from '", end->peer().id, "'"));
       }

@@ -139,7 +139,8 @@ class LinkEnd final : public MessageSink {
   void EndOnPurpose();
   // Half-closes and waits up to `timeout` for the peer to end the link.
   absl::Status Close(absl::Duration timeout);
-  // Waits up to `timeout` for Serve() to return.
+  // Waits up to `timeout` for Serve() to return; true at once when it
+  // never started.
   bool WaitServed(absl::Duration timeout) const;
 
   const Peer& peer() const { return peer_; }
@@ -158,6 +159,7 @@ class LinkEnd final : public MessageSink {
   const absl::Duration write_stall_timeout_;
   std::function<void(uint64_t)> on_activation_;
   std::function<void()> on_end_;
+  std::atomic<bool> serving_{false};
   std::atomic<bool> on_purpose_{false};
   std::atomic<bool> closing_{false};
   absl::Notification served_;
@@ -175,6 +177,10 @@ class LinkEnd final : public MessageSink {
 // The links from the stage upstream, by worker. Thread-safe.
 class UpstreamLinks final : public MessageSink {
  public:
+  UpstreamLinks() = default;
+  // Ends every link and waits for their readers (whose last act is
+  // Unregister) before the table goes.
+  ~UpstreamLinks() override;
   // Makes `end` the link to its worker; an older link of the same worker
   // (it reconnected) is ended first. ALREADY_EXISTS when that does not end
   // within 5 s.
@@ -212,6 +218,8 @@ class UpstreamLinks final : public MessageSink {
 class LinkService final : public v1::Stage::Service {
  public:
   explicit LinkService(LinkOptions options) : options_(std::move(options)) {}
+  // Shuts down and waits for the readers of every link it accepted.
+  ~LinkService() override;
 
   void SetWorkerId(const std::string& id);
   // Accepts links for `validator`'s plan epoch, delivering to `inbox`
