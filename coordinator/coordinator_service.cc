@@ -163,7 +163,7 @@ grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext* context,
   if (!worker.ok()) return Refused(worker.status());
   v1::HeartbeatRequest checked = *request;
   checked.set_worker_id(*worker);
-  response->set_known(options_.controller->Heartbeat(checked));
+  response->set_known(options_.controller->Heartbeat(checked, response));
   return grpc::Status::OK;
 }
 

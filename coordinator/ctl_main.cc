@@ -116,6 +116,7 @@ void PrintTable(const geotrain::v1::ClusterStatus& s) {
   }
   std::printf("\n%-4s %-7s %7s %9s  %s\n", "ID", "DEVICE", "THREADS", "MEM_GiB", "BLAS");
   for (const auto& w : s.workers()) {
+    if (w.role() == "relay") continue;  // no device
     std::printf("%-4s %-7s %7d %9.1f  %s\n", w.id().c_str(), w.device().c_str(), w.threads(),
                 w.memory_bytes() / 1073741824.0, w.blas().c_str());
     if (!w.threads_reason().empty()) std::printf("     threads: %s\n", w.threads_reason().c_str());

@@ -30,6 +30,8 @@ constexpr int64_t kStragglerPatienceMs = 5000;
 constexpr int64_t kReplicaCooldownMs = 30000;
 // Dead workers kept (shown in status, persisted); older ones are forgotten.
 constexpr size_t kMaxDeadMembers = 256;
+// Workers asked to dial each joiner back, besides the coordinator.
+constexpr int kPeerProbes = 2;
 // Status shows at most this many workers (live first) and cuts event
 // details, so that it stays far below the 16 MiB message limit.
 constexpr int kMaxStatusWorkers = 2000;
@@ -206,6 +208,7 @@ absl::StatusOr<v1::JoinResponse> JobController::Join(const v1::JoinRequest& requ
                  absl::StrFormat("%s at %s, %s, %.1f GFLOP/s%s", record.id, record.address,
                                  request.device().device(), request.device().matmul_gflops(),
                                  reach));
+  AskPeersToProbeLocked(record);
   MaybeReplanLocked();
   MaybePlanLocked();
   PersistLocked();
@@ -239,9 +242,87 @@ bool JobController::RevokeWorker(const std::string& worker_id) {
   return was_live;
 }
 
-bool JobController::Heartbeat(const v1::HeartbeatRequest& request) {
-  return membership_.Heartbeat(request.worker_id(), request.rss_bytes(), request.step(),
-                               request.stats());
+bool JobController::Heartbeat(const v1::HeartbeatRequest& request,
+                              v1::HeartbeatResponse* response) {
+  if (!membership_.Heartbeat(request.worker_id(), request.rss_bytes(), request.step(),
+                             request.stats())) {
+    return false;
+  }
+  if (request.probe_results_size() == 0 && probe_tasks_empty_.load()) return true;
+  absl::MutexLock lock(&mu_);
+  for (int i = 0; i < std::min(request.probe_results_size(), kPeerProbes * 4); ++i) {
+    RecordProbeResultLocked(request.worker_id(), request.probe_results(i));
+  }
+  if (response != nullptr) {
+    if (auto tasks = probe_tasks_.find(request.worker_id()); tasks != probe_tasks_.end()) {
+      for (v1::ProbeTask& task : tasks->second) *response->add_probes() = std::move(task);
+      probe_tasks_.erase(tasks);
+    }
+  }
+  probe_tasks_empty_ = probe_tasks_.empty();
+  return true;
+}
+
+void JobController::AskPeersToProbeLocked(const WorkerRecord& joiner) {
+  if (!joiner.reachability.known()) return;  // probes are off
+  PeerProbes& probes = peer_probes_[joiner.id];
+  probes = PeerProbes();
+  probes.coordinator = joiner.reachability;
+  // Reachable peers first: a public host's view is the one that matters.
+  std::vector<WorkerRecord> peers = membership_.LiveWorkers();
+  std::stable_partition(peers.begin(), peers.end(), [](const WorkerRecord& w) {
+    return !w.reachability.known() || w.reachability.reachable();
+  });
+  int asked = 0;
+  for (const WorkerRecord& peer : peers) {
+    if (peer.id == joiner.id || asked == kPeerProbes) continue;
+    v1::ProbeTask task;
+    task.set_worker_id(joiner.id);
+    task.set_address(joiner.address);
+    probe_tasks_[peer.id].push_back(task);
+    probes.asked[peer.id] = false;
+    ++asked;
+  }
+  probe_tasks_empty_ = probe_tasks_.empty();
+}
+
+void JobController::RecordProbeResultLocked(const std::string& prober,
+                                            const v1::ProbeResult& result) {
+  auto probes = peer_probes_.find(result.worker_id());
+  if (probes == peer_probes_.end()) return;
+  auto asked = probes->second.asked.find(prober);
+  if (asked == probes->second.asked.end() || asked->second) return;  // not asked, or again
+  asked->second = true;
+  v1::ProbeResult kept = result;
+  kept.set_detail(result.detail().substr(0, 200));
+  probes->second.results[prober] = kept;
+  // The verdict: the coordinator's probe and every peer's, half must succeed.
+  const v1::Reachability& own = probes->second.coordinator;
+  int yes = own.reachable() ? 1 : 0, all = 1;
+  std::string peers;
+  for (const auto& [id, r] : probes->second.results) {
+    yes += r.reachable() ? 1 : 0;
+    ++all;
+    absl::StrAppend(&peers, peers.empty() ? "" : ", ", NameOf(id), r.reachable() ? " dialled it" : " could not (" + r.detail() + ")");
+  }
+  v1::Reachability verdict;
+  verdict.set_known(true);
+  verdict.set_reachable(2 * yes >= all);
+  verdict.set_detail(absl::StrCat(own.detail(), "; peers: ", peers));
+  bool changed = false;
+  for (const WorkerRecord& w : membership_.Snapshot()) {
+    if (w.id == result.worker_id()) changed = w.reachability.reachable() != verdict.reachable();
+  }
+  membership_.SetReachability(result.worker_id(), verdict);
+  if (changed) {
+    AddEventLocked("reachability", NameOf(result.worker_id()),
+                   absl::StrCat(verdict.reachable() ? "reachable" : "not reachable",
+                                " by ", yes, " of ", all, " probes: ", verdict.detail()));
+    if (plan_.has_value() && StageOf(*plan_, result.worker_id()) != nullptr) {
+      RelinkLocked(absl::StrCat("the reachability of ", NameOf(result.worker_id()),
+                                " changed"));
+    }
+  }
 }
 
 void JobController::Leave(const std::string& worker_id) {

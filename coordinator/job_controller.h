@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <deque>
 #include <fstream>
+#include <atomic>
 #include <map>
 #include <memory>
 #include <optional>
@@ -64,7 +65,10 @@ class JobController {
   // Ends a revoked worker's lease now (re-planning around it). True when it was live.
   bool RevokeWorker(const std::string& worker_id);
   // False when the worker is unknown or dead (it must join again).
-  bool Heartbeat(const v1::HeartbeatRequest& request);
+  // `response` (when given) gets the probes this worker is asked to make;
+  // the request's results count only for probes it was asked to make.
+  bool Heartbeat(const v1::HeartbeatRequest& request,
+                 v1::HeartbeatResponse* response = nullptr);
   void Leave(const std::string& worker_id);
 
   // Blocks until a plan with an epoch above `after_epoch` is published or
@@ -184,6 +188,22 @@ class JobController {
   bool waiting_for_workers_ ABSL_GUARDED_BY(mu_) = false;
   // Workers taken out of a plan for a lost link, and when.
   std::map<std::string, int64_t> suspended_at_ms_ ABSL_GUARDED_BY(mu_);
+  // Peer probes: up to kPeerProbes live workers dial each joiner back too.
+  // The verdict is the majority of the coordinator's probe and theirs (half
+  // must succeed, as Petals asks of its peers).
+  void AskPeersToProbeLocked(const WorkerRecord& joiner) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RecordProbeResultLocked(const std::string& prober, const v1::ProbeResult& result)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  struct PeerProbes {
+    v1::Reachability coordinator;              // the coordinator's own probe
+    std::map<std::string, bool> asked;         // prober -> answered
+    std::map<std::string, v1::ProbeResult> results;
+  };
+  std::map<std::string, PeerProbes> peer_probes_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::vector<v1::ProbeTask>> probe_tasks_ ABSL_GUARDED_BY(mu_);
+  // probe_tasks_.empty(), readable without mu_ (most heartbeats have no
+  // probes to hand out and need not take the lock).
+  std::atomic<bool> probe_tasks_empty_{true};
   // Relays reported broken by a worker whose link ran through them, and
   // when: not used again until they heartbeat after that.
   std::map<std::string, int64_t> relay_suspended_at_ms_ ABSL_GUARDED_BY(mu_);

@@ -182,6 +182,13 @@ bool Membership::Heartbeat(const std::string& id, uint64_t rss_bytes, int step,
   return false;
 }
 
+void Membership::SetReachability(const std::string& id, const v1::Reachability& reachability) {
+  absl::MutexLock lock(&mu_);
+  for (WorkerRecord& w : workers_) {
+    if (w.id == id) w.reachability = reachability;
+  }
+}
+
 bool Membership::Leave(const std::string& id, const std::string& reason) {
   absl::MutexLock lock(&mu_);
   for (WorkerRecord& w : workers_) {

@@ -59,6 +59,7 @@ class Membership {
   // Renews the lease. False when the worker is unknown or already dead.
   bool Heartbeat(const std::string& id, uint64_t rss_bytes, int step,
                  const v1::StageStats& stats = v1::StageStats());
+  void SetReachability(const std::string& id, const v1::Reachability& reachability);
   // Ends the lease now. False when unknown or already dead.
   bool Leave(const std::string& id, const std::string& reason);
   // Marks every worker whose lease ran out as dead; returns them.

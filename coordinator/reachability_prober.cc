@@ -3,8 +3,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/rpc_options.h"
+#include "common/stage_probe.h"
 #include "common/tcp_socket.h"
-#include "geotrain/v1/stage.grpc.pb.h"
 
 namespace geotrain {
 namespace {
@@ -51,44 +51,12 @@ v1::Reachability ReachabilityProber::Probe(const std::string& address,
 
 v1::Reachability ReachabilityProber::ProbeWorker(const std::string& address,
                                                  const std::string& member_id) const {
-  // A fresh channel per probe (no connection reuse): this is a dial-back.
-  grpc::ChannelArguments args = DefaultChannelArguments();
-  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  std::shared_ptr<grpc::ChannelCredentials> credentials =
-      options_.security.insecure ? grpc::InsecureChannelCredentials()
-                                 : MakeChannelCredentials(options_.security);
-  if (!options_.security.insecure && !member_id.empty()) {
-    args.SetSslTargetNameOverride(member_id);
-  }
-  auto channel = grpc::CreateCustomChannel(address, credentials, args);
-  auto stub = v1::Stage::NewStub(channel);
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() +
-                       absl::ToChronoMilliseconds(options_.deadline));
-  context.set_wait_for_ready(true);  // wait for the connection up to the deadline
-  v1::ProbeResponse response;
-  const absl::Time start = absl::Now();
-  const grpc::Status status = stub->Probe(&context, v1::ProbeRequest(), &response);
-  const absl::Duration took = absl::Now() - start;
-  if (!status.ok()) {
-    std::string reason = status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED
-                             ? absl::StrCat("no answer within ", absl::FormatDuration(options_.deadline))
-                             : status.error_message();
-    if (absl::StrContains(status.error_message(), "andshake") ||
-        absl::StrContains(status.error_message(), "ertificate")) {
-      reason = absl::StrCat("the TLS handshake failed: what answers there is not ",
-                            member_id.empty() ? "this worker" : member_id, " (",
-                            status.error_message(), ")");
-    }
-    return NotReached(address, reason);
-  }
-  if (!member_id.empty() && !response.worker_id().empty() && response.worker_id() != member_id) {
-    return NotReached(address, absl::StrCat("worker '", response.worker_id().substr(0, 128),
-                                            "' answers there"));
-  }
+  absl::StatusOr<absl::Duration> took =
+      ProbeStage(address, member_id, options_.security, options_.deadline);
+  if (!took.ok()) return NotReached(address, std::string(took.status().message()));
   return Reached(absl::StrCat("coordinator dialled ", address,
                               options_.security.insecure ? " (plaintext)" : " over TLS", " in ",
-                              absl::FormatDuration(absl::Trunc(took, absl::Milliseconds(1)))));
+                              absl::FormatDuration(*took)));
 }
 
 v1::Reachability ReachabilityProber::ProbeRelay(const std::string& address) const {

@@ -158,9 +158,17 @@ absl::StatusOr<bool> CoordinatorClient::Heartbeat(uint64_t rss_bytes,
   request.set_step(step_);
   request.set_epoch(epoch_);
   *request.mutable_stats() = stats;
+  if (prober_ != nullptr) {
+    for (v1::ProbeResult& result : prober_->TakeResults()) {
+      *request.add_probe_results() = std::move(result);
+    }
+  }
   v1::HeartbeatResponse response;
   const grpc::Status status = stub_->Heartbeat(&context, request, &response);
   if (!status.ok()) return FromGrpcStatus(status);
+  if (prober_ != nullptr) {
+    for (const v1::ProbeTask& task : response.probes()) prober_->Enqueue(task);
+  }
   return response.known();
 }
 

@@ -17,6 +17,7 @@
 #include "absl/time/time.h"
 #include "geotrain/v1/coordinator.grpc.pb.h"
 #include "common/transport_security.h"
+#include "worker/peer_prober.h"
 #include "worker/pipeline_driver.h"
 
 namespace geotrain {
@@ -40,7 +41,11 @@ class CoordinatorClient final : public ProgressSink {
   void SetEpoch(uint64_t epoch);
   std::string worker_id() const;
 
+  // Carries the results of `prober` (when set) and hands it the probes the
+  // coordinator asks for.
   absl::StatusOr<bool> Heartbeat(uint64_t rss_bytes, const v1::StageStats& stats);
+  // REQUIRES: before the first Heartbeat; `prober` outlives this client.
+  void UsePeerProber(PeerProber* prober) { prober_ = prober; }
   // Opens the plan stream. `context` must outlive the reader.
   std::unique_ptr<grpc::ClientReader<v1::Plan>> WatchPlan(grpc::ClientContext* context);
   absl::Status ReportDone(int step);
@@ -78,6 +83,7 @@ class CoordinatorClient final : public ProgressSink {
   std::optional<std::vector<v1::LayerCheckpoint>> pending_upload_ ABSL_GUARDED_BY(mu_);
   bool uploader_stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread uploader_;
+  PeerProber* prober_ = nullptr;
   std::atomic<uint64_t> epoch_{0};
   std::atomic<int> step_{0};
 };

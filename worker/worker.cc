@@ -178,7 +178,9 @@ absl::Status Worker::Run() {
     coordinator_.UseSecurity(credentials.coordinator, options_.tls_server_name);
     link_options_.transport = credentials.peers;
     averager_.UseSecurity(credentials.peers);
+    prober_.UseSecurity(credentials.peers);
   }
+  coordinator_.UsePeerProber(&prober_);
   RETURN_IF_ERROR(StartServer());
   RETURN_IF_ERROR(JoinCoordinator());
   heartbeat_thread_ = std::thread([this] { HeartbeatLoop(heartbeat_ms_); });

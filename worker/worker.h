@@ -105,6 +105,7 @@ class Worker {
 
   const WorkerOptions options_;
   std::atomic<bool> stop_{false};
+  PeerProber prober_;  // before coordinator_, which uses it
   CoordinatorClient coordinator_;
   LinkOptions link_options_;  // set by Run() before anything dials or serves
   std::unique_ptr<LinkService> link_service_;  // made by StartServer()

@@ -1,0 +1,58 @@
+#include "worker/peer_prober.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "common/stage_probe.h"
+
+namespace geotrain {
+
+PeerProber::~PeerProber() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+void PeerProber::Enqueue(const v1::ProbeTask& task) {
+  absl::MutexLock lock(&mu_);
+  if (pending_.size() >= kMaxPending) return;
+  pending_.push_back(task);
+  if (!thread_.joinable()) thread_ = std::thread([this] { Loop(); });
+}
+
+std::vector<v1::ProbeResult> PeerProber::TakeResults() {
+  absl::MutexLock lock(&mu_);
+  std::vector<v1::ProbeResult> out;
+  out.swap(results_);
+  return out;
+}
+
+void PeerProber::Loop() {
+  while (true) {
+    v1::ProbeTask task;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stop_ || !pending_.empty();
+      };
+      mu_.Await(absl::Condition(&ready));
+      if (stop_) return;
+      task = pending_.front();
+      pending_.pop_front();
+    }
+    absl::StatusOr<absl::Duration> took =
+        ProbeStage(task.address(), task.worker_id(), security_, deadline_);
+    v1::ProbeResult result;
+    result.set_worker_id(task.worker_id());
+    result.set_reachable(took.ok());
+    result.set_detail(took.ok() ? absl::StrCat("in ", absl::FormatDuration(*took))
+                                : std::string(took.status().message()));
+    GT_LOG(Info) << "probed " << task.worker_id() << " at " << task.address() << ": "
+                 << (took.ok() ? "reachable " : "not reachable: ") << result.detail();
+    absl::MutexLock lock(&mu_);
+    results_.push_back(std::move(result));
+  }
+}
+
+}  // namespace geotrain
