@@ -479,10 +479,18 @@ absl::StatusOr<std::shared_ptr<LinkEnd>> LinkService::Answer(
     });
   }
   LinkMessage ack;
+  bool still_active;
   {
     absl::MutexLock lock(&mu_);
-    if (validator_ == nullptr) return absl::CancelledError("the plan changed");
-    ack.header = MakeHello(validator_->epoch(), validator_->stage());
+    still_active = validator_ != nullptr;
+    if (still_active) ack.header = MakeHello(validator_->epoch(), validator_->stage());
+  }
+  // A registered end that is never served must not stay registered (a
+  // reconnect of the same worker would wait for it in vain).
+  if (!still_active) {
+    end->EndOnPurpose();
+    if (side == PeerSide::kUpstream) upstream_links_.Unregister(raw);
+    return absl::CancelledError("the plan changed while the link was being answered");
   }
   if (absl::Status sent = end->Send(ack); !sent.ok()) {
     end->EndOnPurpose();
