@@ -182,10 +182,11 @@ bool TcpSocket::ReadExactly(void* data, size_t size) {
   return true;
 }
 
-absl::StatusOr<std::string> TcpSocket::ReadLine(size_t max_bytes) {
+absl::StatusOr<std::string> TcpSocket::ReadLine(size_t max_bytes, absl::Time deadline) {
   std::string line;
   char c = 0;
   while (true) {
+    if (absl::Now() > deadline) return absl::DeadlineExceededError("no full line in time");
     const long n = ReadSome(&c, 1);  // byte by byte: nothing past the line is consumed
     if (n == 0) return absl::UnavailableError("connection closed before a full line");
     if (n < 0) return absl::DeadlineExceededError("no full line in time");

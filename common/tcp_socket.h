@@ -46,8 +46,10 @@ class TcpSocket {
   bool ReadExactly(void* data, size_t size);
   // Reads up to `size`; 0 at end of stream, -1 on error or timeout.
   long ReadSome(void* data, size_t size);
-  // Reads one line ending in '\n' of at most `max_bytes` (without the '\n').
-  absl::StatusOr<std::string> ReadLine(size_t max_bytes);
+  // Reads one line ending in '\n' of at most `max_bytes` (without the '\n'),
+  // by `deadline` in all (besides the socket's per-read timeout).
+  absl::StatusOr<std::string> ReadLine(size_t max_bytes,
+                                       absl::Time deadline = absl::InfiniteFuture());
 
   // Both directions (SHUT_RDWR): blocked reads and writes in other threads
   // return at once. Thread-safe; the descriptor stays open until destruction.

@@ -90,6 +90,7 @@ absl::StatusOr<std::unique_ptr<TlsSession>> TlsSession::Establish(
     int rc, error;
     {
       absl::MutexLock lock(&session->mu_);
+      ERR_clear_error();  // SSL_get_error reads this thread's queue
       rc = SSL_do_handshake(session->ssl_);
       error = rc == 1 ? SSL_ERROR_NONE : SSL_get_error(session->ssl_, rc);
     }
@@ -103,6 +104,7 @@ absl::StatusOr<std::unique_ptr<TlsSession>> TlsSession::Establish(
       absl::MutexLock lock(&session->mu_);
       verify = SSL_get_verify_result(session->ssl_);
     }
+    ERR_clear_error();
     if (verify != X509_V_OK) {
       return absl::UnauthenticatedError(absl::StrCat(
           "TLS handshake with ", session->socket_.PeerName(), " failed: its certificate ",
@@ -167,6 +169,7 @@ bool TlsSession::WriteAll(const void* data, size_t size) {
     int rc, error;
     {
       absl::MutexLock lock(&mu_);
+      ERR_clear_error();
       rc = SSL_write(ssl_, p, static_cast<int>(std::min<size_t>(size, 1 << 20)));
       error = rc > 0 ? SSL_ERROR_NONE : SSL_get_error(ssl_, rc);
     }
@@ -195,6 +198,7 @@ bool TlsSession::ReadExactly(void* data, size_t size) {
     int rc, error;
     {
       absl::MutexLock lock(&mu_);
+      ERR_clear_error();
       rc = SSL_read(ssl_, p, static_cast<int>(std::min<size_t>(size, 1 << 20)));
       error = rc > 0 ? SSL_ERROR_NONE : SSL_get_error(ssl_, rc);
     }
@@ -215,12 +219,9 @@ bool TlsSession::ReadExactly(void* data, size_t size) {
 }
 
 void TlsSession::CloseWrites() {
-  {
-    absl::MutexLock lock(&mu_);
-    if (ssl_ != nullptr) SSL_shutdown(ssl_);  // close_notify; non-blocking, best effort
-    ERR_clear_error();
-  }
-  socket_.ShutdownWrites();
+  // Nothing at the TLS level: after close_notify, or a TCP half-close under
+  // TLS, what the peer still sends may be lost. The framing's end marker
+  // (link_transport.cc) is the end of this direction.
 }
 
 void TlsSession::Shutdown() {

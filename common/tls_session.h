@@ -46,7 +46,8 @@ class TlsSession {
   bool WriteAll(const void* data, size_t size);
   bool ReadExactly(void* data, size_t size);
   void set_io_timeout(absl::Duration timeout) { io_timeout_ = timeout; }
-  // Sends close_notify (best effort) and ends our direction.
+  // Nothing to do: the caller's framing marks the end of its direction
+  // (a close_notify could make the peer's last data be dropped).
   void CloseWrites();
   void Shutdown();
   const std::string& peer_identity() const { return peer_identity_; }

@@ -296,7 +296,10 @@ void JobController::RecordProbeResultLocked(const std::string& prober,
   v1::ProbeResult kept = result;
   kept.set_detail(result.detail().substr(0, 200));
   probes->second.results[prober] = kept;
-  // The verdict: the coordinator's probe and every peer's, half must succeed.
+  // One verdict, once every peer asked has answered (a verdict per answer
+  // could flip back and forth, and every flip re-links the plan): the
+  // coordinator's probe and every peer's, half must succeed.
+  if (probes->second.results.size() < probes->second.asked.size()) return;
   const v1::Reachability& own = probes->second.coordinator;
   int yes = own.reachable() ? 1 : 0, all = 1;
   std::string peers;
@@ -478,7 +481,15 @@ void JobController::Tick() {
     AddEventLocked("lost", w.name, absl::StrCat(w.id, ": ", w.end_reason));
   }
   CheckAccusationsLocked();
-  if (plan_.has_value()) {
+  if (plan_.has_value() && !done_ && !plan_->job_done()) {
+    // A link left without a relay (the only one was suspended or gone) is
+    // re-linked as soon as one is usable again (it heartbeated, or joined).
+    const bool stranded = std::any_of(
+        plan_->links().begin(), plan_->links().end(),
+        [](const v1::PlannedLink& l) { return l.dialer() == v1::LINK_DIALER_NONE; });
+    if (stranded && !UsableRelaysLocked().empty()) {
+      RelinkLocked("a relay is usable again");
+    }
     for (const WorkerRecord& w : expired) {
       if (!w.relay()) continue;
       const bool used = std::any_of(
@@ -1046,15 +1057,7 @@ void JobController::AssignLinksLocked(v1::Plan* plan) {
     return it == records.end() || !it->second.reachability.known() ||
            it->second.reachability.reachable();
   };
-  std::vector<WorkerRecord> relays;
-  for (const WorkerRecord& r : membership_.LiveRelays()) {
-    auto suspended = relay_suspended_at_ms_.find(r.id);
-    if (suspended != relay_suspended_at_ms_.end() && r.last_heartbeat_ms <= suspended->second) {
-      continue;
-    }
-    if (r.reachability.known() && !r.reachability.reachable()) continue;
-    relays.push_back(r);
-  }
+  const std::vector<WorkerRecord> relays = UsableRelaysLocked();
   std::map<std::string, int> relay_load;
   absl::BitGen random;
   for (int k = 0; k + 1 < plan->stages_size(); ++k) {
@@ -1100,6 +1103,19 @@ void JobController::AssignLinksLocked(v1::Plan* plan) {
       AddEventLocked("link_needs_relay", "", link.reason());
     }
   }
+}
+
+std::vector<WorkerRecord> JobController::UsableRelaysLocked() const {
+  std::vector<WorkerRecord> relays;
+  for (const WorkerRecord& r : membership_.LiveRelays()) {
+    auto suspended = relay_suspended_at_ms_.find(r.id);
+    if (suspended != relay_suspended_at_ms_.end() && r.last_heartbeat_ms <= suspended->second) {
+      continue;
+    }
+    if (r.reachability.known() && !r.reachability.reachable()) continue;
+    relays.push_back(r);
+  }
+  return relays;
 }
 
 void JobController::RelinkLocked(const std::string& why) {

@@ -167,6 +167,9 @@ class JobController {
   // loaded that is not suspended), else none can and the link's reason
   // says what to do.
   void AssignLinksLocked(v1::Plan* plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Live relays that are reachable and not suspended (a suspended one is
+  // usable again once it heartbeats after its suspension).
+  std::vector<WorkerRecord> UsableRelaysLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The same stages with links assigned anew (a relay came or went).
   void RelinkLocked(const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void AddEventLocked(const std::string& kind, const std::string& worker,

@@ -82,6 +82,9 @@ int main(int argc, char** argv) {
   options.splice.max_pairs = absl::GetFlag(FLAGS_max_links);
   geotrain::SetLogPrefix(options.name.empty() ? "relay" : options.name);
 
+  // A peer that resets a TLS link through a relay must fail the write, not
+  // kill the process (OpenSSL writes to its socket with plain write()).
+  signal(SIGPIPE, SIG_IGN);
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGINT);

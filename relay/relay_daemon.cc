@@ -19,8 +19,8 @@ RelayDaemon::~RelayDaemon() { Stop(); }
 
 void RelayDaemon::Stop() {
   stop_ = true;
-  if (relay_ != nullptr) relay_->Shutdown();
   absl::MutexLock lock(&mu_);
+  if (relay_ != nullptr) relay_->Shutdown();
   if (watch_context_) watch_context_->TryCancel();
 }
 
@@ -31,12 +31,16 @@ absl::Status RelayDaemon::Join() {
   join.set_role(v1::MEMBER_ROLE_RELAY);
   ASSIGN_OR_RETURN(v1::JoinResponse joined,
                    coordinator_.JoinWithRetry(join, stop_, options_.join_timeout));
-  if (!id_.empty() && !options_.insecure && joined.worker_id() != id_) {
+  const std::string known = id();
+  if (!known.empty() && !options_.insecure && joined.worker_id() != known) {
     return absl::InternalError(absl::StrCat("joined as ", joined.worker_id(),
-                                            " with the certificate of ", id_));
+                                            " with the certificate of ", known));
   }
-  id_ = joined.worker_id();
-  relay_->SetIdentity(id_);
+  {
+    absl::MutexLock lock(&mu_);
+    id_ = joined.worker_id();
+    relay_->SetIdentity(id_);
+  }
   const v1::Reachability& reach = joined.reachability();
   if (reach.known() && !reach.reachable()) {
     // A relay nobody can dial is no use: say so loudly, but stay (the
@@ -45,7 +49,7 @@ absl::Status RelayDaemon::Join() {
   } else if (reach.known()) {
     GT_LOG(Info) << "reachable: " << reach.detail();
   }
-  GT_LOG(Info) << "joined " << coordinator_.address() << " as relay " << id_;
+  GT_LOG(Info) << "joined " << coordinator_.address() << " as relay " << id();
   return absl::OkStatus();
 }
 
@@ -71,7 +75,13 @@ void RelayDaemon::HeartbeatLoop(int interval_ms) {
 absl::Status RelayDaemon::Run() {
   SpliceRelayOptions splice = options_.splice;
   splice.listen = options_.listen;
-  ASSIGN_OR_RETURN(relay_, SpliceRelay::Start(splice));
+  ASSIGN_OR_RETURN(std::unique_ptr<SpliceRelay> relay, SpliceRelay::Start(splice));
+  SpliceRelay* const splicer = relay.get();  // lives until this object goes
+  {
+    absl::MutexLock lock(&mu_);
+    relay_ = std::move(relay);
+  }
+  if (stop_) splicer->Shutdown();
   if (options_.insecure) {
     GT_LOG(Warning) << "--insecure: links through this relay are plaintext";
   } else {
@@ -83,12 +93,15 @@ absl::Status RelayDaemon::Run() {
     credential_options.coordinator_server_name = options_.tls_server_name;
     ASSIGN_OR_RETURN(WorkerCredentials credentials,
                      ObtainWorkerCredentials(credential_options, stop_, options_.join_timeout));
-    id_ = credentials.worker_id;
+    {
+      absl::MutexLock lock(&mu_);
+      id_ = credentials.worker_id;
+    }
     coordinator_.UseSecurity(credentials.coordinator, options_.tls_server_name);
   }
   // HOST or HOST:PORT; the port defaults to the one listened on.
   std::string host = options_.listen.substr(0, options_.listen.rfind(':'));
-  std::string port = std::to_string(relay_->port());
+  std::string port = std::to_string(splicer->port());
   if (!options_.advertise.empty()) {
     const size_t colon = options_.advertise.rfind(':');
     const bool has_port = colon != std::string::npos && options_.advertise.back() != ']';
@@ -100,7 +113,7 @@ absl::Status RelayDaemon::Run() {
     host = hostname;
   }
   advertise_ = absl::StrCat(host, ":", port);
-  GT_LOG(Info) << "relay listening on port " << relay_->port() << ", advertised as " << advertise_;
+  GT_LOG(Info) << "relay listening on port " << splicer->port() << ", advertised as " << advertise_;
   RETURN_IF_ERROR(Join());
   std::thread heartbeat([this] { HeartbeatLoop(1000); });
   absl::Status result = absl::CancelledError("stopped");
@@ -121,14 +134,15 @@ absl::Status RelayDaemon::Run() {
       last_epoch = plan.epoch();
       done = plan.job_done();
       std::set<std::string> mine;
+      const std::string self = id();
       for (const v1::PlannedLink& link : plan.links()) {
-        if (link.dialer() == v1::LINK_DIALER_RELAY && link.relay_worker() == id_) {
+        if (link.dialer() == v1::LINK_DIALER_RELAY && link.relay_worker() == self) {
           mine.insert(link.rendezvous());
         }
       }
       GT_LOG(Info) << "plan epoch " << plan.epoch() << ": " << mine.size()
                    << " link(s) through this relay";
-      relay_->SetLinks(std::move(mine));
+      splicer->SetLinks(std::move(mine));
     }
     const grpc::Status status = reader->Finish();
     if (done) {
@@ -140,12 +154,12 @@ absl::Status RelayDaemon::Run() {
       absl::SleepFor(absl::Seconds(1));
     }
   }
-  const SpliceRelayStats stats = relay_->stats();
+  const SpliceRelayStats stats = splicer->stats();
   GT_LOG(Info) << "relay done: " << stats.pairs_total << " link(s) spliced, "
                << stats.bytes_spliced << " bytes, " << stats.refused << " refused";
   if (result.ok()) coordinator_.Leave();
   stop_ = true;
-  relay_->Shutdown();
+  splicer->Shutdown();
   heartbeat.join();
   return result;
 }

@@ -49,10 +49,14 @@ class RelayDaemon {
   RelayDaemonOptions options_;
   std::atomic<bool> stop_{false};
   CoordinatorClient coordinator_;
-  std::unique_ptr<SpliceRelay> relay_;
-  std::string advertise_;
-  std::string id_;
   absl::Mutex mu_;
+  std::unique_ptr<SpliceRelay> relay_ ABSL_GUARDED_BY(mu_);  // set once by Run()
+  std::string advertise_;
+  std::string id_ ABSL_GUARDED_BY(mu_);
+  std::string id() {
+    absl::MutexLock lock(&mu_);
+    return id_;
+  }
   std::unique_ptr<grpc::ClientContext> watch_context_ ABSL_GUARDED_BY(mu_);
   bool rejoin_needed_ = false;
 };

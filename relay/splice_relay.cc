@@ -102,7 +102,8 @@ void SpliceRelay::Handle(TcpSocket socket) {
   socket.SetKeepalive(options_.keepalive_idle, options_.keepalive_interval);
   socket.SetTimeouts(options_.greeting_timeout, options_.greeting_timeout);
   const std::string peer = socket.PeerName();
-  absl::StatusOr<std::string> line = socket.ReadLine(256);
+  absl::StatusOr<std::string> line =
+      socket.ReadLine(256, absl::Now() + options_.greeting_timeout);
   std::vector<std::string> words =
       line.ok() ? absl::StrSplit(*line, ' ', absl::SkipEmpty()) : std::vector<std::string>();
   if (words.size() == 2 && words[0] == kGreeting && words[1] == "probe") {
@@ -199,16 +200,17 @@ void SpliceRelay::Handle(TcpSocket socket) {
   partner.SetTimeouts(absl::InfiniteDuration(), absl::InfiniteDuration());
   Answer(socket, "OK");
   Answer(partner, "OK");
-  const int fds[2] = {socket.fd(), partner.fd()};
-  Splice(std::move(socket), std::move(partner));
+  Splice(socket, partner);
+  // Forgotten before they close, so that Shutdown() never touches a
+  // descriptor number the kernel has given to a new connection.
   absl::MutexLock lock(&mu_);
-  open_.erase(fds[0]);
-  open_.erase(fds[1]);
+  open_.erase(socket.fd());
+  open_.erase(partner.fd());
   --stats_.pairs_open;
   --handlers_;
 }
 
-void SpliceRelay::Splice(TcpSocket a, TcpSocket b) {
+void SpliceRelay::Splice(TcpSocket& a, TcpSocket& b) {
   // One direction: copies until end of stream (then half-closes the
   // other leg) or an error (then ends both).
   auto pump = [this](TcpSocket& from, TcpSocket& to) {

@@ -82,7 +82,7 @@ class SpliceRelay {
   explicit SpliceRelay(SpliceRelayOptions options) : options_(std::move(options)) {}
   void AcceptLoop();
   void Handle(TcpSocket socket);
-  void Splice(TcpSocket a, TcpSocket b);
+  void Splice(TcpSocket& a, TcpSocket& b);
 
   const SpliceRelayOptions options_;
   std::unique_ptr<TcpListener> listener_;

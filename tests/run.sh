@@ -32,7 +32,8 @@ if [ -n "$NVCC" ]; then
 else
   echo "no CUDA toolkit: the CUDA codec kernels are not built"
 fi
-cmake -S . -B "$WHEEL_BUILD_DIR" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+# The benchmarks are built (and run) in the first tree only.
+cmake -S . -B "$WHEEL_BUILD_DIR" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DGEOTRAIN_BUILD_BENCH=OFF \
   -DCMAKE_PREFIX_PATH="$PREFIX" "${CUDA_FLAGS[@]}"
 cmake --build "$WHEEL_BUILD_DIR" -j2
 (cd "$WHEEL_BUILD_DIR" && ctest --output-on-failure -j2 -L unit)

@@ -100,7 +100,6 @@ LinkEnd::LinkEnd(std::unique_ptr<LinkTransport> transport, Peer peer, bool diall
 
 LinkEnd::~LinkEnd() {
   if (!served_.HasBeenNotified()) EndOnPurpose();
-  if (reader_.joinable()) reader_.join();
 }
 
 void LinkEnd::SetHooks(std::function<void(uint64_t)> on_activation,
@@ -213,20 +212,24 @@ absl::Status LinkEnd::Serve() {
     message.peer = peer_.id;
     inbox_->TryPush(std::move(message));
   }
-  if (on_end_) on_end_();
+  const std::function<void()> on_end = on_end_;
+  if (on_end) on_end();
   served_.Notify();
   return ended;
 }
 
 void LinkEnd::StartReader() {
   serving_ = true;
-  reader_ = std::thread([this] { (void)Serve(); });
+  std::thread([self = shared_from_this()] { (void)self->Serve(); }).detach();
 }
 
 absl::Status LinkEnd::Close(absl::Duration timeout) {
   closing_ = true;
   {
     absl::MutexLock lock(&write_mu_);
+    LinkTransport* transport = transport_.get();
+    StallWatchdog::Guard guard = StallWatchdog::Shared().Watch(
+        write_stall_timeout_, [transport] { transport->Cancel(); });
     if (!retired_) transport_->CloseWrites();
   }
   if (!served_.WaitForNotificationWithTimeout(timeout)) {
@@ -279,8 +282,10 @@ absl::Status UpstreamLinks::Register(std::shared_ptr<LinkEnd> end) {
 }
 
 void UpstreamLinks::Unregister(const LinkEnd* end) {
+  std::shared_ptr<LinkEnd> released;  // dropped after the lock
   absl::MutexLock lock(&mu_);
   if (auto it = links_.find(end->peer().id); it != links_.end() && it->second.get() == end) {
+    released = std::move(it->second);
     links_.erase(it);
   }
 }
@@ -427,7 +432,9 @@ absl::StatusOr<std::shared_ptr<LinkEnd>> LinkService::Answer(
     return read;
   }
   std::shared_ptr<LinkEnd> end;
+  std::shared_ptr<const LinkValidator> validator;
   PeerSide side;
+  LinkMessage ack;
   {
     absl::MutexLock lock(&mu_);
     if (shutdown_) return Refusal(absl::StatusCode::kUnavailable, peer_name, "shutting down");
@@ -457,18 +464,26 @@ absl::StatusOr<std::shared_ptr<LinkEnd>> LinkService::Answer(
       // plan epoch this worker has not started yet.
       return Refusal(valid.code(), peer_name, valid.message());
     }
+    validator = validator_;
     LinkEnd::Peer peer{h.from_worker(), peer_name, side};
     end = std::make_shared<LinkEnd>(std::move(transport), std::move(peer), /*dialled=*/false,
                                     validator_, inbox_, options_.write_stall_timeout);
+    ack.header = MakeHello(validator_->epoch(), validator_->stage());
+  }
+  // The answer goes first: nothing may be sent on the link before it.
+  if (absl::Status sent = end->Send(ack); !sent.ok()) {
+    end->EndOnPurpose();
+    return absl::CancelledError("link ended before its HELLO was answered");
   }
   LinkEnd* raw = end.get();
   if (side == PeerSide::kUpstream) {
-    if (absl::Status registered = upstream_links_.Register(end); !registered.ok()) {
-      return Refusal(registered.code(), peer_name, registered.message());
-    }
     end->SetHooks(
         [this, worker = end->peer().id](uint64_t mb) { upstream_links_.NoteOrigin(mb, worker); },
         [this, raw] { upstream_links_.Unregister(raw); });
+    if (absl::Status registered = upstream_links_.Register(end); !registered.ok()) {
+      end->EndOnPurpose();
+      return Refusal(registered.code(), peer_name, registered.message());
+    }
   } else {
     end->SetHooks(nullptr, [this, raw] {
       absl::MutexLock lock(&mu_);
@@ -478,31 +493,22 @@ absl::StatusOr<std::shared_ptr<LinkEnd>> LinkService::Answer(
       }
     });
   }
-  LinkMessage ack;
-  bool still_active;
+  bool stale;
   {
+    // Only for the plan it was checked against: a re-plan meanwhile ends it.
     absl::MutexLock lock(&mu_);
-    still_active = validator_ != nullptr;
-    if (still_active) ack.header = MakeHello(validator_->epoch(), validator_->stage());
+    stale = validator_ != validator;
+    if (!stale && side == PeerSide::kDownstream) {
+      if (auto old = downstream_.find(end->peer().id); old != downstream_.end()) {
+        old->second->EndOnPurpose();
+      }
+      downstream_[end->peer().id] = end;
+    }
   }
-  // A registered end that is never served must not stay registered (a
-  // reconnect of the same worker would wait for it in vain).
-  if (!still_active) {
+  if (stale) {
     end->EndOnPurpose();
     if (side == PeerSide::kUpstream) upstream_links_.Unregister(raw);
     return absl::CancelledError("the plan changed while the link was being answered");
-  }
-  if (absl::Status sent = end->Send(ack); !sent.ok()) {
-    end->EndOnPurpose();
-    if (side == PeerSide::kUpstream) upstream_links_.Unregister(raw);
-    return absl::CancelledError("link ended before its HELLO was answered");
-  }
-  if (side == PeerSide::kDownstream) {
-    absl::MutexLock lock(&mu_);
-    if (auto old = downstream_.find(end->peer().id); old != downstream_.end()) {
-      old->second->EndOnPurpose();
-    }
-    downstream_[end->peer().id] = end;
   }
   GT_LOG(Info) << "accepted " << PeerSideName(side) << " link from " << peer_name << " ('"
                << end->peer().id << "')";
@@ -574,6 +580,7 @@ absl::Status ExchangeHello(LinkTransport* transport, const LinkMessage& hello,
     stalled = guard.stalled();
   }
   if (!read || stalled || !ack.has_header() || ack.header().kind() != v1::MESSAGE_KIND_HELLO) {
+    if (read) transport->Cancel();  // the stream is still open: Finish would wait for it
     absl::Status end = transport->Finish();
     return end.ok() ? absl::UnavailableError("the peer ended the link without answering its HELLO")
                     : end;
@@ -643,32 +650,53 @@ absl::StatusOr<Opened> DialRelay(const DialTarget& target, const LinkOptions& op
   const v1::PlannedLink& planned = *target.planned;
   const std::string& relay = planned.relay_address();
   const bool upstream_end = target.peer.side == PeerSide::kDownstream;
-  const absl::Time deadline = absl::Now() + options.unreachable_timeout;
-  absl::StatusOr<TcpSocket> socket = absl::UnavailableError("not tried");
-  while (true) {
-    socket = TcpSocket::Connect(relay, absl::Seconds(5));
-    if (socket.ok()) break;
-    if (absl::Now() > deadline || (stop != nullptr && *stop)) {
-      return absl::UnavailableError(absl::StrCat(
-          "cannot reach the relay '", planned.relay_worker(), "' at ", relay, " for the ",
-          PeerSideName(target.peer.side), " link to '", target.peer.id, "': ",
-          socket.status().message()));
-    }
-    absl::SleepFor(absl::Milliseconds(500));
-  }
-  socket->SetKeepalive(absl::Milliseconds(kKeepaliveTimeMs), absl::Seconds(2));
-  socket->SetTimeouts(options.connect_timeout, options.write_stall_timeout);
+  const std::string what = absl::StrCat("the relay '", planned.relay_worker(), "' at ", relay,
+                                        " for the ", PeerSideName(target.peer.side),
+                                        " link to '", target.peer.id, "'");
   const std::string greeting = absl::StrCat(kRelayGreeting, " ", planned.rendezvous(), " ",
                                             upstream_end ? "up" : "down", "\n");
-  if (!socket->WriteAll(greeting.data(), greeting.size())) {
-    return absl::UnavailableError(absl::StrCat("the relay at ", relay, " closed the connection"));
-  }
-  absl::StatusOr<std::string> answer = socket->ReadLine(512);
-  if (!answer.ok() || *answer != "OK") {
-    return absl::UnavailableError(absl::StrCat(
-        "the relay '", planned.relay_worker(), "' at ", relay, " did not pair the ",
-        PeerSideName(target.peer.side), " link to '", target.peer.id, "': ",
-        answer.ok() ? *answer : std::string(answer.status().message())));
+  // The other end may come late (it restores a checkpoint, or waits for its
+  // own downstream links first): a relay that gives up on the pair is asked
+  // again until connect_timeout.
+  const absl::Time deadline = absl::Now() + options.connect_timeout;
+  absl::Time unreachable_until = absl::Now() + options.unreachable_timeout;
+  absl::StatusOr<TcpSocket> socket = absl::UnavailableError("not tried");
+  std::string last_answer;
+  while (true) {
+    if (stop != nullptr && *stop) return absl::CancelledError("stopped while connecting");
+    if (absl::Now() > deadline) {
+      return absl::UnavailableError(
+          absl::StrCat(what, " did not pair the link within ",
+                       absl::FormatDuration(options.connect_timeout), ": ", last_answer));
+    }
+    socket = TcpSocket::Connect(relay, absl::Seconds(5));
+    if (!socket.ok()) {
+      if (absl::Now() > unreachable_until) {
+        return absl::UnavailableError(
+            absl::StrCat("cannot reach ", what, ": ", socket.status().message()));
+      }
+      absl::SleepFor(absl::Milliseconds(500));
+      continue;
+    }
+    unreachable_until = absl::Now() + options.unreachable_timeout;
+    socket->SetKeepalive(absl::Milliseconds(kKeepaliveTimeMs), absl::Seconds(2));
+    socket->SetTimeouts(absl::Seconds(1), options.write_stall_timeout);
+    if (!socket->WriteAll(greeting.data(), greeting.size())) {
+      last_answer = "it closed the connection";
+      absl::SleepFor(absl::Milliseconds(500));
+      continue;
+    }
+    // The relay answers once the other end is there; wait in 1 s slices so
+    // that a re-plan (`stop`) is noticed.
+    absl::StatusOr<std::string> answer = absl::DeadlineExceededError("");
+    while (true) {
+      answer = socket->ReadLine(512);
+      if (answer.ok() || answer.status().code() != absl::StatusCode::kDeadlineExceeded) break;
+      if ((stop != nullptr && *stop) || absl::Now() > deadline) break;
+    }
+    if (answer.ok() && *answer == "OK") break;
+    last_answer = answer.ok() ? *answer : std::string(answer.status().message());
+    absl::SleepFor(absl::Milliseconds(500));
   }
   socket->SetTimeouts(absl::InfiniteDuration(), absl::InfiniteDuration());
   const std::string description =

@@ -107,7 +107,7 @@ enum class PeerSide { kUpstream, kDownstream };
 const char* PeerSideName(PeerSide side);  // "upstream", "downstream"
 
 // One end of an open link (after the HELLOs). Thread-safe.
-class LinkEnd final : public MessageSink {
+class LinkEnd final : public MessageSink, public std::enable_shared_from_this<LinkEnd> {
  public:
   struct Peer {
     std::string id;       // worker id at the far end
@@ -117,7 +117,8 @@ class LinkEnd final : public MessageSink {
   LinkEnd(std::unique_ptr<LinkTransport> transport, Peer peer, bool dialled,
           std::shared_ptr<const LinkValidator> validator, std::shared_ptr<Inbox> inbox,
           absl::Duration write_stall_timeout);
-  // Cancels the link if it is still open and joins its reader.
+  // Cancels the link if it is still open. A reader thread (StartReader)
+  // holds its own reference, so the end outlives it.
   ~LinkEnd() override;
 
   absl::Status Send(const LinkMessage& message) override;
@@ -132,7 +133,8 @@ class LinkEnd final : public MessageSink {
   // touches the transport again. Returns why it ended (INVALID_ARGUMENT: a
   // message was refused).
   absl::Status Serve();
-  // Serve() on a thread of its own.
+  // Serve() on a thread of its own, which keeps the end alive until Serve()
+  // returns. REQUIRES: the end is owned by a shared_ptr.
   void StartReader();
   // Ends the link on purpose (a re-plan, a replacement, shutdown): no error
   // is pushed. Blocked sends fail.
@@ -163,7 +165,6 @@ class LinkEnd final : public MessageSink {
   std::atomic<bool> on_purpose_{false};
   std::atomic<bool> closing_{false};
   absl::Notification served_;
-  std::thread reader_;
   // write_mu_ serialises writes (a blocked write holds it; the stall
   // watchdog or a Cancel unblocks it). cancel_mu_ guards cancelling against
   // retirement. Order: write_mu_ before cancel_mu_.

@@ -112,6 +112,8 @@ class FramedTransport final : public LinkTransport {
     cancelled_ = true;
     channel_->Shutdown();
   }
+  // The zero-length frame is the end of this direction; the peer ends the
+  // connection once it has sent its own.
   void CloseWrites() override {
     const unsigned char end[4] = {0, 0, 0, 0};
     WriteAll(end, 4);
@@ -138,7 +140,7 @@ class PlainChannel {
   bool ReadExactly(void* data, size_t size) { return socket_.ReadExactly(data, size); }
   bool WriteAll(const void* data, size_t size) { return socket_.WriteAll(data, size); }
   void Shutdown() { socket_.Shutdown(); }
-  void CloseWrites() { socket_.ShutdownWrites(); }
+  void CloseWrites() {}  // the framing's end marker ends this direction
 
  private:
   TcpSocket socket_;

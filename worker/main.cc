@@ -93,6 +93,9 @@ int main(int argc, char** argv) {
 
   // Signals are taken by one thread that asks the worker to stop; every other
   // thread (gRPC's included) has them blocked.
+  // A peer that resets a TLS link through a relay must fail the write, not
+  // kill the process (OpenSSL writes to its socket with plain write()).
+  signal(SIGPIPE, SIG_IGN);
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGINT);

@@ -456,10 +456,13 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
 
   // The links are unregistered (under mu_) before they are destroyed.
   std::vector<std::shared_ptr<LinkEnd>> links;
+  // Whatever the exit path, every link of this attempt ends with it (a
+  // reader thread keeps its end alive until the link ends).
   struct UnregisterLinks {
     Worker* worker;
     ~UnregisterLinks() {
       absl::MutexLock lock(&worker->mu_);
+      for (const std::shared_ptr<LinkEnd>& link : worker->open_links_) link->EndOnPurpose();
       worker->open_links_.clear();
     }
   } unregister_links{this};

@@ -12,6 +12,8 @@
 //
 // The receiver prints one JSON line: goodput from the first message's
 // arrival to the last's (so the link's start-up is not counted).
+#include <signal.h>
+
 #include <cmath>
 #include <cstdio>
 #include <string>
@@ -208,6 +210,7 @@ int Send(const LinkOptions& options) {
 }  // namespace geotrain
 
 int main(int argc, char** argv) {
+  signal(SIGPIPE, SIG_IGN);
   absl::ParseCommandLine(argc, argv);
   const std::string role = absl::GetFlag(FLAGS_role);
   const std::string dir = absl::GetFlag(FLAGS_dir);

@@ -342,6 +342,19 @@ TEST_F(LinkAssignmentTest, ALostRelayedLinkMovesToAnotherRelay) {
   EXPECT_EQ(Plan().epoch(), 2u);
 }
 
+TEST_F(LinkAssignmentTest, WithItsOnlyRelaySuspendedALinkWaitsForItsNextHeartbeat) {
+  const std::string r = JoinAs("r", true, v1::MEMBER_ROLE_RELAY);
+  const std::string a = JoinAs("a", false), b = JoinAs("b", false);
+  ASSERT_TRUE(ReportLinkLost(a, r, Plan().epoch()).ok());
+  EXPECT_EQ(LinkOf(Plan(), a, b).dialer(), v1::LINK_DIALER_NONE);
+  const uint64_t stranded = Plan().epoch();
+  clock_.AdvanceMs(100);
+  Heartbeat(r, 0);  // the relay is alive after all
+  controller_->Tick();
+  EXPECT_GT(Plan().epoch(), stranded);
+  EXPECT_EQ(LinkOf(Plan(), a, b).relay_worker(), r);
+}
+
 TEST_F(LinkAssignmentTest, ARelayThatDiesIsReplacedByAnotherOnItsLeaseEnd) {
   const std::string r1 = JoinAs("r1", true, v1::MEMBER_ROLE_RELAY);
   const std::string r2 = JoinAs("r2", true, v1::MEMBER_ROLE_RELAY);
@@ -402,9 +415,9 @@ TEST_F(LinkAssignmentTest, PeersDialAJoinerBackAndHalfOfAllProbesMustSucceed) {
     }
     return false;
   };
-  EXPECT_TRUE(reachable_b());  // 1 of 2 (the coordinator's): half
+  EXPECT_TRUE(reachable_b());  // no verdict before every peer asked has answered
   heartbeat(asked[1], {result(b, false)});
-  EXPECT_FALSE(reachable_b());  // 1 of 3
+  EXPECT_FALSE(reachable_b());  // 1 of 3 probes
   EXPECT_TRUE(HasEvent("reachability"));
   // b holds a stage: its links are assigned anew.
   const v1::Plan relinked = Plan();

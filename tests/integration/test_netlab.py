@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "deploy",
 from cluster import Cluster, Process, binary, job_path, wait_for, free_port  # noqa: E402
 import netlab  # noqa: E402
 
-STEPS = 80
+STEPS = 40
 COORD_PORT = 7070
 
 
@@ -37,7 +37,7 @@ def lab_job(directory):
     """The demo job, shortened: same model, data, optimizer and schedule."""
     with open(job_path("gpt-tiny.textproto")) as f:
         text = f.read()
-    text = text.replace("steps: 300", f"steps: {STEPS}").replace("eval_every: 50", "eval_every: 40")
+    text = text.replace("steps: 300", f"steps: {STEPS}").replace("eval_every: 50", "eval_every: 20")
     path = os.path.join(directory, "gpt-lab.textproto")
     with open(path, "w") as f:
         f.write(text)
@@ -199,7 +199,7 @@ class NetLabTest(unittest.TestCase):
             self.assertIn("--advertise=HOST:PORT", warning[0])
 
             # Training goes through the relay; then the relay dies.
-            wait_for(lambda: cluster.status()["step"] >= 20, 240, "step 20 across the lab",
+            wait_for(lambda: cluster.status()["step"] >= 12, 240, "step 12 across the lab",
                      interval=0.5)
             epoch = cluster.status()["epoch"]
             relays[used].popen.send_signal(signal.SIGKILL)
