@@ -9,13 +9,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Where the time goes, for the CI budget (45 min): one line per phase.
+phase() { echo "== tests/run.sh: $1 at $((SECONDS / 60))m$((SECONDS % 60))s"; }
+
+phase "installing dependencies"
 ./deploy/install-deps.sh
 BUILD_DIR="${GEOTRAIN_BUILD_DIR:-build}"
+phase "building $BUILD_DIR"
 cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=RelWithDebInfo
 cmake --build "$BUILD_DIR" -j2
+phase "testing $BUILD_DIR"
 (cd "$BUILD_DIR" && ctest --output-on-failure -j2 "$@")
 
 # libFuzzer targets with clang, 30 s each (two at a time); a crash fails.
+phase "fuzzing"
 ./tests/fuzz/run.sh
 
 if [ "${GEOTRAIN_SKIP_WHEEL:-0}" = 1 ]; then
@@ -23,6 +30,7 @@ if [ "${GEOTRAIN_SKIP_WHEEL:-0}" = 1 ]; then
   exit 0
 fi
 WHEEL_BUILD_DIR="${BUILD_DIR}-wheel"
+phase "building $WHEEL_BUILD_DIR against the torch wheel"
 PREFIX=$(./deploy/install-libtorch.sh "$WHEEL_BUILD_DIR")
 CUDA_FLAGS=()
 NVCC=$(command -v nvcc || true)
@@ -36,5 +44,7 @@ fi
 cmake -S . -B "$WHEEL_BUILD_DIR" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DGEOTRAIN_BUILD_BENCH=OFF \
   -DCMAKE_PREFIX_PATH="$PREFIX" "${CUDA_FLAGS[@]}"
 cmake --build "$WHEEL_BUILD_DIR" -j2
+phase "testing $WHEEL_BUILD_DIR"
 (cd "$WHEEL_BUILD_DIR" && ctest --output-on-failure -j2 -L unit)
 GEOTRAIN_GPU_BUILD_DIR="$WHEEL_BUILD_DIR" ./tests/gpu/run.sh --device=cpu
+phase "done"

@@ -62,18 +62,8 @@ class CodecWireTest(unittest.TestCase):
         for codec in ("fp16", "int8", "int4"):  # it still trains
             self.assertLess(results[codec][2], 5.0)
 
-
-    def test_int8_converges_like_none(self):
-        """The demo GPT with int8 both ways ends within 2% of none's
-        validation loss after the same samples."""
-        val = {}
-        for codec in ("none", "int8"):
-            with Cluster(job_path("gpt-tiny.textproto"),
-                         [f"--activation_codec={codec}", f"--gradient_codec={codec}"]) as c:
-                val[codec] = c.train(3).evals()[-1]["val_loss"]
-        print(f"gpt-tiny val_loss: none {val['none']:.4f}, int8 {val['int8']:.4f} "
-              f"({val['int8'] / val['none'] - 1:+.2%})")
-        self.assertLessEqual(abs(val["int8"] / val["none"] - 1), 0.02)
+    # That int8 trains like none over a whole run is checked in
+    # test_convergence.py, beside the sync run it compares with.
 
 
 class AdaptiveCodecTest(unittest.TestCase):
