@@ -1,0 +1,772 @@
+#include "coordinator/network_planner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <deque>
+#include <functional>
+#include <limits>
+#include <map>
+#include <numeric>
+#include <random>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "coordinator/planner.h"
+
+namespace geotrain {
+
+LinkEstimate PlannerInput::Link(int from, int to) const {
+  const size_t n = workers.size();
+  if (links.size() == n * n) {
+    const LinkEstimate& link = links[static_cast<size_t>(from) * n + to];
+    if (link.rate_bps > 0) return link;
+  }
+  return default_link;
+}
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+// A plan must beat the incumbent by this fraction to replace it, so equal
+// plans keep the first one found (deterministic) and bounds prune ties.
+constexpr double kStrictlyBetter = 1e-9;
+
+std::string NameOf(const PlannerWorkerInfo& w) { return w.name.empty() ? w.id : w.name; }
+
+// Tables derived once from a PlannerInput; every cost the searches need is a
+// lookup or a subtraction. Indices: workers w in [0, n), cuts j in [0, L]
+// (cut j lies before layer j; 0 and L are the pipeline's ends).
+class CostModel {
+ public:
+  explicit CostModel(const PlannerInput& input) : in_(input) {
+    n_ = static_cast<int>(input.workers.size());
+    layers_ = static_cast<int>(input.layers.size());
+    codecs_ = input.codecs;
+    if (codecs_.empty()) codecs_.push_back({0, "none", 1.0, 0.0});
+    const double batch = std::max(1, input.microbatch_size);
+    prefix_.assign(n_, std::vector<double>(layers_ + 1, 0));
+    for (int w = 0; w < n_; ++w) {
+      const PlannerWorkerInfo& worker = input.workers[w];
+      const double flops_per_s = std::max(worker.gflops, 1e-6) * 1e9;
+      for (int l = 0; l < layers_; ++l) {
+        const PlannerLayer& layer = input.layers[l];
+        auto measured = worker.seconds_per_sample.find(layer.kind);
+        const double per_sample = measured != worker.seconds_per_sample.end() && measured->second > 0
+                                      ? measured->second
+                                      : layer.flops_per_sample / flops_per_s;
+        prefix_[w][l + 1] = prefix_[w][l] + per_sample * batch;
+      }
+    }
+    memory_prefix_.assign(layers_ + 1, 0);
+    cut_bytes_.assign(layers_ + 1, 0);
+    for (int l = 0; l < layers_; ++l) {
+      memory_prefix_[l + 1] = memory_prefix_[l] + input.layers[l].training_bytes;
+      if (l + 1 < layers_) {
+        cut_bytes_[l + 1] = static_cast<double>(input.layers[l].output_bytes_per_sample) * batch;
+      }
+    }
+    // lowest_start_[w][j]: the first layer a stage on w ending at j may start
+    // at within w's memory (j + 1 when not even layer j - 1 fits).
+    lowest_start_.assign(n_, std::vector<int>(layers_ + 1, 0));
+    for (int w = 0; w < n_; ++w) {
+      const uint64_t memory = input.workers[w].memory_bytes;
+      int i = 0;
+      for (int j = 0; j <= layers_; ++j) {
+        if (memory != 0) {
+          while (i < j && memory_prefix_[j] - memory_prefix_[i] > memory) ++i;
+        }
+        lowest_start_[w][j] = (memory != 0 && j > 0 && i == j) ? j + 1 : i;
+      }
+    }
+    rate_.assign(static_cast<size_t>(n_) * n_, 0);
+    rtt_.assign(static_cast<size_t>(n_) * n_, 0);
+    for (int u = 0; u < n_; ++u) {
+      for (int v = 0; v < n_; ++v) {
+        const LinkEstimate forward = input.Link(u, v);
+        const LinkEstimate backward = input.Link(v, u);
+        // Full duplex: the slower direction sets the pace; a round trip
+        // crosses both.
+        rate_[Index(u, v)] = std::min(forward.rate_bps, backward.rate_bps);
+        rtt_[Index(u, v)] = std::max(forward.rtt_s, backward.rtt_s);
+      }
+    }
+  }
+
+  int workers() const { return n_; }
+  int layers() const { return layers_; }
+  int codecs() const { return static_cast<int>(codecs_.size()); }
+  const CodecCost& codec(int c) const { return codecs_[c]; }
+  const PlannerInput& input() const { return in_; }
+
+  double Compute(int w, int begin, int end) const { return prefix_[w][end] - prefix_[w][begin]; }
+  double Prefix(int w, int j) const { return prefix_[w][j]; }
+  int LowestStart(int w, int end) const { return lowest_start_[w][end]; }
+  double CutBytes(int j) const { return cut_bytes_[j]; }
+  double CodecWork(int c, int j) const { return codecs_[c].seconds_per_byte * cut_bytes_[j]; }
+  double Transfer(int u, int v, int c, int j) const {
+    const double rate = rate_[Index(u, v)];
+    if (rate <= 0) return kInf;
+    return cut_bytes_[j] * codecs_[c].ratio * 8.0 / rate;
+  }
+  double Rtt(int u, int v) const { return rtt_[Index(u, v)]; }
+  double Rate(int u, int v) const { return rate_[Index(u, v)]; }
+  uint64_t MemoryOf(int begin, int end) const { return memory_prefix_[end] - memory_prefix_[begin]; }
+
+  double SumRtt(const std::vector<int>& order) const {
+    double sum = 0;
+    for (size_t k = 1; k < order.size(); ++k) sum += Rtt(order[k - 1], order[k]);
+    return sum;
+  }
+
+  // W and the objective for a pipeline of `stages` stages with bottleneck
+  // `tau` and RTTs summing to `sum_rtt`.
+  double Objective(double tau, int stages, double sum_rtt, int* in_flight = nullptr,
+                   double* round_trip = nullptr) const {
+    const double batch = std::max(1, in_.microbatch_size);
+    const double trip = (2.0 * stages - 1) * tau + sum_rtt;
+    if (round_trip != nullptr) *round_trip = trip;
+    if (in_.schedule == PlannerSchedule::kSync) {
+      const int m = std::max(1, in_.microbatches);
+      if (in_flight != nullptr) *in_flight = m;
+      return ((m + stages - 1) * tau + sum_rtt) / (m * batch);
+    }
+    int window = tau > 0 ? static_cast<int>(std::ceil(trip / tau - 1e-9)) : stages;
+    window = std::max(window, stages);
+    double effective = tau;
+    if (in_.max_in_flight > 0 && window > in_.max_in_flight) {
+      window = in_.max_in_flight;
+      effective = std::max(tau, trip / window);
+    }
+    if (in_flight != nullptr) *in_flight = window;
+    return effective / batch;
+  }
+
+  // The largest bottleneck with which a pipeline of at least `stages` stages
+  // whose RTTs sum to at least `sum_rtt` could still reach `objective`.
+  double TauBound(double objective, int stages, double sum_rtt) const {
+    if (!std::isfinite(objective)) return kInf;
+    const double batch = std::max(1, in_.microbatch_size);
+    double tau;
+    if (in_.schedule == PlannerSchedule::kSync) {
+      const int m = std::max(1, in_.microbatches);
+      tau = (objective * m * batch - sum_rtt) / (m + stages - 1);
+    } else {
+      tau = objective * batch;
+      if (in_.max_in_flight > 0) {
+        tau = std::min(tau, (objective * batch * in_.max_in_flight - sum_rtt) / (2.0 * stages - 1));
+      }
+    }
+    return tau * (1 - kStrictlyBetter);
+  }
+
+ private:
+  size_t Index(int u, int v) const { return static_cast<size_t>(u) * n_ + v; }
+
+  const PlannerInput& in_;
+  int n_ = 0;
+  int layers_ = 0;
+  std::vector<CodecCost> codecs_;
+  std::vector<std::vector<double>> prefix_;
+  std::vector<uint64_t> memory_prefix_;
+  std::vector<double> cut_bytes_;
+  std::vector<std::vector<int>> lowest_start_;
+  std::vector<double> rate_;
+  std::vector<double> rtt_;
+};
+
+// The feasibility sweep: can the stages of an order cover the layers with
+// every stage and link within `tau`? Per stage O(layers x codecs).
+class Sweep {
+ public:
+  explicit Sweep(const CostModel& model) : model_(model) {}
+
+  // start[i]: codec work a stage starting at cut i already carries (its
+  // incoming link's share); kInf: it cannot start there. Fills end[j], the
+  // least time of the stage on `w` ending at j before its outgoing link's
+  // work, and from[j], where that stage starts.
+  void StageEnds(int w, const std::vector<double>& start, double tau, std::vector<double>* end,
+                 std::vector<int>* from) const {
+    const int layers = model_.layers();
+    end->assign(layers + 1, kInf);
+    if (from != nullptr) from->assign(layers + 1, -1);
+    std::deque<int> window;  // starts i, increasing start[i] - Prefix(w, i)
+    auto key = [&](int i) { return start[i] - model_.Prefix(w, i); };
+    for (int j = 1; j <= layers; ++j) {
+      const int i = j - 1;
+      if (start[i] < kInf) {
+        while (!window.empty() && key(window.back()) >= key(i)) window.pop_back();
+        window.push_back(i);
+      }
+      const int lowest = model_.LowestStart(w, j);
+      while (!window.empty() && window.front() < lowest) window.pop_front();
+      if (window.empty()) continue;
+      const double t = model_.Prefix(w, j) + key(window.front());
+      if (t <= tau) {
+        (*end)[j] = t;
+        if (from != nullptr) (*from)[j] = window.front();
+      }
+    }
+  }
+
+  // The next stage's starts over the link w -> v: the least codec work among
+  // the codecs that keep both the ending stage and the link within tau.
+  // Returns whether any start is possible.
+  bool NextStarts(int w, int v, const std::vector<double>& end, double tau,
+                  std::vector<double>* start, std::vector<int>* codec) const {
+    const int layers = model_.layers();
+    start->assign(layers + 1, kInf);
+    if (codec != nullptr) codec->assign(layers + 1, -1);
+    bool any = false;
+    for (int j = 1; j < layers; ++j) {
+      if (end[j] == kInf) continue;
+      for (int c = 0; c < model_.codecs(); ++c) {
+        const double work = model_.CodecWork(c, j);
+        if (work >= (*start)[j] || end[j] + work > tau) continue;
+        if (model_.Transfer(w, v, c, j) > tau) continue;
+        (*start)[j] = work;
+        if (codec != nullptr) (*codec)[j] = c;
+        any = true;
+      }
+    }
+    return any;
+  }
+
+  // Whether `order` fits within tau; if so and `plan` is given, the cuts and
+  // codecs of one such pipeline.
+  bool Feasible(const std::vector<int>& order, double tau, PipelinePlan* plan) {
+    const int stages = static_cast<int>(order.size());
+    const int layers = model_.layers();
+    if (stages == 0 || stages > layers) return false;
+    from_.resize(stages);
+    codec_.resize(stages);
+    std::vector<double>& start = start_;
+    start.assign(layers + 1, kInf);
+    start[0] = 0;
+    for (int k = 0; k < stages; ++k) {
+      StageEnds(order[k], start, tau, &end_, &from_[k]);
+      if (k + 1 == stages) break;
+      if (!NextStarts(order[k], order[k + 1], end_, tau, &start, &codec_[k + 1])) return false;
+    }
+    if (end_[layers] == kInf) return false;
+    if (plan == nullptr) return true;
+    plan->stages.assign(stages, {});
+    plan->links.assign(stages - 1, {});
+    int j = layers;
+    for (int k = stages - 1; k >= 0; --k) {
+      const int i = from_[k][j];
+      plan->stages[k].worker = order[k];
+      plan->stages[k].layer_begin = i;
+      plan->stages[k].layer_end = j;
+      if (k > 0) plan->links[k - 1].codec_index = codec_[k][i];
+      j = i;
+    }
+    return true;
+  }
+
+ private:
+  const CostModel& model_;
+  std::vector<double> start_;
+  std::vector<double> end_;
+  std::vector<std::vector<int>> from_;
+  std::vector<std::vector<int>> codec_;
+};
+
+// Fills the figures of a plan whose workers, cuts and codecs are set.
+void Score(const CostModel& model, PipelinePlan* plan) {
+  const int stages = static_cast<int>(plan->stages.size());
+  double tau = 0;
+  std::string bound;
+  for (int k = 0; k < stages; ++k) {
+    PlannedStageInfo& s = plan->stages[k];
+    s.compute_s = model.Compute(s.worker, s.layer_begin, s.layer_end);
+    if (k > 0) s.compute_s += model.CodecWork(plan->links[k - 1].codec_index, s.layer_begin);
+    if (k + 1 < stages) s.compute_s += model.CodecWork(plan->links[k].codec_index, s.layer_end);
+    if (s.compute_s > tau) {
+      tau = s.compute_s;
+      bound = absl::StrCat("stage ", k, "'s compute on ",
+                           NameOf(model.input().workers[s.worker]));
+    }
+  }
+  for (int k = 0; k + 1 < stages; ++k) {
+    PlannedLinkInfo& link = plan->links[k];
+    const int u = plan->stages[k].worker;
+    const int v = plan->stages[k + 1].worker;
+    const int cut = plan->stages[k].layer_end;
+    link.raw_bytes = model.CutBytes(cut);
+    link.transfer_s = model.Transfer(u, v, link.codec_index, cut);
+    link.rtt_s = model.Rtt(u, v);
+    if (link.transfer_s > tau) {
+      tau = link.transfer_s;
+      bound = absl::StrCat("link ", k, "->", k + 1, " (", NameOf(model.input().workers[u]), " -> ",
+                           NameOf(model.input().workers[v]), ", ",
+                           model.codec(link.codec_index).name, ")");
+    }
+  }
+  double sum_rtt = 0;
+  for (const PlannedLinkInfo& link : plan->links) sum_rtt += link.rtt_s;
+  plan->bottleneck_s = tau;
+  plan->time_per_sample_s =
+      model.Objective(tau, stages, sum_rtt, &plan->in_flight, &plan->round_trip_s);
+  if (model.input().schedule == PlannerSchedule::kAsync && model.input().max_in_flight > 0 &&
+      plan->time_per_sample_s * std::max(1, model.input().microbatch_size) > tau * (1 + 1e-12)) {
+    bound = absl::StrCat("the in-flight cap (", model.input().max_in_flight,
+                         ") against the round trip");
+  }
+  plan->bound = bound;
+  std::vector<bool> used(model.workers(), false);
+  for (const PlannedStageInfo& s : plan->stages) used[s.worker] = true;
+  plan->spares.clear();
+  for (int w = 0; w < model.workers(); ++w) {
+    if (!used[w]) plan->spares.push_back(w);
+  }
+}
+
+// The least T* for a fixed order (bisection on tau over the sweep; each
+// feasible tau is tightened to the plan's own T*).
+bool BestCuts(const CostModel& model, Sweep* sweep, const std::vector<int>& order,
+              PipelinePlan* plan) {
+  PipelinePlan candidate;
+  if (!sweep->Feasible(order, kInf, &candidate)) return false;
+  Score(model, &candidate);
+  double hi = candidate.bottleneck_s;
+  double lo = 0;
+  for (int i = 0; i < 200 && hi - lo > 1e-10 * hi; ++i) {
+    const double mid = lo + (hi - lo) / 2;
+    PipelinePlan tighter;
+    if (sweep->Feasible(order, mid, &tighter)) {
+      Score(model, &tighter);
+      hi = tighter.bottleneck_s;
+      candidate = std::move(tighter);
+    } else {
+      lo = mid;
+    }
+  }
+  *plan = std::move(candidate);
+  return true;
+}
+
+absl::Status Validate(const PlannerInput& input) {
+  if (input.layers.empty()) return absl::InvalidArgumentError("model has no layers");
+  if (input.workers.empty()) return absl::FailedPreconditionError("no workers");
+  const size_t n = input.workers.size();
+  if (!input.links.empty() && input.links.size() != n * n) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("link matrix has ", input.links.size(), " entries for ", n, " workers"));
+  }
+  if (!(input.default_link.rate_bps > 0)) {
+    return absl::InvalidArgumentError("default link rate must be positive");
+  }
+  for (const CodecCost& c : input.codecs) {
+    if (!(c.ratio > 0) || !(c.seconds_per_byte >= 0)) {
+      return absl::InvalidArgumentError(absl::StrCat("codec ", c.name, ": bad ratio or cost"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+int StageLimit(const PlannerInput& input) {
+  int limit = std::min<int>(input.workers.size(), input.layers.size());
+  if (input.max_stages > 0) limit = std::min(limit, input.max_stages);
+  return limit;
+}
+
+absl::Status NoFit(const CostModel& model, int stages) {
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "the model's ", model.layers(), " layers (", model.MemoryOf(0, model.layers()) >> 20,
+      " MiB to train) do not fit on up to ", stages, " workers' memory"));
+}
+
+// Reasons, after the search: what each worker brings where it is.
+void Explain(const CostModel& model, PipelinePlan* plan, const std::string& how) {
+  const PlannerInput& in = model.input();
+  for (size_t k = 0; k < plan->stages.size(); ++k) {
+    PlannedStageInfo& s = plan->stages[k];
+    const PlannerWorkerInfo& w = in.workers[s.worker];
+    std::string why = absl::StrFormat("%d layers, %.1f%% of T*", s.layer_end - s.layer_begin,
+                                      100 * s.compute_s / std::max(plan->bottleneck_s, 1e-300));
+    if (k > 0) {
+      const int prev = plan->stages[k - 1].worker;
+      // Among the other workers, how many have a faster link from the
+      // previous stage's worker.
+      int faster = 0;
+      for (int v = 0; v < model.workers(); ++v) {
+        if (v != prev && v != s.worker && model.Rate(prev, v) > model.Rate(prev, s.worker)) {
+          ++faster;
+        }
+      }
+      absl::StrAppendFormat(&why, "; from %s at %.0f Mb/s, %.1f ms RTT", NameOf(in.workers[prev]),
+                            model.Rate(prev, s.worker) / 1e6, 1e3 * model.Rtt(prev, s.worker));
+      if (faster == 0) absl::StrAppend(&why, " (its fastest link)");
+    }
+    if (!w.reachable) absl::StrAppend(&why, "; not reachable: its neighbours dial or relay");
+    s.why = absl::StrCat(how, ": ", why);
+  }
+}
+
+class JoinOrderPlanner : public Planner {
+ public:
+  std::string name() const override { return "join-order"; }
+
+  absl::StatusOr<PipelinePlan> Plan(const PlannerInput& input) const override {
+    if (absl::Status valid = Validate(input); !valid.ok()) return valid;
+    std::vector<LayerProfile> layers;
+    for (const PlannerLayer& l : input.layers) {
+      LayerProfile p;
+      p.flops_per_sample = l.flops_per_sample;
+      p.training_bytes = l.training_bytes;
+      layers.push_back(p);
+    }
+    std::vector<PlannerWorker> workers;
+    for (const PlannerWorkerInfo& w : input.workers) {
+      workers.push_back({w.id, w.gflops, w.memory_bytes});
+    }
+    absl::StatusOr<std::vector<StageRange>> ranges = PlanStages(layers, workers, input.max_stages);
+    if (!ranges.ok()) return ranges.status();
+    PipelinePlan plan;
+    for (const StageRange& r : *ranges) {
+      PlannedStageInfo s;
+      for (size_t w = 0; w < input.workers.size(); ++w) {
+        if (input.workers[w].id == r.worker_id) s.worker = static_cast<int>(w);
+      }
+      s.layer_begin = r.layer_begin;
+      s.layer_end = r.layer_end;
+      plan.stages.push_back(s);
+    }
+    plan.links.assign(plan.stages.size() - 1, {});
+    for (PlannedLinkInfo& link : plan.links) link.codec_index = 0;
+    CostModel model(input);
+    Score(model, &plan);
+    plan.planner = name();
+    Explain(model, &plan, "join order, cuts by compute");
+    return plan;
+  }
+};
+
+class NetworkPlanner : public Planner {
+ public:
+  explicit NetworkPlanner(NetworkPlannerOptions options) : options_(options) {}
+  std::string name() const override { return "network"; }
+
+  absl::StatusOr<PipelinePlan> Plan(const PlannerInput& input) const override {
+    if (absl::Status valid = Validate(input); !valid.ok()) return valid;
+    CostModel model(input);
+    Sweep sweep(model);
+    Best best;
+    Construct(model, &sweep, &best);
+    const bool exhaustive = model.workers() <= options_.exhaustive_max_workers;
+    if (exhaustive) {
+      Exhaustive(model, &sweep, &best);
+    } else {
+      LocalSearch(model, &sweep, &best);
+    }
+    if (best.order.empty()) return NoFit(model, StageLimit(input));
+    best.plan.planner = name();
+    best.plan.exact = exhaustive;
+    Explain(model, &best.plan, exhaustive ? "optimal" : "searched");
+    return best.plan;
+  }
+
+ private:
+  struct Best {
+    double objective = kInf;
+    std::vector<int> order;
+    PipelinePlan plan;
+    int evaluations = 0;
+  };
+
+  // Scores `order` exactly if it might beat the incumbent; keeps it if it
+  // does.
+  static bool Offer(const CostModel& model, Sweep* sweep, const std::vector<int>& order,
+                    Best* best) {
+    ++best->evaluations;
+    const double tau = model.TauBound(best->objective, static_cast<int>(order.size()),
+                                           model.SumRtt(order));
+    if (tau <= 0 || !sweep->Feasible(order, tau, nullptr)) return false;
+    PipelinePlan plan;
+    if (!BestCuts(model, sweep, order, &plan)) return false;
+    if (!(plan.time_per_sample_s < best->objective * (1 - kStrictlyBetter))) return false;
+    best->objective = plan.time_per_sample_s;
+    best->order = order;
+    best->plan = std::move(plan);
+    return true;
+  }
+
+  // A pair's cost for chaining: the link time at a typical cut with the
+  // cheapest codec that keeps up with it, plus its share of latency.
+  static double PairCost(const CostModel& model, int u, int v) {
+    int typical = model.layers() / 2;
+    if (typical == 0) return model.Rtt(u, v);
+    double best = kInf;
+    for (int c = 0; c < model.codecs(); ++c) {
+      best = std::min(best, std::max(model.Transfer(u, v, c, typical), model.CodecWork(c, typical)));
+    }
+    const PlannerInput& in = model.input();
+    const double latency_weight =
+        in.schedule == PlannerSchedule::kSync ? 1.0 / std::max(1, in.microbatches) : 0.05;
+    return best + latency_weight * model.Rtt(u, v);
+  }
+
+  static double Speed(const CostModel& model, int w) {
+    return 1.0 / std::max(model.Compute(w, 0, model.layers()), 1e-300);
+  }
+
+  // Greedy nearest-neighbour chain through `members` from `first`, at most
+  // `limit` long.
+  static std::vector<int> Chain(const CostModel& model, std::vector<int> members, int first,
+                                int limit) {
+    std::vector<int> order{first};
+    members.erase(std::find(members.begin(), members.end(), first));
+    while (!members.empty() && static_cast<int>(order.size()) < limit) {
+      auto next = std::min_element(members.begin(), members.end(), [&](int a, int b) {
+        const double ca = PairCost(model, order.back(), a);
+        const double cb = PairCost(model, order.back(), b);
+        if (ca != cb) return ca < cb;
+        return Speed(model, a) > Speed(model, b);
+      });
+      order.push_back(*next);
+      members.erase(next);
+    }
+    return order;
+  }
+
+  // Starting points: today's order; chains through everyone from the
+  // fastest workers and from the ends of the network; chains inside each
+  // group of workers that are close to each other (a region).
+  void Construct(const CostModel& model, Sweep* sweep, Best* best) const {
+    const int n = model.workers();
+    const int limit = StageLimit(model.input());
+    std::vector<int> all(n);
+    std::iota(all.begin(), all.end(), 0);
+    std::vector<int> by_speed = all;
+    std::stable_sort(by_speed.begin(), by_speed.end(),
+                     [&](int a, int b) { return Speed(model, a) > Speed(model, b); });
+    {
+      std::vector<int> join(by_speed.begin(), by_speed.begin() + limit);
+      std::sort(join.begin(), join.end());
+      Offer(model, sweep, join, best);
+      std::vector<int> fastest(by_speed.begin(), by_speed.begin() + limit);
+      Offer(model, sweep, fastest, best);
+    }
+    std::vector<int> starts(by_speed.begin(), by_speed.begin() + std::min(n, 4));
+    // The worker farthest from the rest is a natural end of a path.
+    std::vector<double> spread(n, 0);
+    for (int u = 0; u < n; ++u) {
+      for (int v = 0; v < n; ++v) {
+        if (u != v) spread[u] += PairCost(model, u, v);
+      }
+    }
+    std::vector<int> by_spread = all;
+    std::stable_sort(by_spread.begin(), by_spread.end(),
+                     [&](int a, int b) { return spread[a] > spread[b]; });
+    for (int i = 0; i < std::min(n, 4); ++i) starts.push_back(by_spread[i]);
+    for (int first : starts) {
+      const std::vector<int> chain = Chain(model, all, first, limit);
+      for (size_t len = 1; len <= chain.size(); len = len < 4 ? len + 1 : len * 2) {
+        Offer(model, sweep, std::vector<int>(chain.begin(), chain.begin() + len), best);
+      }
+      Offer(model, sweep, chain, best);
+    }
+    // Regions: single-linkage groups of pairs whose cost is within 3x of
+    // the closest pair's.
+    double closest = kInf;
+    for (int u = 0; u < n; ++u) {
+      for (int v = 0; v < n; ++v) {
+        if (u != v) closest = std::min(closest, PairCost(model, u, v));
+      }
+    }
+    std::vector<int> group(all);
+    std::function<int(int)> root = [&](int x) { return group[x] == x ? x : group[x] = root(group[x]); };
+    for (int u = 0; u < n; ++u) {
+      for (int v = 0; v < n; ++v) {
+        if (u != v && PairCost(model, u, v) <= 3 * closest + 1e-12) group[root(u)] = root(v);
+      }
+    }
+    std::map<int, std::vector<int>> regions;
+    for (int w : by_speed) regions[root(w)].push_back(w);
+    if (regions.size() > 1) {
+      for (const auto& [unused, members] : regions) {
+        Offer(model, sweep, Chain(model, members, members.front(), limit), best);
+      }
+    }
+  }
+
+  // Every order of every subset, depth first, pruned by the incumbent: a
+  // prefix whose stages cannot all stay under the bound any completion
+  // would need is not extended.
+  void Exhaustive(const CostModel& model, Sweep* sweep, Best* best) const {
+    const int n = model.workers();
+    const int limit = StageLimit(model.input());
+    std::vector<int> prefix;
+    std::vector<bool> used(n, false);
+    // Per depth: the stage's possible starts and ends.
+    std::vector<std::vector<double>> starts(limit + 1), ends(limit + 1);
+    std::function<void(double)> visit = [&](double sum_rtt) {
+      const int k = static_cast<int>(prefix.size());
+      const int w = prefix.back();
+      double tau = model.TauBound(best->objective, k, sum_rtt);
+      if (tau <= 0) return;
+      sweep->StageEnds(w, starts[k - 1], tau, &ends[k - 1], nullptr);
+      if (ends[k - 1][model.layers()] < kInf) {
+        Offer(model, sweep, prefix, best);
+        tau = model.TauBound(best->objective, k, sum_rtt);
+      }
+      if (k == limit) return;
+      for (int v = 0; v < n; ++v) {
+        if (used[v]) continue;
+        if (!sweep->NextStarts(w, v, ends[k - 1], tau, &starts[k], nullptr)) continue;
+        used[v] = true;
+        prefix.push_back(v);
+        visit(sum_rtt + model.Rtt(w, v));
+        prefix.pop_back();
+        used[v] = false;
+      }
+    };
+    for (int w = 0; w < n; ++w) {
+      starts[0].assign(model.layers() + 1, kInf);
+      starts[0][0] = 0;
+      used[w] = true;
+      prefix = {w};
+      visit(0);
+      used[w] = false;
+    }
+  }
+
+  // Moves on the best order (swap, reverse a segment, replace by, insert or
+  // remove a worker), each kept if it lowers the objective. Seeded, so the
+  // same inputs give the same plan.
+  void LocalSearch(const CostModel& model, Sweep* sweep, Best* best) const {
+    if (best->order.empty()) return;
+    const int n = model.workers();
+    const int limit = StageLimit(model.input());
+    const double work_per_evaluation =
+        static_cast<double>(limit) * model.layers() * model.codecs() + 1;
+    const int budget = std::clamp(static_cast<int>(options_.search_work / work_per_evaluation),
+                                  options_.min_search_evaluations,
+                                  options_.max_search_evaluations);
+    std::mt19937 random(0x9e3779b9u);
+    auto uniform = [&](int bound) {
+      return static_cast<int>(std::uniform_int_distribution<int>(0, bound - 1)(random));
+    };
+    while (best->evaluations < budget) {
+      std::vector<int> order = best->order;
+      const int p = static_cast<int>(order.size());
+      std::vector<int> unused;
+      {
+        std::vector<bool> in(n, false);
+        for (int w : order) in[w] = true;
+        for (int w = 0; w < n; ++w) {
+          if (!in[w]) unused.push_back(w);
+        }
+      }
+      switch (uniform(5)) {
+        case 0:  // swap two stages' workers
+          if (p < 2) continue;
+          std::swap(order[uniform(p)], order[uniform(p)]);
+          break;
+        case 1: {  // reverse a segment (2-opt)
+          if (p < 2) continue;
+          int a = uniform(p), b = uniform(p);
+          if (a > b) std::swap(a, b);
+          std::reverse(order.begin() + a, order.begin() + b + 1);
+          break;
+        }
+        case 2:  // a spare takes a stage
+          if (unused.empty()) continue;
+          order[uniform(p)] = unused[uniform(static_cast<int>(unused.size()))];
+          break;
+        case 3:  // a spare joins
+          if (unused.empty() || p >= limit) continue;
+          order.insert(order.begin() + uniform(p + 1),
+                       unused[uniform(static_cast<int>(unused.size()))]);
+          break;
+        default:  // a stage leaves
+          if (p < 2) continue;
+          order.erase(order.begin() + uniform(p));
+          break;
+      }
+      if (order == best->order) continue;
+      Offer(model, sweep, order, best);
+    }
+  }
+
+  NetworkPlannerOptions options_;
+};
+
+}  // namespace
+
+std::unique_ptr<Planner> MakeJoinOrderPlanner() { return std::make_unique<JoinOrderPlanner>(); }
+
+std::unique_ptr<Planner> MakeNetworkPlanner(NetworkPlannerOptions options) {
+  return std::make_unique<NetworkPlanner>(options);
+}
+
+absl::StatusOr<PipelinePlan> PlanForOrder(const PlannerInput& input,
+                                          const std::vector<int>& order) {
+  if (absl::Status valid = Validate(input); !valid.ok()) return valid;
+  for (int w : order) {
+    if (w < 0 || w >= static_cast<int>(input.workers.size())) {
+      return absl::InvalidArgumentError(absl::StrCat("no worker ", w));
+    }
+  }
+  CostModel model(input);
+  Sweep sweep(model);
+  PipelinePlan plan;
+  if (!BestCuts(model, &sweep, order, &plan)) return NoFit(model, order.size());
+  Explain(model, &plan, "given order");
+  return plan;
+}
+
+absl::Status ScorePlan(const PlannerInput& input, PipelinePlan* plan) {
+  if (absl::Status valid = Validate(input); !valid.ok()) return valid;
+  CostModel model(input);
+  const int layers = model.layers();
+  int expected_begin = 0;
+  for (const PlannedStageInfo& s : plan->stages) {
+    if (s.worker < 0 || s.worker >= model.workers() || s.layer_begin != expected_begin ||
+        s.layer_end <= s.layer_begin || s.layer_end > layers) {
+      return absl::InvalidArgumentError("stages do not cover the layers in order");
+    }
+    expected_begin = s.layer_end;
+  }
+  if (expected_begin != layers) return absl::InvalidArgumentError("stages end before the last layer");
+  plan->links.resize(plan->stages.size() - 1);
+  for (PlannedLinkInfo& link : plan->links) {
+    if (link.codec_index < 0 || link.codec_index >= model.codecs()) link.codec_index = 0;
+  }
+  Score(model, plan);
+  return absl::OkStatus();
+}
+
+std::string ExplainPlan(const PlannerInput& input, const PipelinePlan& plan) {
+  std::string out = absl::StrFormat(
+      "planner %s%s: %d stages, T* %.2f ms per microbatch (bound: %s), %.3f ms per sample, "
+      "W %d, round trip %.1f ms\n",
+      plan.planner, plan.exact ? " (optimal)" : "", plan.stages.size(), 1e3 * plan.bottleneck_s,
+      plan.bound, 1e3 * plan.time_per_sample_s, plan.in_flight, 1e3 * plan.round_trip_s);
+  for (size_t k = 0; k < plan.stages.size(); ++k) {
+    const PlannedStageInfo& s = plan.stages[k];
+    const PlannerWorkerInfo& w = input.workers[s.worker];
+    absl::StrAppendFormat(&out, "  stage %d  layers [%d,%d)  %-12s compute %8.2f ms", k,
+                          s.layer_begin, s.layer_end, NameOf(w), 1e3 * s.compute_s);
+    if (k < plan.links.size()) {
+      const PlannedLinkInfo& l = plan.links[k];
+      const std::string codec = l.codec_index >= 0 && l.codec_index < static_cast<int>(
+                                    input.codecs.size())
+                                    ? input.codecs[l.codec_index].name
+                                    : "none";
+      absl::StrAppendFormat(&out, "  link %8.2f ms (%s, %.2f MB, RTT %.1f ms)", 1e3 * l.transfer_s,
+                            codec, l.raw_bytes / 1e6, 1e3 * l.rtt_s);
+    }
+    absl::StrAppend(&out, "\n      why: ", s.why, "\n");
+  }
+  if (!plan.spares.empty()) {
+    absl::StrAppend(&out, "  not in the pipeline (spares):");
+    for (int w : plan.spares) absl::StrAppend(&out, " ", NameOf(input.workers[w]));
+    absl::StrAppend(&out, "\n");
+  }
+  return out;
+}
+
+}  // namespace geotrain

@@ -1,0 +1,157 @@
+// Planner v2: chooses which workers form the pipeline and in what order, the
+// layer cuts, the codec of every link and the in-flight window together, by
+// the predicted time per sample (T* in DESIGN.md, with latency and sync's
+// flush). Inputs are plain figures (measured where the coordinator has
+// measurements, assumed otherwise), so the planners are pure functions:
+// thread-compatible, deterministic for the same inputs, no clock.
+//
+// The cost model, per microbatch of `microbatch_size` samples:
+// - stage compute c_k: the stage's layers on its worker (measured seconds
+//   per sample for the layer's kind when the worker has one, FLOPs / GFLOP/s
+//   otherwise), plus the codec work of its links (each end encodes one
+//   direction and decodes the other: ratio-independent cost per raw byte);
+// - link time l_k: raw bytes at the cut x the codec's ratio / rate, the
+//   slower of the two directions (activations down, gradients up);
+// - T* = max over stages and links;
+// - async: W = ceil(round trip / T*) with round trip (2p - 1) T* + sum of
+//   RTTs; a cap on W below that stretches T* to round trip / W;
+// - sync: a step of M microbatches takes (M + p - 1) T* + sum of RTTs.
+// The objective is that per-microbatch time divided by microbatch_size.
+#ifndef GEOTRAIN_COORDINATOR_NETWORK_PLANNER_H_
+#define GEOTRAIN_COORDINATOR_NETWORK_PLANNER_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace geotrain {
+
+// One direction of a pair of workers.
+struct LinkEstimate {
+  double rtt_s = 0;
+  double rate_bps = 0;  // bits per second; 0: unknown (the default is used)
+};
+
+struct PlannerWorkerInfo {
+  std::string id;
+  std::string name;  // for explanations; id when empty
+  double gflops = 0;  // used for layer kinds without a measured time
+  // Forward + backward seconds per sample of one layer of each kind, as the
+  // worker measured them on its device with the job's microbatch shape.
+  std::map<std::string, double> seconds_per_sample;
+  uint64_t memory_bytes = 0;  // 0: unknown, not limited
+  bool reachable = true;
+};
+
+struct PlannerLayer {
+  std::string kind;               // e.g. "embed", "block", "head", "linear"
+  double flops_per_sample = 0;    // forward + backward
+  uint64_t training_bytes = 0;    // what a stage holds to train it
+  // Bytes per sample of the activation leaving this layer (the gradient
+  // coming back has the same size). Unused for the last layer.
+  uint64_t output_bytes_per_sample = 0;
+};
+
+struct CodecCost {
+  int codec = 0;           // a v1::Codec value
+  std::string name;
+  double ratio = 1;        // wire bytes / raw bytes
+  double seconds_per_byte = 0;  // encode + decode of one raw byte
+};
+
+enum class PlannerSchedule { kSync, kAsync };
+
+struct PlannerInput {
+  std::vector<PlannerWorkerInfo> workers;  // in join order
+  // links[i * workers.size() + j]: from workers[i] to workers[j]. Empty, or
+  // an entry with rate 0: default_link.
+  std::vector<LinkEstimate> links;
+  LinkEstimate default_link{0.0002, 1e9};
+  std::vector<PlannerLayer> layers;
+  // The codecs a link may use; empty means raw only. The first is the
+  // cheapest to run (normally none).
+  std::vector<CodecCost> codecs;
+  PlannerSchedule schedule = PlannerSchedule::kAsync;
+  int microbatches = 1;  // per step (sync's flush)
+  int microbatch_size = 1;
+  int max_stages = 0;     // 0: no limit but the workers and layers
+  int max_in_flight = 0;  // 0: no cap on W
+
+  LinkEstimate Link(int from, int to) const;
+};
+
+struct PlannedStageInfo {
+  int worker = 0;  // index into PlannerInput::workers
+  int layer_begin = 0;
+  int layer_end = 0;
+  double compute_s = 0;  // per microbatch, codec work included
+  std::string why;       // the reason the worker is here
+};
+
+// The link from stage k to stage k + 1.
+struct PlannedLinkInfo {
+  int codec_index = -1;  // into PlannerInput::codecs; -1: raw (no ladder)
+  double raw_bytes = 0;  // per microbatch, each direction
+  double transfer_s = 0; // per microbatch, the slower direction, after the codec
+  double rtt_s = 0;
+};
+
+struct PipelinePlan {
+  std::vector<PlannedStageInfo> stages;
+  std::vector<PlannedLinkInfo> links;  // stages.size() - 1
+  std::vector<int> spares;             // workers outside the pipeline
+  int in_flight = 1;                   // W (async)
+  double bottleneck_s = 0;             // T*, per microbatch
+  double round_trip_s = 0;
+  double time_per_sample_s = 0;        // the objective
+  std::string bound;                   // what sets T*
+  std::string planner;                 // which planner chose it
+  bool exact = false;                  // the search was exhaustive
+};
+
+class Planner {
+ public:
+  virtual ~Planner() = default;
+  virtual std::string name() const = 0;
+  // RESOURCE_EXHAUSTED when no pipeline fits the workers' memory;
+  // INVALID_ARGUMENT / FAILED_PRECONDITION for empty inputs.
+  virtual absl::StatusOr<PipelinePlan> Plan(const PlannerInput& input) const = 0;
+};
+
+struct NetworkPlannerOptions {
+  // Up to this many workers every order of every subset is searched (with
+  // bounds that never cut off a better plan): the result is optimal.
+  int exhaustive_max_workers = 8;
+  // Above it, a local search from several constructions; its effort in
+  // evaluations of an order is about this divided by (stages x layers x
+  // codecs), within [min, max]. Counted, not timed, so results repeat.
+  double search_work = 4e8;
+  int min_search_evaluations = 300;
+  int max_search_evaluations = 20000;
+};
+
+// Today's planner (v1): the fastest min(workers, layers, max_stages) in join
+// order, cuts balancing compute alone, every link raw.
+std::unique_ptr<Planner> MakeJoinOrderPlanner();
+std::unique_ptr<Planner> MakeNetworkPlanner(NetworkPlannerOptions options = {});
+
+// The best cuts, codecs and window for a fixed order of workers (indices
+// into input.workers, each given at least one layer), and its prediction.
+absl::StatusOr<PipelinePlan> PlanForOrder(const PlannerInput& input,
+                                          const std::vector<int>& order);
+
+// Scores fixed cuts and codecs (stage worker/layer ranges and link codecs
+// as given): fills compute, link times, W, T* and the objective.
+absl::Status ScorePlan(const PlannerInput& input, PipelinePlan* plan);
+
+// Per stage: layers, worker, predicted compute, the link after it and the
+// bound, with the reason each worker is where it is. Multi-line.
+std::string ExplainPlan(const PlannerInput& input, const PipelinePlan& plan);
+
+}  // namespace geotrain
+
+#endif  // GEOTRAIN_COORDINATOR_NETWORK_PLANNER_H_

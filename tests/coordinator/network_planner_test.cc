@@ -1,0 +1,355 @@
+#include "coordinator/network_planner.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <random>
+
+namespace geotrain {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+std::vector<CodecCost> Ladder() {
+  return {{0, "none", 1.0, 0.0}, {1, "fp16", 0.5, 0.4e-9}, {2, "int8", 0.265, 1.0e-9}};
+}
+
+PlannerLayer Layer(double flops, uint64_t out_bytes, uint64_t memory = 1000) {
+  PlannerLayer l;
+  l.kind = "block";
+  l.flops_per_sample = flops;
+  l.output_bytes_per_sample = out_bytes;
+  l.training_bytes = memory;
+  return l;
+}
+
+PlannerWorkerInfo Worker(std::string id, double gflops, uint64_t memory = 0) {
+  PlannerWorkerInfo w;
+  w.id = std::move(id);
+  w.gflops = gflops;
+  w.memory_bytes = memory;
+  return w;
+}
+
+// A random instance small enough for a naive search.
+PlannerInput RandomInput(std::mt19937* random, int workers, int layers) {
+  std::uniform_real_distribution<double> unit(0, 1);
+  PlannerInput in;
+  for (int w = 0; w < workers; ++w) {
+    in.workers.push_back(Worker("w" + std::to_string(w), 1 + 9 * unit(*random),
+                                unit(*random) < 0.3 ? 2500 + 3000 * unit(*random) : 0));
+  }
+  for (int l = 0; l < layers; ++l) {
+    in.layers.push_back(Layer(1e8 * (0.5 + unit(*random)),
+                              static_cast<uint64_t>(1e5 * (0.2 + unit(*random))),
+                              static_cast<uint64_t>(500 + 1000 * unit(*random))));
+  }
+  in.links.resize(workers * workers);
+  for (auto& link : in.links) {
+    link.rate_bps = 1e8 * (0.1 + 10 * unit(*random));
+    link.rtt_s = 0.1 * unit(*random);
+  }
+  in.codecs = Ladder();
+  in.microbatch_size = 4;
+  in.microbatches = 4;
+  in.schedule = unit(*random) < 0.5 ? PlannerSchedule::kSync : PlannerSchedule::kAsync;
+  if (unit(*random) < 0.3) in.max_in_flight = 3;
+  return in;
+}
+
+// The same cost model written the obvious way: every cut and every codec of
+// a fixed order, O(p L^2 C^2). Returns the objective (kInf: no fit).
+double NaiveBestForOrder(const PlannerInput& in, const std::vector<int>& order) {
+  const int p = order.size(), layers = in.layers.size(), codecs = in.codecs.size();
+  const double batch = in.microbatch_size;
+  auto compute = [&](int w, int a, int b) {
+    double t = 0;
+    for (int l = a; l < b; ++l) t += in.layers[l].flops_per_sample / (in.workers[w].gflops * 1e9);
+    return t * batch;
+  };
+  auto memory = [&](int a, int b) {
+    uint64_t m = 0;
+    for (int l = a; l < b; ++l) m += in.layers[l].training_bytes;
+    return m;
+  };
+  auto cut_bytes = [&](int j) { return in.layers[j - 1].output_bytes_per_sample * batch; };
+  auto link_time = [&](int u, int v, int c, int j) {
+    const double rate = std::min(in.Link(u, v).rate_bps, in.Link(v, u).rate_bps);
+    return cut_bytes(j) * in.codecs[c].ratio * 8 / rate;
+  };
+  // best[k][j][c]: least max over stages < k, stage k starting at j with
+  // incoming codec c.
+  std::vector<std::vector<std::vector<double>>> best(
+      p + 1, std::vector<std::vector<double>>(layers + 1, std::vector<double>(codecs, kInf)));
+  best[0][0][0] = 0;
+  double tau = kInf;
+  for (int k = 0; k < p; ++k) {
+    const int w = order[k];
+    for (int i = 0; i < layers; ++i) {
+      for (int cin = 0; cin < codecs; ++cin) {
+        if (best[k][i][cin] == kInf) continue;
+        const double in_work = k == 0 ? 0 : in.codecs[cin].seconds_per_byte * cut_bytes(i);
+        for (int j = i + 1; j <= layers; ++j) {
+          const uint64_t limit = in.workers[w].memory_bytes;
+          if (limit != 0 && memory(i, j) > limit) continue;
+          const double c = compute(w, i, j) + in_work;
+          if (k + 1 == p) {
+            if (j == layers) tau = std::min(tau, std::max(best[k][i][cin], c));
+            continue;
+          }
+          if (j == layers) continue;
+          for (int cout = 0; cout < codecs; ++cout) {
+            const double stage = c + in.codecs[cout].seconds_per_byte * cut_bytes(j);
+            const double t = std::max({best[k][i][cin], stage, link_time(w, order[k + 1], cout, j)});
+            best[k + 1][j][cout] = std::min(best[k + 1][j][cout], t);
+          }
+        }
+      }
+    }
+  }
+  if (tau == kInf) return kInf;
+  double sum_rtt = 0;
+  for (int k = 1; k < p; ++k) {
+    sum_rtt += std::max(in.Link(order[k - 1], order[k]).rtt_s, in.Link(order[k], order[k - 1]).rtt_s);
+  }
+  const double trip = (2.0 * p - 1) * tau + sum_rtt;
+  if (in.schedule == PlannerSchedule::kSync) {
+    return ((in.microbatches + p - 1) * tau + sum_rtt) / (in.microbatches * batch);
+  }
+  int window = std::max<int>(p, std::ceil(trip / tau - 1e-9));
+  double effective = tau;
+  if (in.max_in_flight > 0 && window > in.max_in_flight) effective = std::max(tau, trip / in.max_in_flight);
+  return effective / batch;
+}
+
+// Every order of every subset of up to `limit` workers.
+double NaiveOptimum(const PlannerInput& in) {
+  const int n = in.workers.size();
+  const int limit = std::min<int>(n, in.layers.size());
+  double best = kInf;
+  std::vector<int> order;
+  std::vector<bool> used(n, false);
+  std::function<void()> visit = [&] {
+    if (!order.empty()) best = std::min(best, NaiveBestForOrder(in, order));
+    if (static_cast<int>(order.size()) == limit) return;
+    for (int v = 0; v < n; ++v) {
+      if (used[v]) continue;
+      used[v] = true;
+      order.push_back(v);
+      visit();
+      order.pop_back();
+      used[v] = false;
+    }
+  };
+  visit();
+  return best;
+}
+
+TEST(NetworkPlannerTest, CutsAndCodecsForAnOrderMatchANaiveSearch) {
+  std::mt19937 random(7);
+  int compared = 0;
+  for (int trial = 0; trial < 200; ++trial) {
+    const int workers = 1 + trial % 4;
+    PlannerInput in = RandomInput(&random, workers, 2 + trial % 6);
+    std::vector<int> order(std::min<int>(workers, in.layers.size()));
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), random);
+    const double naive = NaiveBestForOrder(in, order);
+    absl::StatusOr<PipelinePlan> plan = PlanForOrder(in, order);
+    if (naive == kInf) {
+      EXPECT_EQ(plan.status().code(), absl::StatusCode::kResourceExhausted) << trial;
+      continue;
+    }
+    ASSERT_TRUE(plan.ok()) << trial << ": " << plan.status();
+    EXPECT_NEAR(plan->time_per_sample_s / naive, 1.0, 1e-6) << trial;
+    // The plan is what it says: rescoring its cuts and codecs gives the same.
+    PipelinePlan rescored = *plan;
+    ASSERT_TRUE(ScorePlan(in, &rescored).ok());
+    EXPECT_DOUBLE_EQ(rescored.time_per_sample_s, plan->time_per_sample_s);
+    ++compared;
+  }
+  EXPECT_GT(compared, 100);
+}
+
+TEST(NetworkPlannerTest, UpToEightWorkersThePlanIsOptimal) {
+  std::mt19937 random(11);
+  auto planner = MakeNetworkPlanner();
+  for (int trial = 0; trial < 40; ++trial) {
+    PlannerInput in = RandomInput(&random, 2 + trial % 4, 3 + trial % 4);
+    const double optimum = NaiveOptimum(in);
+    absl::StatusOr<PipelinePlan> plan = planner->Plan(in);
+    if (optimum == kInf) {
+      EXPECT_EQ(plan.status().code(), absl::StatusCode::kResourceExhausted);
+      continue;
+    }
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_TRUE(plan->exact);
+    EXPECT_NEAR(plan->time_per_sample_s / optimum, 1.0, 1e-6) << trial;
+  }
+}
+
+// Two regions, 2 Gb/s and 1 ms inside, 100 Mb/s and 80 ms between; the
+// workers join alternating between them. Sync, so every crossing's latency
+// is paid each step; wide activations, so a crossing's link binds.
+PlannerInput TwoRegions(int per_region) {
+  PlannerInput in;
+  const int n = 2 * per_region;
+  for (int w = 0; w < n; ++w) in.workers.push_back(Worker("w" + std::to_string(w), 10));
+  in.links.resize(n * n);
+  for (int u = 0; u < n; ++u) {
+    for (int v = 0; v < n; ++v) {
+      const bool same = u % 2 == v % 2;
+      in.links[u * n + v] = {same ? 0.001 : 0.080, same ? 2e9 : 1e8};
+    }
+  }
+  for (int l = 0; l < 12; ++l) in.layers.push_back(Layer(1e8, 1600000));
+  in.codecs = Ladder();
+  in.schedule = PlannerSchedule::kSync;
+  in.microbatches = 8;
+  in.microbatch_size = 8;
+  return in;
+}
+
+int RegionCrossings(const PipelinePlan& plan) {
+  int crossings = 0;
+  for (size_t k = 1; k < plan.stages.size(); ++k) {
+    if (plan.stages[k].worker % 2 != plan.stages[k - 1].worker % 2) ++crossings;
+  }
+  return crossings;
+}
+
+TEST(NetworkPlannerTest, APipelineCrossesBetweenRegionsOnceAndCompressesOnlyThere) {
+  PlannerInput in = TwoRegions(3);
+  absl::StatusOr<PipelinePlan> join = MakeJoinOrderPlanner()->Plan(in);
+  absl::StatusOr<PipelinePlan> plan = MakeNetworkPlanner()->Plan(in);
+  ASSERT_TRUE(join.ok() && plan.ok());
+  EXPECT_EQ(RegionCrossings(*join), 5);
+  EXPECT_LE(RegionCrossings(*plan), 1) << ExplainPlan(in, *plan);
+  EXPECT_LT(plan->time_per_sample_s, join->time_per_sample_s / 2) << ExplainPlan(in, *plan);
+  for (size_t k = 0; k < plan->links.size(); ++k) {
+    const bool crossing = plan->stages[k].worker % 2 != plan->stages[k + 1].worker % 2;
+    const std::string codec = in.codecs[plan->links[k].codec_index].name;
+    if (crossing) {
+      EXPECT_NE(codec, "none") << ExplainPlan(in, *plan);
+    } else {
+      EXPECT_EQ(codec, "none") << ExplainPlan(in, *plan);
+    }
+  }
+  const std::string explained = ExplainPlan(in, *plan);
+  EXPECT_NE(explained.find("stage 0"), std::string::npos);
+  EXPECT_NE(explained.find("why:"), std::string::npos);
+  EXPECT_NE(explained.find("bound:"), std::string::npos);
+}
+
+TEST(NetworkPlannerTest, TheWindowCoversTheRoundTrip) {
+  PlannerInput in = TwoRegions(2);
+  in.schedule = PlannerSchedule::kAsync;
+  for (auto& link : in.links) link.rtt_s = 0.2;
+  absl::StatusOr<PipelinePlan> plan = MakeNetworkPlanner()->Plan(in);
+  ASSERT_TRUE(plan.ok());
+  ASSERT_GT(plan->stages.size(), 1u);
+  EXPECT_GE(plan->in_flight * plan->bottleneck_s, plan->round_trip_s * (1 - 1e-9));
+  // With W capped below it, the cap binds and says so.
+  in.max_in_flight = 2;
+  plan = MakeNetworkPlanner()->Plan(in);
+  ASSERT_TRUE(plan.ok());
+  EXPECT_LE(plan->in_flight, 2);
+}
+
+TEST(NetworkPlannerTest, SyncOnAFarLinkKeepsToFewerStages) {
+  // Two equal workers 1 s apart: sync pays the round trip every step
+  // (more than halving the compute saves), which one worker alone does not.
+  PlannerInput in;
+  in.workers = {Worker("a", 10), Worker("b", 10)};
+  in.links = {{0, 1e9}, {1.0, 1e9}, {1.0, 1e9}, {0, 1e9}};
+  for (int l = 0; l < 4; ++l) in.layers.push_back(Layer(1e8, 1000));
+  in.schedule = PlannerSchedule::kSync;
+  in.microbatches = 4;
+  in.microbatch_size = 8;
+  absl::StatusOr<PipelinePlan> plan = MakeNetworkPlanner()->Plan(in);
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(plan->stages.size(), 1u);
+  ASSERT_EQ(plan->spares.size(), 1u);
+  // Async hides it: both are used.
+  in.schedule = PlannerSchedule::kAsync;
+  plan = MakeNetworkPlanner()->Plan(in);
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(plan->stages.size(), 2u);
+}
+
+TEST(NetworkPlannerTest, MeasuredLayerTimesWinOverGflops) {
+  PlannerInput in;
+  in.workers = {Worker("a", 10), Worker("b", 10)};
+  // b's benchmark says it is as fast, but it measured its blocks 3x slower.
+  in.workers[1].seconds_per_sample["block"] = 3 * 1e9 / 10e9;
+  for (int l = 0; l < 8; ++l) in.layers.push_back(Layer(1e9, 10));
+  absl::StatusOr<PipelinePlan> plan = MakeNetworkPlanner()->Plan(in);
+  ASSERT_TRUE(plan.ok());
+  ASSERT_EQ(plan->stages.size(), 2u);
+  for (const PlannedStageInfo& s : plan->stages) {
+    EXPECT_EQ(s.layer_end - s.layer_begin, s.worker == 0 ? 6 : 2) << ExplainPlan(in, *plan);
+  }
+}
+
+TEST(NetworkPlannerTest, MemoryDecidesWhatFits) {
+  PlannerInput in;
+  for (int l = 0; l < 4; ++l) in.layers.push_back(Layer(1e9, 10, 100));
+  in.workers = {Worker("big-but-slow", 1, 1000), Worker("small", 100, 150),
+                Worker("small2", 100, 150)};
+  absl::StatusOr<PipelinePlan> plan = MakeNetworkPlanner()->Plan(in);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  for (const PlannedStageInfo& s : plan->stages) {
+    const uint64_t need = 100 * (s.layer_end - s.layer_begin);
+    EXPECT_LE(need, in.workers[s.worker].memory_bytes);
+  }
+  in.workers = {Worker("tiny", 10, 50), Worker("tiny2", 10, 50)};
+  EXPECT_EQ(MakeNetworkPlanner()->Plan(in).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(MakeJoinOrderPlanner()->Plan(in).status().code(),
+            absl::StatusCode::kResourceExhausted);
+}
+
+TEST(NetworkPlannerTest, ManyWorkersAreSearchedDeterministically) {
+  // 24 workers in 3 regions, 40 layers: the local search, twice.
+  PlannerInput in;
+  const int n = 24;
+  for (int w = 0; w < n; ++w) {
+    in.workers.push_back(Worker("w" + std::to_string(w), w % 3 == 0 ? 30 : (w % 3 == 1 ? 10 : 3)));
+  }
+  in.links.resize(n * n);
+  for (int u = 0; u < n; ++u) {
+    for (int v = 0; v < n; ++v) {
+      const bool same = u % 3 == v % 3 || u / 8 == v / 8;
+      in.links[u * n + v] = {same ? 0.002 : 0.1, same ? 2e9 : 2e8};
+    }
+  }
+  for (int l = 0; l < 40; ++l) in.layers.push_back(Layer(2e9, 300000));
+  in.codecs = Ladder();
+  in.microbatch_size = 4;
+  auto planner = MakeNetworkPlanner();
+  absl::StatusOr<PipelinePlan> first = planner->Plan(in);
+  absl::StatusOr<PipelinePlan> second = planner->Plan(in);
+  ASSERT_TRUE(first.ok() && second.ok());
+  EXPECT_FALSE(first->exact);
+  EXPECT_EQ(ExplainPlan(in, *first), ExplainPlan(in, *second));
+  absl::StatusOr<PipelinePlan> join = MakeJoinOrderPlanner()->Plan(in);
+  ASSERT_TRUE(join.ok());
+  EXPECT_LT(first->time_per_sample_s, join->time_per_sample_s);
+}
+
+TEST(NetworkPlannerTest, BadInputIsAnError) {
+  PlannerInput in;
+  EXPECT_EQ(MakeNetworkPlanner()->Plan(in).status().code(), absl::StatusCode::kInvalidArgument);
+  in.layers.push_back(Layer(1, 1));
+  EXPECT_EQ(MakeNetworkPlanner()->Plan(in).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  in.workers.push_back(Worker("a", 1));
+  in.links.resize(3);
+  EXPECT_EQ(MakeNetworkPlanner()->Plan(in).status().code(), absl::StatusCode::kInvalidArgument);
+  in.links.clear();
+  EXPECT_EQ(PlanForOrder(in, {5}).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace geotrain
