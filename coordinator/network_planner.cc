@@ -236,6 +236,7 @@ class Sweep {
   // Whether `order` fits within tau; if so and `plan` is given, the cuts and
   // codecs of one such pipeline.
   bool Feasible(const std::vector<int>& order, double tau, PipelinePlan* plan) {
+    ++sweeps_;
     const int stages = static_cast<int>(order.size());
     const int layers = model_.layers();
     if (stages == 0 || stages > layers) return false;
@@ -265,8 +266,12 @@ class Sweep {
     return true;
   }
 
+  // Feasibility sweeps run so far: the searches' measure of effort.
+  int64_t sweeps() const { return sweeps_; }
+
  private:
   const CostModel& model_;
+  int64_t sweeps_ = 0;
   std::vector<double> start_;
   std::vector<double> end_;
   std::vector<std::vector<int>> from_;
@@ -332,7 +337,7 @@ bool BestCuts(const CostModel& model, Sweep* sweep, const std::vector<int>& orde
   Score(model, &candidate);
   double hi = candidate.bottleneck_s;
   double lo = 0;
-  for (int i = 0; i < 200 && hi - lo > 1e-10 * hi; ++i) {
+  for (int i = 0; i < 100 && hi - lo > 1e-7 * hi; ++i) {
     const double mid = lo + (hi - lo) / 2;
     PipelinePlan tighter;
     if (sweep->Feasible(order, mid, &tighter)) {
@@ -476,17 +481,34 @@ class NetworkPlanner : public Planner {
     int evaluations = 0;
   };
 
+  // How many stages and links sit at T*: fewer is better among plans with
+  // the same T*, so a search can cross a plateau where two slow stages tie
+  // (removing one alone does not lower T*; removing both does).
+  static int Critical(const PipelinePlan& plan) {
+    int critical = 0;
+    const double at = plan.bottleneck_s * (1 - 1e-6);
+    for (const PlannedStageInfo& s : plan.stages) critical += s.compute_s >= at;
+    for (const PlannedLinkInfo& l : plan.links) critical += l.transfer_s >= at;
+    return critical;
+  }
+
   // Scores `order` exactly if it might beat the incumbent; keeps it if it
-  // does.
+  // does. With `ties`, an equal objective with fewer critical stages and
+  // links also counts as better.
   static bool Offer(const CostModel& model, Sweep* sweep, const std::vector<int>& order,
-                    Best* best) {
+                    Best* best, bool ties = false) {
     ++best->evaluations;
-    const double tau = model.TauBound(best->objective, static_cast<int>(order.size()),
-                                           model.SumRtt(order));
+    double tau = model.TauBound(best->objective, static_cast<int>(order.size()),
+                                model.SumRtt(order));
+    if (ties && std::isfinite(tau)) tau /= 1 - kStrictlyBetter;
     if (tau <= 0 || !sweep->Feasible(order, tau, nullptr)) return false;
     PipelinePlan plan;
     if (!BestCuts(model, sweep, order, &plan)) return false;
-    if (!(plan.time_per_sample_s < best->objective * (1 - kStrictlyBetter))) return false;
+    const bool better = plan.time_per_sample_s < best->objective * (1 - kStrictlyBetter);
+    const bool tie_won = ties && !better &&
+                         plan.time_per_sample_s <= best->objective * (1 + kStrictlyBetter) &&
+                         Critical(plan) < Critical(best->plan);
+    if (!better && !tie_won) return false;
     best->objective = plan.time_per_sample_s;
     best->order = order;
     best->plan = std::move(plan);
@@ -568,6 +590,13 @@ class NetworkPlanner : public Planner {
       }
       Offer(model, sweep, chain, best);
     }
+    // The fastest quarter, half, three quarters: slow workers are worth a
+    // stage only where the fast ones run out.
+    for (int quarter = 1; quarter < 4; ++quarter) {
+      const int count = std::max(1, n * quarter / 4);
+      std::vector<int> members(by_speed.begin(), by_speed.begin() + count);
+      Offer(model, sweep, Chain(model, members, members.front(), limit), best);
+    }
     // Regions: single-linkage groups of pairs whose cost is within 3x of
     // the closest pair's.
     double closest = kInf;
@@ -640,16 +669,18 @@ class NetworkPlanner : public Planner {
     if (best->order.empty()) return;
     const int n = model.workers();
     const int limit = StageLimit(model.input());
-    const double work_per_evaluation =
+    const double work_per_sweep =
         static_cast<double>(limit) * model.layers() * model.codecs() + 1;
-    const int budget = std::clamp(static_cast<int>(options_.search_work / work_per_evaluation),
-                                  options_.min_search_evaluations,
-                                  options_.max_search_evaluations);
+    const int64_t budget =
+        sweep->sweeps() + std::clamp<int64_t>(static_cast<int64_t>(options_.search_work /
+                                                                   work_per_sweep),
+                                              options_.min_search_evaluations,
+                                              options_.max_search_evaluations);
     std::mt19937 random(0x9e3779b9u);
     auto uniform = [&](int bound) {
       return static_cast<int>(std::uniform_int_distribution<int>(0, bound - 1)(random));
     };
-    while (best->evaluations < budget) {
+    while (sweep->sweeps() < budget) {
       std::vector<int> order = best->order;
       const int p = static_cast<int>(order.size());
       std::vector<int> unused;
@@ -660,7 +691,14 @@ class NetworkPlanner : public Planner {
           if (!in[w]) unused.push_back(w);
         }
       }
-      switch (uniform(5)) {
+      // Stages at T*: the moves aimed at them change what binds.
+      std::vector<int> critical;
+      for (int k = 0; k < p; ++k) {
+        if (best->plan.stages[k].compute_s >= best->plan.bottleneck_s * (1 - 1e-6)) {
+          critical.push_back(k);
+        }
+      }
+      switch (uniform(7)) {
         case 0:  // swap two stages' workers
           if (p < 2) continue;
           std::swap(order[uniform(p)], order[uniform(p)]);
@@ -681,13 +719,25 @@ class NetworkPlanner : public Planner {
           order.insert(order.begin() + uniform(p + 1),
                        unused[uniform(static_cast<int>(unused.size()))]);
           break;
-        default:  // a stage leaves
+        case 4:  // a stage leaves
           if (p < 2) continue;
           order.erase(order.begin() + uniform(p));
           break;
+        case 5:  // a critical stage's worker leaves
+          if (p < 2 || critical.empty()) continue;
+          order.erase(order.begin() + critical[uniform(static_cast<int>(critical.size()))]);
+          break;
+        default: {  // the fastest spare takes a critical stage
+          if (unused.empty() || critical.empty()) continue;
+          const int fastest = *std::max_element(unused.begin(), unused.end(), [&](int a, int b) {
+            return Speed(model, a) < Speed(model, b);
+          });
+          order[critical[uniform(static_cast<int>(critical.size()))]] = fastest;
+          break;
+        }
       }
       if (order == best->order) continue;
-      Offer(model, sweep, order, best);
+      Offer(model, sweep, order, best, /*ties=*/true);
     }
   }
 

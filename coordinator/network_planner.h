@@ -127,9 +127,9 @@ struct NetworkPlannerOptions {
   // bounds that never cut off a better plan): the result is optimal.
   int exhaustive_max_workers = 8;
   // Above it, a local search from several constructions; its effort in
-  // evaluations of an order is about this divided by (stages x layers x
-  // codecs), within [min, max]. Counted, not timed, so results repeat.
-  double search_work = 4e8;
+  // feasibility sweeps is this divided by (stages x layers x codecs),
+  // within [min, max]. Counted, not timed, so results repeat.
+  double search_work = 2e8;
   int min_search_evaluations = 300;
   int max_search_evaluations = 20000;
 };
