@@ -26,12 +26,14 @@ std::vector<LayerProfile> ProfileLayers(const v1::JobSpec& job) {
     const double t = g.context(), d = g.d_model();
     const double hidden = d * g.mlp_ratio();
     LayerProfile embed;
+    embed.kind = "embed";
     embed.parameter_count = static_cast<uint64_t>((kByteVocab + t) * d);
     embed.flops_per_sample = 3 * t * d;  // lookups and adds only
     embed.training_bytes = embed.parameter_count * kBytesPerTrainedParameter +
                            static_cast<uint64_t>(batch * t * d * 4);
     layers.push_back(embed);
     LayerProfile block;
+    block.kind = "block";
     // Two LayerNorms (2d each), qkv (3d^2 + 3d), proj (d^2 + d), fc1
     // (dh + h), fc2 (hd + d): exact, since checkpoints are checked against it.
     block.parameter_count =
@@ -44,6 +46,7 @@ std::vector<LayerProfile> ProfileLayers(const v1::JobSpec& job) {
         static_cast<uint64_t>(batch * t * (10 * d + hidden + g.heads() * t) * 4);
     for (int i = 0; i < g.blocks(); ++i) layers.push_back(block);
     LayerProfile head;
+    head.kind = "head";
     head.parameter_count = static_cast<uint64_t>(2 * d + d * kByteVocab + kByteVocab);
     head.flops_per_sample = 6 * t * d * kByteVocab;
     head.training_bytes = head.parameter_count * kBytesPerTrainedParameter +
@@ -55,6 +58,7 @@ std::vector<LayerProfile> ProfileLayers(const v1::JobSpec& job) {
       const int out = i < job.mlp().hidden_size() ? job.mlp().hidden(i)
                                                   : kFashionClasses;
       LayerProfile linear;
+      linear.kind = "linear";
       linear.parameter_count = static_cast<uint64_t>(in) * out + out;
       linear.flops_per_sample = 6.0 * in * out;
       linear.training_bytes =

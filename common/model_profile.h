@@ -5,6 +5,7 @@
 #define GEOTRAIN_COMMON_MODEL_PROFILE_H_
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "geotrain/v1/job.pb.h"
@@ -13,6 +14,9 @@
 namespace geotrain {
 
 struct LayerProfile {
+  // What a worker benchmarks per layer kind: "embed", "block", "head"
+  // (GPT), "linear" (MLP).
+  std::string kind;
   double flops_per_sample = 0;  // forward + backward
   uint64_t parameter_count = 0;
   // Bytes a stage holds for this layer while training: parameters, their

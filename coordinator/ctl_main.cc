@@ -32,6 +32,7 @@ ABSL_FLAG(std::string, coordinator, "127.0.0.1:7070", "coordinator HOST:PORT");
 ABSL_FLAG(bool, json, false, "print the status as JSON");
 ABSL_FLAG(bool, brief, false, "print one line: state, step, loss, samples/s");
 ABSL_FLAG(int, timeout_ms, 3000, "deadline of the status call");
+ABSL_FLAG(bool, explain, false, "plan: per stage, the predicted compute, link time and why");
 ABSL_FLAG(int, events, 8, "how many recent events to show (table only)");
 ABSL_FLAG(std::string, admin_credential, "",
           "credential file: the coordinator's <state_dir>/tls/admin.credential (or a worker's)");
@@ -192,6 +193,7 @@ constexpr char kUsage[] =
     "usage: geotrain-ctl COMMAND --coordinator=HOST:PORT (--admin_credential=FILE | "
     "--token=TOKEN | --insecure)\n"
     "  status [--json | --brief]\n"
+    "  plan [--explain]\n"
     "  token create [--ttl=24h] [--uses=N] [--name=LABEL] [--role=worker|viewer]\n"
     "  token list\n"
     "  token revoke ID_OR_TOKEN\n"
@@ -343,13 +345,36 @@ int WorkerCommand(const std::vector<std::string>& args, const Connection& connec
   return 0;
 }
 
+// `plan`: the planner's prediction for the current plan; with --explain,
+// per stage: compute, link, bound and why each worker is where it is.
+int PrintPlan(const geotrain::v1::ClusterStatus& status) {
+  if (status.state() == "waiting" || !status.has_prediction()) {
+    std::printf("no plan yet (%s)\n", status.state().c_str());
+    return 0;
+  }
+  const geotrain::v1::PlanPrediction& p = status.prediction();
+  std::printf("planner %s%s, epoch %llu: predicted %.3f ms per sample, T* %.2f ms per microbatch "
+              "(bound: %s), W %d; measured %.1f samples/s",
+              p.planner().c_str(), p.exact() ? " (optimal)" : "",
+              static_cast<unsigned long long>(status.epoch()), 1e3 * p.time_per_sample_s(),
+              1e3 * p.bottleneck_s(), p.bound().c_str(), p.in_flight(), status.samples_per_s());
+  if (status.samples_per_s() > 0 && p.time_per_sample_s() > 0) {
+    std::printf(" (%.0f%% of the predicted %.1f)", 100 * status.samples_per_s() *
+                                                       p.time_per_sample_s(),
+                1 / p.time_per_sample_s());
+  }
+  std::printf("\n");
+  if (absl::GetFlag(FLAGS_explain)) std::printf("%s", p.explanation().c_str());
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(kUsage);
   const std::vector<char*> raw_args = absl::ParseCommandLine(argc, argv);
   const std::vector<std::string> args(raw_args.begin(), raw_args.end());
-  const bool known = (args.size() == 2 && args[1] == "status") ||
+  const bool known = (args.size() == 2 && (args[1] == "status" || args[1] == "plan")) ||
                      (args.size() >= 3 && (args[1] == "token" || args[1] == "worker"));
   if (!known) {
     std::fprintf(stderr, "%s", kUsage);
@@ -369,6 +394,7 @@ int main(int argc, char** argv) {
   grpc::Status rpc = stub->GetClusterStatus(NewContext(*connection).get(),
                                             geotrain::v1::ClusterStatusRequest(), &status);
   if (!rpc.ok()) return RpcFailed("status", address, rpc);
+  if (args[1] == "plan") return PrintPlan(status);
   if (absl::GetFlag(FLAGS_json)) {
     std::string json;
     google::protobuf::util::JsonPrintOptions options;

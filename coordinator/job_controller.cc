@@ -11,7 +11,7 @@
 #include "common/logging.h"
 #include "common/model_profile.h"
 #include "common/plan_util.h"
-#include "coordinator/planner.h"
+#include "coordinator/plan_builder.h"
 
 namespace geotrain {
 namespace {
@@ -62,13 +62,16 @@ absl::StatusOr<std::unique_ptr<JobController>> JobController::Create(
   if (options.clock == nullptr) {
     return absl::InvalidArgumentError("JobController needs a clock");
   }
+  absl::StatusOr<std::unique_ptr<Planner>> planner = MakePlannerByName(options.planner);
+  if (!planner.ok()) return planner.status();
   absl::StatusOr<StateStore> store = StateStore::Open(options.state_dir);
   if (!store.ok()) return store.status();
   absl::StatusOr<std::unique_ptr<CheckpointStore>> checkpoints =
       CheckpointStore::Open(options.state_dir);
   if (!checkpoints.ok()) return checkpoints.status();
   auto controller = std::unique_ptr<JobController>(
-      new JobController(std::move(options), *std::move(store), *std::move(checkpoints)));
+      new JobController(std::move(options), *std::move(planner), *std::move(store),
+                        *std::move(checkpoints)));
   absl::MutexLock lock(&controller->mu_);
   if (absl::Status recovered = controller->RecoverLocked(); !recovered.ok()) return recovered;
   if (!controller->options_.metrics_log_path.empty()) {
@@ -89,9 +92,10 @@ absl::StatusOr<std::unique_ptr<JobController>> JobController::Create(
   return controller;
 }
 
-JobController::JobController(JobControllerOptions options, StateStore store,
-                             std::unique_ptr<CheckpointStore> checkpoints)
+JobController::JobController(JobControllerOptions options, std::unique_ptr<Planner> planner,
+                             StateStore store, std::unique_ptr<CheckpointStore> checkpoints)
     : options_(std::move(options)),
+      planner_(std::move(planner)),
       start_ms_(options_.clock->NowMs()),
       membership_(options_.clock, options_.job.lease_ms()),
       store_(std::move(store)),
@@ -1003,31 +1007,15 @@ void JobController::MaybeReplanLocked() {
 
 std::optional<v1::Plan> JobController::PartitionLocked(const std::vector<WorkerRecord>& live,
                                                        std::string* summary) {
-  std::vector<PlannerWorker> candidates;
-  for (const WorkerRecord& w : live) {
-    candidates.push_back({w.id, w.device.matmul_gflops(), w.device.memory_bytes()});
-  }
-  absl::StatusOr<std::vector<StageRange>> ranges =
-      PlanStages(ProfileLayers(options_.job), candidates, options_.job.max_stages());
-  if (!ranges.ok()) {
-    AddEventLocked("plan_failed", "", std::string(ranges.status().message()));
+  const PlannerInput input = PlannerInputFor(options_.job, live);
+  absl::StatusOr<PipelinePlan> planned = planner_->Plan(input);
+  if (!planned.ok()) {
+    AddEventLocked("plan_failed", "", std::string(planned.status().message()));
     return std::nullopt;
   }
-  v1::Plan plan;
-  plan.set_num_layers(NumLayers(options_.job));
-  for (size_t k = 0; k < ranges->size(); ++k) {
-    const StageRange& r = (*ranges)[k];
-    v1::StageAssignment* stage = plan.add_stages();
-    stage->set_stage(static_cast<int>(k));
-    stage->set_layer_begin(r.layer_begin);
-    stage->set_layer_end(r.layer_end);
-    stage->set_worker_id(r.worker_id);
-    for (const WorkerRecord& w : live) {
-      if (w.id == r.worker_id) stage->set_address(w.address);
-    }
-    absl::StrAppend(summary, k == 0 ? "" : ", ", "stage ", k, " = layers [", r.layer_begin, ",",
-                    r.layer_end, ") on ", NameOf(r.worker_id));
-  }
+  v1::Plan plan = PlanProtoFor(*planned, live, NumLayers(options_.job));
+  absl::StrAppend(summary, SummaryOf(*planned, live));
+  prediction_ = PredictionOf(input, *planned);
   FillReplicasLocked(&plan, summary);
   return plan;
 }
@@ -1146,6 +1134,7 @@ v1::ClusterStatus JobController::Status() const {
   status.set_samples(samples_);
   status.set_epoch(plan_.has_value() ? plan_->epoch() : 0);
   status.set_schedule(ScheduleName(options_.job.schedule()));
+  if (plan_.has_value()) *status.mutable_prediction() = prediction_;
   status.set_val_loss(val_loss_);
   status.set_accuracy(accuracy_);
   status.set_elapsed_s(ElapsedS());

@@ -24,6 +24,7 @@
 #include "common/clock.h"
 #include "coordinator/checkpoint_store.h"
 #include "coordinator/membership.h"
+#include "coordinator/network_planner.h"
 #include "coordinator/state_store.h"
 #include "geotrain/v1/coordinator.pb.h"
 #include "geotrain/v1/job.pb.h"
@@ -41,6 +42,9 @@ struct JobControllerOptions {
   // are not confirmed can be suspected. Insecure, anyone may speak for
   // anyone, so nobody is suspected on what "they" said.
   bool authenticated_callers = false;
+  // "network" (coordinator/network_planner.h) or "join-order" (planner v1:
+  // join order, compute-only cuts).
+  std::string planner = "join-order";
 };
 
 class JobController {
@@ -115,7 +119,7 @@ class JobController {
   void Shutdown();
 
  private:
-  JobController(JobControllerOptions options, StateStore store,
+  JobController(JobControllerOptions options, std::unique_ptr<Planner> planner, StateStore store,
                 std::unique_ptr<CheckpointStore> checkpoints);
   // Takes over what a previous coordinator persisted in the state dir.
   absl::Status RecoverLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -180,6 +184,7 @@ class JobController {
   std::string NameOf(const std::string& worker_id) const;
 
   const JobControllerOptions options_;
+  const std::unique_ptr<Planner> planner_;
   const int64_t start_ms_;
   Membership membership_;
 
@@ -242,6 +247,8 @@ class JobController {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::ofstream metrics_ ABSL_GUARDED_BY(mu_);
   std::optional<v1::Plan> plan_ ABSL_GUARDED_BY(mu_);
+  // What the planner predicted when it last partitioned the layers.
+  v1::PlanPrediction prediction_ ABSL_GUARDED_BY(mu_);
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
   bool done_ ABSL_GUARDED_BY(mu_) = false;
   std::set<std::string> done_workers_ ABSL_GUARDED_BY(mu_);

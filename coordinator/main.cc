@@ -25,6 +25,7 @@
 #include "coordinator/cluster_authority.h"
 #include "coordinator/coordinator_service.h"
 #include "coordinator/job_controller.h"
+#include "coordinator/plan_builder.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:7070", "HOST:PORT to serve on (port 0: any)");
 ABSL_FLAG(std::string, job, "", "job spec (.textproto), required");
@@ -52,6 +53,9 @@ ABSL_FLAG(std::string, tls_key, "", "its private key (PEM)");
 ABSL_FLAG(std::string, tls_ca, "", "the CA that issued --tls_cert (PEM); tokens pin it");
 ABSL_FLAG(std::vector<std::string>, tls_san, {},
           "extra DNS names or IP addresses for the generated serving certificate");
+ABSL_FLAG(std::string, planner, "join-order",
+          "join-order: stages in join order, cuts by compute (planner v1); network: workers, "
+          "order and cuts chosen by predicted time per sample (see geotrain-ctl plan --explain)");
 ABSL_FLAG(int, joins_per_minute, 60, "joins and enrollments accepted per source host per minute");
 
 namespace {
@@ -78,6 +82,11 @@ int main(int argc, char** argv) {
     return Fail(std::string(listen.message()));
   }
   if (absl::GetFlag(FLAGS_joins_per_minute) < 1) return Fail("--joins_per_minute must be >= 1");
+  if (absl::StatusOr<std::unique_ptr<geotrain::Planner>> planner =
+          geotrain::MakePlannerByName(absl::GetFlag(FLAGS_planner));
+      !planner.ok()) {
+    return Fail(absl::StrCat("--planner: ", planner.status().message()));
+  }
 
   const std::string job_path = absl::GetFlag(FLAGS_job);
   if (job_path.empty()) return Fail("--job=FILE is required");
@@ -125,6 +134,7 @@ int main(int argc, char** argv) {
   options.heartbeat_ms = std::max(100, job->lease_ms() / 5);
   const bool insecure = absl::GetFlag(FLAGS_insecure);
   options.authenticated_callers = !insecure;
+  options.planner = absl::GetFlag(FLAGS_planner);
 
   // TLS: the cluster CA and the tokens live in the state dir.
   std::unique_ptr<geotrain::ClusterAuthority> authority;

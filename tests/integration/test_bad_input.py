@@ -88,6 +88,7 @@ class FlagRangeTest(unittest.TestCase):
             ([binary("geotrain-coordinator"), job, "--steps=-5"], "--steps"),
             ([binary("geotrain-coordinator"), job, "--seed=-1"], "--seed"),
             ([binary("geotrain-coordinator"), job, "--min_workers=-2"], "--min_workers"),
+            ([binary("geotrain-coordinator"), job, "--planner=fastest"], "--planner"),
             ([binary("geotrain-worker"), "--threads=-3", "--insecure"], "--threads"),
             ([binary("geotrain-worker"), "--listen=127.0.0.1:70000", "--insecure"], "--listen"),
             ([binary("geotrain-worker"), "--coordinator=nowhere", "--insecure"], "--coordinator"),

@@ -168,6 +168,29 @@ class PipelineTest(unittest.TestCase):
             self.assertEqual(spare_status()["state"], "WORKER_STATE_LEFT")
             self.assertEqual(c.status()["state"], "training")
 
+    def test_network_planner_explains_its_plan(self):
+        with Cluster(job_path("gpt-tiny.textproto"), ["--steps=8", "--planner=network"]) as c:
+            c.train(3, timeout=300)
+            out = c.ctl("plan", "--explain")
+            status = c.status()
+        self.assertEqual(out.returncode, 0, out.stderr)
+        print(out.stdout)
+        prediction = status["prediction"]
+        self.assertEqual(prediction["planner"], "network")
+        self.assertTrue(prediction["exact"])  # 3 workers: an exhaustive search
+        self.assertGreater(prediction["time_per_sample_s"], 0)
+        self.assertGreaterEqual(prediction["in_flight"], 1)
+        stages = [w for w in status["workers"] if w["stage"] >= 0]
+        lines = out.stdout.splitlines()
+        self.assertIn("predicted", lines[0])
+        self.assertIn("bound:", lines[0])
+        # One line per stage with its compute, each followed by why.
+        stage_lines = [l for l in lines if l.strip().startswith("stage ")]
+        self.assertEqual(len(stage_lines), len(stages))
+        self.assertEqual(len([l for l in lines if "why:" in l]), len(stages))
+        for line in stage_lines:
+            self.assertIn("compute", line)
+
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)

@@ -1,0 +1,116 @@
+#include "coordinator/plan_builder.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/link_message.h"
+#include "common/model_profile.h"
+
+namespace geotrain {
+namespace {
+
+// Wire bytes per raw byte of each codec on float32 (block 64 for the
+// integer codecs: one scale per block), and a CPU's encode + decode cost per
+// raw byte, roughly as bench/codecs measures them here.
+CodecCost CostOf(v1::Codec codec) {
+  switch (codec) {
+    case v1::CODEC_FP16:
+      return {codec, "fp16", 0.5, 0.5e-9};
+    case v1::CODEC_BF16:
+      return {codec, "bf16", 0.5, 0.5e-9};
+    case v1::CODEC_INT8:
+      return {codec, "int8", 0.266, 1e-9};
+    case v1::CODEC_INT4:
+      return {codec, "int4", 0.141, 1.2e-9};
+    case v1::CODEC_TOPK:
+      return {codec, "topk", 0.2, 3e-9};
+    default:
+      return {v1::CODEC_NONE, "none", 1.0, 0};
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Planner>> MakePlannerByName(const std::string& name) {
+  if (name == "network") return MakeNetworkPlanner();
+  if (name == "join-order") return MakeJoinOrderPlanner();
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown planner \"", name, "\": use network or join-order"));
+}
+
+PlannerInput PlannerInputFor(const v1::JobSpec& job, const std::vector<WorkerRecord>& workers) {
+  PlannerInput in;
+  for (const WorkerRecord& w : workers) {
+    PlannerWorkerInfo info;
+    info.id = w.id;
+    info.name = w.name;
+    info.gflops = w.device.matmul_gflops();
+    info.memory_bytes = w.device.memory_bytes();
+    info.reachable = !w.reachability.known() || w.reachability.reachable();
+    in.workers.push_back(std::move(info));
+  }
+  in.default_link = {0.001, 1e9};
+  const std::vector<LayerProfile> layers = ProfileLayers(job);
+  for (size_t l = 0; l < layers.size(); ++l) {
+    PlannerLayer layer;
+    layer.kind = layers[l].kind;
+    layer.flops_per_sample = layers[l].flops_per_sample;
+    layer.training_bytes = layers[l].training_bytes;
+    if (l + 1 < layers.size()) {
+      const TensorSpec spec = LayerInputSpec(job, static_cast<int>(l + 1), 1);
+      uint64_t elements = 1;
+      for (int64_t d : spec.shape) elements *= static_cast<uint64_t>(std::max<int64_t>(d, 1));
+      layer.output_bytes_per_sample = elements * DTypeSize(spec.dtype);
+    }
+    in.layers.push_back(std::move(layer));
+  }
+  in.codecs = {CostOf(job.activation_codec())};
+  in.schedule = job.schedule() == v1::SCHEDULE_SYNC ? PlannerSchedule::kSync
+                                                    : PlannerSchedule::kAsync;
+  in.microbatches = std::max(1, job.microbatches());
+  in.microbatch_size = std::max(1, job.microbatch_size());
+  in.max_stages = job.max_stages();
+  in.max_in_flight = job.in_flight();
+  return in;
+}
+
+v1::Plan PlanProtoFor(const PipelinePlan& plan, const std::vector<WorkerRecord>& workers,
+                      int num_layers) {
+  v1::Plan proto;
+  proto.set_num_layers(num_layers);
+  for (size_t k = 0; k < plan.stages.size(); ++k) {
+    const PlannedStageInfo& s = plan.stages[k];
+    v1::StageAssignment* stage = proto.add_stages();
+    stage->set_stage(static_cast<int>(k));
+    stage->set_layer_begin(s.layer_begin);
+    stage->set_layer_end(s.layer_end);
+    stage->set_worker_id(workers[s.worker].id);
+    stage->set_address(workers[s.worker].address);
+  }
+  return proto;
+}
+
+std::string SummaryOf(const PipelinePlan& plan, const std::vector<WorkerRecord>& workers) {
+  std::string summary;
+  for (size_t k = 0; k < plan.stages.size(); ++k) {
+    const PlannedStageInfo& s = plan.stages[k];
+    const WorkerRecord& w = workers[s.worker];
+    absl::StrAppend(&summary, k == 0 ? "" : ", ", "stage ", k, " = layers [", s.layer_begin, ",",
+                    s.layer_end, ") on ", w.name.empty() ? w.id : w.name);
+  }
+  return summary;
+}
+
+v1::PlanPrediction PredictionOf(const PlannerInput& input, const PipelinePlan& plan) {
+  v1::PlanPrediction prediction;
+  prediction.set_planner(plan.planner);
+  prediction.set_time_per_sample_s(plan.time_per_sample_s);
+  prediction.set_bottleneck_s(plan.bottleneck_s);
+  prediction.set_in_flight(plan.in_flight);
+  prediction.set_bound(plan.bound);
+  prediction.set_explanation(ExplainPlan(input, plan));
+  prediction.set_exact(plan.exact);
+  return prediction;
+}
+
+}  // namespace geotrain
