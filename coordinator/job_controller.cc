@@ -69,9 +69,18 @@ absl::StatusOr<std::unique_ptr<JobController>> JobController::Create(
   absl::StatusOr<std::unique_ptr<CheckpointStore>> checkpoints =
       CheckpointStore::Open(options.state_dir);
   if (!checkpoints.ok()) return checkpoints.status();
+  // The writer has its own handle on the state dir (the store is a path).
+  auto state_writer = std::make_unique<DurableStateWriter>(
+      [store = *store, hook = options.before_state_write](
+          const v1::CoordinatorState& state) mutable -> absl::Status {
+        if (hook) {
+          if (absl::Status injected = hook(); !injected.ok()) return injected;
+        }
+        return store.WriteState(state);
+      });
   auto controller = std::unique_ptr<JobController>(
       new JobController(std::move(options), *std::move(planner), *std::move(store),
-                        *std::move(checkpoints)));
+                        std::move(state_writer), *std::move(checkpoints)));
   absl::MutexLock lock(&controller->mu_);
   if (absl::Status recovered = controller->RecoverLocked(); !recovered.ok()) return recovered;
   if (!controller->options_.metrics_log_path.empty()) {
@@ -93,13 +102,17 @@ absl::StatusOr<std::unique_ptr<JobController>> JobController::Create(
 }
 
 JobController::JobController(JobControllerOptions options, std::unique_ptr<Planner> planner,
-                             StateStore store, std::unique_ptr<CheckpointStore> checkpoints)
+                             StateStore store, std::unique_ptr<DurableStateWriter> state_writer,
+                             std::unique_ptr<CheckpointStore> checkpoints)
     : options_(std::move(options)),
       planner_(std::move(planner)),
       start_ms_(options_.clock->NowMs()),
       membership_(options_.clock, options_.job.lease_ms()),
       store_(std::move(store)),
+      state_writer_(std::move(state_writer)),
       checkpoints_(std::move(checkpoints)) {}
+
+void JobController::FlushState() { state_writer_->Flush(); }
 
 absl::Status JobController::RecoverLocked() {
   absl::StatusOr<std::optional<v1::CoordinatorState>> state = store_.ReadState();
@@ -169,8 +182,7 @@ void JobController::PersistLocked() {
   state.set_accuracy(accuracy_);
   state.set_done(done_);
   state.set_next_worker_number(membership_.next_number());
-  absl::Status written = store_.WriteState(state);
-  if (!written.ok()) GT_LOG(Warning) << "could not persist state: " << written.message();
+  state_writer_->Submit(std::move(state));
   last_persist_ms_ = options_.clock->NowMs();
 }
 

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <deque>
 #include <fstream>
+#include <functional>
 #include <atomic>
 #include <map>
 #include <memory>
@@ -23,6 +24,7 @@
 #include "absl/time/time.h"
 #include "common/clock.h"
 #include "coordinator/checkpoint_store.h"
+#include "coordinator/durable_state_writer.h"
 #include "coordinator/membership.h"
 #include "coordinator/network_planner.h"
 #include "coordinator/state_store.h"
@@ -45,6 +47,10 @@ struct JobControllerOptions {
   // "network" (coordinator/network_planner.h) or "join-order" (planner v1:
   // join order, compute-only cuts).
   std::string planner = "join-order";
+  // Runs on the state writer's thread before each write of the state file
+  // (a fault-injecting wrapper for tests: a slow or failing disk). A
+  // non-OK result fails that write. Empty: none.
+  std::function<absl::Status()> before_state_write;
 };
 
 class JobController {
@@ -62,6 +68,9 @@ class JobController {
                                         const std::string& worker_id = "",
                                         const v1::Reachability& reachability = v1::Reachability());
   bool KnowsWorker(const std::string& worker_id) const;
+  // Waits until the state submitted so far is on disk (step reports and
+  // joins never wait for it; see DurableStateWriter).
+  void FlushState();
   // Events for the Admin service and enrollments (TLS mode).
   void RecordEnrollment(const std::string& worker_id, const std::string& name,
                         const std::string& token_id);
@@ -120,6 +129,7 @@ class JobController {
 
  private:
   JobController(JobControllerOptions options, std::unique_ptr<Planner> planner, StateStore store,
+                std::unique_ptr<DurableStateWriter> state_writer,
                 std::unique_ptr<CheckpointStore> checkpoints);
   // Takes over what a previous coordinator persisted in the state dir.
   absl::Status RecoverLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -190,6 +200,9 @@ class JobController {
 
   mutable absl::Mutex mu_;
   StateStore store_ ABSL_GUARDED_BY(mu_);
+  // Writes state.textproto off the lock (plans and events stay synchronous:
+  // they are rare, and a plan must be durable before workers see it).
+  std::unique_ptr<DurableStateWriter> state_writer_;
   const std::unique_ptr<CheckpointStore> checkpoints_;  // thread-safe itself
   int64_t last_persist_ms_ ABSL_GUARDED_BY(mu_) = 0;
   bool recovered_ ABSL_GUARDED_BY(mu_) = false;

@@ -2,14 +2,18 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <limits>
 #include <set>
 #include <fstream>
 #include <sstream>
 
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "common/job_spec.h"
 #include "common/model_profile.h"
 
@@ -38,6 +42,7 @@ class JobControllerTest : public testing::Test {
     options.metrics_log_path = dir_ + "/metrics.jsonl";
     options.clock = &clock_;
     options.authenticated_callers = authenticated_callers_;
+    options.before_state_write = before_state_write_;
     auto controller = JobController::Create(options);
     ASSERT_TRUE(controller.ok()) << controller.status();
     controller_ = std::move(*controller);
@@ -62,6 +67,7 @@ class JobControllerTest : public testing::Test {
 
   FakeClock clock_{0};
   bool authenticated_callers_ = false;
+  std::function<absl::Status()> before_state_write_;
   v1::JobSpec job_;
   std::string dir_;
   std::unique_ptr<JobController> controller_;
@@ -118,6 +124,64 @@ TEST_F(JobControllerTest, ReportsOfOtherEpochsOrOldStepsAreRefused) {
   EXPECT_NE(metrics.find("\"step\":2,\"loss\":2,\"samples\":128,\"time_s\":0.500"),
             std::string::npos)
       << metrics;
+}
+
+TEST_F(JobControllerTest, AStepReportNeverWaitsForASlowStateWrite) {
+  // The disk stalls: every state write waits until the test lets it go.
+  absl::Notification disk_free;
+  std::atomic<int> stalled_writes{0};
+  before_state_write_ = [&]() -> absl::Status {
+    ++stalled_writes;
+    disk_free.WaitForNotification();
+    return absl::OkStatus();
+  };
+  Start("gpt { context: 8 d_model: 16 heads: 2 blocks: 2 } text {} steps: 3 "
+        "min_workers: 2 lease_ms: 1000");
+  Join("a");
+  const std::string b = Join("b").worker_id();
+  // A write is in progress (stuck) before the report.
+  for (int i = 0; i < 1000 && stalled_writes == 0; ++i) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_GE(stalled_writes.load(), 1);
+  v1::StepReport report;
+  report.set_worker_id(b);
+  report.set_epoch(1);
+  report.set_samples(8);
+  report.set_loss(2.5);
+  const absl::Time start = absl::Now();
+  for (int step = 1; step <= 3; ++step) {
+    report.set_step(step);
+    ASSERT_TRUE(controller_->ReportStep(report).ok());
+  }
+  // Returned while the disk was still stuck (a wait would never end).
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  EXPECT_EQ(controller_->Status().step(), 3);
+  disk_free.Notify();
+  controller_->FlushState();
+  EXPECT_NE(ReadFile(dir_ + "/state.textproto").find("step: 3"), std::string::npos);
+}
+
+TEST_F(JobControllerTest, AFailedStateWriteIsRetriedWithTheNextState) {
+  std::atomic<bool> fail{true};
+  before_state_write_ = [&]() -> absl::Status {
+    return fail ? absl::UnavailableError("disk full (injected)") : absl::OkStatus();
+  };
+  Start("gpt { context: 8 d_model: 16 heads: 2 blocks: 2 } text {} steps: 3 "
+        "min_workers: 2 lease_ms: 1000");
+  Join("a");
+  const std::string b = Join("b").worker_id();
+  v1::StepReport report;
+  report.set_worker_id(b);
+  report.set_epoch(1);
+  report.set_samples(8);
+  report.set_step(1);
+  ASSERT_TRUE(controller_->ReportStep(report).ok());
+  controller_->FlushState();
+  EXPECT_EQ(ReadFile(dir_ + "/state.textproto").find("step: 1"), std::string::npos);
+  fail = false;
+  report.set_step(2);
+  ASSERT_TRUE(controller_->ReportStep(report).ok());
+  controller_->FlushState();
+  EXPECT_NE(ReadFile(dir_ + "/state.textproto").find("step: 2"), std::string::npos);
 }
 
 TEST_F(JobControllerTest, EvalIsLogged) {
