@@ -4,6 +4,7 @@
 #ifndef GEOTRAIN_COMMON_STAGE_PROBE_H_
 #define GEOTRAIN_COMMON_STAGE_PROBE_H_
 
+#include <cstddef>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -20,6 +21,23 @@ absl::StatusOr<absl::Duration> ProbeStage(const std::string& address,
                                           const std::string& member_id,
                                           const TransportSecurity& security,
                                           absl::Duration deadline);
+
+// The most a Measure call may carry (the Stage service refuses more).
+inline constexpr size_t kMaxMeasurePayloadBytes = 1 << 20;
+
+struct LinkMeasurement {
+  double rtt_s = 0;    // least of a few empty calls on one connection
+  double rate_bps = 0; // payload bits / (its call's time - RTT)
+};
+
+// Connects as ProbeStage does, then times 3 empty Stage.Measure calls and
+// one carrying `payload_bytes` (<= kMaxMeasurePayloadBytes): what a joiner's
+// link to that member would see, bounded to those bytes and `deadline` in
+// all. UNAVAILABLE as ProbeStage; INVALID_ARGUMENT for a payload too big.
+absl::StatusOr<LinkMeasurement> MeasureStage(const std::string& address,
+                                             const std::string& member_id,
+                                             const TransportSecurity& security,
+                                             absl::Duration deadline, size_t payload_bytes);
 
 }  // namespace geotrain
 

@@ -11,6 +11,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <cstdio>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -194,6 +195,7 @@ constexpr char kUsage[] =
     "--token=TOKEN | --insecure)\n"
     "  status [--json | --brief]\n"
     "  plan [--explain]\n"
+    "  network\n"
     "  token create [--ttl=24h] [--uses=N] [--name=LABEL] [--role=worker|viewer]\n"
     "  token list\n"
     "  token revoke ID_OR_TOKEN\n"
@@ -368,13 +370,38 @@ int PrintPlan(const geotrain::v1::ClusterStatus& status) {
   return 0;
 }
 
+// `network`: the coordinator's link matrix, one ordered pair a line.
+int PrintNetwork(const geotrain::v1::ClusterStatus& status) {
+  std::map<std::string, std::string> names;
+  for (const auto& w : status.workers()) names[w.id()] = w.name();
+  auto name = [&](const std::string& id) {
+    auto it = names.find(id);
+    return it == names.end() || it->second.empty() ? id : it->second;
+  };
+  std::printf("%-16s %-16s %10s %12s %8s %s\n", "FROM", "TO", "RTT ms", "RATE Mb/s", "AGE s",
+              "SOURCE");
+  for (const auto& link : status.network()) {
+    const std::string rtt =
+        link.rtt_s() > 0 ? absl::StrFormat("%.2f", 1e3 * link.rtt_s()) : std::string("-");
+    const std::string rate =
+        link.rate_bps() > 0 ? absl::StrFormat("%.1f", link.rate_bps() / 1e6) : std::string("-");
+    std::printf("%-16s %-16s %10s %12s %8.0f %s\n", name(link.from_worker()).c_str(),
+                name(link.to_worker()).c_str(), rtt.c_str(), rate.c_str(), link.age_s(),
+                link.rate_bps() > 0 || link.rtt_s() > 0 ? link.source().c_str()
+                                                        : "probe failed");
+  }
+  if (status.network_size() == 0) std::printf("(nothing measured yet)\n");
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(kUsage);
   const std::vector<char*> raw_args = absl::ParseCommandLine(argc, argv);
   const std::vector<std::string> args(raw_args.begin(), raw_args.end());
-  const bool known = (args.size() == 2 && (args[1] == "status" || args[1] == "plan")) ||
+  const bool known =
+      (args.size() == 2 && (args[1] == "status" || args[1] == "plan" || args[1] == "network")) ||
                      (args.size() >= 3 && (args[1] == "token" || args[1] == "worker"));
   if (!known) {
     std::fprintf(stderr, "%s", kUsage);
@@ -395,6 +422,7 @@ int main(int argc, char** argv) {
                                             geotrain::v1::ClusterStatusRequest(), &status);
   if (!rpc.ok()) return RpcFailed("status", address, rpc);
   if (args[1] == "plan") return PrintPlan(status);
+  if (args[1] == "network") return PrintNetwork(status);
   if (absl::GetFlag(FLAGS_json)) {
     std::string json;
     google::protobuf::util::JsonPrintOptions options;

@@ -197,6 +197,7 @@ absl::StatusOr<v1::JoinResponse> JobController::Join(const v1::JoinRequest& requ
   const bool relay = request.role() == v1::MEMBER_ROLE_RELAY;
   WorkerRecord record = membership_.Join(request.name(), request.address(), request.device(),
                                          worker_id, request.role(), reachability);
+  network_.Learn(record.id, record.address);
   v1::JoinResponse response;
   response.set_worker_id(record.id);
   response.set_lease_ms(static_cast<int32_t>(membership_.lease_ms()));
@@ -264,9 +265,34 @@ bool JobController::Heartbeat(const v1::HeartbeatRequest& request,
                              request.stats())) {
     return false;
   }
-  if (request.probe_results_size() == 0 && probe_tasks_empty_.load()) return true;
+  // The link matrix has a lock of its own: measurements never wait for the
+  // controller's.
+  const int64_t now_ms = options_.clock->NowMs();
+  bool reachability_results = false;
+  for (int i = 0; i < std::min(request.probe_results_size(), kPeerProbes * 4); ++i) {
+    const v1::ProbeResult& result = request.probe_results(i);
+    if (result.measured()) {
+      network_.RecordProbe(request.worker_id(), result, now_ms);
+    } else {
+      reachability_results = true;
+    }
+  }
+  for (int i = 0; i < std::min(request.stats().links_size(), 64); ++i) {
+    const v1::LinkStats& link = request.stats().links(i);
+    if (link.link_rate_bps() > 0) {
+      network_.RecordLinkRate(request.worker_id(), link.peer(), link.link_rate_bps(), now_ms);
+    }
+  }
+  if (response != nullptr && network_.WantsTask(request.worker_id(), now_ms)) {
+    if (std::optional<v1::ProbeTask> task =
+            network_.NextTask(request.worker_id(), membership_.LiveWorkers(), now_ms)) {
+      *response->add_probes() = *std::move(task);
+    }
+  }
+  if (!reachability_results && probe_tasks_empty_.load()) return true;
   absl::MutexLock lock(&mu_);
   for (int i = 0; i < std::min(request.probe_results_size(), kPeerProbes * 4); ++i) {
+    if (request.probe_results(i).measured()) continue;
     RecordProbeResultLocked(request.worker_id(), request.probe_results(i));
   }
   if (response != nullptr) {
@@ -348,6 +374,7 @@ void JobController::Leave(const std::string& worker_id) {
   if (membership_.Leave(worker_id, "left")) {
     absl::MutexLock lock(&mu_);
     AddEventLocked("left", NameOf(worker_id), worker_id);
+    network_.Forget(worker_id);
     MaybeReplanLocked();
     membership_.PruneDead(kMaxDeadMembers);
     PersistLocked();
@@ -495,6 +522,7 @@ void JobController::Tick() {
   absl::MutexLock lock(&mu_);
   for (const WorkerRecord& w : expired) {
     AddEventLocked("lost", w.name, absl::StrCat(w.id, ": ", w.end_reason));
+    network_.Forget(w.id);
   }
   CheckAccusationsLocked();
   if (plan_.has_value() && !done_ && !plan_->job_done()) {
@@ -1019,7 +1047,8 @@ void JobController::MaybeReplanLocked() {
 
 std::optional<v1::Plan> JobController::PartitionLocked(const std::vector<WorkerRecord>& live,
                                                        std::string* summary) {
-  const PlannerInput input = PlannerInputFor(options_.job, live);
+  PlannerInput input = PlannerInputFor(options_.job, live);
+  input.links = network_.LinksFor(live);
   absl::StatusOr<PipelinePlan> planned = planner_->Plan(input);
   if (!planned.ok()) {
     AddEventLocked("plan_failed", "", std::string(planned.status().message()));
@@ -1147,6 +1176,7 @@ v1::ClusterStatus JobController::Status() const {
   status.set_epoch(plan_.has_value() ? plan_->epoch() : 0);
   status.set_schedule(ScheduleName(options_.job.schedule()));
   if (plan_.has_value()) *status.mutable_prediction() = prediction_;
+  for (v1::NetworkLink& link : network_.Status(now_ms)) *status.add_network() = std::move(link);
   status.set_val_loss(val_loss_);
   status.set_accuracy(accuracy_);
   status.set_elapsed_s(ElapsedS());

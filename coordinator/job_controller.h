@@ -26,6 +26,7 @@
 #include "coordinator/checkpoint_store.h"
 #include "coordinator/durable_state_writer.h"
 #include "coordinator/membership.h"
+#include "coordinator/network_matrix.h"
 #include "coordinator/network_planner.h"
 #include "coordinator/state_store.h"
 #include "geotrain/v1/coordinator.pb.h"
@@ -195,6 +196,7 @@ class JobController {
 
   const JobControllerOptions options_;
   const std::unique_ptr<Planner> planner_;
+  NetworkMatrix network_;  // thread-safe itself
   const int64_t start_ms_;
   Membership membership_;
 

@@ -20,8 +20,16 @@ namespace geotrain {
 LinkEstimate PlannerInput::Link(int from, int to) const {
   const size_t n = workers.size();
   if (links.size() == n * n) {
-    const LinkEstimate& link = links[static_cast<size_t>(from) * n + to];
-    if (link.rate_bps > 0) return link;
+    // A link carries both directions on one connection: a pair measured one
+    // way only is taken as measured both ways.
+    LinkEstimate link = links[static_cast<size_t>(from) * n + to];
+    const LinkEstimate& reverse = links[static_cast<size_t>(to) * n + from];
+    if (link.rate_bps <= 0) link.rate_bps = reverse.rate_bps;
+    if (link.rtt_s <= 0) link.rtt_s = reverse.rtt_s;
+    if (link.rate_bps > 0) {
+      if (link.rtt_s <= 0) link.rtt_s = default_link.rtt_s;
+      return link;
+    }
   }
   return default_link;
 }

@@ -67,8 +67,8 @@ enum class PlannerSchedule { kSync, kAsync };
 
 struct PlannerInput {
   std::vector<PlannerWorkerInfo> workers;  // in join order
-  // links[i * workers.size() + j]: from workers[i] to workers[j]. Empty, or
-  // an entry with rate 0: default_link.
+  // links[i * workers.size() + j]: from workers[i] to workers[j]. An entry
+  // with rate 0 takes the reverse direction's figures, or default_link.
   std::vector<LinkEstimate> links;
   LinkEstimate default_link{0.0002, 1e9};
   std::vector<PlannerLayer> layers;

@@ -9,6 +9,7 @@
 #include "common/grpc_status.h"
 #include "common/link_rate_meter.h"
 #include "common/logging.h"
+#include "common/stage_probe.h"
 #include "common/status_macros.h"
 #include "common/rpc_options.h"
 #include "common/tcp_socket.h"
@@ -552,6 +553,18 @@ grpc::Status LinkService::Probe(grpc::ServerContext* context, const v1::ProbeReq
                                 v1::ProbeResponse* response) {
   absl::MutexLock lock(&mu_);
   response->set_worker_id(worker_id_);
+  return grpc::Status::OK;
+}
+
+grpc::Status LinkService::Measure(grpc::ServerContext* context,
+                                  const v1::MeasureRequest* request,
+                                  v1::MeasureResponse* response) {
+  if (request->payload().size() > kMaxMeasurePayloadBytes) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("measure payload of ", request->payload().size(),
+                                     " bytes: at most ", kMaxMeasurePayloadBytes));
+  }
+  response->set_received(request->payload().size());
   return grpc::Status::OK;
 }
 

@@ -250,6 +250,10 @@ class LinkService final : public v1::Stage::Service {
                     grpc::ServerReaderWriter<v1::LinkFrame, v1::LinkFrame>* stream) override;
   grpc::Status Probe(grpc::ServerContext* context, const v1::ProbeRequest* request,
                      v1::ProbeResponse* response) override;
+  // Echoes a payload's size (network measurement, common/stage_probe.h);
+  // INVALID_ARGUMENT over kMaxMeasurePayloadBytes.
+  grpc::Status Measure(grpc::ServerContext* context, const v1::MeasureRequest* request,
+                       v1::MeasureResponse* response) override;
 
  private:
   absl::Status ReadHello(LinkTransport* transport, const std::string& pending_key,

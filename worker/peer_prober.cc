@@ -1,6 +1,9 @@
 #include "worker/peer_prober.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/logging.h"
 #include "common/stage_probe.h"
 
@@ -41,6 +44,10 @@ void PeerProber::Loop() {
       task = pending_.front();
       pending_.pop_front();
     }
+    if (task.measure_bytes() > 0) {
+      Measure(task);
+      continue;
+    }
     absl::StatusOr<absl::Duration> took =
         ProbeStage(task.address(), task.worker_id(), security_, deadline_);
     v1::ProbeResult result;
@@ -53,6 +60,29 @@ void PeerProber::Loop() {
     absl::MutexLock lock(&mu_);
     results_.push_back(std::move(result));
   }
+}
+
+void PeerProber::Measure(const v1::ProbeTask& task) {
+  auto route = routes_.find(task.address());
+  const std::string& dial = route == routes_.end() ? task.address() : route->second;
+  const size_t bytes = std::min<size_t>(task.measure_bytes(), kMaxMeasurePayloadBytes);
+  absl::StatusOr<LinkMeasurement> measured =
+      MeasureStage(dial, task.worker_id(), security_, deadline_, bytes);
+  v1::ProbeResult result;
+  result.set_worker_id(task.worker_id());
+  result.set_measured(true);
+  result.set_reachable(measured.ok());
+  if (measured.ok()) {
+    result.set_rtt_s(measured->rtt_s);
+    result.set_rate_bps(measured->rate_bps);
+    result.set_detail(absl::StrFormat("%.1f ms RTT, %.1f Mb/s via %s", 1e3 * measured->rtt_s,
+                                      measured->rate_bps / 1e6, dial));
+  } else {
+    result.set_detail(std::string(measured.status().message()));
+  }
+  GT_LOG(Info) << "measured " << task.worker_id() << " at " << dial << ": " << result.detail();
+  absl::MutexLock lock(&mu_);
+  results_.push_back(std::move(result));
 }
 
 }  // namespace geotrain

@@ -1,5 +1,6 @@
 // Dials other members back when the coordinator asks (HeartbeatResponse.
-// probes), on a thread of its own so that a heartbeat never waits for a
+// probes: reachability, or RTT and rate for the link matrix), on a thread of
+// its own so that a heartbeat never waits for a
 // probe, and hands the results to the next heartbeat. At most kMaxPending
 // probes wait; more are dropped (the coordinator only asks for a few).
 // Thread-safe.
@@ -7,6 +8,8 @@
 #define GEOTRAIN_WORKER_PEER_PROBER_H_
 
 #include <deque>
+#include <map>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -25,15 +28,20 @@ class PeerProber {
   ~PeerProber();
   // REQUIRES: before the first Enqueue.
   void UseSecurity(const TransportSecurity& security) { security_ = security; }
+  // Measure tasks dial where a link would (--route: peer address -> via).
+  // REQUIRES: before the first Enqueue.
+  void UseRoutes(std::map<std::string, std::string> routes) { routes_ = std::move(routes); }
 
   void Enqueue(const v1::ProbeTask& task);
   std::vector<v1::ProbeResult> TakeResults();
 
  private:
   void Loop();
+  void Measure(const v1::ProbeTask& task);
 
   const absl::Duration deadline_;
   TransportSecurity security_;
+  std::map<std::string, std::string> routes_;
   absl::Mutex mu_;
   std::deque<v1::ProbeTask> pending_ ABSL_GUARDED_BY(mu_);
   std::vector<v1::ProbeResult> results_ ABSL_GUARDED_BY(mu_);

@@ -180,6 +180,7 @@ absl::Status Worker::Run() {
     averager_.UseSecurity(credentials.peers);
     prober_.UseSecurity(credentials.peers);
   }
+  prober_.UseRoutes(options_.routes);
   coordinator_.UsePeerProber(&prober_);
   RETURN_IF_ERROR(StartServer());
   RETURN_IF_ERROR(JoinCoordinator());

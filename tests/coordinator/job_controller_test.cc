@@ -184,6 +184,53 @@ TEST_F(JobControllerTest, AFailedStateWriteIsRetriedWithTheNextState) {
   EXPECT_NE(ReadFile(dir_ + "/state.textproto").find("step: 2"), std::string::npos);
 }
 
+TEST_F(JobControllerTest, HeartbeatsCarryMeasureTasksAndTheAnswersFillTheMatrix) {
+  const std::string a = Join("a").worker_id();
+  const std::string b = Join("b").worker_id();
+  v1::HeartbeatRequest request;
+  request.set_worker_id(a);
+  v1::HeartbeatResponse response;
+  ASSERT_TRUE(controller_->Heartbeat(request, &response));
+  const v1::ProbeTask* measure = nullptr;
+  for (const v1::ProbeTask& task : response.probes()) {
+    if (task.measure_bytes() > 0) measure = &task;
+  }
+  ASSERT_NE(measure, nullptr);
+  EXPECT_EQ(measure->worker_id(), b);
+  EXPECT_EQ(measure->address(), "b:1");
+  EXPECT_LE(measure->measure_bytes(), 1u << 20);
+  v1::ProbeResult* result = request.add_probe_results();
+  result->set_worker_id(b);
+  result->set_measured(true);
+  result->set_reachable(true);
+  result->set_rtt_s(0.030);
+  result->set_rate_bps(4e7);
+  // b reports its link to a: what it sends arrives at 9 Mb/s.
+  v1::LinkStats* link = request.mutable_stats()->add_links();
+  link->set_peer("a:1");
+  link->set_link_rate_bps(9e6);
+  ASSERT_TRUE(controller_->Heartbeat(request, nullptr));
+  v1::HeartbeatRequest from_b;
+  from_b.set_worker_id(b);
+  *from_b.mutable_stats() = request.stats();
+  ASSERT_TRUE(controller_->Heartbeat(from_b, nullptr));
+  const v1::ClusterStatus status = controller_->Status();
+  ASSERT_EQ(status.network_size(), 2);
+  for (const v1::NetworkLink& l : status.network()) {
+    if (l.from_worker() == a) {
+      EXPECT_EQ(l.to_worker(), b);
+      EXPECT_DOUBLE_EQ(l.rtt_s(), 0.030);
+      EXPECT_DOUBLE_EQ(l.rate_bps(), 4e7);
+      EXPECT_EQ(l.source(), "probe");
+    } else {
+      EXPECT_EQ(l.from_worker(), b);
+      EXPECT_EQ(l.to_worker(), a);
+      EXPECT_DOUBLE_EQ(l.rate_bps(), 9e6);
+      EXPECT_EQ(l.source(), "link");
+    }
+  }
+}
+
 TEST_F(JobControllerTest, EvalIsLogged) {
   Join("a");
   v1::JoinResponse b = Join("b");
@@ -460,7 +507,8 @@ TEST_F(LinkAssignmentTest, PeersDialAJoinerBackAndHalfOfAllProbesMustSucceed) {
   for (const std::string& peer : {a, c, d}) {
     const v1::HeartbeatResponse response = heartbeat(peer, {});
     for (const v1::ProbeTask& task : response.probes()) {
-      if (task.worker_id() == b) {
+      // Reachability probes (measure tasks for the link matrix are others).
+      if (task.worker_id() == b && task.measure_bytes() == 0) {
         EXPECT_EQ(task.address(), "b:1");
         asked.push_back(peer);
       }

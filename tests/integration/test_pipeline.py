@@ -168,9 +168,29 @@ class PipelineTest(unittest.TestCase):
             self.assertEqual(spare_status()["state"], "WORKER_STATE_LEFT")
             self.assertEqual(c.status()["state"], "training")
 
-    def test_network_planner_explains_its_plan(self):
-        with Cluster(job_path("gpt-tiny.textproto"), ["--steps=8", "--planner=network"]) as c:
-            c.train(3, timeout=300)
+    def test_network_planner_measures_and_explains(self):
+        with Cluster(job_path("gpt-tiny.textproto"),
+                     ["--steps=100000", "--planner=network"]) as c:
+            c.start_coordinator()
+            for i in range(3):
+                c.start_worker(f"w{i}")
+            wait_for(lambda: c.status()["state"] == "training", 60, "a plan")
+
+            # Every worker measures its two peers (RTT and rate, Stage.Measure).
+            def measured():
+                links = [l for l in c.status().get("network", [])
+                         if "probe" in l["source"] and l["rtt_s"] > 0]
+                return links if len(links) >= 6 else None
+
+            links = wait_for(measured, 60, "the link matrix to fill")
+            for link in links:
+                self.assertLess(link["rtt_s"], 0.5, link)  # loopback
+                self.assertGreater(link["rate_bps"], 1e6, link)
+            table = c.ctl("network")
+            self.assertEqual(table.returncode, 0, table.stderr)
+            print(table.stdout)
+            rows = [l for l in table.stdout.splitlines()[1:] if "probe" in l.split()[-1]]
+            self.assertGreaterEqual(len(rows), 6)
             out = c.ctl("plan", "--explain")
             status = c.status()
         self.assertEqual(out.returncode, 0, out.stderr)
@@ -190,7 +210,6 @@ class PipelineTest(unittest.TestCase):
         self.assertEqual(len([l for l in lines if "why:" in l]), len(stages))
         for line in stage_lines:
             self.assertIn("compute", line)
-
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)

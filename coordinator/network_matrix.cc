@@ -1,0 +1,177 @@
+#include "coordinator/network_matrix.h"
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+
+namespace geotrain {
+namespace {
+
+// Figures a worker reports are bounded before they are kept: a forged or
+// broken one must not make a pair look absurdly good.
+constexpr double kMaxRateBps = 1e12;  // 1 Tb/s
+constexpr double kMaxRttS = 60;
+// A worker whose sample is all fresh is looked at again this much later.
+constexpr int64_t kRecheckMs = 30 * 1000;
+
+bool Plausible(double rtt_s, double rate_bps) {
+  return std::isfinite(rtt_s) && std::isfinite(rate_bps) && rtt_s >= 0 && rtt_s <= kMaxRttS &&
+         rate_bps >= 0 && rate_bps <= kMaxRateBps;
+}
+
+}  // namespace
+
+std::vector<const WorkerRecord*> NetworkMatrix::SampleFor(
+    const std::string& worker, const std::vector<WorkerRecord>& live) const {
+  std::vector<std::pair<size_t, const WorkerRecord*>> ranked;
+  for (const WorkerRecord& w : live) {
+    if (w.id == worker || w.relay() || !w.alive) continue;
+    ranked.push_back({std::hash<std::string>()(worker + "|" + w.id), &w});
+  }
+  std::sort(ranked.begin(), ranked.end(), [](const auto& a, const auto& b) {
+    return a.first != b.first ? a.first < b.first : a.second->id < b.second->id;
+  });
+  std::vector<const WorkerRecord*> sample;
+  for (size_t i = 0; i < ranked.size() && static_cast<int>(i) < options_.sample; ++i) {
+    sample.push_back(ranked[i].second);
+  }
+  return sample;
+}
+
+std::optional<v1::ProbeTask> NetworkMatrix::NextTask(const std::string& worker,
+                                                     const std::vector<WorkerRecord>& live,
+                                                     int64_t now_ms) {
+  const std::vector<const WorkerRecord*> sample = SampleFor(worker, live);
+  absl::MutexLock lock(&mu_);
+  if (auto pending = pending_.find(worker); pending != pending_.end()) {
+    if (now_ms - pending->second.second < options_.task_timeout_ms) return std::nullopt;
+    pending_.erase(pending);
+  }
+  const WorkerRecord* oldest = nullptr;
+  int64_t oldest_ms = 0;
+  for (const WorkerRecord* peer : sample) {
+    auto entry = entries_.find({worker, peer->id});
+    const bool probed = entry != entries_.end() && entry->second.rtt_s > 0;
+    const int64_t at = probed ? entry->second.updated_ms : -1;
+    if (probed && now_ms - at < options_.refresh_ms) continue;
+    if (oldest == nullptr || at < oldest_ms) {
+      oldest = peer;
+      oldest_ms = at;
+    }
+  }
+  if (oldest == nullptr) {
+    next_check_ms_[worker] = now_ms + kRecheckMs;
+    return std::nullopt;
+  }
+  v1::ProbeTask task;
+  task.set_worker_id(oldest->id);
+  task.set_address(oldest->address);
+  task.set_measure_bytes(options_.probe_bytes);
+  pending_[worker] = {oldest->id, now_ms};
+  return task;
+}
+
+void NetworkMatrix::RecordProbe(const std::string& prober, const v1::ProbeResult& result,
+                                int64_t now_ms) {
+  absl::MutexLock lock(&mu_);
+  auto pending = pending_.find(prober);
+  if (pending == pending_.end() || pending->second.first != result.worker_id()) return;
+  pending_.erase(pending);
+  Entry& entry = entries_[{prober, result.worker_id()}];
+  entry.updated_ms = now_ms;
+  if (!result.reachable() || !Plausible(result.rtt_s(), result.rate_bps()) ||
+      result.rtt_s() <= 0) {
+    // Not reachable from this side: the link will be dialled the other way
+    // (or relayed); a failed probe is remembered so it is not retried at
+    // once, but it carries no figures.
+    entry.source = "probe";
+    return;
+  }
+  entry.rtt_s = result.rtt_s();
+  entry.rate_bps = result.rate_bps();
+  entry.source = "probe";
+}
+
+bool NetworkMatrix::WantsTask(const std::string& worker, int64_t now_ms) const {
+  absl::MutexLock lock(&mu_);
+  if (auto pending = pending_.find(worker);
+      pending != pending_.end() && now_ms - pending->second.second < options_.task_timeout_ms) {
+    return false;
+  }
+  auto next = next_check_ms_.find(worker);
+  return next == next_check_ms_.end() || next->second <= now_ms;
+}
+
+void NetworkMatrix::Learn(const std::string& worker, const std::string& address) {
+  absl::MutexLock lock(&mu_);
+  worker_at_[address] = worker;
+  next_check_ms_.clear();  // a new peer: every worker may have it to measure
+}
+
+void NetworkMatrix::RecordLinkRate(const std::string& worker, const std::string& peer_address,
+                                   double rate_bps, int64_t now_ms) {
+  if (!Plausible(0, rate_bps) || rate_bps <= 0) return;
+  absl::MutexLock lock(&mu_);
+  auto peer = worker_at_.find(peer_address);
+  if (peer == worker_at_.end() || peer->second == worker) return;
+  const std::string& peer_worker = peer->second;
+  Entry& entry = entries_[{worker, peer_worker}];
+  entry.rate_bps = rate_bps;
+  entry.updated_ms = now_ms;
+  entry.source = entry.rtt_s > 0 ? "probe+link" : "link";  // RTT from a probe, rate live
+}
+
+void NetworkMatrix::Forget(const std::string& worker) {
+  absl::MutexLock lock(&mu_);
+  for (auto it = entries_.begin(); it != entries_.end();) {
+    it = (it->first.first == worker || it->first.second == worker) ? entries_.erase(it)
+                                                                    : std::next(it);
+  }
+  pending_.erase(worker);
+  next_check_ms_.erase(worker);
+  for (auto it = worker_at_.begin(); it != worker_at_.end();) {
+    it = it->second == worker ? worker_at_.erase(it) : std::next(it);
+  }
+}
+
+std::optional<NetworkMatrix::Entry> NetworkMatrix::Get(const std::string& from,
+                                                       const std::string& to) const {
+  absl::MutexLock lock(&mu_);
+  auto it = entries_.find({from, to});
+  if (it == entries_.end()) return std::nullopt;
+  return it->second;
+}
+
+std::vector<LinkEstimate> NetworkMatrix::LinksFor(const std::vector<WorkerRecord>& workers) const {
+  const size_t n = workers.size();
+  std::vector<LinkEstimate> links(n * n);
+  absl::MutexLock lock(&mu_);
+  for (size_t i = 0; i < n; ++i) {
+    for (size_t j = 0; j < n; ++j) {
+      if (i == j) continue;
+      auto it = entries_.find({workers[i].id, workers[j].id});
+      if (it == entries_.end()) continue;
+      links[i * n + j] = {it->second.rtt_s, it->second.rate_bps};
+    }
+  }
+  return links;
+}
+
+std::vector<v1::NetworkLink> NetworkMatrix::Status(int64_t now_ms) const {
+  std::vector<v1::NetworkLink> out;
+  absl::MutexLock lock(&mu_);
+  for (const auto& [pair, entry] : entries_) {
+    if (static_cast<int>(out.size()) >= options_.max_status_entries) break;
+    v1::NetworkLink link;
+    link.set_from_worker(pair.first);
+    link.set_to_worker(pair.second);
+    link.set_rtt_s(entry.rtt_s);
+    link.set_rate_bps(entry.rate_bps);
+    link.set_age_s((now_ms - entry.updated_ms) / 1000.0);
+    link.set_source(entry.source);
+    out.push_back(std::move(link));
+  }
+  return out;
+}
+
+}  // namespace geotrain

@@ -1,0 +1,87 @@
+// The coordinator's view of the network: RTT and rate per ordered pair of
+// workers, each figure with its age and where it came from, and the policy
+// that keeps it filled. Workers measure a bounded sample of their peers
+// (Stage.Measure over the route a link would take; ProbeTask with
+// measure_bytes), one task per heartbeat, and their live links' rate meters
+// refresh the rates of the pairs the plan uses. Thread-safe: one mutex of
+// its own, never held while anything else is.
+#ifndef GEOTRAIN_COORDINATOR_NETWORK_MATRIX_H_
+#define GEOTRAIN_COORDINATOR_NETWORK_MATRIX_H_
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "coordinator/membership.h"
+#include "coordinator/network_planner.h"
+#include "geotrain/v1/coordinator.pb.h"
+#include "geotrain/v1/status.pb.h"
+
+namespace geotrain {
+
+struct NetworkMatrixOptions {
+  int sample = 8;                      // peers each worker measures
+  uint32_t probe_bytes = 256 * 1024;   // payload of one measurement
+  int64_t refresh_ms = 10 * 60 * 1000; // re-measure a pair older than this
+  int64_t task_timeout_ms = 30 * 1000; // a task unanswered this long is given up
+  int max_status_entries = 4096;
+};
+
+class NetworkMatrix {
+ public:
+  struct Entry {
+    double rtt_s = 0;     // 0: not measured
+    double rate_bps = 0;  // 0: not measured
+    int64_t updated_ms = 0;
+    std::string source;   // "probe", "link" (rate only) or "probe+link"
+  };
+
+  explicit NetworkMatrix(NetworkMatrixOptions options = {}) : options_(options) {}
+
+  // At most one measure task for `worker` (from the live workers `live`, not
+  // relays): a sampled peer whose pair has no probe figure or an old one,
+  // and only while no earlier task of `worker`'s is outstanding.
+  std::optional<v1::ProbeTask> NextTask(const std::string& worker,
+                                        const std::vector<WorkerRecord>& live, int64_t now_ms);
+  // Cheap: whether NextTask could give `worker` anything now (no task
+  // outstanding, and its sample was not found fresh in the last 30 s).
+  bool WantsTask(const std::string& worker, int64_t now_ms) const;
+  // Which worker advertises which address (for the links' reports); a new
+  // one makes every worker look for a task again.
+  void Learn(const std::string& worker, const std::string& address);
+  // An answer to a measure task of `prober`'s; anything not asked is ignored.
+  void RecordProbe(const std::string& prober, const v1::ProbeResult& result, int64_t now_ms);
+  // A live link's meter: what `worker` sends to the member at `peer_address`
+  // arrives at `rate_bps`.
+  void RecordLinkRate(const std::string& worker, const std::string& peer_address,
+                      double rate_bps, int64_t now_ms);
+  void Forget(const std::string& worker);
+
+  std::optional<Entry> Get(const std::string& from, const std::string& to) const;
+  // The planner's links for `workers` (n x n, from i to j; unknown: rate 0).
+  std::vector<LinkEstimate> LinksFor(const std::vector<WorkerRecord>& workers) const;
+  std::vector<v1::NetworkLink> Status(int64_t now_ms) const;
+
+ private:
+  // The peers `worker` measures: the `sample` whose (worker, peer) hash is
+  // lowest, so each worker has its own spread and it is stable as others
+  // come and go.
+  std::vector<const WorkerRecord*> SampleFor(const std::string& worker,
+                                             const std::vector<WorkerRecord>& live) const;
+
+  const NetworkMatrixOptions options_;
+  mutable absl::Mutex mu_;
+  std::map<std::pair<std::string, std::string>, Entry> entries_ ABSL_GUARDED_BY(mu_);
+  // Outstanding measure task per prober: its target and when it was sent.
+  std::map<std::string, std::pair<std::string, int64_t>> pending_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, int64_t> next_check_ms_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::string> worker_at_ ABSL_GUARDED_BY(mu_);  // address -> worker
+};
+
+}  // namespace geotrain
+
+#endif  // GEOTRAIN_COORDINATOR_NETWORK_MATRIX_H_
