@@ -265,6 +265,9 @@ bool JobController::Heartbeat(const v1::HeartbeatRequest& request,
                              request.stats())) {
     return false;
   }
+  if (request.layer_seconds_per_sample_size() > 0) {
+    membership_.SetLayerTimings(request.worker_id(), request.layer_seconds_per_sample());
+  }
   // The link matrix has a lock of its own: measurements never wait for the
   // controller's.
   const int64_t now_ms = options_.clock->NowMs();
@@ -1061,10 +1064,22 @@ std::optional<v1::Plan> JobController::PartitionLocked(const std::vector<WorkerR
   return plan;
 }
 
+// How long the first plan waits for a worker's layer timings (network
+// planner): longer than the worker's budget for them, plus a heartbeat.
+constexpr int64_t kLayerTimingWaitMs = 5000;
+
 void JobController::MaybePlanLocked() {
   if (plan_.has_value() || done_) return;
   std::vector<WorkerRecord> live = membership_.LiveWorkers();
   if (static_cast<int>(live.size()) < options_.job.min_workers()) return;
+  if (options_.planner == "network") {
+    // Pre-flight admission: the first plan waits (a few seconds at most)
+    // for every worker's layer timings, the planner's compute figures.
+    const int64_t now = options_.clock->NowMs();
+    for (const WorkerRecord& w : live) {
+      if (w.layer_seconds_per_sample.empty() && now - w.joined_ms < kLayerTimingWaitMs) return;
+    }
+  }
   std::string summary;
   std::optional<v1::Plan> plan = PartitionLocked(live, &summary);
   if (!plan.has_value()) return;

@@ -182,6 +182,20 @@ bool Membership::Heartbeat(const std::string& id, uint64_t rss_bytes, int step,
   return false;
 }
 
+void Membership::SetLayerTimings(
+    const std::string& id, const google::protobuf::Map<std::string, double>& seconds_per_sample) {
+  std::map<std::string, double> kept;
+  for (const auto& [kind, seconds] : seconds_per_sample) {
+    if (kept.size() >= 16 || kind.empty() || kind.size() > 32) continue;
+    if (!std::isfinite(seconds) || seconds <= 0 || seconds > 1000) continue;
+    kept[kind] = seconds;
+  }
+  absl::MutexLock lock(&mu_);
+  for (WorkerRecord& w : workers_) {
+    if (w.id == id) w.layer_seconds_per_sample = kept;
+  }
+}
+
 void Membership::SetReachability(const std::string& id, const v1::Reachability& reachability) {
   absl::MutexLock lock(&mu_);
   for (WorkerRecord& w : workers_) {

@@ -3,6 +3,7 @@
 #define GEOTRAIN_COORDINATOR_MEMBERSHIP_H_
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,9 @@ struct WorkerRecord {
   std::string end_reason;  // why it is no longer alive
   v1::MemberRole role = v1::MEMBER_ROLE_WORKER;  // a relay holds no stage
   v1::Reachability reachability;  // found at join (see ReachabilityProber)
+  // Forward + backward seconds per sample by layer kind, as the worker timed
+  // them after joining (empty until its first heartbeat that carries them).
+  std::map<std::string, double> layer_seconds_per_sample;
   bool relay() const { return role == v1::MEMBER_ROLE_RELAY; }
 };
 
@@ -60,6 +64,10 @@ class Membership {
   bool Heartbeat(const std::string& id, uint64_t rss_bytes, int step,
                  const v1::StageStats& stats = v1::StageStats());
   void SetReachability(const std::string& id, const v1::Reachability& reachability);
+  // Keeps at most 16 kinds of names up to 32 bytes with finite values in
+  // (0, 1000] s; the rest is dropped.
+  void SetLayerTimings(const std::string& id,
+                       const google::protobuf::Map<std::string, double>& seconds_per_sample);
   // Ends the lease now. False when unknown or already dead.
   bool Leave(const std::string& id, const std::string& reason);
   // Marks every worker whose lease ran out as dead; returns them.

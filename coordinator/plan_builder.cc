@@ -47,6 +47,7 @@ PlannerInput PlannerInputFor(const v1::JobSpec& job, const std::vector<WorkerRec
     info.gflops = w.device.matmul_gflops();
     info.memory_bytes = w.device.memory_bytes();
     info.reachable = !w.reachability.known() || w.reachability.reachable();
+    info.seconds_per_sample = w.layer_seconds_per_sample;
     in.workers.push_back(std::move(info));
   }
   in.default_link = {0.001, 1e9};

@@ -20,11 +20,12 @@ namespace geotrain {
 // "network" or "join-order"; INVALID_ARGUMENT naming the choices otherwise.
 absl::StatusOr<std::unique_ptr<Planner>> MakePlannerByName(const std::string& name);
 
-// Workers (GFLOP/s, memory, reachability; in the order given), the model's
-// layers with their activation bytes per cut, the job's schedule, shape and
-// window cap. Links: not measured yet, every pair the default (1 Gb/s,
-// 1 ms). Codecs: the job's activation codec only (the workers apply the
-// job's codec; a plan cannot yet choose per link).
+// Workers (measured time per layer kind where they reported it, GFLOP/s
+// otherwise; memory, reachability; in the order given), the model's layers
+// with their activation bytes per cut, the job's schedule, shape and window
+// cap. Links: none (the caller adds the NetworkMatrix's; pairs it lacks are
+// the default, 1 Gb/s and 1 ms). Codecs: the job's activation codec only
+// (the workers apply the job's codec; a plan cannot yet choose per link).
 PlannerInput PlannerInputFor(const v1::JobSpec& job, const std::vector<WorkerRecord>& workers);
 
 // The plan proto for `plan` over the same `workers` (stages, layers,

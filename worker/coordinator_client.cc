@@ -158,6 +158,12 @@ absl::StatusOr<bool> CoordinatorClient::Heartbeat(uint64_t rss_bytes,
   request.set_step(step_);
   request.set_epoch(epoch_);
   *request.mutable_stats() = stats;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [kind, seconds] : layer_timings_) {
+      (*request.mutable_layer_seconds_per_sample())[kind] = seconds;
+    }
+  }
   if (prober_ != nullptr) {
     for (v1::ProbeResult& result : prober_->TakeResults()) {
       *request.add_probe_results() = std::move(result);
@@ -170,6 +176,11 @@ absl::StatusOr<bool> CoordinatorClient::Heartbeat(uint64_t rss_bytes,
     for (const v1::ProbeTask& task : response.probes()) prober_->Enqueue(task);
   }
   return response.known();
+}
+
+void CoordinatorClient::SetLayerTimings(std::map<std::string, double> seconds_per_sample) {
+  absl::MutexLock lock(&mu_);
+  layer_timings_ = std::move(seconds_per_sample);
 }
 
 std::unique_ptr<grpc::ClientReader<v1::Plan>> CoordinatorClient::WatchPlan(

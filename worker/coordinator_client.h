@@ -5,6 +5,7 @@
 #define GEOTRAIN_WORKER_COORDINATOR_CLIENT_H_
 
 #include <atomic>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -46,6 +47,8 @@ class CoordinatorClient final : public ProgressSink {
   absl::StatusOr<bool> Heartbeat(uint64_t rss_bytes, const v1::StageStats& stats);
   // REQUIRES: before the first Heartbeat; `prober` outlives this client.
   void UsePeerProber(PeerProber* prober) { prober_ = prober; }
+  // Every later heartbeat carries these (worker/layer_benchmark.h).
+  void SetLayerTimings(std::map<std::string, double> seconds_per_sample);
   // Opens the plan stream. `context` must outlive the reader.
   std::unique_ptr<grpc::ClientReader<v1::Plan>> WatchPlan(grpc::ClientContext* context);
   absl::Status ReportDone(int step);
@@ -81,6 +84,7 @@ class CoordinatorClient final : public ProgressSink {
   mutable absl::Mutex mu_;
   std::string worker_id_ ABSL_GUARDED_BY(mu_);
   std::optional<std::vector<v1::LayerCheckpoint>> pending_upload_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, double> layer_timings_ ABSL_GUARDED_BY(mu_);
   bool uploader_stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread uploader_;
   PeerProber* prober_ = nullptr;

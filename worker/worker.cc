@@ -6,6 +6,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "common/job_spec.h"
 #include "common/logging.h"
@@ -14,6 +15,7 @@
 #include "common/rpc_options.h"
 #include "common/status_macros.h"
 #include "worker/device_probe.h"
+#include "worker/layer_benchmark.h"
 #include "worker/pipeline_driver.h"
 #include "worker/stage_runtime.h"
 
@@ -57,6 +59,7 @@ Worker::~Worker() {
   Stop();
   if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
   if (watch_thread_.joinable()) watch_thread_.join();
+  if (layer_timing_thread_.joinable()) layer_timing_thread_.join();
   if (server_) server_->Shutdown(DeadlineFromNow(std::chrono::milliseconds(1000)));
 }
 
@@ -186,6 +189,23 @@ absl::Status Worker::Run() {
   RETURN_IF_ERROR(JoinCoordinator());
   heartbeat_thread_ = std::thread([this] { HeartbeatLoop(heartbeat_ms_); });
   watch_thread_ = std::thread([this] { WatchLoop(); });
+  // Pre-flight compute figures for the planner, off the heartbeat's path (a
+  // lease must not wait for a benchmark).
+  layer_timing_thread_ = std::thread([this, job = job_, device = device_name_] {
+    absl::StatusOr<std::map<std::string, double>> timings =
+        TimeLayerKinds(job, device, kLayerTimingBudget);
+    if (!timings.ok()) {
+      GT_LOG(Warning) << "layer timings: " << timings.status().message()
+                      << " (the planner uses GFLOP/s)";
+      return;
+    }
+    std::string line;
+    for (const auto& [kind, seconds] : *timings) {
+      absl::StrAppendFormat(&line, " %s %.3f ms", kind, 1e3 * seconds);
+    }
+    GT_LOG(Info) << "layer timings per sample (forward + backward):" << line;
+    coordinator_.SetLayerTimings(*std::move(timings));
+  });
 
   uint64_t last_epoch = 0;  // the newest plan this worker has acted on
   while (true) {

@@ -40,6 +40,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "geotrain/v1/coordinator.pb.h"
 #include "worker/coordinator_client.h"
 #include "worker/link_stream.h"
@@ -129,6 +130,9 @@ class Worker {
 
   std::thread heartbeat_thread_;
   std::thread watch_thread_;
+  std::thread layer_timing_thread_;  // TimeLayerKinds once, after the first join
+  // What the layer timings may take in all (the quick models take far less).
+  static constexpr absl::Duration kLayerTimingBudget = absl::Milliseconds(300);
   absl::Mutex mu_;
   std::unique_ptr<grpc::ClientContext> watch_context_ ABSL_GUARDED_BY(mu_);
   std::optional<v1::Plan> latest_plan_ ABSL_GUARDED_BY(mu_);
