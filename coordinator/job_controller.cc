@@ -551,6 +551,7 @@ void JobController::Tick() {
   MaybeReplanLocked();
   MaybePlanLocked();
   CheckStragglersLocked();
+  MaybeVoluntaryReplanLocked();
   if (!expired.empty()) {
     membership_.PruneDead(kMaxDeadMembers);
     PersistLocked();
@@ -776,7 +777,82 @@ bool JobController::FillReplicasLocked(v1::Plan* plan, std::string* summary) con
   return added;
 }
 
+void JobController::MaybeVoluntaryReplanLocked() {
+  if (options_.planner != "network" || !plan_.has_value() || done_ || plan_->job_done() ||
+      !done_workers_.empty()) {
+    return;
+  }
+  const int64_t now = options_.clock->NowMs();
+  if (!replan_policy_.Due(now)) return;
+  // The members a plan may use: the current plan's and the standbys.
+  std::vector<WorkerRecord> candidates;
+  for (const WorkerRecord& w : membership_.LiveWorkers()) {
+    if (StageOf(*plan_, w.id) != nullptr || EligibleStandbyLocked(w)) candidates.push_back(w);
+  }
+  PlannerInput input = PlannerInputFor(options_.job, candidates);
+  input.links = network_.LinksFor(candidates);
+  absl::StatusOr<PipelinePlan> best = planner_->Plan(input);
+  if (!best.ok()) return;
+  // The current plan on the same fresh figures.
+  PipelinePlan current;
+  std::map<int, std::string> owner_now;  // layer -> worker
+  for (const v1::StageAssignment& stage : plan_->stages()) {
+    auto it = std::find_if(candidates.begin(), candidates.end(),
+                           [&](const WorkerRecord& w) { return w.id == stage.worker_id(); });
+    if (it == candidates.end()) return;  // a failure: the involuntary path handles it
+    PlannedStageInfo s;
+    s.worker = static_cast<int>(it - candidates.begin());
+    s.layer_begin = stage.layer_begin();
+    s.layer_end = stage.layer_end();
+    current.stages.push_back(s);
+    for (int l = stage.layer_begin(); l < stage.layer_end(); ++l) owner_now[l] = stage.worker_id();
+  }
+  if (!ScorePlan(input, &current).ok()) return;
+  // What would move: the state (weights and optimizer) of every layer that
+  // changes worker, at the slowest rate the new pipeline's links have.
+  const std::vector<LayerProfile> profile = ProfileLayers(options_.job);
+  const std::map<int, std::vector<int>> checkpointed = checkpoints_->Index();
+  ReplanCandidate candidate;
+  candidate.current_s_per_sample = current.time_per_sample_s;
+  candidate.best_s_per_sample = best->time_per_sample_s;
+  if (recent_.size() >= 2 && recent_.back().second > recent_.front().second) {
+    candidate.measured_s_per_sample = (recent_.back().first - recent_.front().first) /
+                                      (recent_.back().second - recent_.front().second);
+  }
+  candidate.move_rate_bps = 0;
+  for (const PlannedLinkInfo& link : best->links) {
+    const double rate = link.transfer_s > 0 ? link.raw_bytes * 8 / link.transfer_s : 0;
+    if (rate > 0 && (candidate.move_rate_bps == 0 || rate < candidate.move_rate_bps)) {
+      candidate.move_rate_bps = rate;
+    }
+  }
+  if (candidate.move_rate_bps == 0) candidate.move_rate_bps = input.default_link.rate_bps;
+  for (const PlannedStageInfo& s : best->stages) {
+    for (int l = s.layer_begin; l < s.layer_end; ++l) {
+      if (owner_now[l] == candidates[s.worker].id) continue;
+      candidate.move_bytes += profile[l].parameter_count * 4.0 * 3;  // weights, Adam's m and v
+      auto it = checkpointed.find(l);
+      if (it == checkpointed.end() || it->second.empty() || it->second.back() < step_ - 1) {
+        candidate.state_fresh = false;
+      }
+    }
+  }
+  const ReplanDecision decision = replan_policy_.Decide(candidate, now);
+  const bool better_exists =
+      candidate.best_s_per_sample < candidate.current_s_per_sample * 0.99;
+  if (decision.verdict != ReplanDecision::Verdict::kSwitch) {
+    if (better_exists) AddEventLocked("replan_considered", "", decision.reason);
+    return;
+  }
+  v1::Plan next = PlanProtoFor(*best, candidates, NumLayers(options_.job));
+  std::string summary = SummaryOf(*best, candidates);
+  FillReplicasLocked(&next, &summary);
+  prediction_ = PredictionOf(input, *best);
+  PublishReplanLocked(std::move(next), absl::StrCat("voluntary: ", decision.reason, "; ", summary));
+}
+
 void JobController::PublishReplanLocked(v1::Plan next, const std::string& summary) {
+  replan_policy_.Switched(options_.clock->NowMs());
   next.set_epoch(plan_->epoch() + 1);
   next.set_start_step(step_);
   AddEventLocked("replanned", "",

@@ -28,6 +28,7 @@
 #include "coordinator/membership.h"
 #include "coordinator/network_matrix.h"
 #include "coordinator/network_planner.h"
+#include "coordinator/replan_policy.h"
 #include "coordinator/state_store.h"
 #include "geotrain/v1/coordinator.pb.h"
 #include "geotrain/v1/job.pb.h"
@@ -264,6 +265,10 @@ class JobController {
   std::optional<v1::Plan> plan_ ABSL_GUARDED_BY(mu_);
   // What the planner predicted when it last partitioned the layers.
   v1::PlanPrediction prediction_ ABSL_GUARDED_BY(mu_);
+  // Network planner: re-run on fresh figures every 30 s; a better plan is
+  // taken when it is worth the move (coordinator/replan_policy.h).
+  ReplanPolicy replan_policy_ ABSL_GUARDED_BY(mu_);
+  void MaybeVoluntaryReplanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
   bool done_ ABSL_GUARDED_BY(mu_) = false;
   std::set<std::string> done_workers_ ABSL_GUARDED_BY(mu_);

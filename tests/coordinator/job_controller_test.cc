@@ -43,6 +43,7 @@ class JobControllerTest : public testing::Test {
     options.clock = &clock_;
     options.authenticated_callers = authenticated_callers_;
     options.before_state_write = before_state_write_;
+    options.planner = planner_;
     auto controller = JobController::Create(options);
     ASSERT_TRUE(controller.ok()) << controller.status();
     controller_ = std::move(*controller);
@@ -68,6 +69,7 @@ class JobControllerTest : public testing::Test {
   FakeClock clock_{0};
   bool authenticated_callers_ = false;
   std::function<absl::Status()> before_state_write_;
+  std::string planner_ = "join-order";
   v1::JobSpec job_;
   std::string dir_;
   std::unique_ptr<JobController> controller_;
@@ -1024,6 +1026,120 @@ TEST_F(HostileInputTest, DeadMembersArePrunedAndStatusStaysSmall) {
   // Ids of forgotten workers are not given out again.
   const std::string next = Join("z").worker_id();
   EXPECT_EQ(next, "w402");
+}
+
+}  // namespace
+}  // namespace geotrain
+
+namespace geotrain {
+namespace {
+
+// The network planner online: fresh figures, a better plan, a decision.
+class VoluntaryReplanTest : public HostileInputTest {
+ protected:
+  void SetUp() override {
+    planner_ = "network";
+    Start("gpt { context: 8 d_model: 16 heads: 2 blocks: 2 } text {} steps: 1000 "
+          "min_workers: 3 lease_ms: 1000000 checkpoint_every: 1");
+  }
+  void ReportTimings(const std::string& id) {
+    v1::HeartbeatRequest request;
+    request.set_worker_id(id);
+    (*request.mutable_layer_seconds_per_sample())["embed"] = 1e-4;
+    (*request.mutable_layer_seconds_per_sample())["block"] = 1e-3;
+    (*request.mutable_layer_seconds_per_sample())["head"] = 1e-3;
+    controller_->Heartbeat(request);
+  }
+  // Answers every measure task: `slow` pairs at 1 kb/s, the rest 1 Gb/s.
+  void AnswerMeasureTasks(const std::vector<std::string>& workers,
+                          const std::set<std::pair<std::string, std::string>>& slow) {
+    for (int round = 0; round < 4; ++round) {
+      for (const std::string& w : workers) {
+        v1::HeartbeatRequest request;
+        request.set_worker_id(w);
+        v1::HeartbeatResponse response;
+        controller_->Heartbeat(request, &response);
+        v1::HeartbeatRequest answer;
+        answer.set_worker_id(w);
+        for (const v1::ProbeTask& task : response.probes()) {
+          if (task.measure_bytes() == 0) continue;
+          const bool is_slow = slow.count({w, task.worker_id()}) || slow.count({task.worker_id(), w});
+          v1::ProbeResult* r = answer.add_probe_results();
+          r->set_worker_id(task.worker_id());
+          r->set_measured(true);
+          r->set_reachable(true);
+          r->set_rtt_s(0.001);
+          r->set_rate_bps(is_slow ? 1e3 : 1e9);
+        }
+        controller_->Heartbeat(answer);
+      }
+    }
+  }
+};
+
+TEST_F(VoluntaryReplanTest, AVoluntaryReplanMovesOffASlowLinkAndSaysWhy) {
+  const std::vector<std::string> ids = {Join("a").worker_id(), Join("b").worker_id(),
+                                        Join("c").worker_id()};
+  // Pre-flight: no plan until the layer timings are in.
+  EXPECT_EQ(controller_->Status().state(), "waiting");
+  for (const std::string& id : ids) ReportTimings(id);
+  controller_->Tick();
+  ASSERT_EQ(controller_->Status().state(), "training");
+  const v1::Plan first = Plan();
+  ASSERT_GE(first.stages_size(), 2);
+  const std::string up = first.stages(0).worker_id(), down = first.stages(1).worker_id();
+  // The link between the first two stages turns out to be very slow.
+  AnswerMeasureTasks(ids, {{up, down}});
+  for (const v1::StageAssignment& stage : first.stages()) {
+    for (int l = stage.layer_begin(); l < stage.layer_end(); ++l) {
+      ASSERT_TRUE(controller_->SaveCheckpoint(FittingCheckpoint(stage.worker_id(), l, 0)).ok());
+    }
+  }
+  clock_.AdvanceMs(31'000);
+  controller_->Tick();
+  const v1::Plan next = Plan();
+  ASSERT_EQ(next.epoch(), first.epoch() + 1) << "no voluntary re-plan";
+  for (int k = 0; k + 1 < next.stages_size(); ++k) {
+    const std::pair<std::string, std::string> pair = {next.stages(k).worker_id(),
+                                                      next.stages(k + 1).worker_id()};
+    EXPECT_FALSE(pair == std::make_pair(up, down) || pair == std::make_pair(down, up))
+        << "the slow pair is still adjacent";
+  }
+  bool said = false;
+  const v1::ClusterStatus status = controller_->Status();
+  for (const v1::Event& e : status.events()) {
+    if (e.kind() == "replanned" && e.detail().find("voluntary: switch") != std::string::npos) {
+      said = true;
+      EXPECT_NE(e.detail().find("ms/sample"), std::string::npos) << e.detail();
+      EXPECT_NE(e.detail().find("paid back"), std::string::npos) << e.detail();
+    }
+  }
+  EXPECT_TRUE(said);
+  // Checked again 30 s later: the plan is the best one; nothing happens.
+  clock_.AdvanceMs(31'000);
+  controller_->Tick();
+  EXPECT_EQ(Plan().epoch(), next.epoch());
+}
+
+TEST_F(VoluntaryReplanTest, WithoutFreshCheckpointsTheMoveWaitsAndTheEventSaysSo) {
+  const std::vector<std::string> ids = {Join("a").worker_id(), Join("b").worker_id(),
+                                        Join("c").worker_id()};
+  for (const std::string& id : ids) ReportTimings(id);
+  controller_->Tick();
+  const v1::Plan first = Plan();
+  ASSERT_GE(first.stages_size(), 2);
+  AnswerMeasureTasks(ids, {{first.stages(0).worker_id(), first.stages(1).worker_id()}});
+  clock_.AdvanceMs(31'000);
+  controller_->Tick();
+  EXPECT_EQ(Plan().epoch(), first.epoch());
+  bool deferred = false;
+  const v1::ClusterStatus status = controller_->Status();
+  for (const v1::Event& e : status.events()) {
+    if (e.kind() == "replan_considered" && e.detail().find("checkpoints") != std::string::npos) {
+      deferred = true;
+    }
+  }
+  EXPECT_TRUE(deferred);
 }
 
 }  // namespace
