@@ -71,7 +71,8 @@ PlannerInput PlannerInputFor(const v1::JobSpec& job, const std::vector<WorkerRec
   in.microbatches = std::max(1, job.microbatches());
   in.microbatch_size = std::max(1, job.microbatch_size());
   in.max_stages = job.max_stages();
-  in.max_in_flight = job.in_flight();
+  // The job's own W, or what the workers accept from a plan.
+  in.max_in_flight = job.in_flight() > 0 ? job.in_flight() : 32;
   return in;
 }
 
@@ -79,6 +80,8 @@ v1::Plan PlanProtoFor(const PipelinePlan& plan, const std::vector<WorkerRecord>&
                       int num_layers) {
   v1::Plan proto;
   proto.set_num_layers(num_layers);
+  // Only the network planner chooses W; join order keeps today's default.
+  if (plan.planner == "network") proto.set_in_flight(plan.in_flight);
   for (size_t k = 0; k < plan.stages.size(); ++k) {
     const PlannedStageInfo& s = plan.stages[k];
     v1::StageAssignment* stage = proto.add_stages();

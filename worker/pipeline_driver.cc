@@ -12,10 +12,12 @@
 
 namespace geotrain {
 
-ScheduleConfig ConfigureSchedule(const v1::JobSpec& job, int num_stages) {
+ScheduleConfig ConfigureSchedule(const v1::JobSpec& job, int num_stages, int planned_window) {
   ScheduleConfig config;
   const int stages = std::max(1, num_stages);
-  const int window = job.in_flight() > 0 ? job.in_flight() : stages;
+  const int window = job.in_flight() > 0    ? job.in_flight()
+                     : planned_window > 0 ? std::min(std::max(planned_window, stages), kMaxPlannedWindow)
+                                          : stages;
   switch (job.schedule()) {
     case v1::SCHEDULE_ASYNC_STASH:
       config.window = window;

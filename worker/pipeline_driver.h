@@ -58,7 +58,10 @@ struct ScheduleConfig {
 
 // The knobs for `job`'s schedule on a pipeline of `num_stages` (the async
 // schedules' default window: pass the number of workers, replicas included).
-ScheduleConfig ConfigureSchedule(const v1::JobSpec& job, int num_stages);
+// `planned_window`: the plan's in_flight (0: none); used when the job sets
+// none, never below the number of stages nor above kMaxPlannedWindow.
+inline constexpr int kMaxPlannedWindow = 32;
+ScheduleConfig ConfigureSchedule(const v1::JobSpec& job, int num_stages, int planned_window = 0);
 
 // The latest StageStats of a stage, shared with the heartbeat thread, and
 // the worker's compute threads (which outlive a stage).

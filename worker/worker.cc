@@ -399,7 +399,7 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
   stats_.SetThreads(threads.threads, threads.reason);
   // The default window is one microbatch in flight per worker, replicas
   // included (each stage derives the same figure from the same plan).
-  const ScheduleConfig schedule = ConfigureSchedule(job_, WorkersInPlan(plan));
+  const ScheduleConfig schedule = ConfigureSchedule(job_, WorkersInPlan(plan), plan.in_flight());
   auto inbox = std::make_shared<Inbox>(64);
   {
     absl::MutexLock lock(&mu_);

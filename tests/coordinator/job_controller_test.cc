@@ -1087,6 +1087,8 @@ TEST_F(VoluntaryReplanTest, AVoluntaryReplanMovesOffASlowLinkAndSaysWhy) {
   ASSERT_EQ(controller_->Status().state(), "training");
   const v1::Plan first = Plan();
   ASSERT_GE(first.stages_size(), 2);
+  // The planner's W travels with the plan (and covers at least the stages).
+  EXPECT_GE(first.in_flight(), first.stages_size());
   const std::string up = first.stages(0).worker_id(), down = first.stages(1).worker_id();
   // The link between the first two stages turns out to be very slow.
   AnswerMeasureTasks(ids, {{up, down}});

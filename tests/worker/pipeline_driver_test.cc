@@ -263,5 +263,18 @@ TEST(ConfigureScheduleTest, KnobsFollowTheJob) {
   EXPECT_EQ(two.max_weight_versions, 2);
 }
 
+TEST(ConfigureScheduleTest, ThePlansWindowAppliesWhenTheJobSetsNone) {
+  v1::JobSpec job;
+  job.set_microbatches(4);
+  job.set_schedule(v1::SCHEDULE_ASYNC_STASH);
+  EXPECT_EQ(ConfigureSchedule(job, 3, 11).window, 11);  // covers a long round trip
+  EXPECT_EQ(ConfigureSchedule(job, 3, 11).max_weight_versions, 11);
+  EXPECT_EQ(ConfigureSchedule(job, 3, 1).window, 3) << "never below the stages";
+  EXPECT_EQ(ConfigureSchedule(job, 3, 500).window, kMaxPlannedWindow);
+  EXPECT_EQ(ConfigureSchedule(job, 3, 0).window, 3);
+  job.set_in_flight(6);
+  EXPECT_EQ(ConfigureSchedule(job, 3, 11).window, 6) << "the job's own W wins";
+}
+
 }  // namespace
 }  // namespace geotrain
