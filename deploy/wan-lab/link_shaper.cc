@@ -34,7 +34,9 @@ int64_t LinkShaper::Admit(int64_t now_us, int64_t bytes) {
   const double start = std::max(link_free_us_, earliest);
   link_free_us_ = start + SerialisationUs(shape_.rate_bps, bytes);
   const double sent = std::max(link_free_us_, now);
-  return static_cast<int64_t>(std::ceil(sent)) + shape_.delay_us;
+  last_delivery_us_ =
+      std::max(last_delivery_us_, static_cast<int64_t>(std::ceil(sent)) + shape_.delay_us);
+  return last_delivery_us_;
 }
 
 }  // namespace geotrain::wanlab

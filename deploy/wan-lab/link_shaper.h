@@ -36,9 +36,16 @@ class LinkShaper {
   // Bytes admitted but not yet serialised at `now_us`.
   int64_t BacklogBytes(int64_t now_us) const;
 
+  // A new rate, delay or cap for what is admitted from now on (what is
+  // queued keeps its times). Delivery times still never decrease: after a
+  // shorter delay, a chunk waits for the one before it.
+  void SetShape(const LinkShape& shape) { shape_ = shape; }
+  const LinkShape& shape() const { return shape_; }
+
  private:
   LinkShape shape_;
   double link_free_us_ = 0;  // when everything admitted so far is serialised
+  int64_t last_delivery_us_ = 0;
 };
 
 }  // namespace geotrain::wanlab

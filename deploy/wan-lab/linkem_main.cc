@@ -1,10 +1,13 @@
 // geotrain-linkem: relays TCP connections through an emulated WAN link.
 //   geotrain-linkem --listen=HOST:PORT --target=HOST:PORT --delay_ms=D --rate_mbit=R
 //   geotrain-linkem --listen=... --target=... --profile=tokyo-london
-// Delay and rate apply to each direction. SIGUSR1 toggles the blackhole.
+// Delay and rate apply to each direction. SIGUSR1 toggles the blackhole;
+// SIGHUP re-reads --settings_file (delay_ms=D rate_mbit=R) and applies it to
+// every connection, so a test can slow a link mid-run.
 #include <pthread.h>
 #include <signal.h>
 
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <thread>
@@ -12,6 +15,9 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "deploy/wan-lab/link_profile.h"
 #include "deploy/wan-lab/tcp_relay.h"
@@ -29,12 +35,46 @@ ABSL_FLAG(int64_t, close_after_bytes, 0, "fault: close each connection after thi
 ABSL_FLAG(bool, blackhole, false, "fault: accept and never forward (SIGUSR1 toggles)");
 ABSL_FLAG(double, blackhole_after_s, 0, "fault: become a blackhole this many seconds after start");
 ABSL_FLAG(std::string, port_file, "", "write the port listened on to this file");
+ABSL_FLAG(std::string, settings_file, "",
+          "on SIGHUP, read delay_ms=D and/or rate_mbit=R (0: unlimited) from this file and "
+          "apply them to every connection from then on");
 
 namespace {
 int Usage(const std::string& problem) {
   std::fprintf(stderr, "geotrain-linkem: %s\n", problem.c_str());
   return 2;
 }
+}  // namespace
+
+namespace {
+
+// "delay_ms=D rate_mbit=R" (either, any whitespace): a new shape from
+// `current`, or why not.
+absl::StatusOr<geotrain::wanlab::LinkShape> ReadSettings(const std::string& path,
+                                                         geotrain::wanlab::LinkShape current) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  std::string word;
+  while (in >> word) {
+    const size_t eq = word.find('=');
+    double value = 0;
+    if (eq == std::string::npos || !absl::SimpleAtod(word.substr(eq + 1), &value) ||
+        !std::isfinite(value) || value < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": '", word, "' is not delay_ms=D or rate_mbit=R (D, R >= 0)"));
+    }
+    const std::string key = word.substr(0, eq);
+    if (key == "delay_ms") {
+      current.delay_us = static_cast<int64_t>(value * 1000);
+    } else if (key == "rate_mbit") {
+      current.rate_bps = value * 1e6;
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": unknown setting '", key, "'"));
+    }
+  }
+  return current;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -74,6 +114,7 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGUSR1);
+  sigaddset(&signals, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   geotrain::wanlab::TcpRelay relay(options);
@@ -108,6 +149,23 @@ int main(int argc, char** argv) {
     if (received == SIGUSR1) {
       relay.SetBlackhole(!relay.blackhole());
       GT_LOG(Info) << "blackhole " << (relay.blackhole() ? "on" : "off");
+      continue;
+    }
+    if (received == SIGHUP) {
+      const std::string path = absl::GetFlag(FLAGS_settings_file);
+      if (path.empty()) {
+        GT_LOG(Warning) << "SIGHUP without --settings_file: nothing to read";
+        continue;
+      }
+      absl::StatusOr<geotrain::wanlab::LinkShape> shape = ReadSettings(path, relay.shape());
+      if (!shape.ok()) {
+        GT_LOG(Warning) << "settings not applied: " << shape.status().message();
+        continue;
+      }
+      relay.SetShape(*shape);
+      GT_LOG(Info) << "settings applied: delay " << shape->delay_us / 1000.0 << " ms, rate "
+                   << (shape->rate_bps > 0 ? std::to_string(shape->rate_bps / 1e6) : "unlimited")
+                   << " Mb/s each way";
       continue;
     }
     break;

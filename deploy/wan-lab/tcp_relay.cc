@@ -64,6 +64,19 @@ void SetBuffers(int fd, int bytes) {
 
 }  // namespace
 
+void TcpRelay::SetShape(const LinkShape& shape) {
+  {
+    std::lock_guard<std::mutex> lock(shape_mu_);
+    shape_ = shape;
+  }
+  ++shape_generation_;
+}
+
+LinkShape TcpRelay::shape() const {
+  std::lock_guard<std::mutex> lock(shape_mu_);
+  return shape_;
+}
+
 absl::StatusOr<std::pair<std::string, int>> SplitHostPort(const std::string& address) {
   const size_t colon = address.rfind(':');
   int port = 0;
@@ -82,7 +95,8 @@ class TcpRelay::Connection {
   Connection(TcpRelay* relay, int client_fd, int target_fd)
       : relay_(relay), fds_{client_fd, target_fd} {
     for (int d = 0; d < 2; ++d) {
-      directions_[d].shaper = std::make_unique<LinkShaper>(relay->options_.shape);
+      directions_[d].shaper = std::make_unique<LinkShaper>(relay->shape());
+      directions_[d].generation = relay->shape_generation_.load();
       directions_[d].from = fds_[d];
       directions_[d].to = fds_[1 - d];
     }
@@ -121,7 +135,8 @@ class TcpRelay::Connection {
     int64_t deliver_at_us;
   };
   struct Direction {
-    std::unique_ptr<LinkShaper> shaper;
+    std::unique_ptr<LinkShaper> shaper;  // its reader's alone
+    int64_t generation = 0;              // of the relay's shape it follows
     int from = -1, to = -1;
     std::mutex mu;
     std::condition_variable cv;
@@ -149,6 +164,10 @@ class TcpRelay::Connection {
       if (relay_->blackhole_) {
         relay_->bytes_dropped_ += got;
         continue;
+      }
+      if (const int64_t now = relay_->shape_generation_.load(); now != direction->generation) {
+        direction->generation = now;
+        direction->shaper->SetShape(relay_->shape());
       }
       // Queue cap: wait (without reading more) until the backlog has room.
       for (int64_t wait = direction->shaper->AdmitWaitUs(NowUs(), got); wait > 0 && !aborted_;
@@ -224,7 +243,7 @@ class TcpRelay::Connection {
 };
 
 TcpRelay::TcpRelay(RelayOptions options)
-    : options_(std::move(options)), blackhole_(options_.blackhole) {}
+    : options_(std::move(options)), shape_(options_.shape), blackhole_(options_.blackhole) {}
 
 TcpRelay::~TcpRelay() { Stop(); }
 

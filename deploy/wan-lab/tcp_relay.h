@@ -56,6 +56,11 @@ class TcpRelay {
   void SetBlackhole(bool on) { blackhole_ = on; }
   bool blackhole() const { return blackhole_; }
 
+  // A new shape for both directions of every connection, open or future,
+  // from the next chunk each reads (geotrain-linkem's SIGHUP).
+  void SetShape(const LinkShape& shape);
+  LinkShape shape() const;
+
   // Closes the listener and every connection; joins all threads.
   void Stop();
 
@@ -67,6 +72,9 @@ class TcpRelay {
   void ReapFinished();
 
   const RelayOptions options_;
+  mutable std::mutex shape_mu_;
+  LinkShape shape_;                        // guarded by shape_mu_
+  std::atomic<int64_t> shape_generation_{0};  // bumped by SetShape
   std::atomic<bool> blackhole_;
   std::atomic<bool> stopping_{false};
   int listen_fd_ = -1;

@@ -1,7 +1,7 @@
 """geotrain-linkem, the WAN lab relay, as a real process: calibration of its
 delay and rate (within 10% of the settings), its faults (close after N
-bytes, blackhole, toggled by SIGUSR1), back-pressure from its queue cap, and
-its flag errors."""
+bytes, blackhole, toggled by SIGUSR1), reshaping on SIGHUP, back-pressure
+from its queue cap, and its flag errors."""
 import os
 import signal
 import socket
@@ -58,6 +58,11 @@ class Sink:
                         self.first_bytes = len(data)
                     self.received += len(data)
                     self.last_at = now
+
+    def reset(self):
+        """Counts from zero again (call while nothing is arriving)."""
+        self.received = 0
+        self.first_at = self.last_at = None
 
     def close(self):
         self.server.close()
@@ -130,6 +135,31 @@ class LinkemTest(unittest.TestCase):
             print(figures[-1], flush=True)
             self.assertLess(abs(delay * 1000 - delay_ms), 0.1 * delay_ms, figures[-1])
             self.assertLess(abs(rate / 1e6 - rate_mbit), 0.1 * rate_mbit, figures[-1])
+
+    def test_sighup_reshapes_a_running_link(self):
+        """A link slowed to a tenth of its rate mid-run (the planner's
+        re-planning test needs links that change under it)."""
+        settings = os.path.join(tempfile.mkdtemp(prefix="linkem-settings-"), "settings")
+        with open(settings, "w") as f:
+            f.write("rate_mbit=100\n")
+        sink = self.start(Sink("count"))
+        relay = self.start(Relay(sink.port, "--rate_mbit=100", f"--settings_file={settings}"))
+        before = self.measure_rate(relay, sink, 4 << 20)
+        with open(settings, "w") as f:
+            f.write("rate_mbit=10 delay_ms=0\n")
+        relay.process.popen.send_signal(signal.SIGHUP)
+        wait_for(lambda: "settings applied" in relay.process.log(), 10, "the new settings")
+        sink.reset()
+        after = self.measure_rate(relay, sink, 1 << 20)
+        print(f"100 Mb/s link measured {before / 1e6:.1f} Mb/s; after SIGHUP (10 Mb/s) "
+              f"{after / 1e6:.1f} Mb/s", flush=True)
+        self.assertLess(abs(before / 1e6 - 100), 10)
+        self.assertLess(abs(after / 1e6 - 10), 1.5)
+        # A bad file is refused and changes nothing.
+        with open(settings, "w") as f:
+            f.write("rate_mbit=fast\n")
+        relay.process.popen.send_signal(signal.SIGHUP)
+        wait_for(lambda: "settings not applied" in relay.process.log(), 10, "the refusal")
 
     def test_profile_by_name(self):
         echo = self.start(Sink("echo"))

@@ -59,6 +59,27 @@ TEST(LinkShaperTest, DeliveryTimesNeverDecrease) {
   }
 }
 
+TEST(LinkShaperTest, ANewShapeAppliesToWhatIsAdmittedNextAndOrderHolds) {
+  LinkShape fast;
+  fast.rate_bps = 8e6;  // 1 byte per microsecond
+  fast.delay_us = 50000;
+  fast.burst_bytes = 1;
+  LinkShaper shaper(fast);
+  const int64_t first = shaper.Admit(0, 1000);  // 1 ms on the wire + 50 ms
+  EXPECT_NEAR(first, 51000, 2);
+  // A tenth of the rate and no delay: the next chunk serialises 10x slower,
+  // and is not delivered before the one already in flight.
+  LinkShape slow = fast;
+  slow.rate_bps = 8e5;
+  slow.delay_us = 0;
+  shaper.SetShape(slow);
+  const int64_t second = shaper.Admit(1000, 1000);
+  EXPECT_GE(second, first);
+  const int64_t third = shaper.Admit(100000, 1000);
+  EXPECT_NEAR(third - 100000, 10000, 15);  // 10 ms for 1000 bytes now (less a byte of burst)
+  EXPECT_EQ(shaper.shape().rate_bps, 8e5);
+}
+
 TEST(LinkProfileTest, ProfilesFromTheDesign) {
   auto tokyo = FindLinkProfile("tokyo-london");
   ASSERT_TRUE(tokyo.ok());
