@@ -1140,9 +1140,10 @@ std::optional<v1::Plan> JobController::PartitionLocked(const std::vector<WorkerR
   return plan;
 }
 
-// How long the first plan waits for a worker's layer timings (network
-// planner): longer than the worker's budget for them, plus a heartbeat.
-constexpr int64_t kLayerTimingWaitMs = 5000;
+// How long the first plan waits for a worker's layer timings and probes
+// (network planner): its timing budget and a probe per heartbeat for each
+// of up to 8 peers, with room.
+constexpr int64_t kPreflightWaitMs = 10000;
 
 void JobController::MaybePlanLocked() {
   if (plan_.has_value() || done_) return;
@@ -1150,10 +1151,12 @@ void JobController::MaybePlanLocked() {
   if (static_cast<int>(live.size()) < options_.job.min_workers()) return;
   if (options_.planner == "network") {
     // Pre-flight admission: the first plan waits (a few seconds at most)
-    // for every worker's layer timings, the planner's compute figures.
+    // for every worker's layer timings and probes of its peers, the
+    // planner's compute and network figures.
     const int64_t now = options_.clock->NowMs();
     for (const WorkerRecord& w : live) {
-      if (w.layer_seconds_per_sample.empty() && now - w.joined_ms < kLayerTimingWaitMs) return;
+      if (now - w.joined_ms >= kPreflightWaitMs) continue;
+      if (w.layer_seconds_per_sample.empty() || !network_.SampleMeasured(w.id, live)) return;
     }
   }
   std::string summary;

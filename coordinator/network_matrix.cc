@@ -71,6 +71,17 @@ std::optional<v1::ProbeTask> NetworkMatrix::NextTask(const std::string& worker,
   return task;
 }
 
+bool NetworkMatrix::SampleMeasured(const std::string& worker,
+                                   const std::vector<WorkerRecord>& live) const {
+  const std::vector<const WorkerRecord*> sample = SampleFor(worker, live);
+  absl::MutexLock lock(&mu_);
+  for (const WorkerRecord* peer : sample) {
+    auto entry = entries_.find({worker, peer->id});
+    if (entry == entries_.end() || entry->second.source == "link") return false;
+  }
+  return true;
+}
+
 void NetworkMatrix::RecordProbe(const std::string& prober, const v1::ProbeResult& result,
                                 int64_t now_ms) {
   absl::MutexLock lock(&mu_);

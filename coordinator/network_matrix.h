@@ -53,6 +53,9 @@ class NetworkMatrix {
   // Which worker advertises which address (for the links' reports); a new
   // one makes every worker look for a task again.
   void Learn(const std::string& worker, const std::string& address);
+  // Whether every peer of `worker`'s sample has been probed (answered or
+  // failed).
+  bool SampleMeasured(const std::string& worker, const std::vector<WorkerRecord>& live) const;
   // An answer to a measure task of `prober`'s; anything not asked is ignored.
   void RecordProbe(const std::string& prober, const v1::ProbeResult& result, int64_t now_ms);
   // A live link's meter: what `worker` sends to the member at `peer_address`

@@ -1078,11 +1078,17 @@ class VoluntaryReplanTest : public HostileInputTest {
 };
 
 TEST_F(VoluntaryReplanTest, AVoluntaryReplanMovesOffASlowLinkAndSaysWhy) {
-  const std::vector<std::string> ids = {Join("a").worker_id(), Join("b").worker_id(),
-                                        Join("c").worker_id()};
-  // Pre-flight: no plan until the layer timings are in.
-  EXPECT_EQ(controller_->Status().state(), "waiting");
+  std::map<std::string, std::string> address;  // id -> address
+  std::vector<std::string> ids;
+  for (const char* name : {"a", "b", "c"}) {
+    ids.push_back(Join(name).worker_id());
+    address[ids.back()] = std::string(name) + ":1";
+  }
+  // Pre-flight: no plan until the layer timings and the probes are in.
   for (const std::string& id : ids) ReportTimings(id);
+  controller_->Tick();
+  EXPECT_EQ(controller_->Status().state(), "waiting");
+  AnswerMeasureTasks(ids, {});
   controller_->Tick();
   ASSERT_EQ(controller_->Status().state(), "training");
   const v1::Plan first = Plan();
@@ -1090,8 +1096,15 @@ TEST_F(VoluntaryReplanTest, AVoluntaryReplanMovesOffASlowLinkAndSaysWhy) {
   // The planner's W travels with the plan (and covers at least the stages).
   EXPECT_GE(first.in_flight(), first.stages_size());
   const std::string up = first.stages(0).worker_id(), down = first.stages(1).worker_id();
-  // The link between the first two stages turns out to be very slow.
-  AnswerMeasureTasks(ids, {{up, down}});
+  // The live link between the first two stages turns out to be very slow.
+  for (const auto& [from, to] : {std::make_pair(up, down), std::make_pair(down, up)}) {
+    v1::HeartbeatRequest request;
+    request.set_worker_id(from);
+    v1::LinkStats* link = request.mutable_stats()->add_links();
+    link->set_peer(address[to]);
+    link->set_link_rate_bps(1e3);
+    controller_->Heartbeat(request);
+  }
   for (const v1::StageAssignment& stage : first.stages()) {
     for (int l = stage.layer_begin(); l < stage.layer_end(); ++l) {
       ASSERT_TRUE(controller_->SaveCheckpoint(FittingCheckpoint(stage.worker_id(), l, 0)).ok());
@@ -1124,13 +1137,23 @@ TEST_F(VoluntaryReplanTest, AVoluntaryReplanMovesOffASlowLinkAndSaysWhy) {
 }
 
 TEST_F(VoluntaryReplanTest, WithoutFreshCheckpointsTheMoveWaitsAndTheEventSaysSo) {
-  const std::vector<std::string> ids = {Join("a").worker_id(), Join("b").worker_id(),
-                                        Join("c").worker_id()};
+  std::map<std::string, std::string> address;
+  std::vector<std::string> ids;
+  for (const char* name : {"a", "b", "c"}) {
+    ids.push_back(Join(name).worker_id());
+    address[ids.back()] = std::string(name) + ":1";
+  }
   for (const std::string& id : ids) ReportTimings(id);
+  AnswerMeasureTasks(ids, {});
   controller_->Tick();
   const v1::Plan first = Plan();
   ASSERT_GE(first.stages_size(), 2);
-  AnswerMeasureTasks(ids, {{first.stages(0).worker_id(), first.stages(1).worker_id()}});
+  v1::HeartbeatRequest request;
+  request.set_worker_id(first.stages(0).worker_id());
+  v1::LinkStats* link = request.mutable_stats()->add_links();
+  link->set_peer(address[first.stages(1).worker_id()]);
+  link->set_link_rate_bps(1e3);
+  controller_->Heartbeat(request);
   clock_.AdvanceMs(31'000);
   controller_->Tick();
   EXPECT_EQ(Plan().epoch(), first.epoch());

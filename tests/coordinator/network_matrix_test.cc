@@ -48,6 +48,8 @@ TEST(NetworkMatrixTest, EachWorkerMeasuresABoundedSampleOneTaskAtATime) {
     now += 100;
   }
   EXPECT_EQ(measured.size(), 3u);
+  EXPECT_TRUE(matrix.SampleMeasured("w0", live));
+  EXPECT_FALSE(matrix.SampleMeasured("w1", live));
   EXPECT_FALSE(matrix.NextTask("w0", live, now).has_value());
   // After the refresh period the oldest pair is measured again.
   now += options.refresh_ms + 1;
