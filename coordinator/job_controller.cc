@@ -791,6 +791,7 @@ void JobController::MaybeVoluntaryReplanLocked() {
   }
   PlannerInput input = PlannerInputFor(options_.job, candidates);
   input.links = network_.LinksFor(candidates);
+  CalibrateWithStageStats(*plan_, candidates, &input);
   absl::StatusOr<PipelinePlan> best = planner_->Plan(input);
   if (!best.ok()) return;
   // The current plan on the same fresh figures.
@@ -808,6 +809,9 @@ void JobController::MaybeVoluntaryReplanLocked() {
     for (int l = stage.layer_begin(); l < stage.layer_end(); ++l) owner_now[l] = stage.worker_id();
   }
   if (!ScorePlan(input, &current).ok()) return;
+  // What status shows from now on: the current plan on calibrated figures.
+  current.planner = planner_->name();
+  prediction_ = PredictionOf(input, current);
   // What would move: the state (weights and optimizer) of every layer that
   // changes worker, at the slowest rate the new pipeline's links have.
   const std::vector<LayerProfile> profile = ProfileLayers(options_.job);

@@ -794,6 +794,7 @@ absl::Status ScorePlan(const PlannerInput& input, PipelinePlan* plan) {
     if (link.codec_index < 0 || link.codec_index >= model.codecs()) link.codec_index = 0;
   }
   Score(model, plan);
+  Explain(model, plan, "re-scored");
   return absl::OkStatus();
 }
 

@@ -76,6 +76,43 @@ PlannerInput PlannerInputFor(const v1::JobSpec& job, const std::vector<WorkerRec
   return in;
 }
 
+void CalibrateWithStageStats(const v1::Plan& plan, const std::vector<WorkerRecord>& workers,
+                             PlannerInput* input) {
+  const double batch = std::max(1, input->microbatch_size);
+  std::vector<double> factor(workers.size(), 0);
+  std::vector<double> known;
+  for (const v1::StageAssignment& stage : plan.stages()) {
+    for (size_t w = 0; w < workers.size(); ++w) {
+      if (workers[w].id != stage.worker_id()) continue;
+      const double measured = workers[w].stats.compute_s_per_microbatch();
+      if (!(measured > 0)) continue;
+      const PlannerWorkerInfo& info = input->workers[w];
+      double predicted = 0;
+      for (int l = stage.layer_begin(); l < stage.layer_end() &&
+                                        l < static_cast<int>(input->layers.size()); ++l) {
+        const PlannerLayer& layer = input->layers[l];
+        auto it = info.seconds_per_sample.find(layer.kind);
+        predicted += (it != info.seconds_per_sample.end()
+                          ? it->second
+                          : layer.flops_per_sample / (std::max(info.gflops, 1e-6) * 1e9)) *
+                     batch;
+      }
+      if (!(predicted > 0)) continue;
+      factor[w] = std::clamp(measured / predicted, 0.1, 10.0);
+      known.push_back(factor[w]);
+    }
+  }
+  if (known.empty()) return;
+  std::sort(known.begin(), known.end());
+  const double median = known[known.size() / 2];
+  for (size_t w = 0; w < workers.size(); ++w) {
+    const double f = factor[w] > 0 ? factor[w] : median;
+    PlannerWorkerInfo& info = input->workers[w];
+    for (auto& [kind, seconds] : info.seconds_per_sample) seconds *= f;
+    info.gflops /= f;
+  }
+}
+
 v1::Plan PlanProtoFor(const PipelinePlan& plan, const std::vector<WorkerRecord>& workers,
                       int num_layers) {
   v1::Plan proto;

@@ -28,6 +28,15 @@ absl::StatusOr<std::unique_ptr<Planner>> MakePlannerByName(const std::string& na
 // (the workers apply the job's codec; a plan cannot yet choose per link).
 PlannerInput PlannerInputFor(const v1::JobSpec& job, const std::vector<WorkerRecord>& workers);
 
+// Live calibration: each worker running a stage of `plan` reports its
+// compute per microbatch (StageStats); its layer times in `input` (indexed
+// like `workers`) are scaled so that its stage's predicted compute equals
+// that (co-located workers, other load, throttling: what a pre-flight
+// benchmark cannot see). Workers without a stage get the median factor.
+// Factors are bounded to [0.1, 10].
+void CalibrateWithStageStats(const v1::Plan& plan, const std::vector<WorkerRecord>& workers,
+                             PlannerInput* input);
+
 // The plan proto for `plan` over the same `workers` (stages, layers,
 // addresses; no links, replicas or epoch yet).
 v1::Plan PlanProtoFor(const PipelinePlan& plan, const std::vector<WorkerRecord>& workers,
