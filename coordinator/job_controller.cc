@@ -845,9 +845,17 @@ void JobController::MaybeVoluntaryReplanLocked() {
   const bool better_exists =
       candidate.best_s_per_sample < candidate.current_s_per_sample * 0.99;
   if (decision.verdict != ReplanDecision::Verdict::kSwitch) {
-    if (better_exists) AddEventLocked("replan_considered", "", decision.reason);
+    // One event per verdict change, or per 30 s while it stands (a deferred
+    // move is looked at every second).
+    const int verdict = static_cast<int>(decision.verdict);
+    if (better_exists && (verdict != last_replan_verdict_ || now - last_replan_event_ms_ >= 30000)) {
+      AddEventLocked("replan_considered", "", decision.reason);
+      last_replan_verdict_ = verdict;
+      last_replan_event_ms_ = now;
+    }
     return;
   }
+  last_replan_verdict_ = -1;
   v1::Plan next = PlanProtoFor(*best, candidates, NumLayers(options_.job));
   std::string summary = SummaryOf(*best, candidates);
   FillReplicasLocked(&next, &summary);

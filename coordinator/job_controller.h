@@ -268,6 +268,8 @@ class JobController {
   // Network planner: re-run on fresh figures every 30 s; a better plan is
   // taken when it is worth the move (coordinator/replan_policy.h).
   ReplanPolicy replan_policy_ ABSL_GUARDED_BY(mu_);
+  int last_replan_verdict_ ABSL_GUARDED_BY(mu_) = -1;
+  int64_t last_replan_event_ms_ ABSL_GUARDED_BY(mu_) = 0;
   void MaybeVoluntaryReplanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
   bool done_ ABSL_GUARDED_BY(mu_) = false;

@@ -50,6 +50,9 @@ ReplanDecision ReplanPolicy::Decide(const ReplanCandidate& c, int64_t now_ms) {
     return decision;
   }
   if (!c.state_fresh) {
+    // Checkpoints land every few steps: look again in a second rather than
+    // in a whole check interval, or the moment may be missed every time.
+    last_check_ms_ = now_ms - options_.check_interval_ms + options_.fresh_recheck_ms;
     decision.verdict = ReplanDecision::Verdict::kDefer;
     decision.reason = absl::StrFormat(
         "defer: %s; waiting for the moved layers' next checkpoints (no update is given up)",

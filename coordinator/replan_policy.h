@@ -18,6 +18,7 @@ struct ReplanPolicyOptions {
   int64_t payback_horizon_ms = 10 * 60 * 1000;  // the move must pay back within
   int64_t min_interval_ms = 2 * 60 * 1000;      // between voluntary re-plans
   int64_t check_interval_ms = 30 * 1000;        // how often to look
+  int64_t fresh_recheck_ms = 1000;  // how soon to look again while waiting for checkpoints
 };
 
 struct ReplanCandidate {

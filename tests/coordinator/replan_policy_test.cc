@@ -70,8 +70,11 @@ TEST(ReplanPolicyTest, AMoveWaitsForFreshCheckpointsOfTheMovedLayers) {
   ReplanDecision d = policy.Decide(c, 0);
   EXPECT_EQ(d.verdict, Verdict::kDefer);
   EXPECT_NE(d.reason.find("checkpoints"), std::string::npos);
+  // Checked again a second later, not a whole interval.
+  EXPECT_FALSE(policy.Due(999));
+  EXPECT_TRUE(policy.Due(1000));
   c.state_fresh = true;
-  EXPECT_EQ(policy.Decide(c, 30'000).verdict, Verdict::kSwitch);
+  EXPECT_EQ(policy.Decide(c, 1000).verdict, Verdict::kSwitch);
 }
 
 TEST(ReplanPolicyTest, MissingPredictionsKeepThePlan) {
