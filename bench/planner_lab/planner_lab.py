@@ -14,8 +14,8 @@ Runs the same job twice in one sitting, --planner=join-order then
 --planner=network, and prints per run the plan, the steady samples/s (the
 first quarter of the steps skipped), and the planner's predicted time per
 sample against the measured one. --slow_link: in the network run, the
-busiest inter-stage link is slowed to a tenth of its rate after a third of
-the steps (linkem's SIGHUP), and the events show what the coordinator did.
+plan's slowest link is slowed to a tenth of its rate after a third of the
+steps (linkem's SIGHUP), and the events show what the coordinator did.
 Logs stay in --workdir.
 """
 import argparse
@@ -164,12 +164,16 @@ def run(args, planner, workdir):
                 last_print = time.time()
             if args.slow_link and planner == "network" and not slowed and plan and \
                     step >= args.steps // 3 and len(plan) > 1:
-                a, b = worker_index(plan[0]), worker_index(plan[1])
+                # The plan's slowest link (between regions, if it crosses).
+                pairs = [(worker_index(x), worker_index(y)) for x, y in zip(plan, plan[1:])]
+                a, b = min(pairs, key=lambda p: shape(*p)[1])
+                plan_names = {worker_index(n): n for n in plan}
                 lab.reshape(a, b, 0.1)
                 slowed = True
                 slowed_at = time.time()
-                print(f"  [{planner}] step {step}: link {plan[0]} <-> {plan[1]} slowed to a "
-                      f"tenth of its rate", flush=True)
+                print(f"  [{planner}] step {step}: link {plan_names[a]} <-> {plan_names[b]} "
+                      f"slowed from {shape(a, b)[1]:.0f} to {shape(a, b)[1] / 10:.0f} Mb/s",
+                      flush=True)
             if status["state"] == "done":
                 break
         events = []
