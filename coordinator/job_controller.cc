@@ -784,9 +784,14 @@ void JobController::MaybeVoluntaryReplanLocked() {
   }
   const int64_t now = options_.clock->NowMs();
   if (!replan_policy_.Due(now)) return;
-  // The members a plan may use: the current plan's and the standbys.
+  // Marked before the planner runs: a check that returns early must not run
+  // the planner again on the next tick (under this lock).
+  replan_policy_.MarkChecked(now);
+  // The members a plan may use: the current plan's and the standbys (not
+  // the demoted stragglers: a median calibration would bring them back).
   std::vector<WorkerRecord> candidates;
   for (const WorkerRecord& w : membership_.LiveWorkers()) {
+    if (demoted_.count(w.id) > 0 && StageOf(*plan_, w.id) == nullptr) continue;
     if (StageOf(*plan_, w.id) != nullptr || EligibleStandbyLocked(w)) candidates.push_back(w);
   }
   PlannerInput input = PlannerInputFor(options_.job, candidates);
@@ -825,7 +830,13 @@ void JobController::MaybeVoluntaryReplanLocked() {
   }
   candidate.move_rate_bps = 0;
   for (const PlannedLinkInfo& link : best->links) {
-    const double rate = link.transfer_s > 0 ? link.raw_bytes * 8 / link.transfer_s : 0;
+    // The link's own rate: its wire bytes (raw x the codec's ratio) per
+    // transfer time.
+    const double ratio = link.codec_index >= 0 &&
+                                 link.codec_index < static_cast<int>(input.codecs.size())
+                             ? input.codecs[link.codec_index].ratio
+                             : 1.0;
+    const double rate = link.transfer_s > 0 ? link.raw_bytes * ratio * 8 / link.transfer_s : 0;
     if (rate > 0 && (candidate.move_rate_bps == 0 || rate < candidate.move_rate_bps)) {
       candidate.move_rate_bps = rate;
     }
@@ -1261,6 +1272,11 @@ void JobController::RelinkLocked(const std::string& why) {
 void JobController::PublishLocked(v1::Plan plan) {
   if (!plan.job_done()) AssignLinksLocked(&plan);
   straggling_since_ms_.clear();  // figures of the old plan say nothing of the new
+  // The members the plan names (and the id counter) reach the disk before
+  // the plan does: a restart must not find a plan naming a worker its state
+  // has never heard of. Plans are rare; this is the one write that waits.
+  PersistLocked();
+  state_writer_->Flush();
   absl::Status written = store_.WritePlan(plan);
   if (!written.ok()) {
     GT_LOG(Warning) << "could not persist plan: " << written.message();

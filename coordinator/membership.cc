@@ -187,7 +187,7 @@ void Membership::SetLayerTimings(
   std::map<std::string, double> kept;
   for (const auto& [kind, seconds] : seconds_per_sample) {
     if (kept.size() >= 16 || kind.empty() || kind.size() > 32) continue;
-    if (!std::isfinite(seconds) || seconds <= 0 || seconds > 1000) continue;
+    if (!std::isfinite(seconds) || seconds < 1e-9 || seconds > 1000) continue;
     kept[kind] = seconds;
   }
   absl::MutexLock lock(&mu_);

@@ -64,8 +64,8 @@ class Membership {
   bool Heartbeat(const std::string& id, uint64_t rss_bytes, int step,
                  const v1::StageStats& stats = v1::StageStats());
   void SetReachability(const std::string& id, const v1::Reachability& reachability);
-  // Keeps at most 16 kinds of names up to 32 bytes with finite values in
-  // (0, 1000] s; the rest is dropped.
+  // Keeps at most 16 kinds of names up to 32 bytes with values in
+  // [1e-9, 1000] s; the rest is dropped.
   void SetLayerTimings(const std::string& id,
                        const google::protobuf::Map<std::string, double>& seconds_per_sample);
   // Ends the lease now. False when unknown or already dead.

@@ -50,9 +50,12 @@ std::optional<v1::ProbeTask> NetworkMatrix::NextTask(const std::string& worker,
   const WorkerRecord* oldest = nullptr;
   int64_t oldest_ms = 0;
   for (const WorkerRecord* peer : sample) {
+    // Probed (answered or failed) is what counts: a failed probe is not
+    // asked again before the refresh, so one unreachable peer cannot keep
+    // the others from being measured.
     auto entry = entries_.find({worker, peer->id});
-    const bool probed = entry != entries_.end() && entry->second.rtt_s > 0;
-    const int64_t at = probed ? entry->second.updated_ms : -1;
+    const bool probed = entry != entries_.end() && entry->second.probed_ms > 0;
+    const int64_t at = probed ? entry->second.probed_ms : -1;
     if (probed && now_ms - at < options_.refresh_ms) continue;
     if (oldest == nullptr || at < oldest_ms) {
       oldest = peer;
@@ -77,7 +80,7 @@ bool NetworkMatrix::SampleMeasured(const std::string& worker,
   absl::MutexLock lock(&mu_);
   for (const WorkerRecord* peer : sample) {
     auto entry = entries_.find({worker, peer->id});
-    if (entry == entries_.end() || entry->second.source == "link") return false;
+    if (entry == entries_.end() || entry->second.probed_ms == 0) return false;
   }
   return true;
 }
@@ -90,11 +93,14 @@ void NetworkMatrix::RecordProbe(const std::string& prober, const v1::ProbeResult
   pending_.erase(pending);
   Entry& entry = entries_[{prober, result.worker_id()}];
   entry.updated_ms = now_ms;
+  entry.probed_ms = std::max<int64_t>(now_ms, 1);
   if (!result.reachable() || !Plausible(result.rtt_s(), result.rate_bps()) ||
       result.rtt_s() <= 0) {
     // Not reachable from this side: the link will be dialled the other way
-    // (or relayed); a failed probe is remembered so it is not retried at
-    // once, but it carries no figures.
+    // (or relayed); a failed probe is remembered so it is not retried before
+    // the refresh, and it clears what an older probe said.
+    entry.rtt_s = 0;
+    entry.rate_bps = 0;
     entry.source = "probe";
     return;
   }

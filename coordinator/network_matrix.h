@@ -37,6 +37,7 @@ class NetworkMatrix {
     double rtt_s = 0;     // 0: not measured
     double rate_bps = 0;  // 0: not measured
     int64_t updated_ms = 0;
+    int64_t probed_ms = 0;  // when last probed (answered or failed); 0: never
     std::string source;   // "probe", "link" (rate only) or "probe+link"
   };
 

@@ -140,7 +140,10 @@ class CostModel {
       if (in_flight != nullptr) *in_flight = m;
       return ((m + stages - 1) * tau + sum_rtt) / (m * batch);
     }
-    int window = tau > 0 ? static_cast<int>(std::ceil(trip / tau - 1e-9)) : stages;
+    // Bounded as a double first: a tiny tau against a long trip must not
+    // overflow the int.
+    int window =
+        tau > 0 ? static_cast<int>(std::min(std::ceil(trip / tau - 1e-9), 1e6)) : stages;
     window = std::max(window, stages);
     double effective = tau;
     if (in_.max_in_flight > 0 && window > in_.max_in_flight) {

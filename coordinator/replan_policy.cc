@@ -55,7 +55,8 @@ ReplanDecision ReplanPolicy::Decide(const ReplanCandidate& c, int64_t now_ms) {
     last_check_ms_ = now_ms - options_.check_interval_ms + options_.fresh_recheck_ms;
     decision.verdict = ReplanDecision::Verdict::kDefer;
     decision.reason = absl::StrFormat(
-        "defer: %s; waiting for the moved layers' next checkpoints (no update is given up)",
+        "defer: %s; waiting for the moved layers' next checkpoints (so that at most one "
+        "step of their updates is lost)",
         numbers);
     return decision;
   }

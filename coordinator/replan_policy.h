@@ -28,7 +28,7 @@ struct ReplanCandidate {
   double move_bytes = 0;            // model state that changes workers
   double move_rate_bps = 0;         // the rate it would move at (0: unknown)
   // The moved layers' newest checkpoints are at most a step old, so the
-  // move loses no updates (a voluntary move never trades progress).
+  // move loses at most one step's update of those layers.
   bool state_fresh = true;
 };
 
@@ -44,6 +44,9 @@ class ReplanPolicy {
 
   // Whether a check is due (every check_interval).
   bool Due(int64_t now_ms) const { return now_ms - last_check_ms_ >= options_.check_interval_ms; }
+  // The check is under way (also done by Decide): the next is due a whole
+  // interval later even if this one finds nothing to decide.
+  void MarkChecked(int64_t now_ms) { last_check_ms_ = now_ms; }
   // Decides on `candidate` (marks the check done). kSwitch: the caller
   // publishes the best plan and calls Switched().
   ReplanDecision Decide(const ReplanCandidate& candidate, int64_t now_ms);

@@ -59,7 +59,6 @@ Worker::~Worker() {
   Stop();
   if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
   if (watch_thread_.joinable()) watch_thread_.join();
-  if (layer_timing_thread_.joinable()) layer_timing_thread_.join();
   if (server_) server_->Shutdown(DeadlineFromNow(std::chrono::milliseconds(1000)));
 }
 
@@ -165,6 +164,22 @@ absl::Status Worker::JoinCoordinator() {
   return absl::OkStatus();
 }
 
+void Worker::MeasureLayerKinds() {
+  absl::StatusOr<std::map<std::string, double>> timings =
+      TimeLayerKinds(job_, device_name_, kLayerTimingBudget);
+  if (!timings.ok()) {
+    GT_LOG(Warning) << "layer timings: " << timings.status().message()
+                    << " (the planner uses GFLOP/s)";
+    return;
+  }
+  std::string line;
+  for (const auto& [kind, seconds] : *timings) {
+    absl::StrAppendFormat(&line, " %s %.3f ms", kind, 1e3 * seconds);
+  }
+  GT_LOG(Info) << "layer timings per sample (forward + backward):" << line;
+  coordinator_.SetLayerTimings(*std::move(timings));
+}
+
 absl::Status Worker::Run() {
   if (options_.insecure) {
     GT_LOG(Warning) << "--insecure: plaintext links, no identities (loopback demos and tests only)";
@@ -189,23 +204,11 @@ absl::Status Worker::Run() {
   RETURN_IF_ERROR(JoinCoordinator());
   heartbeat_thread_ = std::thread([this] { HeartbeatLoop(heartbeat_ms_); });
   watch_thread_ = std::thread([this] { WatchLoop(); });
-  // Pre-flight compute figures for the planner, off the heartbeat's path (a
-  // lease must not wait for a benchmark).
-  layer_timing_thread_ = std::thread([this, job = job_, device = device_name_] {
-    absl::StatusOr<std::map<std::string, double>> timings =
-        TimeLayerKinds(job, device, kLayerTimingBudget);
-    if (!timings.ok()) {
-      GT_LOG(Warning) << "layer timings: " << timings.status().message()
-                      << " (the planner uses GFLOP/s)";
-      return;
-    }
-    std::string line;
-    for (const auto& [kind, seconds] : *timings) {
-      absl::StrAppendFormat(&line, " %s %.3f ms", kind, 1e3 * seconds);
-    }
-    GT_LOG(Info) << "layer timings per sample (forward + backward):" << line;
-    coordinator_.SetLayerTimings(*std::move(timings));
-  });
+  // Pre-flight compute figures for the planner, on this (the compute)
+  // thread before any stage is built: building a layer seeds LibTorch's
+  // global generator, so no other thread may build one meanwhile. The
+  // heartbeats already run, so the lease does not wait for it.
+  MeasureLayerKinds();
 
   uint64_t last_epoch = 0;  // the newest plan this worker has acted on
   while (true) {

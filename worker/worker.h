@@ -130,7 +130,9 @@ class Worker {
 
   std::thread heartbeat_thread_;
   std::thread watch_thread_;
-  std::thread layer_timing_thread_;  // TimeLayerKinds once, after the first join
+  // Times the job's layer kinds (worker/layer_benchmark.h) and hands the
+  // figures to the heartbeats. On the compute thread only.
+  void MeasureLayerKinds();
   // What the layer timings may take in all (the quick models take far less).
   static constexpr absl::Duration kLayerTimingBudget = absl::Milliseconds(300);
   absl::Mutex mu_;

@@ -59,9 +59,9 @@ absl::StatusOr<geotrain::wanlab::LinkShape> ReadSettings(const std::string& path
     const size_t eq = word.find('=');
     double value = 0;
     if (eq == std::string::npos || !absl::SimpleAtod(word.substr(eq + 1), &value) ||
-        !std::isfinite(value) || value < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(path, ": '", word, "' is not delay_ms=D or rate_mbit=R (D, R >= 0)"));
+        !std::isfinite(value) || value < 0 || value > 1e6) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, ": '", word, "' is not delay_ms=D or rate_mbit=R (0 <= D, R <= 1e6)"));
     }
     const std::string key = word.substr(0, eq);
     if (key == "delay_ms") {

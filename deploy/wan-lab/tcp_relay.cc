@@ -95,8 +95,10 @@ class TcpRelay::Connection {
   Connection(TcpRelay* relay, int client_fd, int target_fd)
       : relay_(relay), fds_{client_fd, target_fd} {
     for (int d = 0; d < 2; ++d) {
-      directions_[d].shaper = std::make_unique<LinkShaper>(relay->shape());
+      // The generation first: a SetShape in between is then seen at the
+      // first chunk rather than missed.
       directions_[d].generation = relay->shape_generation_.load();
+      directions_[d].shaper = std::make_unique<LinkShaper>(relay->shape());
       directions_[d].from = fds_[d];
       directions_[d].to = fds_[1 - d];
     }

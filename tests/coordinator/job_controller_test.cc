@@ -129,28 +129,34 @@ TEST_F(JobControllerTest, ReportsOfOtherEpochsOrOldStepsAreRefused) {
 }
 
 TEST_F(JobControllerTest, AStepReportNeverWaitsForASlowStateWrite) {
-  // The disk stalls: every state write waits until the test lets it go.
+  // Once the plan is out, the disk stalls: every state write waits until
+  // the test lets it go.
   absl::Notification disk_free;
+  std::atomic<bool> stall{false};
   std::atomic<int> stalled_writes{0};
   before_state_write_ = [&]() -> absl::Status {
+    if (!stall) return absl::OkStatus();
     ++stalled_writes;
     disk_free.WaitForNotification();
     return absl::OkStatus();
   };
-  Start("gpt { context: 8 d_model: 16 heads: 2 blocks: 2 } text {} steps: 3 "
+  Start("gpt { context: 8 d_model: 16 heads: 2 blocks: 2 } text {} steps: 10 "
         "min_workers: 2 lease_ms: 1000");
   Join("a");
   const std::string b = Join("b").worker_id();
-  // A write is in progress (stuck) before the report.
-  for (int i = 0; i < 1000 && stalled_writes == 0; ++i) absl::SleepFor(absl::Milliseconds(5));
-  ASSERT_GE(stalled_writes.load(), 1);
+  stall = true;
   v1::StepReport report;
   report.set_worker_id(b);
   report.set_epoch(1);
   report.set_samples(8);
   report.set_loss(2.5);
+  report.set_step(1);
+  ASSERT_TRUE(controller_->ReportStep(report).ok());
+  // That report's write is now in progress (stuck).
+  for (int i = 0; i < 1000 && stalled_writes == 0; ++i) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_GE(stalled_writes.load(), 1);
   const absl::Time start = absl::Now();
-  for (int step = 1; step <= 3; ++step) {
+  for (int step = 2; step <= 3; ++step) {
     report.set_step(step);
     ASSERT_TRUE(controller_->ReportStep(report).ok());
   }

@@ -57,6 +57,27 @@ TEST(NetworkMatrixTest, EachWorkerMeasuresABoundedSampleOneTaskAtATime) {
   EXPECT_TRUE(matrix.NextTask("w0", live, now).has_value());
 }
 
+TEST(NetworkMatrixTest, AFailedProbeIsNotRetriedBeforeTheRefreshAndClearsOldFigures) {
+  NetworkMatrixOptions options;
+  options.sample = 3;
+  NetworkMatrix matrix(options);
+  const std::vector<WorkerRecord> live = Workers(4);
+  std::set<std::string> asked;
+  for (int round = 0; round < 3; ++round) {
+    std::optional<v1::ProbeTask> task = matrix.NextTask("w0", live, 1000 + round);
+    ASSERT_TRUE(task.has_value());
+    asked.insert(task->worker_id());
+    v1::ProbeResult failed;
+    failed.set_worker_id(task->worker_id());
+    failed.set_measured(true);
+    failed.set_reachable(false);
+    matrix.RecordProbe("w0", failed, 1000 + round);
+  }
+  EXPECT_EQ(asked.size(), 3u) << "every peer of the sample was asked once";
+  EXPECT_TRUE(matrix.SampleMeasured("w0", live));
+  EXPECT_FALSE(matrix.NextTask("w0", live, 2000).has_value());
+}
+
 TEST(NetworkMatrixTest, AnswersNotAskedForOrImplausibleCarryNoFigures) {
   NetworkMatrix matrix;
   const std::vector<WorkerRecord> live = Workers(3);
