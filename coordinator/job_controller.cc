@@ -814,8 +814,10 @@ void JobController::MaybeVoluntaryReplanLocked() {
     for (int l = stage.layer_begin(); l < stage.layer_end(); ++l) owner_now[l] = stage.worker_id();
   }
   if (!ScorePlan(input, &current).ok()) return;
-  // What status shows from now on: the current plan on calibrated figures.
+  // What status shows from now on: the current plan on calibrated figures
+  // (still the plan an exhaustive search chose, if one did).
   current.planner = planner_->name();
+  current.exact = prediction_.exact();
   prediction_ = PredictionOf(input, current);
   // What would move: the state (weights and optimizer) of every layer that
   // changes worker, at the slowest rate the new pipeline's links have.
@@ -1188,6 +1190,7 @@ void JobController::MaybePlanLocked() {
   plan->set_epoch(1);
   plan->set_start_step(0);
   AddEventLocked("planned", "", absl::StrCat("epoch 1: ", summary));
+  replan_policy_.MarkChecked(options_.clock->NowMs());  // the first check a whole interval on
   training_start_s_ = ElapsedS();
   PublishLocked(*std::move(plan));
   PersistLocked();
