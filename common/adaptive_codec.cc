@@ -1,5 +1,7 @@
 #include "common/adaptive_codec.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/codec.h"
@@ -37,6 +39,16 @@ std::vector<v1::Codec> CodecLadder(v1::Codec strongest) {
     default:
       return {v1::CODEC_NONE};
   }
+}
+
+v1::Codec CapToLadder(v1::Codec chosen, v1::Codec strongest) {
+  if (chosen == v1::CODEC_UNSPECIFIED) return strongest;
+  const std::vector<v1::Codec> ladder = CodecLadder(strongest);
+  for (v1::Codec c : ladder) {
+    if (c == chosen) return c;
+  }
+  const size_t step = CodecLadder(chosen).size() - 1;
+  return ladder[std::min(step, ladder.size() - 1)];
 }
 
 AdaptiveCodecSelector::AdaptiveCodecSelector(std::vector<v1::Codec> ladder,

@@ -25,6 +25,12 @@ double NominalCodecRatio(v1::Codec codec, double topk_fraction = 0.01);
 // the cap), ending at `strongest`. {none} for none.
 std::vector<v1::Codec> CodecLadder(v1::Codec strongest);
 
+// `chosen`'s step on the ladder (none 0, fp16/bf16 1, int8 2, int4/topk
+// 3), taken on `strongest`'s ladder: `chosen` itself when that ladder has
+// it, else the entry at the same step or the strongest below it.
+// UNSPECIFIED: `strongest`.
+v1::Codec CapToLadder(v1::Codec chosen, v1::Codec strongest);
+
 struct AdaptiveCodecOptions {
   double step_up_above = 1.0;   // link time / compute time
   double step_down_below = 0.5;

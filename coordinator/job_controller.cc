@@ -16,14 +16,7 @@
 namespace geotrain {
 namespace {
 
-constexpr size_t kMaxEvents = 200;
 constexpr size_t kThroughputWindow = 10;  // steps
-// A stage this many times slower per microbatch than every other stage, for
-// this long, is a straggler.
-constexpr double kStragglerFactor = 3.0;
-// ... and at least this many times slower than its own best on its layers.
-constexpr double kSlowdownFactor = 2.0;
-constexpr int64_t kStragglerPatienceMs = 5000;
 // A worker taken out of the plan for a lost link waits this long before it
 // is made a replica again (it may still replace a lost worker before that):
 // a link that keeps failing would otherwise cycle it in and out.
@@ -35,25 +28,12 @@ constexpr int kPeerProbes = 2;
 // Status shows at most this many workers (live first) and cuts event
 // details, so that it stays far below the 16 MiB message limit.
 constexpr int kMaxStatusWorkers = 2000;
-constexpr size_t kMaxEventDetailBytes = 512;
 constexpr size_t kMaxEventKindBytes = 64;
+// A worker's own event detail, before the peer's name is added (the event
+// log cuts the whole at its own bound).
+constexpr size_t kMaxEventDetailBytes = 512;
 // An accuser whose accusations were this many times not confirmed is suspected.
 constexpr int kUnconfirmedAccusationsToSuspect = 2;
-
-std::string JsonEscape(const std::string& s) {
-  std::string out;
-  for (char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      out += absl::StrFormat("\\u%04x", c);
-    } else {
-      out += c;
-    }
-  }
-  return out;
-}
 
 }  // namespace
 
@@ -78,21 +58,32 @@ absl::StatusOr<std::unique_ptr<JobController>> JobController::Create(
         }
         return store.WriteState(state);
       });
-  auto controller = std::unique_ptr<JobController>(
-      new JobController(std::move(options), *std::move(planner), *std::move(store),
-                        std::move(state_writer), *std::move(checkpoints)));
+  // Every coordinator of the state dir appends to one events log.
+  AppendLogOptions events_log;
+  events_log.path = store->events_log_path();
+  events_log.before_write = options.before_log_write;
+  absl::StatusOr<std::unique_ptr<AppendLog>> events_file = AppendLog::Open(std::move(events_log));
+  if (!events_file.ok()) return events_file.status();
+  auto controller = std::unique_ptr<JobController>(new JobController(
+      std::move(options), *std::move(planner), *std::move(store), std::move(state_writer),
+      *std::move(checkpoints), *std::move(events_file)));
   absl::MutexLock lock(&controller->mu_);
   if (absl::Status recovered = controller->RecoverLocked(); !recovered.ok()) return recovered;
+  std::unique_ptr<AppendLog> metrics_file;
   if (!controller->options_.metrics_log_path.empty()) {
     // A recovering coordinator continues the log; a new job starts it.
-    controller->metrics_.open(controller->options_.metrics_log_path,
-                              controller->recovered_ ? std::ios::out | std::ios::app
-                                                     : std::ios::out | std::ios::trunc);
-    if (!controller->metrics_) {
-      return absl::UnavailableError(absl::StrCat(
-          "cannot write metrics log ", controller->options_.metrics_log_path));
+    AppendLogOptions metrics_log;
+    metrics_log.path = controller->options_.metrics_log_path;
+    metrics_log.truncate = !controller->recovered_;
+    metrics_log.before_write = controller->options_.before_log_write;
+    absl::StatusOr<std::unique_ptr<AppendLog>> opened = AppendLog::Open(std::move(metrics_log));
+    if (!opened.ok()) {
+      return absl::UnavailableError(absl::StrCat("cannot write metrics log: ",
+                                                 opened.status().message()));
     }
+    metrics_file = *std::move(opened);
   }
+  controller->metrics_ = std::make_unique<MetricsSink>(std::move(metrics_file), kThroughputWindow);
   if (!controller->recovered_) {
     controller->AddEventLocked("started", "",
                                absl::StrCat("job ", controller->options_.job.name()));
@@ -103,16 +94,30 @@ absl::StatusOr<std::unique_ptr<JobController>> JobController::Create(
 
 JobController::JobController(JobControllerOptions options, std::unique_ptr<Planner> planner,
                              StateStore store, std::unique_ptr<DurableStateWriter> state_writer,
-                             std::unique_ptr<CheckpointStore> checkpoints)
+                             std::unique_ptr<CheckpointStore> checkpoints,
+                             std::unique_ptr<AppendLog> events_file)
     : options_(std::move(options)),
       planner_(std::move(planner)),
       start_ms_(options_.clock->NowMs()),
       membership_(options_.clock, options_.job.lease_ms()),
       store_(std::move(store)),
       state_writer_(std::move(state_writer)),
-      checkpoints_(std::move(checkpoints)) {}
+      checkpoints_(std::move(checkpoints)),
+      metrics_(std::make_unique<MetricsSink>(nullptr)),
+      events_([&] {
+        EventLogOptions events;
+        events.clock = options_.clock;
+        events.start_ms = start_ms_;
+        events.file = std::move(events_file);
+        return events;
+      }()) {}
 
-void JobController::FlushState() { state_writer_->Flush(); }
+void JobController::FlushState() {
+  state_writer_->Flush();
+  events_.Flush();
+  absl::MutexLock lock(&mu_);
+  metrics_->Flush();
+}
 
 absl::Status JobController::RecoverLocked() {
   absl::StatusOr<std::optional<v1::CoordinatorState>> state = store_.ReadState();
@@ -432,19 +437,15 @@ absl::Status JobController::ReportStep(const v1::StepReport& report) {
   step_ = report.step();
   loss_ = report.loss();
   samples_ += report.samples();
-  recent_.emplace_back(now, samples_);
-  while (recent_.size() > kThroughputWindow + 1) recent_.pop_front();
-
-  std::string rss;
+  StepFigures figures;
+  figures.step = step_;
+  figures.loss = loss_;
+  figures.samples = samples_;
+  figures.training_s = now - training_start_s_;
   for (const WorkerRecord& w : membership_.Snapshot()) {
-    if (!w.alive) continue;
-    absl::StrAppend(&rss, rss.empty() ? "" : ",", "\"", JsonEscape(w.name),
-                    "\":", w.rss_bytes);
+    if (w.alive) figures.rss_bytes.emplace_back(w.name, w.rss_bytes);
   }
-  WriteMetricsLocked(absl::StrFormat(
-      "{\"step\":%d,\"loss\":%.8g,\"samples\":%d,\"time_s\":%.3f,"
-      "\"rss_bytes\":{%s}}",
-      step_, loss_, samples_, now - training_start_s_, rss));
+  metrics_->RecordStep(now, figures);
   // Every step: a restarted coordinator must not resume a re-plan from a
   // step the workers have already done.
   PersistLocked();
@@ -469,17 +470,7 @@ absl::Status JobController::ReportEval(const v1::EvalReport& report) {
   }
   val_loss_ = report.val_loss();
   accuracy_ = report.accuracy();
-  std::string line = absl::StrFormat(
-      "{\"eval\":true,\"step\":%d,\"val_loss\":%.8g,\"samples\":%d",
-      report.step(), report.val_loss(), report.samples());
-  if (report.has_accuracy()) {
-    absl::StrAppend(&line, absl::StrFormat(",\"accuracy\":%.6f", report.accuracy()));
-  }
-  absl::StrAppend(&line, absl::StrFormat(",\"time_s\":%.3f}",
-                                         training_start_s_ < 0
-                                             ? 0.0
-                                             : ElapsedS() - training_start_s_));
-  WriteMetricsLocked(line);
+  metrics_->RecordEval(training_start_s_ < 0 ? 0.0 : ElapsedS() - training_start_s_, report);
   AddEventLocked("evaluated", NameOf(report.worker_id()),
                  absl::StrFormat("step %d val_loss %.4f%s", report.step(),
                                  report.val_loss(),
@@ -794,66 +785,21 @@ void JobController::MaybeVoluntaryReplanLocked() {
     if (demoted_.count(w.id) > 0 && StageOf(*plan_, w.id) == nullptr) continue;
     if (StageOf(*plan_, w.id) != nullptr || EligibleStandbyLocked(w)) candidates.push_back(w);
   }
-  PlannerInput input = PlannerInputFor(options_.job, candidates);
+  PlannerInput input = PlannerInputFor(options_.job, candidates, CodecChoice::kPerLink);
   input.links = network_.LinksFor(candidates);
   CalibrateWithStageStats(*plan_, candidates, &input);
   absl::StatusOr<PipelinePlan> best = planner_->Plan(input);
   if (!best.ok()) return;
-  // The current plan on the same fresh figures.
-  PipelinePlan current;
-  std::map<int, std::string> owner_now;  // layer -> worker
-  for (const v1::StageAssignment& stage : plan_->stages()) {
-    auto it = std::find_if(candidates.begin(), candidates.end(),
-                           [&](const WorkerRecord& w) { return w.id == stage.worker_id(); });
-    if (it == candidates.end()) return;  // a failure: the involuntary path handles it
-    PlannedStageInfo s;
-    s.worker = static_cast<int>(it - candidates.begin());
-    s.layer_begin = stage.layer_begin();
-    s.layer_end = stage.layer_end();
-    current.stages.push_back(s);
-    for (int l = stage.layer_begin(); l < stage.layer_end(); ++l) owner_now[l] = stage.worker_id();
-  }
-  if (!ScorePlan(input, &current).ok()) return;
+  absl::StatusOr<ReplanComparison> compared = CompareForReplan(
+      options_.job, input, candidates, *plan_, *best, checkpoints_->Index(), step_);
+  if (!compared.ok()) return;  // a failure: the involuntary path handles it
   // What status shows from now on: the current plan on calibrated figures
   // (still the plan an exhaustive search chose, if one did).
-  current.planner = planner_->name();
-  current.exact = prediction_.exact();
-  prediction_ = PredictionOf(input, current);
-  // What would move: the state (weights and optimizer) of every layer that
-  // changes worker, at the slowest rate the new pipeline's links have.
-  const std::vector<LayerProfile> profile = ProfileLayers(options_.job);
-  const std::map<int, std::vector<int>> checkpointed = checkpoints_->Index();
-  ReplanCandidate candidate;
-  candidate.current_s_per_sample = current.time_per_sample_s;
-  candidate.best_s_per_sample = best->time_per_sample_s;
-  if (recent_.size() >= 2 && recent_.back().second > recent_.front().second) {
-    candidate.measured_s_per_sample = (recent_.back().first - recent_.front().first) /
-                                      (recent_.back().second - recent_.front().second);
-  }
-  candidate.move_rate_bps = 0;
-  for (const PlannedLinkInfo& link : best->links) {
-    // The link's own rate: its wire bytes (raw x the codec's ratio) per
-    // transfer time.
-    const double ratio = link.codec_index >= 0 &&
-                                 link.codec_index < static_cast<int>(input.codecs.size())
-                             ? input.codecs[link.codec_index].ratio
-                             : 1.0;
-    const double rate = link.transfer_s > 0 ? link.raw_bytes * ratio * 8 / link.transfer_s : 0;
-    if (rate > 0 && (candidate.move_rate_bps == 0 || rate < candidate.move_rate_bps)) {
-      candidate.move_rate_bps = rate;
-    }
-  }
-  if (candidate.move_rate_bps == 0) candidate.move_rate_bps = input.default_link.rate_bps;
-  for (const PlannedStageInfo& s : best->stages) {
-    for (int l = s.layer_begin; l < s.layer_end; ++l) {
-      if (owner_now[l] == candidates[s.worker].id) continue;
-      candidate.move_bytes += profile[l].parameter_count * 4.0 * 3;  // weights, Adam's m and v
-      auto it = checkpointed.find(l);
-      if (it == checkpointed.end() || it->second.empty() || it->second.back() < step_ - 1) {
-        candidate.state_fresh = false;
-      }
-    }
-  }
+  compared->current.planner = planner_->name();
+  compared->current.exact = prediction_.exact();
+  prediction_ = PredictionOf(input, compared->current);
+  ReplanCandidate& candidate = compared->candidate;
+  candidate.measured_s_per_sample = metrics_->SecondsPerSample();
   const ReplanDecision decision = replan_policy_.Decide(candidate, now);
   const bool better_exists =
       candidate.best_s_per_sample < candidate.current_s_per_sample * 0.99;
@@ -869,7 +815,7 @@ void JobController::MaybeVoluntaryReplanLocked() {
     return;
   }
   last_replan_verdict_ = -1;
-  v1::Plan next = PlanProtoFor(*best, candidates, NumLayers(options_.job));
+  v1::Plan next = PlanProtoFor(*best, input, candidates);
   std::string summary = SummaryOf(*best, candidates);
   FillReplicasLocked(&next, &summary);
   prediction_ = PredictionOf(input, *best);
@@ -957,90 +903,24 @@ void JobController::CheckStragglersLocked() {
   if (!plan_.has_value() || done_ || plan_->job_done() || !done_workers_.empty()) return;
   std::map<std::string, WorkerRecord> records;
   for (const WorkerRecord& w : membership_.Snapshot()) records[w.id] = w;
-  // Compute time per microbatch of every worker of every stage; a stage
-  // takes as long as its fastest worker (the router avoids the slower).
-  struct Timing {
-    std::string id;
-    double seconds;
-  };
-  std::vector<std::vector<Timing>> stages;
-  std::vector<double> stage_seconds;
+  std::vector<StageTimings> stages;
   for (const v1::StageAssignment& s : plan_->stages()) {
-    std::vector<Timing>& timings = stages.emplace_back();
-    double fastest = 0;
+    StageTimings& timings = stages.emplace_back();
+    timings.layer_begin = s.layer_begin();
+    timings.layer_end = s.layer_end();
     for (const StageWorker& worker : WorkersOf(s)) {
       const WorkerRecord& w = records[worker.id];
       const double measured = w.stats.compute_s_per_microbatch();
-      if (!w.alive || measured <= 0) continue;
-      timings.push_back({worker.id, measured});
-      Pace& pace = pace_[worker.id];
-      if (pace.best_s == 0 || pace.layer_begin != s.layer_begin() ||
-          pace.layer_end != s.layer_end()) {
-        pace = {s.layer_begin(), s.layer_end(), measured};
-      }
-      pace.best_s = std::min(pace.best_s, measured);
-      fastest = fastest == 0 ? measured : std::min(fastest, measured);
-    }
-    if (fastest == 0) return;  // not enough figures yet
-    stage_seconds.push_back(fastest);
-  }
-  // (worker, why, demote it: a replica slower than its siblings)
-  std::vector<std::tuple<std::string, std::string, bool>> slow;
-  for (int k = 0; k < static_cast<int>(stages.size()); ++k) {
-    // The planner balanced the stages by their workers' benchmarks, so
-    // healthy stages take comparable time per microbatch (a light stage
-    // less). One far slower than every other stage is a straggler: it is
-    // the bottleneck, and not by the plan's design.
-    double slowest_other = 0;
-    for (int j = 0; j < static_cast<int>(stage_seconds.size()); ++j) {
-      if (j != k) slowest_other = std::max(slowest_other, stage_seconds[j]);
-    }
-    if (slowest_other > 0 && stage_seconds[k] > kStragglerFactor * slowest_other) {
-      const Timing& worst = *std::max_element(
-          stages[k].begin(), stages[k].end(),
-          [](const Timing& a, const Timing& b) { return a.seconds < b.seconds; });
-      // A stage slow from the start was given too much work (its worker's
-      // benchmark at join overrated it); another worker would not help.
-      const double best = pace_[worst.id].best_s;
-      if (worst.seconds > kSlowdownFactor * best) {
-        slow.emplace_back(worst.id,
-                          absl::StrFormat("stage %d takes %.1f ms per microbatch, %.1fx the "
-                                          "slowest other stage and %.1fx its own best",
-                                          k, stage_seconds[k] * 1e3,
-                                          stage_seconds[k] / slowest_other, worst.seconds / best),
-                          false);
-      }
-      continue;
-    }
-    // A replica far slower than its fastest sibling only wastes what the
-    // router still sends it.
-    for (const Timing& t : stages[k]) {
-      if (stages[k].size() > 1 && t.seconds > kStragglerFactor * stage_seconds[k]) {
-        slow.emplace_back(t.id,
-                          absl::StrFormat("a worker of stage %d takes %.1f ms per microbatch, "
-                                          "%.1fx its fastest replica",
-                                          k, t.seconds * 1e3, t.seconds / stage_seconds[k]),
-                          true);
-      }
+      if (w.alive && measured > 0) timings.workers.emplace_back(worker.id, measured);
     }
   }
-  const int64_t now = options_.clock->NowMs();
-  std::set<std::string> slow_ids;
-  for (const auto& [id, why, demote] : slow) slow_ids.insert(id);
-  for (auto it = straggling_since_ms_.begin(); it != straggling_since_ms_.end();) {
-    it = slow_ids.count(it->first) > 0 ? std::next(it) : straggling_since_ms_.erase(it);
-  }
-  for (const auto& [id, reason, demote] : slow) {
-    const int64_t since = straggling_since_ms_.emplace(id, now).first->second;
-    if (now - since < kStragglerPatienceMs) continue;
-    const std::string why = absl::StrFormat("%s, for %.0f s", reason, (now - since) / 1000.0);
-    AddEventLocked("straggler", NameOf(id), why);
-    straggling_since_ms_[id] = now;  // report again only after another patience period
+  for (const StragglerVerdict& slow : stragglers_.Check(stages, options_.clock->NowMs())) {
+    AddEventLocked("straggler", NameOf(slow.worker_id), slow.reason);
     // A replica slower than its siblings is demoted to standby and not made
     // a replica again; a slow stage swaps its slowest worker for a standby.
-    if (demote) demoted_.insert(id);
-    if (ReplaceLocked(id, absl::StrCat("it straggles (", why, ")"),
-                      demote ? Replacement::kTakeOut : Replacement::kSwapWithStandby)) {
+    if (slow.demote) demoted_.insert(slow.worker_id);
+    if (ReplaceLocked(slow.worker_id, absl::StrCat("it straggles (", slow.reason, ")"),
+                      slow.demote ? Replacement::kTakeOut : Replacement::kSwapWithStandby)) {
       return;
     }
   }
@@ -1151,14 +1031,16 @@ void JobController::MaybeReplanLocked() {
 
 std::optional<v1::Plan> JobController::PartitionLocked(const std::vector<WorkerRecord>& live,
                                                        std::string* summary) {
-  PlannerInput input = PlannerInputFor(options_.job, live);
+  PlannerInput input = PlannerInputFor(
+      options_.job, live,
+      options_.planner == "network" ? CodecChoice::kPerLink : CodecChoice::kJobWide);
   input.links = network_.LinksFor(live);
   absl::StatusOr<PipelinePlan> planned = planner_->Plan(input);
   if (!planned.ok()) {
     AddEventLocked("plan_failed", "", std::string(planned.status().message()));
     return std::nullopt;
   }
-  v1::Plan plan = PlanProtoFor(*planned, live, NumLayers(options_.job));
+  v1::Plan plan = PlanProtoFor(*planned, input, live);
   absl::StrAppend(summary, SummaryOf(*planned, live));
   prediction_ = PredictionOf(input, *planned);
   FillReplicasLocked(&plan, summary);
@@ -1274,7 +1156,7 @@ void JobController::RelinkLocked(const std::string& why) {
 
 void JobController::PublishLocked(v1::Plan plan) {
   if (!plan.job_done()) AssignLinksLocked(&plan);
-  straggling_since_ms_.clear();  // figures of the old plan say nothing of the new
+  stragglers_.ResetPatience();  // figures of the old plan say nothing of the new
   // The members the plan names (and the id counter) reach the disk before
   // the plan does: a restart must not find a plan naming a worker its state
   // has never heard of. Plans are rare; this is the one write that waits.
@@ -1305,10 +1187,7 @@ v1::ClusterStatus JobController::Status() const {
   status.set_val_loss(val_loss_);
   status.set_accuracy(accuracy_);
   status.set_elapsed_s(ElapsedS());
-  if (recent_.size() >= 2 && recent_.back().first > recent_.front().first) {
-    status.set_samples_per_s((recent_.back().second - recent_.front().second) /
-                             (recent_.back().first - recent_.front().first));
-  }
+  status.set_samples_per_s(metrics_->SamplesPerSecond());
   if (static_cast<int>(workers.size()) > kMaxStatusWorkers) {
     // Live workers first, then the most recent of the dead.
     std::stable_partition(workers.begin(), workers.end(),
@@ -1378,7 +1257,7 @@ v1::ClusterStatus JobController::Status() const {
                                        : v1::WORKER_STATE_STANDBY);
     }
   }
-  for (const v1::Event& e : events_) *status.add_events() = e;
+  for (v1::Event& e : events_.Recent()) *status.add_events() = std::move(e);
   if (plan_.has_value()) {
     std::map<std::string, int> stage_of;
     for (const v1::StageAssignment& s : plan_->stages()) {
@@ -1423,31 +1302,9 @@ void JobController::Shutdown() {
   shutdown_ = true;
 }
 
-void JobController::AddEventLocked(const std::string& kind,
-                                   const std::string& worker,
+void JobController::AddEventLocked(const std::string& kind, const std::string& worker,
                                    const std::string& detail) {
-  v1::Event event;
-  event.set_time_s(ElapsedS());
-  event.set_kind(kind);
-  event.set_worker(worker);
-  event.set_detail(detail.size() > kMaxEventDetailBytes
-                       ? absl::StrCat(detail.substr(0, kMaxEventDetailBytes), "...")
-                       : detail);
-  event.set_worker(worker.substr(0, 128));
-  GT_LOG(Info) << "event " << kind << (event.worker().empty() ? "" : " " + event.worker())
-               << ": " << event.detail();
-  absl::Status logged = store_.AppendEvent(absl::StrFormat(
-      "{\"time_s\":%.3f,\"kind\":\"%s\",\"worker\":\"%s\",\"detail\":\"%s\"}",
-      event.time_s(), JsonEscape(kind), JsonEscape(event.worker()), JsonEscape(event.detail())));
-  if (!logged.ok()) GT_LOG(Warning) << logged.message();
-  events_.push_back(std::move(event));
-  while (events_.size() > kMaxEvents) events_.pop_front();
-}
-
-void JobController::WriteMetricsLocked(const std::string& line) {
-  if (!metrics_.is_open()) return;
-  metrics_ << line << '\n';
-  metrics_.flush();
+  events_.Add(kind, worker, detail);
 }
 
 std::string JobController::NameOf(const std::string& worker_id) const {

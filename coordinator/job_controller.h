@@ -9,7 +9,6 @@
 
 #include <cstdint>
 #include <deque>
-#include <fstream>
 #include <functional>
 #include <atomic>
 #include <map>
@@ -25,11 +24,14 @@
 #include "common/clock.h"
 #include "coordinator/checkpoint_store.h"
 #include "coordinator/durable_state_writer.h"
+#include "coordinator/event_log.h"
 #include "coordinator/membership.h"
+#include "coordinator/metrics_sink.h"
 #include "coordinator/network_matrix.h"
 #include "coordinator/network_planner.h"
 #include "coordinator/replan_policy.h"
 #include "coordinator/state_store.h"
+#include "coordinator/straggler_detector.h"
 #include "geotrain/v1/coordinator.pb.h"
 #include "geotrain/v1/job.pb.h"
 #include "geotrain/v1/status.pb.h"
@@ -53,6 +55,9 @@ struct JobControllerOptions {
   // (a fault-injecting wrapper for tests: a slow or failing disk). A
   // non-OK result fails that write. Empty: none.
   std::function<absl::Status()> before_state_write;
+  // The same for each batch of lines appended to the events log and the
+  // metrics log (AppendLog). Empty: none.
+  std::function<absl::Status()> before_log_write;
 };
 
 class JobController {
@@ -70,8 +75,9 @@ class JobController {
                                         const std::string& worker_id = "",
                                         const v1::Reachability& reachability = v1::Reachability());
   bool KnowsWorker(const std::string& worker_id) const;
-  // Waits until the state submitted so far is on disk (step reports and
-  // joins never wait for it; see DurableStateWriter).
+  // Waits until the state, events and metrics submitted so far are on disk
+  // (step reports and joins never wait for them; see DurableStateWriter and
+  // AppendLog).
   void FlushState();
   // Events for the Admin service and enrollments (TLS mode).
   void RecordEnrollment(const std::string& worker_id, const std::string& name,
@@ -132,7 +138,8 @@ class JobController {
  private:
   JobController(JobControllerOptions options, std::unique_ptr<Planner> planner, StateStore store,
                 std::unique_ptr<DurableStateWriter> state_writer,
-                std::unique_ptr<CheckpointStore> checkpoints);
+                std::unique_ptr<CheckpointStore> checkpoints,
+                std::unique_ptr<AppendLog> events_file);
   // Takes over what a previous coordinator persisted in the state dir.
   absl::Status RecoverLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -188,10 +195,9 @@ class JobController {
   std::vector<WorkerRecord> UsableRelaysLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The same stages with links assigned anew (a relay came or went).
   void RelinkLocked(const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Under mu_ so that events keep the order of the changes they describe.
   void AddEventLocked(const std::string& kind, const std::string& worker,
                       const std::string& detail)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void WriteMetricsLocked(const std::string& line)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string NameOf(const std::string& worker_id) const;
 
@@ -233,16 +239,7 @@ class JobController {
   std::map<std::string, int64_t> relay_suspended_at_ms_ ABSL_GUARDED_BY(mu_);
   // Workers handing their stage over (their links close on purpose).
   std::set<std::string> draining_ ABSL_GUARDED_BY(mu_);
-  // Stage workers currently straggling, and since when.
-  std::map<std::string, int64_t> straggling_since_ms_ ABSL_GUARDED_BY(mu_);
-  // The fastest compute time per microbatch each worker has shown on its
-  // current layers: a straggler is one that fell behind its own pace, not
-  // one the plan gave more work (from benchmarks skewed by load at join).
-  struct Pace {
-    int layer_begin = 0, layer_end = 0;
-    double best_s = 0;
-  };
-  std::map<std::string, Pace> pace_ ABSL_GUARDED_BY(mu_);
+  StragglerDetector stragglers_ ABSL_GUARDED_BY(mu_);
   // Workers demoted as stragglers: standbys, but never made replicas again.
   std::set<std::string> demoted_ ABSL_GUARDED_BY(mu_);
   // link_lost accusations: the last one counted per accuser, those still
@@ -261,7 +258,9 @@ class JobController {
   // stage (which owns the loss). REQUIRES: a plan.
   absl::Status CheckOnLastStageLocked(const std::string& worker_id, const char* what) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  std::ofstream metrics_ ABSL_GUARDED_BY(mu_);
+  // The metrics log and the throughput (opened once recovery has said
+  // whether the log continues).
+  std::unique_ptr<MetricsSink> metrics_ ABSL_GUARDED_BY(mu_);
   std::optional<v1::Plan> plan_ ABSL_GUARDED_BY(mu_);
   // What the planner predicted when it last partitioned the layers.
   v1::PlanPrediction prediction_ ABSL_GUARDED_BY(mu_);
@@ -278,10 +277,9 @@ class JobController {
   double loss_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t samples_ ABSL_GUARDED_BY(mu_) = 0;
   double training_start_s_ ABSL_GUARDED_BY(mu_) = -1;
-  std::deque<std::pair<double, int64_t>> recent_ ABSL_GUARDED_BY(mu_);
   double val_loss_ ABSL_GUARDED_BY(mu_) = 0;
   double accuracy_ ABSL_GUARDED_BY(mu_) = 0;
-  std::deque<v1::Event> events_ ABSL_GUARDED_BY(mu_);
+  EventLog events_;  // thread-safe itself
 };
 
 }  // namespace geotrain

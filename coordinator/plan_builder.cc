@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "common/adaptive_codec.h"
 #include "common/link_message.h"
 #include "common/model_profile.h"
 
@@ -29,6 +30,13 @@ CodecCost CostOf(v1::Codec codec) {
   }
 }
 
+// The codec that names each step of the ladder (a link's codec in a plan);
+// each direction maps it onto its own ladder.
+constexpr v1::Codec kStepCodecs[] = {v1::CODEC_NONE, v1::CODEC_FP16, v1::CODEC_INT8,
+                                     v1::CODEC_INT4};
+
+int LadderStep(v1::Codec codec) { return static_cast<int>(CodecLadder(codec).size()) - 1; }
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Planner>> MakePlannerByName(const std::string& name) {
@@ -38,7 +46,8 @@ absl::StatusOr<std::unique_ptr<Planner>> MakePlannerByName(const std::string& na
       absl::StrCat("unknown planner \"", name, "\": use network or join-order"));
 }
 
-PlannerInput PlannerInputFor(const v1::JobSpec& job, const std::vector<WorkerRecord>& workers) {
+PlannerInput PlannerInputFor(const v1::JobSpec& job, const std::vector<WorkerRecord>& workers,
+                             CodecChoice codecs) {
   PlannerInput in;
   for (const WorkerRecord& w : workers) {
     PlannerWorkerInfo info;
@@ -65,7 +74,23 @@ PlannerInput PlannerInputFor(const v1::JobSpec& job, const std::vector<WorkerRec
     }
     in.layers.push_back(std::move(layer));
   }
-  in.codecs = {CostOf(job.activation_codec())};
+  if (codecs == CodecChoice::kPerLink) {
+    // One entry per step of the ladder, up to the stronger of the job's
+    // two codecs; each direction takes its own ladder's codec at that step
+    // (CapToLadder, as the workers do), and the link costs what the less
+    // compressed direction sends.
+    const int steps = std::max(LadderStep(job.activation_codec()), LadderStep(job.gradient_codec()));
+    for (int step = 0; step <= steps; ++step) {
+      const v1::Codec codec = kStepCodecs[step];
+      const CodecCost down = CostOf(CapToLadder(codec, job.activation_codec()));
+      const CodecCost up = CostOf(CapToLadder(codec, job.gradient_codec()));
+      in.codecs.push_back({codec, down.name == up.name ? down.name : down.name + "/" + up.name,
+                           std::max(down.ratio, up.ratio),
+                           (down.seconds_per_byte + up.seconds_per_byte) / 2});
+    }
+  } else {
+    in.codecs = {CostOf(job.activation_codec())};
+  }
   in.schedule = job.schedule() == v1::SCHEDULE_SYNC ? PlannerSchedule::kSync
                                                     : PlannerSchedule::kAsync;
   in.microbatches = std::max(1, job.microbatches());
@@ -113,12 +138,14 @@ void CalibrateWithStageStats(const v1::Plan& plan, const std::vector<WorkerRecor
   }
 }
 
-v1::Plan PlanProtoFor(const PipelinePlan& plan, const std::vector<WorkerRecord>& workers,
-                      int num_layers) {
+v1::Plan PlanProtoFor(const PipelinePlan& plan, const PlannerInput& input,
+                      const std::vector<WorkerRecord>& workers) {
   v1::Plan proto;
-  proto.set_num_layers(num_layers);
-  // Only the network planner chooses W; join order keeps today's default.
-  if (plan.planner == "network") proto.set_in_flight(plan.in_flight);
+  proto.set_num_layers(static_cast<int>(input.layers.size()));
+  // Only the network planner chooses W and codecs; join order keeps
+  // today's defaults (the job's W and codecs).
+  const bool chosen = plan.planner == "network";
+  if (chosen) proto.set_in_flight(plan.in_flight);
   for (size_t k = 0; k < plan.stages.size(); ++k) {
     const PlannedStageInfo& s = plan.stages[k];
     v1::StageAssignment* stage = proto.add_stages();
@@ -127,8 +154,74 @@ v1::Plan PlanProtoFor(const PipelinePlan& plan, const std::vector<WorkerRecord>&
     stage->set_layer_end(s.layer_end);
     stage->set_worker_id(workers[s.worker].id);
     stage->set_address(workers[s.worker].address);
+    if (chosen && k < plan.links.size()) {
+      const int c = plan.links[k].codec_index;
+      if (c >= 0 && c < static_cast<int>(input.codecs.size())) {
+        stage->set_link_codec(static_cast<v1::Codec>(input.codecs[c].codec));
+      }
+    }
   }
   return proto;
+}
+
+absl::StatusOr<ReplanComparison> CompareForReplan(
+    const v1::JobSpec& job, const PlannerInput& input, const std::vector<WorkerRecord>& workers,
+    const v1::Plan& current, const PipelinePlan& best,
+    const std::map<int, std::vector<int>>& checkpointed, int step) {
+  ReplanComparison out;
+  std::map<int, std::string> owner_now;  // layer -> worker
+  for (const v1::StageAssignment& stage : current.stages()) {
+    auto it = std::find_if(workers.begin(), workers.end(),
+                           [&](const WorkerRecord& w) { return w.id == stage.worker_id(); });
+    if (it == workers.end()) {
+      return absl::NotFoundError(absl::StrCat(stage.worker_id(), " is not a candidate"));
+    }
+    PlannedStageInfo s;
+    s.worker = static_cast<int>(it - workers.begin());
+    s.layer_begin = stage.layer_begin();
+    s.layer_end = stage.layer_end();
+    out.current.stages.push_back(s);
+    for (int l = stage.layer_begin(); l < stage.layer_end(); ++l) owner_now[l] = stage.worker_id();
+  }
+  // The current links keep the codecs they run with (the ladder's entry).
+  out.current.links.resize(out.current.stages.empty() ? 0 : out.current.stages.size() - 1);
+  for (size_t k = 0; k < out.current.links.size(); ++k) {
+    // Unspecified: the job's codecs, the ladder's last step.
+    const v1::Codec codec = current.stages(static_cast<int>(k)).link_codec();
+    const int step = codec == v1::CODEC_UNSPECIFIED
+                         ? static_cast<int>(input.codecs.size()) - 1
+                         : LadderStep(codec);
+    out.current.links[k].codec_index =
+        std::clamp(step, 0, std::max(0, static_cast<int>(input.codecs.size()) - 1));
+  }
+  if (absl::Status scored = ScorePlan(input, &out.current); !scored.ok()) return scored;
+  ReplanCandidate& candidate = out.candidate;
+  candidate.current_s_per_sample = out.current.time_per_sample_s;
+  candidate.best_s_per_sample = best.time_per_sample_s;
+  candidate.move_rate_bps = 0;
+  for (const PlannedLinkInfo& link : best.links) {
+    const double ratio =
+        link.codec_index >= 0 && link.codec_index < static_cast<int>(input.codecs.size())
+            ? input.codecs[link.codec_index].ratio
+            : 1.0;
+    const double rate = link.transfer_s > 0 ? link.raw_bytes * ratio * 8 / link.transfer_s : 0;
+    if (rate > 0 && (candidate.move_rate_bps == 0 || rate < candidate.move_rate_bps)) {
+      candidate.move_rate_bps = rate;
+    }
+  }
+  if (candidate.move_rate_bps == 0) candidate.move_rate_bps = input.default_link.rate_bps;
+  const std::vector<LayerProfile> profile = ProfileLayers(job);
+  for (const PlannedStageInfo& s : best.stages) {
+    for (int l = s.layer_begin; l < s.layer_end && l < static_cast<int>(profile.size()); ++l) {
+      if (owner_now[l] == workers[s.worker].id) continue;
+      candidate.move_bytes += profile[l].parameter_count * 4.0 * 3;  // weights, Adam's m and v
+      auto it = checkpointed.find(l);
+      if (it == checkpointed.end() || it->second.empty() || it->second.back() < step - 1) {
+        candidate.state_fresh = false;
+      }
+    }
+  }
+  return out;
 }
 
 std::string SummaryOf(const PipelinePlan& plan, const std::vector<WorkerRecord>& workers) {

@@ -73,8 +73,4 @@ absl::StatusOr<std::optional<v1::CoordinatorState>> StateStore::ReadState() cons
   return ReadTextProto<v1::CoordinatorState>(dir_ + "/state.textproto");
 }
 
-absl::Status StateStore::AppendEvent(const std::string& line) {
-  return AppendToFile(dir_ + "/events.log", line + "\n");
-}
-
 }  // namespace geotrain

@@ -1,5 +1,6 @@
 // The coordinator's state directory: the current plan (replaced atomically:
-// write, fsync, rename) and an append-only event log. Thread-compatible.
+// write, fsync, rename), the state, and where the append-only event log
+// lives (AppendLog writes it). Thread-compatible.
 #ifndef GEOTRAIN_COORDINATOR_STATE_STORE_H_
 #define GEOTRAIN_COORDINATOR_STATE_STORE_H_
 
@@ -24,7 +25,7 @@ class StateStore {
   // DATA_LOSS when a file exists but does not parse.
   absl::StatusOr<std::optional<v1::Plan>> ReadPlan() const;
   absl::StatusOr<std::optional<v1::CoordinatorState>> ReadState() const;
-  absl::Status AppendEvent(const std::string& line);
+  std::string events_log_path() const { return dir_ + "/events.log"; }
   const std::string& dir() const { return dir_; }
 
  private:

@@ -57,8 +57,14 @@ PipelineDriver::PipelineDriver(const v1::JobSpec& job,
   if (job_.adaptive()) {
     AdaptiveCodecOptions adaptive;
     adaptive.topk_fraction = job_.topk_fraction();
-    down_link_.selector.emplace(CodecLadder(job_.activation_codec()), adaptive);
-    up_link_.selector.emplace(CodecLadder(job_.gradient_codec()), adaptive);
+    const v1::Codec down = options_.activation_codec != v1::CODEC_UNSPECIFIED
+                               ? options_.activation_codec
+                               : job_.activation_codec();
+    const v1::Codec up = options_.gradient_codec != v1::CODEC_UNSPECIFIED
+                             ? options_.gradient_codec
+                             : job_.gradient_codec();
+    down_link_.selector.emplace(CodecLadder(down), adaptive);
+    up_link_.selector.emplace(CodecLadder(up), adaptive);
     runtime_->SetActivationCodec(down_link_.selector->codec());
     runtime_->SetGradientCodec(up_link_.selector->codec());
   }
@@ -458,7 +464,11 @@ void PipelineDriver::PublishStats() {
     }
     out->set_compute_s_per_microbatch(compute_s);
     out->set_adaptive(link->selector.has_value());
-    out->set_codec_reason(link->selector ? link->selector->reason() : "fixed by the job");
+    const bool planned = options_.activation_codec != v1::CODEC_UNSPECIFIED ||
+                         options_.gradient_codec != v1::CODEC_UNSPECIFIED;
+    out->set_codec_reason(link->selector ? link->selector->reason()
+                          : planned      ? "chosen by the plan for this link"
+                                         : "fixed by the job");
   }
   stats_->Set(stats);
 }

@@ -117,6 +117,11 @@ struct PipelineDriverOptions {
   bool catching_up = false;
   // The downstream router, for its statistics (may be null). Not owned.
   const ReplicaRouter* router = nullptr;
+  // The codecs of this stage's outgoing activations and gradients (the
+  // plan's for each link; UNSPECIFIED: the job's). With adaptive
+  // compression, each link's strongest.
+  v1::Codec activation_codec = v1::CODEC_UNSPECIFIED;
+  v1::Codec gradient_codec = v1::CODEC_UNSPECIFIED;
 };
 
 class PipelineDriver {

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "common/adaptive_codec.h"
 #include "common/job_spec.h"
 #include "common/logging.h"
 #include "common/plan_util.h"
@@ -428,6 +429,19 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
   } unregister{this};
   ASSIGN_OR_RETURN(const bool built, PrepareRuntime(placement, schedule));
   StageRuntime* runtime = runtime_.get();
+  // The plan's codec for each of this stage's links (the network planner
+  // compresses only the links that bind), each direction on its own ladder
+  // and never past the job's codec; a runtime kept from an earlier plan
+  // takes the new ones too.
+  const v1::Codec activation_codec =
+      mine.stage() + 1 < num_stages ? CapToLadder(mine.link_codec(), job_.activation_codec())
+                                    : job_.activation_codec();
+  const v1::Codec gradient_codec =
+      mine.stage() > 0
+          ? CapToLadder(plan.stages(mine.stage() - 1).link_codec(), job_.gradient_codec())
+          : job_.gradient_codec();
+  runtime->SetActivationCodec(activation_codec);
+  runtime->SetGradientCodec(gradient_codec);
   const std::vector<StageWorker> upstream_workers =
       mine.stage() > 0 ? WorkersOf(plan.stages(mine.stage() - 1)) : std::vector<StageWorker>();
   const std::vector<StageWorker> downstream_workers =
@@ -563,6 +577,11 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
       (built || was_standby_) && stage_workers.size() > 1 && plan.start_step() > 0;
   was_standby_ = false;
   driver_options.router = router ? &*router : nullptr;
+  // Only where the plan chose (the driver says "fixed by the job" otherwise).
+  if (mine.link_codec() != v1::CODEC_UNSPECIFIED) driver_options.activation_codec = activation_codec;
+  if (mine.stage() > 0 && plan.stages(mine.stage() - 1).link_codec() != v1::CODEC_UNSPECIFIED) {
+    driver_options.gradient_codec = gradient_codec;
+  }
   auto addresses = [](const std::vector<StageWorker>& workers) {
     std::string joined;
     for (const StageWorker& w : workers) absl::StrAppend(&joined, joined.empty() ? "" : ",", w.address);

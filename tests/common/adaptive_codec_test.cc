@@ -15,6 +15,16 @@ TEST(CodecLadderTest, EndsAtTheStrongestAllowed) {
   EXPECT_LT(NominalCodecRatio(v1::CODEC_INT4), NominalCodecRatio(v1::CODEC_INT8));
 }
 
+TEST(CodecLadderTest, CapToLadderKeepsTheStepOnTheDirectionsOwnLadder) {
+  EXPECT_EQ(CapToLadder(v1::CODEC_INT8, v1::CODEC_INT8), v1::CODEC_INT8);
+  EXPECT_EQ(CapToLadder(v1::CODEC_INT8, v1::CODEC_FP16), v1::CODEC_FP16);
+  EXPECT_EQ(CapToLadder(v1::CODEC_INT8, v1::CODEC_NONE), v1::CODEC_NONE);
+  EXPECT_EQ(CapToLadder(v1::CODEC_FP16, v1::CODEC_BF16), v1::CODEC_BF16);
+  EXPECT_EQ(CapToLadder(v1::CODEC_INT4, v1::CODEC_TOPK), v1::CODEC_TOPK);
+  EXPECT_EQ(CapToLadder(v1::CODEC_NONE, v1::CODEC_INT4), v1::CODEC_NONE);
+  EXPECT_EQ(CapToLadder(v1::CODEC_UNSPECIFIED, v1::CODEC_INT8), v1::CODEC_INT8);
+}
+
 TEST(AdaptiveCodecSelectorTest, StepsUpWhileLinkBoundAfterPatience) {
   AdaptiveCodecSelector selector(CodecLadder(v1::CODEC_INT4));
   EXPECT_EQ(selector.codec(), v1::CODEC_NONE);

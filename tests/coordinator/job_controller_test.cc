@@ -43,6 +43,7 @@ class JobControllerTest : public testing::Test {
     options.clock = &clock_;
     options.authenticated_callers = authenticated_callers_;
     options.before_state_write = before_state_write_;
+    options.before_log_write = before_log_write_;
     options.planner = planner_;
     auto controller = JobController::Create(options);
     ASSERT_TRUE(controller.ok()) << controller.status();
@@ -69,6 +70,7 @@ class JobControllerTest : public testing::Test {
   FakeClock clock_{0};
   bool authenticated_callers_ = false;
   std::function<absl::Status()> before_state_write_;
+  std::function<absl::Status()> before_log_write_;
   std::string planner_ = "join-order";
   v1::JobSpec job_;
   std::string dir_;
@@ -119,6 +121,7 @@ TEST_F(JobControllerTest, ReportsOfOtherEpochsOrOldStepsAreRefused) {
   EXPECT_DOUBLE_EQ(status.loss(), 2.0);
   EXPECT_EQ(status.samples(), 128);
   EXPECT_NEAR(status.samples_per_s(), 128.0, 1e-6);
+  controller_->FlushState();  // the logs are written off the caller's thread
   const std::string metrics = ReadFile(dir_ + "/metrics.jsonl");
   EXPECT_NE(metrics.find("{\"step\":1,\"loss\":2.5,\"samples\":64,\"time_s\":0.000"),
             std::string::npos)
@@ -128,15 +131,22 @@ TEST_F(JobControllerTest, ReportsOfOtherEpochsOrOldStepsAreRefused) {
       << metrics;
 }
 
-TEST_F(JobControllerTest, AStepReportNeverWaitsForASlowStateWrite) {
-  // Once the plan is out, the disk stalls: every state write waits until
-  // the test lets it go.
+TEST_F(JobControllerTest, AStepReportNeverWaitsForASlowDisk) {
+  // Once the plan is out, the disk stalls: every state write, and every
+  // append to the events and metrics logs, waits until the test lets it go.
   absl::Notification disk_free;
   std::atomic<bool> stall{false};
   std::atomic<int> stalled_writes{0};
+  std::atomic<int> stalled_appends{0};
   before_state_write_ = [&]() -> absl::Status {
     if (!stall) return absl::OkStatus();
     ++stalled_writes;
+    disk_free.WaitForNotification();
+    return absl::OkStatus();
+  };
+  before_log_write_ = [&]() -> absl::Status {
+    if (!stall) return absl::OkStatus();
+    ++stalled_appends;
     disk_free.WaitForNotification();
     return absl::OkStatus();
   };
@@ -152,9 +162,12 @@ TEST_F(JobControllerTest, AStepReportNeverWaitsForASlowStateWrite) {
   report.set_loss(2.5);
   report.set_step(1);
   ASSERT_TRUE(controller_->ReportStep(report).ok());
-  // That report's write is now in progress (stuck).
-  for (int i = 0; i < 1000 && stalled_writes == 0; ++i) absl::SleepFor(absl::Milliseconds(5));
+  // That report's state write and its metrics line are now stuck.
+  for (int i = 0; i < 1000 && (stalled_writes == 0 || stalled_appends == 0); ++i) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
   ASSERT_GE(stalled_writes.load(), 1);
+  ASSERT_GE(stalled_appends.load(), 1);
   const absl::Time start = absl::Now();
   for (int step = 2; step <= 3; ++step) {
     report.set_step(step);
@@ -166,6 +179,8 @@ TEST_F(JobControllerTest, AStepReportNeverWaitsForASlowStateWrite) {
   disk_free.Notify();
   controller_->FlushState();
   EXPECT_NE(ReadFile(dir_ + "/state.textproto").find("step: 3"), std::string::npos);
+  EXPECT_NE(ReadFile(dir_ + "/metrics.jsonl").find("\"step\":3,"), std::string::npos);
+  EXPECT_NE(ReadFile(dir_ + "/events.log").find("\"kind\":\"planned\""), std::string::npos);
 }
 
 TEST_F(JobControllerTest, AFailedStateWriteIsRetriedWithTheNextState) {
@@ -250,6 +265,7 @@ TEST_F(JobControllerTest, EvalIsLogged) {
   eval.set_has_accuracy(true);
   eval.set_accuracy(0.875);
   ASSERT_TRUE(controller_->ReportEval(eval).ok());
+  controller_->FlushState();  // the logs are written off the caller's thread
   EXPECT_NE(ReadFile(dir_ + "/metrics.jsonl")
                 .find("{\"eval\":true,\"step\":3,\"val_loss\":1.5,\"samples\":0,\"accuracy\":0.875000"),
             std::string::npos);
@@ -283,6 +299,7 @@ TEST_F(JobControllerTest, SilentWorkerIsLost) {
   bool lost_event = false;
   for (const v1::Event& e : status.events()) lost_event |= e.kind() == "lost";
   EXPECT_TRUE(lost_event);
+  controller_->FlushState();  // the logs are written off the caller's thread
   EXPECT_NE(ReadFile(dir_ + "/events.log").find("\"kind\":\"lost\""), std::string::npos);
 }
 
@@ -640,6 +657,7 @@ TEST_F(ReplanTest, ARestartedControllerRecoversFromTheStateDir) {
   report.set_step(2);
   EXPECT_TRUE(controller_->ReportStep(report).ok());
   // The metrics log was continued, not truncated.
+  controller_->FlushState();  // the logs are written off the caller's thread
   EXPECT_NE(ReadFile(dir_ + "/metrics.jsonl").find("\"step\":1,"), std::string::npos);
 }
 
@@ -876,6 +894,7 @@ TEST_F(HostileInputTest, StepReportsOutOfRangeAreRefusedAndRealOnesStillCount) {
   report.set_worker_id(b);
   ASSERT_TRUE(controller_->ReportStep(report).ok());
   EXPECT_EQ(controller_->Status().step(), 1);
+  controller_->FlushState();  // the logs are written off the caller's thread
   EXPECT_EQ(ReadFile(dir_ + "/metrics.jsonl").find("nan"), std::string::npos);
   v1::EvalReport eval;
   eval.set_worker_id(b);

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "common/job_spec.h"
+#include "common/model_profile.h"
 
 namespace geotrain {
 namespace {
@@ -63,6 +64,106 @@ TEST(PlanBuilderTest, StageStatsCalibrateTheLayerTimes) {
   in = PlannerInputFor(*job, workers);
   CalibrateWithStageStats(plan, workers, &in);
   EXPECT_NEAR(in.workers[0].seconds_per_sample.at("block"), 0.010, 1e-12);
+}
+
+TEST(PlanBuilderTest, PerLinkCodecsAreTheLadderUpToTheJobsCodecs) {
+  auto job = ParseJobSpec("gpt { context: 8 d_model: 16 heads: 2 blocks: 2 } text {} steps: 3 "
+                          "activation_codec: CODEC_INT8 gradient_codec: CODEC_INT8",
+                          "test");
+  ASSERT_TRUE(job.ok()) << job.status();
+  std::vector<WorkerRecord> workers(2);
+  auto names = [](const PlannerInput& in) {
+    std::vector<std::string> out;
+    for (const CodecCost& c : in.codecs) out.push_back(c.name);
+    return out;
+  };
+  EXPECT_EQ(names(PlannerInputFor(*job, workers)), std::vector<std::string>{"int8"});
+  PlannerInput in = PlannerInputFor(*job, workers, CodecChoice::kPerLink);
+  EXPECT_EQ(names(in), (std::vector<std::string>{"none", "fp16", "int8"}));
+  EXPECT_GT(in.codecs[0].ratio, in.codecs[1].ratio);
+  EXPECT_GT(in.codecs[1].ratio, in.codecs[2].ratio);
+  // Gradients compressed, activations not: a link sends as much as its
+  // less compressed direction, so no step of the ladder shrinks it.
+  job->set_activation_codec(v1::CODEC_NONE);
+  in = PlannerInputFor(*job, workers, CodecChoice::kPerLink);
+  EXPECT_EQ(names(in), (std::vector<std::string>{"none", "none/fp16", "none/int8"}));
+  for (const CodecCost& c : in.codecs) EXPECT_EQ(c.ratio, 1.0);
+  // The job's defaults (none both ways): nothing to choose.
+  job->set_gradient_codec(v1::CODEC_NONE);
+  EXPECT_EQ(names(PlannerInputFor(*job, workers, CodecChoice::kPerLink)),
+            std::vector<std::string>{"none"});
+}
+
+TEST(PlanBuilderTest, TheNetworkPlansCodecsAndWindowTravelWithThePlan) {
+  auto job = ParseJobSpec("gpt { context: 8 d_model: 16 heads: 2 blocks: 2 } text {} steps: 3 "
+                          "activation_codec: CODEC_INT8 gradient_codec: CODEC_INT8",
+                          "test");
+  ASSERT_TRUE(job.ok());
+  std::vector<WorkerRecord> workers(3);
+  for (int i = 0; i < 3; ++i) workers[i].id = "w" + std::to_string(i);
+  const PlannerInput in = PlannerInputFor(*job, workers, CodecChoice::kPerLink);
+  PipelinePlan plan;
+  plan.planner = "network";
+  plan.in_flight = 5;
+  plan.stages = {{2, 0, 1}, {0, 1, 3}, {1, 3, 4}};
+  plan.links.resize(2);
+  plan.links[0].codec_index = 0;
+  plan.links[1].codec_index = 2;
+  v1::Plan proto = PlanProtoFor(plan, in, workers);
+  EXPECT_EQ(proto.num_layers(), 4);
+  EXPECT_EQ(proto.in_flight(), 5);
+  ASSERT_EQ(proto.stages_size(), 3);
+  EXPECT_EQ(proto.stages(0).worker_id(), "w2");
+  EXPECT_EQ(proto.stages(0).link_codec(), v1::CODEC_NONE);
+  EXPECT_EQ(proto.stages(1).link_codec(), v1::CODEC_INT8);
+  EXPECT_EQ(proto.stages(2).link_codec(), v1::CODEC_UNSPECIFIED);  // no link after the last
+  // Join order chooses neither: the job's codecs and W apply.
+  plan.planner = "join-order";
+  proto = PlanProtoFor(plan, in, workers);
+  EXPECT_EQ(proto.in_flight(), 0);
+  EXPECT_EQ(proto.stages(1).link_codec(), v1::CODEC_UNSPECIFIED);
+}
+
+TEST(PlanBuilderTest, AReplanComparisonRescoresTheCurrentPlanAndCostsTheMove) {
+  auto job = ParseJobSpec("gpt { context: 8 d_model: 16 heads: 2 blocks: 2 } text {} steps: 30",
+                          "test");
+  ASSERT_TRUE(job.ok());
+  std::vector<WorkerRecord> workers(3);
+  for (int i = 0; i < 3; ++i) {
+    workers[i].id = "w" + std::to_string(i);
+    workers[i].layer_seconds_per_sample = {{"embed", 0.001}, {"block", 0.001}, {"head", 0.001}};
+  }
+  PlannerInput in = PlannerInputFor(*job, workers, CodecChoice::kPerLink);
+  v1::Plan current;
+  for (auto [id, begin, end] : {std::tuple{"w0", 0, 2}, std::tuple{"w1", 2, 4}}) {
+    v1::StageAssignment* stage = current.add_stages();
+    stage->set_worker_id(id);
+    stage->set_layer_begin(begin);
+    stage->set_layer_end(end);
+  }
+  // The best plan moves layer 1 to w2 and layers 2-3 stay on w1.
+  PipelinePlan best;
+  best.stages = {{0, 0, 1}, {2, 1, 2}, {1, 2, 4}};
+  ASSERT_TRUE(ScorePlan(in, &best).ok());
+  const std::vector<LayerProfile> profile = ProfileLayers(*job);
+  std::map<int, std::vector<int>> checkpointed = {{1, {5, 9}}};
+  absl::StatusOr<ReplanComparison> compared =
+      CompareForReplan(*job, in, workers, current, best, checkpointed, /*step=*/10);
+  ASSERT_TRUE(compared.ok()) << compared.status();
+  EXPECT_EQ(compared->current.stages.size(), 2u);
+  EXPECT_GT(compared->candidate.current_s_per_sample, 0);
+  EXPECT_EQ(compared->candidate.best_s_per_sample, best.time_per_sample_s);
+  EXPECT_DOUBLE_EQ(compared->candidate.move_bytes, profile[1].parameter_count * 12.0);
+  EXPECT_TRUE(compared->candidate.state_fresh);  // layer 1's checkpoint is one step old
+  EXPECT_NEAR(compared->candidate.move_rate_bps, 1e9, 1e3);  // the default link
+  compared = CompareForReplan(*job, in, workers, current, best, checkpointed, /*step=*/11);
+  ASSERT_TRUE(compared.ok());
+  EXPECT_FALSE(compared->candidate.state_fresh);
+  // A worker of the current plan that is no candidate any more: a failure,
+  // not a voluntary move.
+  current.mutable_stages(1)->set_worker_id("gone");
+  EXPECT_EQ(CompareForReplan(*job, in, workers, current, best, checkpointed, 10).status().code(),
+            absl::StatusCode::kNotFound);
 }
 
 }  // namespace

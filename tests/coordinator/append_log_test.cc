@@ -1,0 +1,118 @@
+#include "coordinator/append_log.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+
+namespace geotrain {
+namespace {
+
+std::string TempPath(const std::string& name) {
+  const std::string path = testing::TempDir() + "/append_log_" + name;
+  std::filesystem::remove(path);
+  return path;
+}
+
+std::string Contents(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+TEST(AppendLogTest, AppendsInOrderAndContinuesOrTruncates) {
+  const std::string path = TempPath("order");
+  {
+    AppendLogOptions options;
+    options.path = path;
+    auto log = AppendLog::Open(options);
+    ASSERT_TRUE(log.ok()) << log.status();
+    (*log)->Append("one");
+    (*log)->Append("two");
+  }  // the destructor writes what is pending
+  EXPECT_EQ(Contents(path), "one\ntwo\n");
+  {
+    AppendLogOptions options;
+    options.path = path;
+    auto log = AppendLog::Open(options);
+    ASSERT_TRUE(log.ok());
+    (*log)->Append("three");
+    (*log)->Flush();
+    EXPECT_EQ((*log)->written(), 1);
+  }
+  EXPECT_EQ(Contents(path), "one\ntwo\nthree\n");
+  AppendLogOptions options;
+  options.path = path;
+  options.truncate = true;
+  auto log = AppendLog::Open(options);
+  ASSERT_TRUE(log.ok());
+  (*log)->Flush();
+  EXPECT_EQ(Contents(path), "");
+}
+
+TEST(AppendLogTest, AppendsNeverWaitForAStuckDiskAndTheQueueIsBounded) {
+  absl::Notification disk_free;
+  std::atomic<int> stuck{0};
+  AppendLogOptions options;
+  options.path = TempPath("stuck");
+  options.max_pending_lines = 100;
+  options.before_write = [&] {
+    ++stuck;
+    disk_free.WaitForNotification();
+    return absl::OkStatus();
+  };
+  auto log = AppendLog::Open(options);
+  ASSERT_TRUE(log.ok());
+  (*log)->Append("first");
+  while (stuck == 0) absl::SleepFor(absl::Milliseconds(1));
+  // The first batch is stuck in "the disk"; these return at once, and past
+  // 100 pending lines the oldest are dropped.
+  const absl::Time start = absl::Now();
+  for (int i = 0; i < 1000; ++i) (*log)->Append("line " + std::to_string(i));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  disk_free.Notify();
+  (*log)->Flush();
+  EXPECT_EQ((*log)->written(), 101);
+  EXPECT_EQ((*log)->dropped(), 900);
+  const std::string contents = Contents(options.path);
+  EXPECT_EQ(contents.find("line 899\n"), std::string::npos);
+  EXPECT_NE(contents.find("first\nline 900\n"), std::string::npos);
+  EXPECT_NE(contents.find("line 999\n"), std::string::npos);
+}
+
+TEST(AppendLogTest, AFailedWriteLosesItsBatchOnlyAndAnUnwritablePathIsAnError) {
+  std::atomic<bool> fail{true};
+  AppendLogOptions options;
+  options.path = TempPath("fail");
+  options.before_write = [&] {
+    return fail ? absl::UnavailableError("disk full (injected)") : absl::OkStatus();
+  };
+  auto log = AppendLog::Open(options);
+  ASSERT_TRUE(log.ok());
+  (*log)->Append("lost");
+  (*log)->Flush();
+  fail = false;
+  (*log)->Append("kept");
+  (*log)->Flush();
+  EXPECT_EQ((*log)->dropped(), 1);
+  EXPECT_EQ(Contents(options.path), "kept\n");
+
+  AppendLogOptions bad;
+  bad.path = testing::TempDir() + "/no/such/dir/log";
+  auto refused = AppendLog::Open(bad);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(refused.status().message().find("no/such/dir"), std::string::npos);
+}
+
+TEST(AppendLogTest, JsonEscapeQuotesBackslashesAndControlCharacters) {
+  EXPECT_EQ(JsonEscape("a\"b\\c\nd\x01"), "a\\\"b\\\\c\\u000ad\\u0001");
+}
+
+}  // namespace
+}  // namespace geotrain

@@ -1,0 +1,56 @@
+#include "coordinator/event_log.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+namespace geotrain {
+namespace {
+
+TEST(EventLogTest, KeepsTheNewestAndTimesThemByTheClock) {
+  FakeClock clock(5000);
+  EventLogOptions options;
+  options.clock = &clock;
+  options.start_ms = 1000;
+  options.keep = 3;
+  EventLog log(std::move(options));
+  for (int i = 0; i < 5; ++i) {
+    log.Add("joined", "w" + std::to_string(i), "detail");
+    clock.AdvanceMs(500);
+  }
+  const std::vector<v1::Event> recent = log.Recent();
+  ASSERT_EQ(recent.size(), 3u);
+  EXPECT_EQ(recent[0].worker(), "w2");
+  EXPECT_EQ(recent[2].worker(), "w4");
+  EXPECT_DOUBLE_EQ(recent[0].time_s(), 5.0);  // (5000 + 2 x 500 - 1000) ms
+}
+
+TEST(EventLogTest, BoundsFieldsAndWritesJsonLines) {
+  FakeClock clock(0);
+  const std::string path = testing::TempDir() + "/event_log_test.log";
+  std::filesystem::remove(path);
+  AppendLogOptions file;
+  file.path = path;
+  EventLogOptions options;
+  options.clock = &clock;
+  options.file = *AppendLog::Open(file);
+  EventLog log(std::move(options));
+  const v1::Event event =
+      log.Add(std::string(100, 'k'), std::string(300, 'w'), "say \"hi\"\n" + std::string(600, 'd'));
+  EXPECT_EQ(event.kind().size(), 64u);
+  EXPECT_EQ(event.worker().size(), 128u);
+  EXPECT_EQ(event.detail().size(), 512u + 3);
+  EXPECT_EQ(event.detail().substr(512), "...");
+  log.Flush();
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  EXPECT_EQ(s.str().rfind("{\"time_s\":0.000,\"kind\":\"kkkk", 0), 0u);
+  EXPECT_NE(s.str().find("\"detail\":\"say \\\"hi\\\"\\u000add"), std::string::npos);
+  EXPECT_EQ(s.str().back(), '\n');
+}
+
+}  // namespace
+}  // namespace geotrain
