@@ -740,7 +740,9 @@ std::vector<WorkerRecord> JobController::StandbysLocked(const v1::Plan& plan) co
 
 bool JobController::FillReplicasLocked(v1::Plan* plan, std::string* summary) const {
   const int wanted = options_.job.replicas();
-  if (wanted <= 1) return false;
+  // The network planner chooses replicas itself, only where they pay
+  // (PlannerInput::max_replicas); a voluntary re-plan adds them later.
+  if (wanted <= 1 || options_.planner == "network") return false;
   std::vector<WorkerRecord> candidates;
   const int64_t now = options_.clock->NowMs();
   for (const WorkerRecord& w : StandbysLocked(*plan)) {

@@ -171,7 +171,7 @@ class JobController {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Gives middle stages of `plan` standbys as replicas until each has
   // job.replicas workers (never a worker demoted as a straggler). True when
-  // it added one.
+  // it added one. Join order only: the network planner chooses replicas.
   bool FillReplicasLocked(v1::Plan* plan, std::string* summary) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Publishes `next` as the following epoch, resuming after the last step.

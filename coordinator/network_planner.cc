@@ -68,9 +68,11 @@ class CostModel {
       }
     }
     memory_prefix_.assign(layers_ + 1, 0);
+    parameter_prefix_.assign(layers_ + 1, 0);
     cut_bytes_.assign(layers_ + 1, 0);
     for (int l = 0; l < layers_; ++l) {
       memory_prefix_[l + 1] = memory_prefix_[l] + input.layers[l].training_bytes;
+      parameter_prefix_[l + 1] = parameter_prefix_[l] + input.layers[l].parameter_bytes;
       if (l + 1 < layers_) {
         cut_bytes_[l + 1] = static_cast<double>(input.layers[l].output_bytes_per_sample) * batch;
       }
@@ -121,6 +123,9 @@ class CostModel {
   double Rtt(int u, int v) const { return rtt_[Index(u, v)]; }
   double Rate(int u, int v) const { return rate_[Index(u, v)]; }
   uint64_t MemoryOf(int begin, int end) const { return memory_prefix_[end] - memory_prefix_[begin]; }
+  double ParameterBytes(int begin, int end) const {
+    return static_cast<double>(parameter_prefix_[end] - parameter_prefix_[begin]);
+  }
 
   double SumRtt(const std::vector<int>& order) const {
     double sum = 0;
@@ -181,6 +186,7 @@ class CostModel {
   std::vector<CodecCost> codecs_;
   std::vector<std::vector<double>> prefix_;
   std::vector<uint64_t> memory_prefix_;
+  std::vector<uint64_t> parameter_prefix_;
   std::vector<double> cut_bytes_;
   std::vector<std::vector<int>> lowest_start_;
   std::vector<double> rate_;
@@ -289,20 +295,59 @@ class Sweep {
   std::vector<std::vector<int>> codec_;
 };
 
-// Fills the figures of a plan whose workers, cuts and codecs are set.
+// The workers of stage k (the primary first, then its replicas) and the
+// share of the stage's microbatches each runs: the router sends by speed.
+struct StageCrew {
+  std::vector<int> workers;
+  std::vector<double> shares;
+};
+
+// Fills the figures of a plan whose workers, cuts, replicas and codecs are
+// set. A replicated stage runs at its workers' combined pace plus its share
+// of weight averaging (every worker sends the stage's weights once per
+// replica_sync_every steps over the slowest link among them); a link into
+// or out of one carries each pair's share of the microbatches, the pairs in
+// parallel.
 void Score(const CostModel& model, PipelinePlan* plan) {
+  const PlannerInput& in = model.input();
   const int stages = static_cast<int>(plan->stages.size());
   double tau = 0;
   std::string bound;
+  std::vector<StageCrew> crews(stages);
   for (int k = 0; k < stages; ++k) {
     PlannedStageInfo& s = plan->stages[k];
-    s.compute_s = model.Compute(s.worker, s.layer_begin, s.layer_end);
-    if (k > 0) s.compute_s += model.CodecWork(plan->links[k - 1].codec_index, s.layer_begin);
-    if (k + 1 < stages) s.compute_s += model.CodecWork(plan->links[k].codec_index, s.layer_end);
+    StageCrew& crew = crews[k];
+    crew.workers.push_back(s.worker);
+    crew.workers.insert(crew.workers.end(), s.replicas.begin(), s.replicas.end());
+    double speed = 0;
+    std::vector<double> own;
+    for (int w : crew.workers) {
+      double c = model.Compute(w, s.layer_begin, s.layer_end);
+      if (k > 0) c += model.CodecWork(plan->links[k - 1].codec_index, s.layer_begin);
+      if (k + 1 < stages) c += model.CodecWork(plan->links[k].codec_index, s.layer_end);
+      own.push_back(c);
+      speed += c > 0 ? 1 / c : 0;
+    }
+    for (double c : own) crew.shares.push_back(speed > 0 && c > 0 ? (1 / c) / speed : 1.0);
+    s.compute_s = speed > 0 ? 1 / speed : own[0];
+    if (crew.workers.size() > 1) {
+      double slowest = kInf;
+      for (int a : crew.workers) {
+        for (int b : crew.workers) {
+          if (a != b) slowest = std::min(slowest, model.Rate(a, b));
+        }
+      }
+      const double averaging_s = crew.workers.size() *
+                                 model.ParameterBytes(s.layer_begin, s.layer_end) *
+                                 in.replica_ratio * 8.0 / std::max(slowest, 1.0);
+      s.compute_s += averaging_s / (std::max(1, in.replica_sync_every) *
+                                    std::max(1, in.microbatches));
+    }
     if (s.compute_s > tau) {
       tau = s.compute_s;
-      bound = absl::StrCat("stage ", k, "'s compute on ",
-                           NameOf(model.input().workers[s.worker]));
+      bound = absl::StrCat("stage ", k, "'s compute on ", NameOf(in.workers[s.worker]),
+                           s.replicas.empty() ? "" : absl::StrCat(" and ", s.replicas.size(),
+                                                                  " replica(s)"));
     }
   }
   for (int k = 0; k + 1 < stages; ++k) {
@@ -311,13 +356,20 @@ void Score(const CostModel& model, PipelinePlan* plan) {
     const int v = plan->stages[k + 1].worker;
     const int cut = plan->stages[k].layer_end;
     link.raw_bytes = model.CutBytes(cut);
-    link.transfer_s = model.Transfer(u, v, link.codec_index, cut);
+    link.transfer_s = 0;
+    for (size_t a = 0; a < crews[k].workers.size(); ++a) {
+      for (size_t b = 0; b < crews[k + 1].workers.size(); ++b) {
+        link.transfer_s = std::max(
+            link.transfer_s, crews[k].shares[a] * crews[k + 1].shares[b] *
+                                 model.Transfer(crews[k].workers[a], crews[k + 1].workers[b],
+                                                link.codec_index, cut));
+      }
+    }
     link.rtt_s = model.Rtt(u, v);
     if (link.transfer_s > tau) {
       tau = link.transfer_s;
-      bound = absl::StrCat("link ", k, "->", k + 1, " (", NameOf(model.input().workers[u]), " -> ",
-                           NameOf(model.input().workers[v]), ", ",
-                           model.codec(link.codec_index).name, ")");
+      bound = absl::StrCat("link ", k, "->", k + 1, " (", NameOf(in.workers[u]), " -> ",
+                           NameOf(in.workers[v]), ", ", model.codec(link.codec_index).name, ")");
     }
   }
   double sum_rtt = 0;
@@ -332,7 +384,10 @@ void Score(const CostModel& model, PipelinePlan* plan) {
   }
   plan->bound = bound;
   std::vector<bool> used(model.workers(), false);
-  for (const PlannedStageInfo& s : plan->stages) used[s.worker] = true;
+  for (const PlannedStageInfo& s : plan->stages) {
+    used[s.worker] = true;
+    for (int r : s.replicas) used[r] = true;
+  }
   plan->spares.clear();
   for (int w = 0; w < model.workers(); ++w) {
     if (!used[w]) plan->spares.push_back(w);
@@ -361,6 +416,87 @@ bool BestCuts(const CostModel& model, Sweep* sweep, const std::vector<int>& orde
   }
   *plan = std::move(candidate);
   return true;
+}
+
+// Whether every worker of stage `s` holds its layers in memory.
+bool StageFits(const CostModel& model, const PlannedStageInfo& s) {
+  if (s.layer_end <= s.layer_begin) return false;
+  const uint64_t need = model.MemoryOf(s.layer_begin, s.layer_end);
+  auto fits = [&](int w) {
+    const uint64_t memory = model.input().workers[w].memory_bytes;
+    return memory == 0 || need <= memory;
+  };
+  if (!fits(s.worker)) return false;
+  return std::all_of(s.replicas.begin(), s.replicas.end(), fits);
+}
+
+// Moves cuts one layer at a time while that lowers the objective (a stage
+// that gained a replica can take layers from its neighbours). Codecs stay.
+void ImproveCuts(const CostModel& model, PipelinePlan* plan) {
+  const int stages = static_cast<int>(plan->stages.size());
+  for (int round = 0; round < 4 * model.layers(); ++round) {
+    PipelinePlan best;
+    bool found = false;
+    for (int k = 0; k + 1 < stages; ++k) {
+      for (int delta : {-1, 1}) {
+        PipelinePlan trial = *plan;
+        trial.stages[k].layer_end += delta;
+        trial.stages[k + 1].layer_begin += delta;
+        if (!StageFits(model, trial.stages[k]) || !StageFits(model, trial.stages[k + 1])) continue;
+        Score(model, &trial);
+        const double bar = found ? best.time_per_sample_s : plan->time_per_sample_s;
+        if (trial.time_per_sample_s < bar * (1 - kStrictlyBetter)) {
+          best = std::move(trial);
+          found = true;
+        }
+      }
+    }
+    if (!found) return;
+    *plan = std::move(best);
+  }
+}
+
+// Replicas, after the search has fixed the pipeline: while making a spare a
+// replica of a middle stage with room (max_replicas workers per stage) and
+// then moving cuts lowers the objective by more than 1%, the best such move
+// is taken. Per stage the spare tried is the fastest on its layers that
+// fits (ties: the lower index). Greedy: the pipeline is the search's (exact
+// up to 8 workers); which spares replicate it is not searched exhaustively.
+void AddReplicas(const CostModel& model, PipelinePlan* plan) {
+  const PlannerInput& in = model.input();
+  const int stages = static_cast<int>(plan->stages.size());
+  if (in.max_replicas <= 1 || stages < 3) return;
+  while (!plan->spares.empty()) {
+    PipelinePlan best;
+    bool found = false;
+    for (int k = 1; k + 1 < stages; ++k) {
+      const PlannedStageInfo& s = plan->stages[k];
+      if (1 + static_cast<int>(s.replicas.size()) >= in.max_replicas) continue;
+      int pick = -1;
+      for (int spare : plan->spares) {
+        PlannedStageInfo with = s;
+        with.replicas = {spare};
+        with.worker = spare;
+        if (!StageFits(model, with)) continue;
+        if (pick < 0 || model.Compute(spare, s.layer_begin, s.layer_end) <
+                            model.Compute(pick, s.layer_begin, s.layer_end)) {
+          pick = spare;
+        }
+      }
+      if (pick < 0) continue;
+      PipelinePlan trial = *plan;
+      trial.stages[k].replicas.push_back(pick);
+      Score(model, &trial);
+      ImproveCuts(model, &trial);
+      const double bar = found ? best.time_per_sample_s : plan->time_per_sample_s * 0.99;
+      if (trial.time_per_sample_s < bar * (found ? 1 - kStrictlyBetter : 1)) {
+        best = std::move(trial);
+        found = true;
+      }
+    }
+    if (!found) return;
+    *plan = std::move(best);
+  }
 }
 
 absl::Status Validate(const PlannerInput& input) {
@@ -478,6 +614,7 @@ class NetworkPlanner : public Planner {
       LocalSearch(model, &sweep, &best);
     }
     if (best.order.empty()) return NoFit(model, StageLimit(input));
+    AddReplicas(model, &best.plan);
     best.plan.planner = name();
     best.plan.exact = exhaustive;
     Explain(model, &best.plan, exhaustive ? "optimal" : "searched");
@@ -789,6 +926,9 @@ absl::Status ScorePlan(const PlannerInput& input, PipelinePlan* plan) {
         s.layer_end <= s.layer_begin || s.layer_end > layers) {
       return absl::InvalidArgumentError("stages do not cover the layers in order");
     }
+    for (int r : s.replicas) {
+      if (r < 0 || r >= model.workers()) return absl::InvalidArgumentError("no such replica");
+    }
     expected_begin = s.layer_end;
   }
   if (expected_begin != layers) return absl::InvalidArgumentError("stages end before the last layer");
@@ -822,6 +962,11 @@ std::string ExplainPlan(const PlannerInput& input, const PipelinePlan& plan) {
                             codec, l.raw_bytes / 1e6, 1e3 * l.rtt_s);
     }
     absl::StrAppend(&out, "\n      why: ", s.why, "\n");
+    if (!s.replicas.empty()) {
+      absl::StrAppend(&out, "      replicas:");
+      for (int r : s.replicas) absl::StrAppend(&out, " ", NameOf(input.workers[r]));
+      absl::StrAppend(&out, " (the stage's pace with them; a spare joins where it gains >1%)\n");
+    }
   }
   if (!plan.spares.empty()) {
     absl::StrAppend(&out, "  not in the pipeline (spares):");

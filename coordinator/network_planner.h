@@ -54,6 +54,7 @@ struct PlannerLayer {
   // Bytes per sample of the activation leaving this layer (the gradient
   // coming back has the same size). Unused for the last layer.
   uint64_t output_bytes_per_sample = 0;
+  uint64_t parameter_bytes = 0;   // the weights (what replicas average)
 };
 
 struct CodecCost {
@@ -80,6 +81,14 @@ struct PlannerInput {
   int microbatch_size = 1;
   int max_stages = 0;     // 0: no limit but the workers and layers
   int max_in_flight = 0;  // 0: no cap on W
+  // Replicas (job.replicas): at most this many workers per middle stage,
+  // the primary included; 1: none. A spare becomes a replica where that
+  // lowers the objective (the router splits microbatches by speed; the
+  // stage's workers average their weights every replica_sync_every steps,
+  // each sending them at replica_ratio wire bytes per byte).
+  int max_replicas = 1;
+  int replica_sync_every = 5;
+  double replica_ratio = 0.5;
 
   LinkEstimate Link(int from, int to) const;
 };
@@ -88,7 +97,12 @@ struct PlannedStageInfo {
   int worker = 0;  // index into PlannerInput::workers
   int layer_begin = 0;
   int layer_end = 0;
-  double compute_s = 0;  // per microbatch, codec work included
+  // Middle stages: more workers running the same layers (indices into
+  // PlannerInput::workers).
+  std::vector<int> replicas;
+  // Per microbatch, codec work and (with replicas) the stage's combined
+  // pace and its share of weight averaging included.
+  double compute_s = 0;
   std::string why;       // the reason the worker is here
 };
 
@@ -144,8 +158,8 @@ std::unique_ptr<Planner> MakeNetworkPlanner(NetworkPlannerOptions options = {});
 absl::StatusOr<PipelinePlan> PlanForOrder(const PlannerInput& input,
                                           const std::vector<int>& order);
 
-// Scores fixed cuts and codecs (stage worker/layer ranges and link codecs
-// as given): fills compute, link times, W, T* and the objective.
+// Scores fixed cuts and codecs (stage worker/layer ranges, replicas and
+// link codecs as given): fills compute, link times, W, T* and the objective.
 absl::Status ScorePlan(const PlannerInput& input, PipelinePlan* plan);
 
 // Per stage: layers, worker, predicted compute, the link after it and the

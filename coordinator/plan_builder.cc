@@ -66,6 +66,7 @@ PlannerInput PlannerInputFor(const v1::JobSpec& job, const std::vector<WorkerRec
     layer.kind = layers[l].kind;
     layer.flops_per_sample = layers[l].flops_per_sample;
     layer.training_bytes = layers[l].training_bytes;
+    layer.parameter_bytes = static_cast<uint64_t>(layers[l].parameter_count) * 4;
     if (l + 1 < layers.size()) {
       const TensorSpec spec = LayerInputSpec(job, static_cast<int>(l + 1), 1);
       uint64_t elements = 1;
@@ -98,6 +99,9 @@ PlannerInput PlannerInputFor(const v1::JobSpec& job, const std::vector<WorkerRec
   in.max_stages = job.max_stages();
   // The job's own W, or what the workers accept from a plan.
   in.max_in_flight = job.in_flight() > 0 ? job.in_flight() : 32;
+  in.max_replicas = std::max(1, job.replicas());
+  in.replica_sync_every = std::max(1, job.replica_sync_every());
+  in.replica_ratio = CostOf(job.replica_codec()).ratio;
   return in;
 }
 
@@ -154,6 +158,11 @@ v1::Plan PlanProtoFor(const PipelinePlan& plan, const PlannerInput& input,
     stage->set_layer_end(s.layer_end);
     stage->set_worker_id(workers[s.worker].id);
     stage->set_address(workers[s.worker].address);
+    for (int r : s.replicas) {
+      v1::Replica* replica = stage->add_replicas();
+      replica->set_worker_id(workers[r].id);
+      replica->set_address(workers[r].address);
+    }
     if (chosen && k < plan.links.size()) {
       const int c = plan.links[k].codec_index;
       if (c >= 0 && c < static_cast<int>(input.codecs.size())) {
@@ -180,6 +189,11 @@ absl::StatusOr<ReplanComparison> CompareForReplan(
     s.worker = static_cast<int>(it - workers.begin());
     s.layer_begin = stage.layer_begin();
     s.layer_end = stage.layer_end();
+    for (const v1::Replica& replica : stage.replicas()) {
+      auto r = std::find_if(workers.begin(), workers.end(),
+                            [&](const WorkerRecord& w) { return w.id == replica.worker_id(); });
+      if (r != workers.end()) s.replicas.push_back(static_cast<int>(r - workers.begin()));
+    }
     out.current.stages.push_back(s);
     for (int l = stage.layer_begin(); l < stage.layer_end(); ++l) owner_now[l] = stage.worker_id();
   }
@@ -231,6 +245,11 @@ std::string SummaryOf(const PipelinePlan& plan, const std::vector<WorkerRecord>&
     const WorkerRecord& w = workers[s.worker];
     absl::StrAppend(&summary, k == 0 ? "" : ", ", "stage ", k, " = layers [", s.layer_begin, ",",
                     s.layer_end, ") on ", w.name.empty() ? w.id : w.name);
+    for (int r : s.replicas) {
+      const WorkerRecord& replica = workers[r];
+      absl::StrAppend(&summary, " + ", replica.name.empty() ? replica.id : replica.name,
+                      " (replica)");
+    }
   }
   return summary;
 }

@@ -243,6 +243,67 @@ TEST(NetworkPlannerTest, APipelineCrossesBetweenRegionsOnceAndCompressesOnlyTher
   EXPECT_NE(explained.find("bound:"), std::string::npos);
 }
 
+TEST(NetworkPlannerTest, ASpareReplicatesTheBottleneckStageOnlyWhereItPays) {
+  // Three layers, the middle one ten times heavier; three stages at most.
+  PlannerInput in;
+  for (int w = 0; w < 4; ++w) in.workers.push_back(Worker("w" + std::to_string(w), 10));
+  for (double flops : {1e8, 1e9, 1e8}) in.layers.push_back(Layer(flops, 1000));
+  in.microbatch_size = 4;
+  in.microbatches = 4;
+  in.max_stages = 3;
+  in.codecs = Ladder();
+  absl::StatusOr<PipelinePlan> alone = MakeNetworkPlanner()->Plan(in);
+  ASSERT_TRUE(alone.ok());
+  ASSERT_EQ(alone->stages.size(), 3u);
+  EXPECT_TRUE(alone->stages[1].replicas.empty());  // job.replicas 1: none
+  EXPECT_EQ(alone->spares.size(), 1u);
+
+  in.max_replicas = 2;
+  absl::StatusOr<PipelinePlan> replicated = MakeNetworkPlanner()->Plan(in);
+  ASSERT_TRUE(replicated.ok());
+  ASSERT_EQ(replicated->stages.size(), 3u);
+  ASSERT_EQ(replicated->stages[1].replicas.size(), 1u) << ExplainPlan(in, *replicated);
+  EXPECT_TRUE(replicated->spares.empty());
+  // Two equal workers halve the stage's pace (the weights are tiny here).
+  EXPECT_NEAR(replicated->stages[1].compute_s, alone->stages[1].compute_s / 2,
+              1e-3 * alone->stages[1].compute_s);
+  EXPECT_LT(replicated->time_per_sample_s, alone->time_per_sample_s * 0.6);
+  EXPECT_NE(ExplainPlan(in, *replicated).find("replicas: w"), std::string::npos);
+  // The same plan re-scored gives the same figures.
+  PipelinePlan rescored = *replicated;
+  ASSERT_TRUE(ScorePlan(in, &rescored).ok());
+  EXPECT_DOUBLE_EQ(rescored.time_per_sample_s, replicated->time_per_sample_s);
+
+  // Heavy weights over slow links: averaging them would cost more than the
+  // replica gains, so the spare stays a spare.
+  for (PlannerLayer& layer : in.layers) layer.parameter_bytes = 1000000000;
+  in.links.assign(16, {0.001, 1e8});
+  absl::StatusOr<PipelinePlan> costly = MakeNetworkPlanner()->Plan(in);
+  ASSERT_TRUE(costly.ok());
+  for (const PlannedStageInfo& stage : costly->stages) EXPECT_TRUE(stage.replicas.empty());
+  EXPECT_EQ(costly->spares.size(), 1u);
+}
+
+TEST(NetworkPlannerTest, AReplicatedStageTakesLayersFromItsNeighbours) {
+  // Four equal layers on at most three stages: one stage must hold two. A
+  // replica of the middle stage lets that be the middle one, at the pace of
+  // one layer.
+  PlannerInput in;
+  for (int w = 0; w < 4; ++w) in.workers.push_back(Worker("w" + std::to_string(w), 10));
+  for (int l = 0; l < 4; ++l) in.layers.push_back(Layer(1e8, 1000));
+  in.microbatch_size = 4;
+  in.max_stages = 3;
+  in.max_replicas = 2;
+  in.codecs = Ladder();
+  absl::StatusOr<PipelinePlan> plan = MakeNetworkPlanner()->Plan(in);
+  ASSERT_TRUE(plan.ok());
+  ASSERT_EQ(plan->stages.size(), 3u);
+  const double layer_s = 1e8 / 10e9 * 4;
+  ASSERT_EQ(plan->stages[1].replicas.size(), 1u) << ExplainPlan(in, *plan);
+  EXPECT_EQ(plan->stages[1].layer_end - plan->stages[1].layer_begin, 2) << ExplainPlan(in, *plan);
+  EXPECT_NEAR(plan->bottleneck_s, layer_s, 1e-3 * layer_s) << ExplainPlan(in, *plan);
+}
+
 TEST(NetworkPlannerTest, TheWindowCoversTheRoundTrip) {
   PlannerInput in = TwoRegions(2);
   in.schedule = PlannerSchedule::kAsync;

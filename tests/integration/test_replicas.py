@@ -15,7 +15,7 @@ import statistics
 import time
 import unittest
 
-from cluster import wait_for
+from cluster import Cluster, job_path, wait_for
 from test_fault_tolerance import FaultCluster, loss_margin
 
 REPLICA_JOB = """
@@ -184,6 +184,36 @@ class ReplicaTest(unittest.TestCase):
         self.assertGreater(margin, 0.8 * single)
         done = [w for w in status["workers"] if w["state"] == "WORKER_STATE_DONE"]
         self.assertEqual(len(done), 4, status["workers"])
+
+    def test_network_planner_gives_the_bottleneck_stage_a_replica(self):
+        """gpt-replicas (6 layers, at most 3 stages, replicas: 2) on 4
+        workers under --planner=network: one stage must hold two of the
+        four blocks, so the planner makes that the middle stage and gives
+        it the 4th worker as a replica (the cap, not a rule: it would leave
+        the worker a spare where a replica did not pay)."""
+        with Cluster(job_path("gpt-replicas.textproto"),
+                     ["--steps=100000", "--planner=network"]) as c:
+            c.start_coordinator()
+            for i in range(4):
+                c.start_worker(f"w{i}")
+            try:
+                status = wait_for(lambda: (lambda s: s if s["state"] == "training" else None)(
+                    c.status()), 90, "a plan")
+            except Exception:
+                print(c.dump_logs())
+                raise
+            out = c.ctl("plan", "--explain")
+        print(out.stdout)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        stages = {}
+        for w in status["workers"]:
+            if w.get("stage", -1) >= 0:
+                stages.setdefault(w["stage"], []).append(w["name"])
+        self.assertEqual(sorted(stages), [0, 1, 2], status["workers"])
+        self.assertEqual(len(stages[1]), 2, stages)
+        self.assertIn("replicas:", out.stdout)
+        planned = [e for e in status["events"] if e["kind"] == "planned"]
+        self.assertIn("(replica)", planned[0]["detail"])
 
 
 if __name__ == "__main__":
