@@ -377,6 +377,15 @@ void Score(const CostModel& model, PipelinePlan* plan) {
   plan->bottleneck_s = tau;
   plan->time_per_sample_s =
       model.Objective(tau, stages, sum_rtt, &plan->in_flight, &plan->round_trip_s);
+  plan->predicted_s_per_sample = plan->time_per_sample_s;
+  if (in.schedule == PlannerSchedule::kSync) {
+    double trip = sum_rtt;
+    for (const PlannedStageInfo& s : plan->stages) trip += s.compute_s;
+    for (const PlannedLinkInfo& link : plan->links) trip += 2 * link.transfer_s;
+    const int m = std::max(1, in.microbatches);
+    plan->predicted_s_per_sample =
+        ((m - 1) * tau + trip) / (m * std::max(1, in.microbatch_size));
+  }
   if (model.input().schedule == PlannerSchedule::kAsync && model.input().max_in_flight > 0 &&
       plan->time_per_sample_s * std::max(1, model.input().microbatch_size) > tau * (1 + 1e-12)) {
     bound = absl::StrCat("the in-flight cap (", model.input().max_in_flight,
@@ -947,6 +956,12 @@ std::string ExplainPlan(const PlannerInput& input, const PipelinePlan& plan) {
       "W %d, round trip %.1f ms\n",
       plan.planner, plan.exact ? " (optimal)" : "", plan.stages.size(), 1e3 * plan.bottleneck_s,
       plan.bound, 1e3 * plan.time_per_sample_s, plan.in_flight, 1e3 * plan.round_trip_s);
+  if (plan.predicted_s_per_sample > plan.time_per_sample_s * (1 + 1e-9)) {
+    absl::StrAppendFormat(&out,
+                          "  predicted %.3f ms per sample with each step's fill and drain "
+                          "(plans are ranked by (M + p - 1) T* + RTTs)\n",
+                          1e3 * plan.predicted_s_per_sample);
+  }
   for (size_t k = 0; k < plan.stages.size(); ++k) {
     const PlannedStageInfo& s = plan.stages[k];
     const PlannerWorkerInfo& w = input.workers[s.worker];

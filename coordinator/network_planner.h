@@ -121,7 +121,12 @@ struct PipelinePlan {
   int in_flight = 1;                   // W (async)
   double bottleneck_s = 0;             // T*, per microbatch
   double round_trip_s = 0;
-  double time_per_sample_s = 0;        // the objective
+  double time_per_sample_s = 0;        // the objective (what plans are ranked by)
+  // What a sample should take: async, the objective; sync, per step of M
+  // microbatches (M - 1) T* plus one microbatch's trip through every stage
+  // and over every link both ways, plus the RTTs (a flushed step fills and
+  // drains the pipeline once: more than (p - 1) T* where links are slow).
+  double predicted_s_per_sample = 0;
   std::string bound;                   // what sets T*
   std::string planner;                 // which planner chose it
   bool exact = false;                  // the search was exhaustive

@@ -257,7 +257,8 @@ std::string SummaryOf(const PipelinePlan& plan, const std::vector<WorkerRecord>&
 v1::PlanPrediction PredictionOf(const PlannerInput& input, const PipelinePlan& plan) {
   v1::PlanPrediction prediction;
   prediction.set_planner(plan.planner);
-  prediction.set_time_per_sample_s(plan.time_per_sample_s);
+  prediction.set_time_per_sample_s(plan.predicted_s_per_sample > 0 ? plan.predicted_s_per_sample
+                                                                    : plan.time_per_sample_s);
   prediction.set_bottleneck_s(plan.bottleneck_s);
   prediction.set_in_flight(plan.in_flight);
   prediction.set_bound(plan.bound);

@@ -44,7 +44,7 @@ fi
 cmake -S . -B "$WHEEL_BUILD_DIR" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DGEOTRAIN_BUILD_BENCH=OFF \
   -DCMAKE_PREFIX_PATH="$PREFIX" "${CUDA_FLAGS[@]}"
 # Only what depends on the LibTorch: the daemons and the unit tests that
-# link it (label "torch"); the others are the same code in both trees.
+# link it (label "unit-torch"); the others are the same code in both trees.
 cmake --build "$WHEEL_BUILD_DIR" -j2 --target geotrain_torch_checks
 phase "testing $WHEEL_BUILD_DIR"
 (cd "$WHEEL_BUILD_DIR" && ctest --output-on-failure -j2 -L torch)

@@ -340,6 +340,33 @@ TEST(NetworkPlannerTest, SyncOnAFarLinkKeepsToFewerStages) {
   EXPECT_EQ(plan->stages.size(), 2u);
 }
 
+TEST(NetworkPlannerTest, ASyncPredictionCountsTheFillAndDrainOverSlowLinks) {
+  // Two stages of two layers (40 ms each per microbatch) over a link that
+  // takes 30 ms a microbatch each way: a step of M = 4 is (M - 1) T* plus
+  // one microbatch through both stages and over the link both ways.
+  PlannerInput in;
+  in.workers = {Worker("a", 10), Worker("b", 10)};
+  for (int l = 0; l < 4; ++l) in.layers.push_back(Layer(5e7, 7500));  // 20 ms each
+  in.links.assign(4, {0.002, 8e6});  // 7500 B x 4 samples x 8 / 8e6 = 30 ms
+  in.schedule = PlannerSchedule::kSync;
+  in.microbatches = 4;
+  in.microbatch_size = 4;
+  in.max_stages = 2;
+  PipelinePlan plan;
+  plan.stages = {{0, 0, 2}, {1, 2, 4}};
+  ASSERT_TRUE(ScorePlan(in, &plan).ok());
+  EXPECT_NEAR(plan.bottleneck_s, 0.040, 1e-9);
+  EXPECT_NEAR(plan.links[0].transfer_s, 0.030, 1e-9);
+  // Ranked by (M + p - 1) T* + RTT; predicted with the whole trip.
+  EXPECT_NEAR(plan.time_per_sample_s, (5 * 0.040 + 0.002) / 16, 1e-12);
+  EXPECT_NEAR(plan.predicted_s_per_sample, (3 * 0.040 + 0.080 + 0.060 + 0.002) / 16, 1e-12);
+  EXPECT_NE(ExplainPlan(in, plan).find("fill and drain"), std::string::npos);
+  // Async: the prediction is the objective.
+  in.schedule = PlannerSchedule::kAsync;
+  ASSERT_TRUE(ScorePlan(in, &plan).ok());
+  EXPECT_EQ(plan.predicted_s_per_sample, plan.time_per_sample_s);
+}
+
 TEST(NetworkPlannerTest, MeasuredLayerTimesWinOverGflops) {
   PlannerInput in;
   in.workers = {Worker("a", 10), Worker("b", 10)};
