@@ -18,7 +18,8 @@ CC="$CC_BIN" CXX="$CLANG" cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=RelWithD
   -DGEOTRAIN_FUZZ=ON -DGEOTRAIN_BUILD_TESTS=OFF >/dev/null
 cmake --build "$BUILD_DIR" -j2 --target geotrain_fuzz_targets
 SCRATCH=$(mktemp -d /tmp/geotrain-fuzz.XXXXXX)
-TARGETS=(link_frames_fuzz tensor_decode_fuzz job_spec_fuzz checkpoint_file_fuzz token_fuzz)
+TARGETS=(link_frames_fuzz tensor_decode_fuzz job_spec_fuzz checkpoint_file_fuzz token_fuzz
+         safetensors_fuzz)
 run_one() {
   local target="$1"
   mkdir -p "$SCRATCH/$target/corpus" "$SCRATCH/$target/artifacts"
