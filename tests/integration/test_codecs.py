@@ -6,7 +6,7 @@ import tempfile
 import time
 import unittest
 
-from cluster import BIN_DIR, SOURCE_DIR, Cluster, job_path, wait_for
+from cluster import BIN_DIR, SOURCE_DIR, Cluster, Process, binary, free_port, job_path, wait_for
 
 sys.path.insert(0, os.path.join(SOURCE_DIR, "deploy", "wan-lab"))
 import wan_job  # noqa: E402
@@ -109,6 +109,76 @@ class AdaptiveCodecTest(unittest.TestCase):
             self.assertTrue(link["adaptive"])
             self.assertEqual(link["codec"], "none", link)
             self.assertIn("compute-bound", link["codec_reason"])
+
+
+class PlannedCodecTest(unittest.TestCase):
+    """In this suite because it runs alone (RUN_SERIAL): the plan it needs
+    (3 stages over 2) follows from layer timings measured at join, which
+    other suites' processes on the same 2 cores distort (a CI-like run beside
+    them got a 2-stage plan on the fast pair, with no slow link to compress).
+    """
+
+    def test_network_planner_compresses_only_the_slow_links(self):
+        # w2 reaches and is reached through geotrain-linkem at 20 Mb/s (a
+        # relay per ordered pair, by --route, probes included); w0 <-> w1 is
+        # plain loopback. Any 3-stage order has one fast and one slow link:
+        # with int8 allowed, the plan compresses the slow one only. The demo
+        # GPT with 7 blocks (9 layers), so that 3 stages beat 2 clearly
+        # (6 layers split 2-2-2 against 3-3 would gain little).
+        ports = {f"w{i}": free_port() for i in range(3)}
+        relays = {}
+        with open(job_path("gpt-tiny.textproto")) as f:
+            job = f.read().replace("blocks: 4", "blocks: 7")
+        self.assertIn("blocks: 7", job)
+        job_file = os.path.join(tempfile.mkdtemp(prefix="geotrain-codecs-"), "gpt-7.textproto")
+        with open(job_file, "w") as f:
+            f.write(job)
+        with Cluster(job_file,
+                     ["--steps=100000", "--planner=network", "--min_workers=3",
+                      "--activation_codec=int8", "--gradient_codec=int8"]) as c:
+            for a in ports:
+                for b in ports:
+                    if a != b and "w2" in (a, b):
+                        relays[(a, b)] = free_port()
+                        c.workers.append(Process(
+                            [binary("geotrain-linkem"), f"--listen=127.0.0.1:{relays[(a, b)]}",
+                             f"--target=127.0.0.1:{ports[b]}", "--delay_ms=5",
+                             "--rate_mbit=20"],
+                            os.path.join(c.dir, f"relay-{a}-{b}.log")))
+            c.start_coordinator()
+            for name, port in ports.items():
+                routes = ",".join(f"127.0.0.1:{ports[b]}=127.0.0.1:{relays[(name, b)]}"
+                                  for b in ports if (name, b) in relays)
+                c.start_worker(name, [f"--listen=127.0.0.1:{port}", f"--route={routes}"])
+
+            def links_with_codecs():
+                status = c.status()
+                if status["state"] != "training":
+                    return None
+                links = [(w["name"], l) for w in status["workers"] for l in w.get("links", [])
+                         if int(l.get("messages_sent", 0)) > 0]
+                return (status, links) if len(links) >= 4 else None
+
+            try:
+                status, links = wait_for(links_with_codecs, 120, "training on all links")
+            except Exception:
+                print(c.dump_logs())
+                raise
+            out = c.ctl("plan", "--explain")
+        print(out.stdout)
+        stages = sorted((w["stage"], w["name"]) for w in status["workers"] if w["stage"] >= 0)
+        self.assertEqual(len(stages), 3, stages)
+        address_of = {f"127.0.0.1:{port}": name for name, port in ports.items()}
+        for name, link in links:
+            peer = address_of.get(link["peer"], link["peer"])
+            slow = "w2" in (name, peer)
+            print(f"{name} -> {peer} ({link['direction']}): {link['codec']}, "
+                  f"{link['codec_reason']}")
+            if slow:
+                self.assertNotEqual(link["codec"], "none", (name, link))
+            else:
+                self.assertEqual(link["codec"], "none", (name, link))
+            self.assertEqual(link["codec_reason"], "chosen by the plan for this link")
 
 
 if __name__ == "__main__":
