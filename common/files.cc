@@ -20,20 +20,18 @@ absl::Status ErrnoError(const std::string& what) {
   return absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(errno)));
 }
 
-absl::Status WriteAll(int fd, const std::string& data, const std::string& path) {
-  size_t done = 0;
-  while (done < data.size()) {
-    const ssize_t n = write(fd, data.data() + done, data.size() - done);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return ErrnoError(absl::StrCat("write ", path));
-    }
-    done += static_cast<size_t>(n);
+}  // namespace
+
+absl::Status WriteAll(int fd, std::string_view data, const std::string& path) {
+  while (!data.empty()) {
+    const ssize_t n = write(fd, data.data(), data.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return ErrnoError(absl::StrCat("write ", path));
+    if (n == 0) return absl::UnavailableError(absl::StrCat("write ", path, ": no progress"));
+    data.remove_prefix(static_cast<size_t>(n));
   }
   return absl::OkStatus();
 }
-
-}  // namespace
 
 absl::Status WriteFileAtomically(const std::string& path,
                                  const std::string& contents, mode_t mode) {

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -18,6 +19,10 @@ namespace geotrain {
 // file gets `mode` (0600 for keys and credentials) from its creation on.
 absl::Status WriteFileAtomically(const std::string& path, const std::string& contents,
                                  mode_t mode = 0644);
+
+// Writes all of `data` to `fd`, retrying short writes and EINTR.
+// UNAVAILABLE naming `path` (for the message only) and errno otherwise.
+absl::Status WriteAll(int fd, std::string_view data, const std::string& path);
 
 // Appends `data` (O_APPEND: whole lines from concurrent writers stay whole).
 absl::Status AppendToFile(const std::string& path, const std::string& data);

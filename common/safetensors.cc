@@ -10,6 +10,8 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "common/files.h"
+#include "common/json.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 
@@ -28,23 +30,6 @@ bool AsUint(const google::protobuf::Value& value, uint64_t* out) {
   if (!(d >= 0) || d > 9007199254740992.0 || std::floor(d) != d) return false;
   *out = static_cast<uint64_t>(d);
   return true;
-}
-
-std::string JsonString(std::string_view s) {
-  std::string out = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      char buffer[8];
-      std::snprintf(buffer, sizeof(buffer), "\\u%04x", c);
-      out += buffer;
-    } else {
-      out += c;
-    }
-  }
-  return out + "\"";
 }
 
 }  // namespace
@@ -236,24 +221,21 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<Safeten
   if (fd < 0) {
     return absl::UnavailableError(absl::StrCat("cannot write ", temp, ": ", std::strerror(errno)));
   }
-  auto write_all = [fd](std::string_view data) {
-    while (!data.empty()) {
-      const ssize_t n = write(fd, data.data(), data.size());
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) return false;
-      data.remove_prefix(static_cast<size_t>(n));
-    }
-    return true;
-  };
-  bool ok = write_all(*header);
-  for (const SafetensorsBlob& t : tensors) ok = ok && write_all(t.data);
-  ok = ok && fsync(fd) == 0;
-  const int error = errno;
+  absl::Status written = WriteAll(fd, *header, temp);
+  for (const SafetensorsBlob& t : tensors) {
+    if (written.ok()) written = WriteAll(fd, t.data, temp);
+  }
+  if (written.ok() && fsync(fd) != 0) {
+    written = absl::UnavailableError(absl::StrCat("fsync ", temp, ": ", std::strerror(errno)));
+  }
   close(fd);
-  if (!ok || rename(temp.c_str(), path.c_str()) != 0) {
+  if (written.ok() && rename(temp.c_str(), path.c_str()) != 0) {
+    written = absl::UnavailableError(
+        absl::StrCat("rename ", temp, " -> ", path, ": ", std::strerror(errno)));
+  }
+  if (!written.ok()) {
     unlink(temp.c_str());
-    return absl::UnavailableError(
-        absl::StrCat("cannot write ", path, ": ", std::strerror(ok ? errno : error)));
+    return absl::UnavailableError(absl::StrCat("cannot write ", path, ": ", written.message()));
   }
   return absl::OkStatus();
 }

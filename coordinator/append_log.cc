@@ -3,12 +3,13 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
+#include "common/files.h"
 #include "common/logging.h"
 
 namespace geotrain {
@@ -23,8 +24,19 @@ absl::StatusOr<std::unique_ptr<AppendLog>> AppendLog::Open(AppendLogOptions opti
   return std::unique_ptr<AppendLog>(new AppendLog(std::move(options), fd));
 }
 
+namespace {
+
+AppendLogOptions Sane(AppendLogOptions options) {
+  // At least the line just appended stays queued (0 would drop every line
+  // before the writer saw it).
+  options.max_pending_lines = std::max<size_t>(options.max_pending_lines, 1);
+  return options;
+}
+
+}  // namespace
+
 AppendLog::AppendLog(AppendLogOptions options, int fd)
-    : options_(std::move(options)), fd_(fd), thread_([this] { Run(); }) {}
+    : options_(Sane(std::move(options))), fd_(fd), thread_([this] { Run(); }) {}
 
 AppendLog::~AppendLog() {
   {
@@ -65,6 +77,7 @@ int64_t AppendLog::dropped() const {
 }
 
 void AppendLog::Run() {
+  bool torn_line = false;
   while (true) {
     std::deque<std::string> batch;
     int64_t sequence;
@@ -75,17 +88,16 @@ void AppendLog::Run() {
       batch.swap(pending_);
       sequence = appended_;
     }
-    std::string data;
+    // A batch that failed part-way left a torn last line: the next one
+    // starts on a line of its own, so that every later line parses.
+    std::string data = torn_line ? "\n" : "";
     for (const std::string& line : batch) data += line;
     absl::Status status = options_.before_write ? options_.before_write() : absl::OkStatus();
-    for (size_t off = 0; status.ok() && off < data.size();) {
-      const ssize_t n = write(fd_, data.data() + off, data.size() - off);
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) {
-        status = absl::UnavailableError(std::strerror(errno));
-        break;
-      }
-      off += static_cast<size_t>(n);
+    if (status.ok()) {
+      const off_t before = lseek(fd_, 0, SEEK_END);
+      status = WriteAll(fd_, data, options_.path);
+      torn_line = !status.ok() && before >= 0 && lseek(fd_, 0, SEEK_END) > before;
+      if (status.ok()) torn_line = false;
     }
     if (!status.ok()) {
       GT_LOG(Warning) << "could not append " << batch.size() << " lines to " << options_.path
@@ -96,22 +108,6 @@ void AppendLog::Run() {
     done_ = sequence;
     changed_.SignalAll();
   }
-}
-
-std::string JsonEscape(std::string_view s) {
-  std::string out;
-  out.reserve(s.size());
-  for (char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      out += absl::StrFormat("\\u%04x", c);
-    } else {
-      out += c;
-    }
-  }
-  return out;
 }
 
 }  // namespace geotrain

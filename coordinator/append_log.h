@@ -67,10 +67,6 @@ class AppendLog {
   std::thread thread_;
 };
 
-// `s` as the inside of a JSON string (quotes, backslashes and control
-// characters escaped).
-std::string JsonEscape(std::string_view s);
-
 }  // namespace geotrain
 
 #endif  // GEOTRAIN_COORDINATOR_APPEND_LOG_H_

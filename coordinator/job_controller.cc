@@ -4,13 +4,14 @@
 #include <cmath>
 #include <cstdlib>
 
-#include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/job_spec.h"
 #include "common/logging.h"
 #include "common/model_profile.h"
 #include "common/plan_util.h"
+#include "coordinator/accusation_ledger.h"
+#include "coordinator/link_assigner.h"
 #include "coordinator/plan_builder.h"
 
 namespace geotrain {
@@ -21,6 +22,13 @@ constexpr size_t kThroughputWindow = 10;  // steps
 // is made a replica again (it may still replace a lost worker before that):
 // a link that keeps failing would otherwise cycle it in and out.
 constexpr int64_t kReplicaCooldownMs = 30000;
+
+// JobControllerOptions::before_log_write bound to one file.
+std::function<absl::Status()> LogHook(
+    const std::function<absl::Status(const std::string&)>& hook, const std::string& path) {
+  if (!hook) return nullptr;
+  return [hook, path] { return hook(path); };
+}
 // Dead workers kept (shown in status, persisted); older ones are forgotten.
 constexpr size_t kMaxDeadMembers = 256;
 // Workers asked to dial each joiner back, besides the coordinator.
@@ -33,7 +41,6 @@ constexpr size_t kMaxEventKindBytes = 64;
 // log cuts the whole at its own bound).
 constexpr size_t kMaxEventDetailBytes = 512;
 // An accuser whose accusations were this many times not confirmed is suspected.
-constexpr int kUnconfirmedAccusationsToSuspect = 2;
 
 }  // namespace
 
@@ -61,7 +68,7 @@ absl::StatusOr<std::unique_ptr<JobController>> JobController::Create(
   // Every coordinator of the state dir appends to one events log.
   AppendLogOptions events_log;
   events_log.path = store->events_log_path();
-  events_log.before_write = options.before_log_write;
+  events_log.before_write = LogHook(options.before_log_write, events_log.path);
   absl::StatusOr<std::unique_ptr<AppendLog>> events_file = AppendLog::Open(std::move(events_log));
   if (!events_file.ok()) return events_file.status();
   auto controller = std::unique_ptr<JobController>(new JobController(
@@ -75,7 +82,7 @@ absl::StatusOr<std::unique_ptr<JobController>> JobController::Create(
     AppendLogOptions metrics_log;
     metrics_log.path = controller->options_.metrics_log_path;
     metrics_log.truncate = !controller->recovered_;
-    metrics_log.before_write = controller->options_.before_log_write;
+    metrics_log.before_write = LogHook(controller->options_.before_log_write, metrics_log.path);
     absl::StatusOr<std::unique_ptr<AppendLog>> opened = AppendLog::Open(std::move(metrics_log));
     if (!opened.ok()) {
       return absl::UnavailableError(absl::StrCat("cannot write metrics log: ",
@@ -103,6 +110,7 @@ JobController::JobController(JobControllerOptions options, std::unique_ptr<Plann
       store_(std::move(store)),
       state_writer_(std::move(state_writer)),
       checkpoints_(std::move(checkpoints)),
+      accusations_(membership_.lease_ms()),
       metrics_(std::make_unique<MetricsSink>(nullptr)),
       events_([&] {
         EventLogOptions events;
@@ -115,8 +123,14 @@ JobController::JobController(JobControllerOptions options, std::unique_ptr<Plann
 void JobController::FlushState() {
   state_writer_->Flush();
   events_.Flush();
-  absl::MutexLock lock(&mu_);
-  metrics_->Flush();
+  // Flushed outside the lock: waiting on the disk must not hold up step
+  // reports (metrics_ is set once, in Create).
+  MetricsSink* metrics;
+  {
+    absl::MutexLock lock(&mu_);
+    metrics = metrics_.get();
+  }
+  metrics->Flush();
 }
 
 absl::Status JobController::RecoverLocked() {
@@ -662,24 +676,12 @@ absl::Status JobController::RecordWorkerEvent(const v1::WorkerEvent& event) {
     AddEventLocked("accusation_refused", NameOf(accuser), why);
     return absl::PermissionDeniedError(why);
   }
-  if (auto suspected = suspected_.find(accuser); suspected != suspected_.end()) {
-    const std::string why = absl::StrCat("accusation of ", accused, " by ", accuser,
-                                         " ignored: the accuser is suspected (",
-                                         suspected->second, ")");
-    AddEventLocked("accusation_refused", NameOf(accuser), why);
-    return absl::PermissionDeniedError(why);
-  }
   const int64_t now = options_.clock->NowMs();
-  if (auto last = last_accusation_ms_.find(accuser);
-      last != last_accusation_ms_.end() && now - last->second < membership_.lease_ms()) {
-    const std::string why = absl::StrCat("accusation of ", accused, " by ", accuser,
-                                         " refused: one accusation per worker per lease (",
-                                         membership_.lease_ms(), " ms)");
-    AddEventLocked("accusation_refused", NameOf(accuser), why);
-    return absl::ResourceExhaustedError(why);
+  if (absl::Status may = accusations_.MayAccuse(accuser, accused, now); !may.ok()) {
+    AddEventLocked("accusation_refused", NameOf(accuser), std::string(may.message()));
+    return may;
   }
-  last_accusation_ms_[accuser] = now;
-  pending_accusations_[accused] = {accuser, now};
+  accusations_.Record(accuser, accused, now);
   ReplaceLocked(accused, absl::StrCat("its link from ", NameOf(accuser), " was lost"),
                 Replacement::kTakeOut);
   suspended_at_ms_[accused] = now;
@@ -687,36 +689,10 @@ absl::Status JobController::RecordWorkerEvent(const v1::WorkerEvent& event) {
 }
 
 void JobController::CheckAccusationsLocked() {
-  const int64_t now = options_.clock->NowMs();
-  const int64_t lease = membership_.lease_ms();
-  std::map<std::string, WorkerRecord> records;
-  for (const WorkerRecord& w : membership_.Snapshot()) records[w.id] = w;
-  for (auto it = pending_accusations_.begin(); it != pending_accusations_.end();) {
-    const auto& [accused, accusation] = *it;
-    auto record = records.find(accused);
-    if (record == records.end() || !record->second.alive) {
-      it = pending_accusations_.erase(it);  // confirmed: the accused is gone
-      continue;
-    }
-    if (now - accusation.at_ms < 2 * lease) {
-      ++it;
-      continue;
-    }
-    // The accused kept its lease for two lease periods after the
-    // accusation: it was alive, and only its link from the accuser failed.
-    if (record->second.last_heartbeat_ms > accusation.at_ms + lease &&
-        options_.authenticated_callers) {
-      const int count = ++unconfirmed_accusations_[accusation.accuser];
-      if (count >= kUnconfirmedAccusationsToSuspect && suspected_.count(accusation.accuser) == 0) {
-        suspected_[accusation.accuser] =
-            absl::StrCat(count, " of its link_lost accusations were not confirmed: the accused "
-                                "kept heartbeating");
-        AddEventLocked("suspected", NameOf(accusation.accuser),
-                       absl::StrCat(accusation.accuser, ": ", suspected_[accusation.accuser],
-                                    "; its accusations no longer count"));
-      }
-    }
-    it = pending_accusations_.erase(it);
+  for (const AccusationLedger::Suspicion& s : accusations_.Review(
+           membership_.Snapshot(), options_.clock->NowMs(), options_.authenticated_callers)) {
+    AddEventLocked("suspected", NameOf(s.accuser),
+                   absl::StrCat(s.accuser, ": ", s.why, "; its accusations no longer count"));
   }
 }
 
@@ -738,18 +714,25 @@ std::vector<WorkerRecord> JobController::StandbysLocked(const v1::Plan& plan) co
   return standbys;
 }
 
+bool JobController::MayReplicateLocked(const std::string& worker_id) const {
+  if (demoted_.count(worker_id) > 0) return false;
+  auto suspended = suspended_at_ms_.find(worker_id);
+  return suspended == suspended_at_ms_.end() ||
+         options_.clock->NowMs() - suspended->second >= kReplicaCooldownMs;
+}
+
+void JobController::MarkReplicaCandidatesLocked(PlannerInput* input) const {
+  for (PlannerWorkerInfo& w : input->workers) w.may_replicate = MayReplicateLocked(w.id);
+}
+
 bool JobController::FillReplicasLocked(v1::Plan* plan, std::string* summary) const {
   const int wanted = options_.job.replicas();
   // The network planner chooses replicas itself, only where they pay
   // (PlannerInput::max_replicas); a voluntary re-plan adds them later.
   if (wanted <= 1 || options_.planner == "network") return false;
   std::vector<WorkerRecord> candidates;
-  const int64_t now = options_.clock->NowMs();
   for (const WorkerRecord& w : StandbysLocked(*plan)) {
-    auto suspended = suspended_at_ms_.find(w.id);
-    const bool cooling = suspended != suspended_at_ms_.end() &&
-                         now - suspended->second < kReplicaCooldownMs;
-    if (demoted_.count(w.id) == 0 && !cooling) candidates.push_back(w);
+    if (MayReplicateLocked(w.id)) candidates.push_back(w);
   }
   bool added = false;
   size_t next = 0;
@@ -789,6 +772,7 @@ void JobController::MaybeVoluntaryReplanLocked() {
   }
   PlannerInput input = PlannerInputFor(options_.job, candidates, CodecChoice::kPerLink);
   input.links = network_.LinksFor(candidates);
+  MarkReplicaCandidatesLocked(&input);
   CalibrateWithStageStats(*plan_, candidates, &input);
   absl::StatusOr<PipelinePlan> best = planner_->Plan(input);
   if (!best.ok()) return;
@@ -1037,6 +1021,7 @@ std::optional<v1::Plan> JobController::PartitionLocked(const std::vector<WorkerR
       options_.job, live,
       options_.planner == "network" ? CodecChoice::kPerLink : CodecChoice::kJobWide);
   input.links = network_.LinksFor(live);
+  MarkReplicaCandidatesLocked(&input);
   absl::StatusOr<PipelinePlan> planned = planner_->Plan(input);
   if (!planned.ok()) {
     AddEventLocked("plan_failed", "", std::string(planned.status().message()));
@@ -1081,56 +1066,18 @@ void JobController::MaybePlanLocked() {
 }
 
 void JobController::AssignLinksLocked(v1::Plan* plan) {
-  plan->clear_links();
   std::map<std::string, WorkerRecord> records;
   for (const WorkerRecord& w : membership_.Snapshot()) records[w.id] = w;
-  auto reachable = [&records](const std::string& id) {
+  LinkAssignerInput input;
+  input.reachable = [&records](const std::string& id) {
     auto it = records.find(id);
     // Not probed (e.g. a record from before probes): as before, reachable.
     return it == records.end() || !it->second.reachability.known() ||
            it->second.reachability.reachable();
   };
-  const std::vector<WorkerRecord> relays = UsableRelaysLocked();
-  std::map<std::string, int> relay_load;
-  absl::BitGen random;
-  for (int k = 0; k + 1 < plan->stages_size(); ++k) {
-    for (const StageWorker& up : WorkersOf(plan->stages(k))) {
-      for (const StageWorker& down : WorkersOf(plan->stages(k + 1))) {
-        v1::PlannedLink* link = plan->add_links();
-        link->set_upstream_worker(up.id);
-        link->set_downstream_worker(down.id);
-        if (reachable(down.id)) {
-          link->set_dialer(v1::LINK_DIALER_UPSTREAM);
-          continue;
-        }
-        if (reachable(up.id)) {
-          link->set_dialer(v1::LINK_DIALER_DOWNSTREAM);
-          link->set_reason(absl::StrCat(NameOf(down.id), " is not reachable: it dials"));
-          continue;
-        }
-        if (relays.empty()) {
-          link->set_dialer(v1::LINK_DIALER_NONE);
-          link->set_reason(absl::StrCat(
-              "neither ", NameOf(up.id), " nor ", NameOf(down.id),
-              " is reachable and no relay is live: start geotrain-relay on a reachable host, "
-              "or make one of them reachable (forward its port, or set --advertise)"));
-          continue;
-        }
-        const WorkerRecord* best = &relays[0];
-        for (const WorkerRecord& r : relays) {
-          if (relay_load[r.id] < relay_load[best->id]) best = &r;
-        }
-        ++relay_load[best->id];
-        link->set_dialer(v1::LINK_DIALER_RELAY);
-        link->set_relay_worker(best->id);
-        link->set_relay_address(best->address);
-        link->set_rendezvous(absl::StrFormat("%016x%016x", absl::Uniform<uint64_t>(random),
-                                             absl::Uniform<uint64_t>(random)));
-        link->set_reason(absl::StrCat("neither ", NameOf(up.id), " nor ", NameOf(down.id),
-                                      " is reachable"));
-      }
-    }
-  }
+  input.relays = UsableRelaysLocked();
+  input.name_of = [this](const std::string& id) { return NameOf(id); };
+  AssignLinks(input, plan);
   for (const v1::PlannedLink& link : plan->links()) {
     if (link.dialer() == v1::LINK_DIALER_NONE) {
       AddEventLocked("link_needs_relay", "", link.reason());
@@ -1200,8 +1147,8 @@ v1::ClusterStatus JobController::Status() const {
   }
   for (const WorkerRecord& w : workers) {
     v1::WorkerStatus* out = status.add_workers();
-    if (auto suspected = suspected_.find(w.id); suspected != suspected_.end()) {
-      out->set_suspected(suspected->second);
+    if (std::optional<std::string> why = accusations_.SuspicionOf(w.id)) {
+      out->set_suspected(*why);
     }
     out->set_id(w.id);
     out->set_name(w.name);

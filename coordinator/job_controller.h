@@ -22,6 +22,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
+#include "coordinator/accusation_ledger.h"
 #include "coordinator/checkpoint_store.h"
 #include "coordinator/durable_state_writer.h"
 #include "coordinator/event_log.h"
@@ -56,8 +57,8 @@ struct JobControllerOptions {
   // non-OK result fails that write. Empty: none.
   std::function<absl::Status()> before_state_write;
   // The same for each batch of lines appended to the events log and the
-  // metrics log (AppendLog). Empty: none.
-  std::function<absl::Status()> before_log_write;
+  // metrics log (AppendLog), given the file's path. Empty: none.
+  std::function<absl::Status(const std::string& path)> before_log_write;
 };
 
 class JobController {
@@ -169,6 +170,11 @@ class JobController {
   // Live workers outside `plan` that may take a stage, fastest first.
   std::vector<WorkerRecord> StandbysLocked(const v1::Plan& plan) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether a worker may become a replica: not a demoted straggler, and not
+  // one taken out for a lost link within the last kReplicaCooldownMs.
+  bool MayReplicateLocked(const std::string& worker_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sets PlannerWorkerInfo::may_replicate from MayReplicateLocked.
+  void MarkReplicaCandidatesLocked(PlannerInput* input) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Gives middle stages of `plan` standbys as replicas until each has
   // job.replicas workers (never a worker demoted as a straggler). True when
   // it added one. Join order only: the network planner chooses replicas.
@@ -184,11 +190,8 @@ class JobController {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PersistLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PublishLocked(v1::Plan plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Fills plan->links: per pair of neighbouring workers, the upstream one
-  // dials when the downstream one is reachable, else the downstream one
-  // when the upstream one is, else both dial a live relay (the least
-  // loaded that is not suspended), else none can and the link's reason
-  // says what to do.
+  // Fills plan->links (AssignLinks over the members' reachability and the
+  // usable relays); a link no one can dial is an event.
   void AssignLinksLocked(v1::Plan* plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Live relays that are reachable and not suspended (a suspended one is
   // usable again once it heartbeats after its suspension).
@@ -209,8 +212,9 @@ class JobController {
 
   mutable absl::Mutex mu_;
   StateStore store_ ABSL_GUARDED_BY(mu_);
-  // Writes state.textproto off the lock (plans and events stay synchronous:
-  // they are rare, and a plan must be durable before workers see it).
+  // Writes state.textproto off the lock. Plans stay synchronous: they are
+  // rare, and a plan must be durable before workers see it. Events and
+  // metrics go through AppendLog's thread (events_, metrics_).
   std::unique_ptr<DurableStateWriter> state_writer_;
   const std::unique_ptr<CheckpointStore> checkpoints_;  // thread-safe itself
   int64_t last_persist_ms_ ABSL_GUARDED_BY(mu_) = 0;
@@ -242,17 +246,8 @@ class JobController {
   StragglerDetector stragglers_ ABSL_GUARDED_BY(mu_);
   // Workers demoted as stragglers: standbys, but never made replicas again.
   std::set<std::string> demoted_ ABSL_GUARDED_BY(mu_);
-  // link_lost accusations: the last one counted per accuser, those still
-  // to be confirmed (accused -> accuser, when), and the accusers whose
-  // accusations were not confirmed (how often, and whether suspected).
-  std::map<std::string, int64_t> last_accusation_ms_ ABSL_GUARDED_BY(mu_);
-  struct PendingAccusation {
-    std::string accuser;
-    int64_t at_ms = 0;
-  };
-  std::map<std::string, PendingAccusation> pending_accusations_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, int> unconfirmed_accusations_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, std::string> suspected_ ABSL_GUARDED_BY(mu_);
+  AccusationLedger accusations_ ABSL_GUARDED_BY(mu_);
+  // Settles accusations (AccusationLedger::Review); suspicions are events.
   void CheckAccusationsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // PERMISSION_DENIED unless the current plan puts `worker_id` on the last
   // stage (which owns the loss). REQUIRES: a plan.

@@ -2,7 +2,8 @@
 // the metrics log (written off the caller's thread, AppendLog), and the
 // throughput over the last steps. Nothing here waits on the disk, so the
 // controller may call it under its lock on every step report.
-// Thread-compatible.
+// Thread-compatible, except Flush, which may run on any thread at any time
+// (it touches only the log).
 #ifndef GEOTRAIN_COORDINATOR_METRICS_SINK_H_
 #define GEOTRAIN_COORDINATOR_METRICS_SINK_H_
 
@@ -40,6 +41,7 @@ class MetricsSink {
   // time or no sample passed between them).
   double SamplesPerSecond() const;
   double SecondsPerSample() const;
+  // Returns once every line recorded so far is written (or failed).
   void Flush();
 
  private:

@@ -314,6 +314,11 @@ void Score(const CostModel& model, PipelinePlan* plan) {
   double tau = 0;
   std::string bound;
   std::vector<StageCrew> crews(stages);
+  // One microbatch's way through the pipeline and back (sync's fill and
+  // drain): each stage's own worker and each link's full rate, not the
+  // combined pace of a replicated stage (a replica speeds up the stream,
+  // not one microbatch).
+  double trip_s = 0;
   for (int k = 0; k < stages; ++k) {
     PlannedStageInfo& s = plan->stages[k];
     StageCrew& crew = crews[k];
@@ -329,6 +334,7 @@ void Score(const CostModel& model, PipelinePlan* plan) {
       speed += c > 0 ? 1 / c : 0;
     }
     for (double c : own) crew.shares.push_back(speed > 0 && c > 0 ? (1 / c) / speed : 1.0);
+    trip_s += own[0];
     s.compute_s = speed > 0 ? 1 / speed : own[0];
     if (crew.workers.size() > 1) {
       double slowest = kInf;
@@ -366,6 +372,7 @@ void Score(const CostModel& model, PipelinePlan* plan) {
       }
     }
     link.rtt_s = model.Rtt(u, v);
+    trip_s += 2 * model.Transfer(u, v, link.codec_index, cut) + link.rtt_s;
     if (link.transfer_s > tau) {
       tau = link.transfer_s;
       bound = absl::StrCat("link ", k, "->", k + 1, " (", NameOf(in.workers[u]), " -> ",
@@ -379,12 +386,9 @@ void Score(const CostModel& model, PipelinePlan* plan) {
       model.Objective(tau, stages, sum_rtt, &plan->in_flight, &plan->round_trip_s);
   plan->predicted_s_per_sample = plan->time_per_sample_s;
   if (in.schedule == PlannerSchedule::kSync) {
-    double trip = sum_rtt;
-    for (const PlannedStageInfo& s : plan->stages) trip += s.compute_s;
-    for (const PlannedLinkInfo& link : plan->links) trip += 2 * link.transfer_s;
     const int m = std::max(1, in.microbatches);
     plan->predicted_s_per_sample =
-        ((m - 1) * tau + trip) / (m * std::max(1, in.microbatch_size));
+        ((m - 1) * tau + trip_s) / (m * std::max(1, in.microbatch_size));
   }
   if (model.input().schedule == PlannerSchedule::kAsync && model.input().max_in_flight > 0 &&
       plan->time_per_sample_s * std::max(1, model.input().microbatch_size) > tau * (1 + 1e-12)) {
@@ -483,6 +487,7 @@ void AddReplicas(const CostModel& model, PipelinePlan* plan) {
       if (1 + static_cast<int>(s.replicas.size()) >= in.max_replicas) continue;
       int pick = -1;
       for (int spare : plan->spares) {
+        if (!in.workers[spare].may_replicate) continue;
         PlannedStageInfo with = s;
         with.replicas = {spare};
         with.worker = spare;

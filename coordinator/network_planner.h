@@ -45,6 +45,9 @@ struct PlannerWorkerInfo {
   std::map<std::string, double> seconds_per_sample;
   uint64_t memory_bytes = 0;  // 0: unknown, not limited
   bool reachable = true;
+  // False for a worker that may hold a stage but not become a replica (a
+  // demoted straggler, or one whose replica was lost a moment ago).
+  bool may_replicate = true;
 };
 
 struct PlannerLayer {

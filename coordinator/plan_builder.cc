@@ -1,6 +1,7 @@
 #include "coordinator/plan_builder.h"
 
 #include <algorithm>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "common/adaptive_codec.h"
@@ -78,15 +79,18 @@ PlannerInput PlannerInputFor(const v1::JobSpec& job, const std::vector<WorkerRec
   if (codecs == CodecChoice::kPerLink) {
     // One entry per step of the ladder, up to the stronger of the job's
     // two codecs; each direction takes its own ladder's codec at that step
-    // (CapToLadder, as the workers do), and the link costs what the less
-    // compressed direction sends.
+    // (CapToLadder, as the workers do). The link costs the mean of what its
+    // two directions send: in sync they cross it in turn, and a middle
+    // worker's uplink carries one neighbour's activations and the other's
+    // gradients. (The larger of the two would make a step that compresses
+    // only gradients look worthless, and the planner would drop it.)
     const int steps = std::max(LadderStep(job.activation_codec()), LadderStep(job.gradient_codec()));
     for (int step = 0; step <= steps; ++step) {
       const v1::Codec codec = kStepCodecs[step];
       const CodecCost down = CostOf(CapToLadder(codec, job.activation_codec()));
       const CodecCost up = CostOf(CapToLadder(codec, job.gradient_codec()));
       in.codecs.push_back({codec, down.name == up.name ? down.name : down.name + "/" + up.name,
-                           std::max(down.ratio, up.ratio),
+                           (down.ratio + up.ratio) / 2,
                            (down.seconds_per_byte + up.seconds_per_byte) / 2});
     }
   } else {
@@ -178,7 +182,8 @@ absl::StatusOr<ReplanComparison> CompareForReplan(
     const v1::Plan& current, const PipelinePlan& best,
     const std::map<int, std::vector<int>>& checkpointed, int step) {
   ReplanComparison out;
-  std::map<int, std::string> owner_now;  // layer -> worker
+  // Who holds each layer's state now: its stage's worker and replicas.
+  std::map<int, std::set<std::string>> holders_now;
   for (const v1::StageAssignment& stage : current.stages()) {
     auto it = std::find_if(workers.begin(), workers.end(),
                            [&](const WorkerRecord& w) { return w.id == stage.worker_id(); });
@@ -195,7 +200,12 @@ absl::StatusOr<ReplanComparison> CompareForReplan(
       if (r != workers.end()) s.replicas.push_back(static_cast<int>(r - workers.begin()));
     }
     out.current.stages.push_back(s);
-    for (int l = stage.layer_begin(); l < stage.layer_end(); ++l) owner_now[l] = stage.worker_id();
+    for (int l = stage.layer_begin(); l < stage.layer_end(); ++l) {
+      holders_now[l].insert(stage.worker_id());
+      for (const v1::Replica& replica : stage.replicas()) {
+        holders_now[l].insert(replica.worker_id());
+      }
+    }
   }
   // The current links keep the codecs they run with (the ladder's entry).
   out.current.links.resize(out.current.stages.empty() ? 0 : out.current.stages.size() - 1);
@@ -225,13 +235,19 @@ absl::StatusOr<ReplanComparison> CompareForReplan(
   }
   if (candidate.move_rate_bps == 0) candidate.move_rate_bps = input.default_link.rate_bps;
   const std::vector<LayerProfile> profile = ProfileLayers(job);
+  // Every worker of the best plan (a new replica too) receives the layers
+  // it does not hold yet.
   for (const PlannedStageInfo& s : best.stages) {
-    for (int l = s.layer_begin; l < s.layer_end && l < static_cast<int>(profile.size()); ++l) {
-      if (owner_now[l] == workers[s.worker].id) continue;
-      candidate.move_bytes += profile[l].parameter_count * 4.0 * 3;  // weights, Adam's m and v
-      auto it = checkpointed.find(l);
-      if (it == checkpointed.end() || it->second.empty() || it->second.back() < step - 1) {
-        candidate.state_fresh = false;
+    std::vector<int> crew = {s.worker};
+    crew.insert(crew.end(), s.replicas.begin(), s.replicas.end());
+    for (int w : crew) {
+      for (int l = s.layer_begin; l < s.layer_end && l < static_cast<int>(profile.size()); ++l) {
+        if (holders_now[l].count(workers[w].id) > 0) continue;
+        candidate.move_bytes += profile[l].parameter_count * 4.0 * 3;  // weights, Adam's m and v
+        auto it = checkpointed.find(l);
+        if (it == checkpointed.end() || it->second.empty() || it->second.back() < step - 1) {
+          candidate.state_fresh = false;
+        }
       }
     }
   }

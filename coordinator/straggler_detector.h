@@ -1,6 +1,7 @@
 // Straggler detection over a snapshot of the stages' measured compute time
-// per microbatch. Pure: the caller passes the figures and the time, and acts
-// on the verdicts (swap a slow stage's worker for a standby, demote a slow
+// per microbatch. No I/O and no clock of its own (it remembers only since
+// when each stage has looked slow): the caller passes the figures and the
+// time, and acts on the verdicts (swap a slow stage's worker for a standby, demote a slow
 // replica). Thread-compatible.
 //
 // A stage is a straggler when it is far slower than every other stage

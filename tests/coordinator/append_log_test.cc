@@ -1,8 +1,11 @@
 #include "coordinator/append_log.h"
 
+#include <sys/resource.h>
+
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -110,8 +113,40 @@ TEST(AppendLogTest, AFailedWriteLosesItsBatchOnlyAndAnUnwritablePathIsAnError) {
   EXPECT_NE(refused.status().message().find("no/such/dir"), std::string::npos);
 }
 
-TEST(AppendLogTest, JsonEscapeQuotesBackslashesAndControlCharacters) {
-  EXPECT_EQ(JsonEscape("a\"b\\c\nd\x01"), "a\\\"b\\\\c\\u000ad\\u0001");
+TEST(AppendLogTest, AQueueOfNoLinesStillKeepsTheNewest) {
+  AppendLogOptions options;
+  options.path = TempPath("zero");
+  options.max_pending_lines = 0;
+  auto log = AppendLog::Open(options);
+  ASSERT_TRUE(log.ok());
+  (*log)->Append("kept");
+  (*log)->Flush();  // returns: the line was written, not lost unseen
+  EXPECT_EQ(Contents(options.path), "kept\n");
+}
+
+TEST(AppendLogTest, ALineTornByAFullDiskDoesNotSwallowTheNextOne) {
+  // A file size limit makes the kernel write part of a batch, then refuse
+  // (EFBIG), as a full disk would.
+  const std::string path = TempPath("torn");
+  AppendLogOptions options;
+  options.path = path;
+  auto log = AppendLog::Open(options);
+  ASSERT_TRUE(log.ok());
+  (*log)->Append("first");
+  (*log)->Flush();
+  std::signal(SIGXFSZ, SIG_IGN);
+  rlimit saved;
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &saved), 0);
+  rlimit limited = saved;
+  limited.rlim_cur = 10;  // "first\n" and 4 bytes more
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &limited), 0);
+  (*log)->Append("second line");
+  (*log)->Flush();
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &saved), 0);
+  EXPECT_EQ((*log)->dropped(), 1);
+  (*log)->Append("third");
+  (*log)->Flush();
+  EXPECT_EQ(Contents(path), "first\nseco\nthird\n");
 }
 
 }  // namespace

@@ -70,7 +70,7 @@ class JobControllerTest : public testing::Test {
   FakeClock clock_{0};
   bool authenticated_callers_ = false;
   std::function<absl::Status()> before_state_write_;
-  std::function<absl::Status()> before_log_write_;
+  std::function<absl::Status(const std::string&)> before_log_write_;
   std::string planner_ = "join-order";
   v1::JobSpec job_;
   std::string dir_;
@@ -137,16 +137,19 @@ TEST_F(JobControllerTest, AStepReportNeverWaitsForASlowDisk) {
   absl::Notification disk_free;
   std::atomic<bool> stall{false};
   std::atomic<int> stalled_writes{0};
-  std::atomic<int> stalled_appends{0};
+  std::atomic<int> stalled_events{0};
+  std::atomic<int> stalled_metrics{0};
   before_state_write_ = [&]() -> absl::Status {
     if (!stall) return absl::OkStatus();
     ++stalled_writes;
     disk_free.WaitForNotification();
     return absl::OkStatus();
   };
-  before_log_write_ = [&]() -> absl::Status {
+  before_log_write_ = [&](const std::string& path) -> absl::Status {
     if (!stall) return absl::OkStatus();
-    ++stalled_appends;
+    const std::string file = std::filesystem::path(path).filename().string();
+    if (file == "events.log") ++stalled_events;
+    if (file == "metrics.jsonl") ++stalled_metrics;
     disk_free.WaitForNotification();
     return absl::OkStatus();
   };
@@ -162,12 +165,19 @@ TEST_F(JobControllerTest, AStepReportNeverWaitsForASlowDisk) {
   report.set_loss(2.5);
   report.set_step(1);
   ASSERT_TRUE(controller_->ReportStep(report).ok());
-  // That report's state write and its metrics line are now stuck.
-  for (int i = 0; i < 1000 && (stalled_writes == 0 || stalled_appends == 0); ++i) {
+  // An event while the disk is stuck: a third worker joins (a standby).
+  const absl::Time join_start = absl::Now();
+  Join("c");
+  EXPECT_LT(absl::Now() - join_start, absl::Seconds(5));
+  // That report's state write, its metrics line and the join's event are
+  // now stuck, each on its own file's writer.
+  for (int i = 0; i < 1000 && (stalled_writes == 0 || stalled_events == 0 ||
+                               stalled_metrics == 0); ++i) {
     absl::SleepFor(absl::Milliseconds(5));
   }
   ASSERT_GE(stalled_writes.load(), 1);
-  ASSERT_GE(stalled_appends.load(), 1);
+  ASSERT_GE(stalled_events.load(), 1);
+  ASSERT_GE(stalled_metrics.load(), 1);
   const absl::Time start = absl::Now();
   for (int step = 2; step <= 3; ++step) {
     report.set_step(step);
@@ -180,7 +190,9 @@ TEST_F(JobControllerTest, AStepReportNeverWaitsForASlowDisk) {
   controller_->FlushState();
   EXPECT_NE(ReadFile(dir_ + "/state.textproto").find("step: 3"), std::string::npos);
   EXPECT_NE(ReadFile(dir_ + "/metrics.jsonl").find("\"step\":3,"), std::string::npos);
-  EXPECT_NE(ReadFile(dir_ + "/events.log").find("\"kind\":\"planned\""), std::string::npos);
+  const std::string events = ReadFile(dir_ + "/events.log");
+  EXPECT_NE(events.find("\"kind\":\"planned\""), std::string::npos);
+  EXPECT_NE(events.find("\"kind\":\"joined\",\"worker\":\"c\""), std::string::npos);
 }
 
 TEST_F(JobControllerTest, AFailedStateWriteIsRetriedWithTheNextState) {

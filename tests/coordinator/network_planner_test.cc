@@ -274,6 +274,16 @@ TEST(NetworkPlannerTest, ASpareReplicatesTheBottleneckStageOnlyWhereItPays) {
   ASSERT_TRUE(ScorePlan(in, &rescored).ok());
   EXPECT_DOUBLE_EQ(rescored.time_per_sample_s, replicated->time_per_sample_s);
 
+  // A spare that may not replicate (a demoted straggler) stays a spare.
+  const int spare = replicated->stages[1].replicas[0];
+  in.workers[spare].may_replicate = false;
+  absl::StatusOr<PipelinePlan> barred = MakeNetworkPlanner()->Plan(in);
+  ASSERT_TRUE(barred.ok());
+  for (const PlannedStageInfo& stage : barred->stages) {
+    for (int r : stage.replicas) EXPECT_NE(r, spare) << ExplainPlan(in, *barred);
+  }
+  in.workers[spare].may_replicate = true;
+
   // Heavy weights over slow links: averaging them would cost more than the
   // replica gains, so the spare stays a spare.
   for (PlannerLayer& layer : in.layers) layer.parameter_bytes = 1000000000;

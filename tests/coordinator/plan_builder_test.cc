@@ -82,16 +82,48 @@ TEST(PlanBuilderTest, PerLinkCodecsAreTheLadderUpToTheJobsCodecs) {
   EXPECT_EQ(names(in), (std::vector<std::string>{"none", "fp16", "int8"}));
   EXPECT_GT(in.codecs[0].ratio, in.codecs[1].ratio);
   EXPECT_GT(in.codecs[1].ratio, in.codecs[2].ratio);
-  // Gradients compressed, activations not: a link sends as much as its
-  // less compressed direction, so no step of the ladder shrinks it.
+  // Gradients compressed, activations not: each step still shrinks what
+  // the link carries (the mean of its two directions).
   job->set_activation_codec(v1::CODEC_NONE);
   in = PlannerInputFor(*job, workers, CodecChoice::kPerLink);
   EXPECT_EQ(names(in), (std::vector<std::string>{"none", "none/fp16", "none/int8"}));
-  for (const CodecCost& c : in.codecs) EXPECT_EQ(c.ratio, 1.0);
+  EXPECT_DOUBLE_EQ(in.codecs[0].ratio, 1.0);
+  EXPECT_GT(in.codecs[0].ratio, in.codecs[1].ratio);
+  EXPECT_GT(in.codecs[1].ratio, in.codecs[2].ratio);
+  EXPECT_GT(in.codecs[2].ratio, 0.5);  // the activations still go raw
   // The job's defaults (none both ways): nothing to choose.
   job->set_gradient_codec(v1::CODEC_NONE);
   EXPECT_EQ(names(PlannerInputFor(*job, workers, CodecChoice::kPerLink)),
             std::vector<std::string>{"none"});
+}
+
+TEST(PlanBuilderTest, OnlyGradientsCompressedStillCompressTheSlowLink) {
+  // Activations raw, gradients int8: a slow link gets the ladder's int8
+  // step (none one way, int8 the other), a fast one none at all.
+  auto job = ParseJobSpec("gpt { context: 64 d_model: 64 heads: 2 blocks: 2 } text {} steps: 3 "
+                          "gradient_codec: CODEC_INT8 microbatch_size: 8",
+                          "test");
+  ASSERT_TRUE(job.ok()) << job.status();
+  std::vector<WorkerRecord> workers(2);
+  for (int i = 0; i < 2; ++i) {
+    workers[i].id = "w" + std::to_string(i);
+    workers[i].device.set_matmul_gflops(10);
+    workers[i].layer_seconds_per_sample = {{"embed", 1e-4}, {"block", 0.08}, {"head", 1e-3}};
+  }
+  // 16 KiB of activations per sample; a stage takes about 81 ms a sample.
+  // At 1.1 Mb/s raw they would take 119 ms, with the fp16 step (a mean of
+  // 0.75) 89 ms, with the int8 step 75 ms: only int8 keeps up.
+  PlannerInput in = PlannerInputFor(*job, workers, CodecChoice::kPerLink);
+  in.max_stages = 2;
+  auto link_codec = [&](double rate_bps) {
+    in.links.assign(4, {0.001, rate_bps});
+    absl::StatusOr<PipelinePlan> plan = MakeNetworkPlanner()->Plan(in);
+    EXPECT_TRUE(plan.ok()) << plan.status();
+    if (!plan.ok() || plan->stages.size() != 2) return v1::CODEC_UNSPECIFIED;
+    return PlanProtoFor(*plan, in, workers).stages(0).link_codec();
+  };
+  EXPECT_EQ(link_codec(10e9), v1::CODEC_NONE);
+  EXPECT_EQ(link_codec(1.1e6), v1::CODEC_INT8);
 }
 
 TEST(PlanBuilderTest, TheNetworkPlansCodecsAndWindowTravelWithThePlan) {
@@ -159,6 +191,20 @@ TEST(PlanBuilderTest, AReplanComparisonRescoresTheCurrentPlanAndCostsTheMove) {
   compared = CompareForReplan(*job, in, workers, current, best, checkpointed, /*step=*/11);
   ASSERT_TRUE(compared.ok());
   EXPECT_FALSE(compared->candidate.state_fresh);
+  // A new replica receives its stage's state too: w1 replicating layer 1
+  // doubles the move.
+  PipelinePlan replicated = best;
+  replicated.stages[1].replicas = {1};
+  ASSERT_TRUE(ScorePlan(in, &replicated).ok());
+  compared = CompareForReplan(*job, in, workers, current, replicated, checkpointed, 10);
+  ASSERT_TRUE(compared.ok());
+  EXPECT_DOUBLE_EQ(compared->candidate.move_bytes, profile[1].parameter_count * 24.0);
+  // A worker that holds a layer as a replica now moves nothing to keep it.
+  current.mutable_stages(0)->add_replicas()->set_worker_id("w2");
+  compared = CompareForReplan(*job, in, workers, current, best, checkpointed, 10);
+  ASSERT_TRUE(compared.ok());
+  EXPECT_DOUBLE_EQ(compared->candidate.move_bytes, 0);
+  current.mutable_stages(0)->clear_replicas();
   // A worker of the current plan that is no candidate any more: a failure,
   // not a voluntary move.
   current.mutable_stages(1)->set_worker_id("gone");

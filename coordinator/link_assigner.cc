@@ -1,0 +1,56 @@
+#include "coordinator/link_assigner.h"
+
+#include <map>
+
+#include "absl/random/random.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/plan_util.h"
+
+namespace geotrain {
+
+void AssignLinks(const LinkAssignerInput& input, v1::Plan* plan) {
+  plan->clear_links();
+  std::map<std::string, int> relay_load;
+  absl::BitGen random;
+  for (int k = 0; k + 1 < plan->stages_size(); ++k) {
+    for (const StageWorker& up : WorkersOf(plan->stages(k))) {
+      for (const StageWorker& down : WorkersOf(plan->stages(k + 1))) {
+        v1::PlannedLink* link = plan->add_links();
+        link->set_upstream_worker(up.id);
+        link->set_downstream_worker(down.id);
+        if (input.reachable(down.id)) {
+          link->set_dialer(v1::LINK_DIALER_UPSTREAM);
+          continue;
+        }
+        if (input.reachable(up.id)) {
+          link->set_dialer(v1::LINK_DIALER_DOWNSTREAM);
+          link->set_reason(absl::StrCat(input.name_of(down.id), " is not reachable: it dials"));
+          continue;
+        }
+        if (input.relays.empty()) {
+          link->set_dialer(v1::LINK_DIALER_NONE);
+          link->set_reason(absl::StrCat(
+              "neither ", input.name_of(up.id), " nor ", input.name_of(down.id),
+              " is reachable and no relay is live: start geotrain-relay on a reachable host, "
+              "or make one of them reachable (forward its port, or set --advertise)"));
+          continue;
+        }
+        const WorkerRecord* best = &input.relays[0];
+        for (const WorkerRecord& r : input.relays) {
+          if (relay_load[r.id] < relay_load[best->id]) best = &r;
+        }
+        ++relay_load[best->id];
+        link->set_dialer(v1::LINK_DIALER_RELAY);
+        link->set_relay_worker(best->id);
+        link->set_relay_address(best->address);
+        link->set_rendezvous(absl::StrFormat("%016x%016x", absl::Uniform<uint64_t>(random),
+                                             absl::Uniform<uint64_t>(random)));
+        link->set_reason(absl::StrCat("neither ", input.name_of(up.id), " nor ",
+                                      input.name_of(down.id), " is reachable"));
+      }
+    }
+  }
+}
+
+}  // namespace geotrain
