@@ -194,8 +194,13 @@ class ReplicaTest(unittest.TestCase):
         with Cluster(job_path("gpt-replicas.textproto"),
                      ["--steps=100000", "--planner=network"]) as c:
             c.start_coordinator()
+            # One at a time: four layer benchmarks at once on 2 cores time
+            # contention, not layers (one run measured the embedding as
+            # slow as a block, which makes a replica pay nothing).
             for i in range(4):
-                c.start_worker(f"w{i}")
+                worker = c.start_worker(f"w{i}")
+                wait_for(lambda: "layer timings" in worker.log(), 60, f"w{i}'s layer timings")
+                print(next(l for l in worker.log().splitlines() if "layer timings" in l))
             try:
                 status = wait_for(lambda: (lambda s: s if s["state"] == "training" else None)(
                     c.status()), 90, "a plan")
