@@ -35,6 +35,7 @@ constexpr uint64_t kMaxJobFileBytes = 1 << 20;
 constexpr int kMaxContext = 1 << 16;
 constexpr int kMaxWidth = 1 << 16;
 constexpr int kMaxBlocks = 1024;
+constexpr int kMaxVocab = 1 << 20;
 constexpr int kMaxSteps = 100000000;
 constexpr int kMaxEvalBatches = 100000;
 
@@ -74,6 +75,21 @@ void ApplyJobDefaults(v1::JobSpec* job) {
     v1::GptModel* gpt = job->mutable_gpt();
     if (gpt->mlp_ratio() == 0) gpt->set_mlp_ratio(4);
   }
+  if (job->has_llama()) {
+    v1::LlamaModel* llama = job->mutable_llama();
+    if (llama->kv_heads() == 0) llama->set_kv_heads(llama->heads());
+    if (llama->vocab() == 0) llama->set_vocab(256);
+    if (llama->rope_theta() == 0) llama->set_rope_theta(10000);
+    if (llama->rms_norm_eps() == 0) llama->set_rms_norm_eps(1e-6);
+    if (llama->intermediate() == 0 && llama->d_model() > 0 && llama->d_model() <= kMaxWidth) {
+      // LLaMA's 2/3 of 4 d_model, rounded up to a multiple of 64.
+      const int64_t hidden = (int64_t{8} * llama->d_model() + 2) / 3;
+      llama->set_intermediate(static_cast<int>((hidden + 63) / 64 * 64));
+    }
+  }
+  if (job->has_tokens() && job->tokens().dtype() == v1::TokenData::TOKEN_DTYPE_UNSPECIFIED) {
+    job->mutable_tokens()->set_dtype(v1::TokenData::UINT16);
+  }
   if (job->has_text()) {
     v1::TextData* text = job->mutable_text();
     if (text->paths().empty()) text->add_paths("/usr/share/games/fortunes");
@@ -86,10 +102,10 @@ void ApplyJobDefaults(v1::JobSpec* job) {
 
 absl::Status ValidateJobSpec(const v1::JobSpec& job) {
   if (job.model_case() == v1::JobSpec::MODEL_NOT_SET) {
-    return Invalid("no model: set `gpt { ... }` or `mlp { ... }`");
+    return Invalid("no model: set `gpt { ... }`, `llama { ... }` or `mlp { ... }`");
   }
   if (job.data_case() == v1::JobSpec::DATA_NOT_SET) {
-    return Invalid("no data: set `text { ... }` or `fashion_mnist { ... }`");
+    return Invalid("no data: set `text { ... }`, `tokens { ... }` or `fashion_mnist { ... }`");
   }
   if (job.has_gpt()) {
     const v1::GptModel& gpt = job.gpt();
@@ -110,8 +126,63 @@ absl::Status ValidateJobSpec(const v1::JobSpec& job) {
                                   kMaxWidth, ", heads at most 1024, blocks at most ", kMaxBlocks,
                                   ", mlp_ratio at most 64"));
     }
-    if (!job.has_text()) {
-      return Invalid("a gpt model trains on `text` data");
+    if (!job.has_text() && !job.has_tokens()) {
+      return Invalid("a gpt model trains on `text` or `tokens` data");
+    }
+  }
+  if (job.has_llama()) {
+    const v1::LlamaModel& m = job.llama();
+    if (m.context() <= 0 || m.d_model() <= 0 || m.heads() <= 0 || m.blocks() <= 0 ||
+        m.kv_heads() <= 0 || m.intermediate() <= 0 || m.vocab() <= 1) {
+      return Invalid(
+          "llama: context, d_model, heads, kv_heads, blocks and intermediate must be positive, "
+          "vocab at least 2");
+    }
+    if (m.context() > kMaxContext || m.d_model() > kMaxWidth || m.heads() > 1024 ||
+        m.blocks() > kMaxBlocks || m.intermediate() > 4 * kMaxWidth || m.vocab() > kMaxVocab) {
+      return Invalid(absl::StrCat("llama: context at most ", kMaxContext, ", d_model at most ",
+                                  kMaxWidth, ", heads at most 1024, blocks at most ", kMaxBlocks,
+                                  ", intermediate at most ", 4 * kMaxWidth, ", vocab at most ",
+                                  kMaxVocab));
+    }
+    if (m.d_model() % m.heads() != 0 || (m.d_model() / m.heads()) % 2 != 0) {
+      return Invalid(absl::StrCat("llama: d_model (", m.d_model(), ") / heads (", m.heads(),
+                                  ") must be a whole, even head size (rotary positions "
+                                  "rotate pairs)"));
+    }
+    if (m.heads() % m.kv_heads() != 0) {
+      return Invalid(absl::StrCat("llama: kv_heads (", m.kv_heads(), ") must divide heads (",
+                                  m.heads(), ")"));
+    }
+    if (!(m.rope_theta() > 1) || !(m.rms_norm_eps() > 0 && m.rms_norm_eps() < 1)) {
+      return Invalid("llama: rope_theta must be > 1 and rms_norm_eps in (0, 1)");
+    }
+    if (m.tie_embeddings()) {
+      return Invalid(
+          "llama: tie_embeddings is not supported yet (the embedding and the head are on "
+          "different stages); leave it false");
+    }
+    if (!job.has_text() && !job.has_tokens()) {
+      return Invalid("a llama model trains on `text` or `tokens` data");
+    }
+    if (job.has_text() && m.vocab() < 256) {
+      return Invalid(absl::StrCat("llama: `text` data is bytes, so vocab must be at least 256 "
+                                  "(it is ", m.vocab(), ")"));
+    }
+  }
+  if (job.has_tokens()) {
+    const v1::TokenData& tokens = job.tokens();
+    if (tokens.train().empty() || tokens.validation().empty()) {
+      return Invalid("tokens: set `train` and `validation` (token files)");
+    }
+    if (tokens.train().size() > 4096 || tokens.validation().size() > 4096) {
+      return Invalid("tokens: paths at most 4096 bytes");
+    }
+    if (!v1::TokenData::TokenDType_IsValid(tokens.dtype())) {
+      return Invalid("tokens: dtype is UINT16 or UINT32");
+    }
+    if (!job.has_gpt() && !job.has_llama()) {
+      return Invalid("`tokens` data is for a gpt or llama model");
     }
   }
   if (job.has_mlp()) {
@@ -223,6 +294,9 @@ absl::Status ValidateJobSpec(const v1::JobSpec& job) {
   if (job.has_gpt()) {
     widest = int64_t{job.gpt().context()} *
              std::max<int64_t>(int64_t{job.gpt().d_model()} * job.gpt().mlp_ratio(), 256);
+  } else if (job.has_llama()) {
+    widest = int64_t{job.llama().context()} *
+             std::max<int64_t>(job.llama().intermediate(), job.llama().vocab());
   } else if (job.has_mlp()) {
     widest = 784;
     for (int width : job.mlp().hidden()) widest = std::max<int64_t>(widest, width);

@@ -12,8 +12,29 @@ constexpr uint64_t kBytesPerTrainedParameter = 16;
 
 }  // namespace
 
+bool IsLanguageModel(const v1::JobSpec& job) { return job.has_gpt() || job.has_llama(); }
+
+int ContextOf(const v1::JobSpec& job) {
+  if (job.has_gpt()) return job.gpt().context();
+  if (job.has_llama()) return job.llama().context();
+  return 0;
+}
+
+int DModelOf(const v1::JobSpec& job) {
+  if (job.has_gpt()) return job.gpt().d_model();
+  if (job.has_llama()) return job.llama().d_model();
+  return 0;
+}
+
+int64_t VocabOf(const v1::JobSpec& job) {
+  if (job.has_gpt()) return kByteVocab;
+  if (job.has_llama()) return job.llama().vocab() > 0 ? job.llama().vocab() : kByteVocab;
+  return 0;
+}
+
 int NumLayers(const v1::JobSpec& job) {
   if (job.has_gpt()) return job.gpt().blocks() + 2;  // embed, blocks, head
+  if (job.has_llama()) return job.llama().blocks() + 2;
   if (job.has_mlp()) return job.mlp().hidden_size() + 1;
   return 0;
 }
@@ -52,6 +73,36 @@ std::vector<LayerProfile> ProfileLayers(const v1::JobSpec& job) {
     head.training_bytes = head.parameter_count * kBytesPerTrainedParameter +
                           static_cast<uint64_t>(batch * t * kByteVocab * 4 * 2);
     layers.push_back(head);
+  } else if (job.has_llama()) {
+    const v1::LlamaModel& m = job.llama();
+    const double t = m.context(), d = m.d_model(), v = static_cast<double>(VocabOf(job));
+    const double kv = d / m.heads() * m.kv_heads();  // width of k and of v
+    const double hidden = m.intermediate();
+    LayerProfile embed;
+    embed.kind = "embed";
+    embed.parameter_count = static_cast<uint64_t>(v * d);
+    embed.flops_per_sample = t * d;  // lookups only
+    embed.training_bytes = embed.parameter_count * kBytesPerTrainedParameter +
+                           static_cast<uint64_t>(batch * t * d * 4);
+    layers.push_back(embed);
+    LayerProfile block;
+    block.kind = "block";
+    // Two RMSNorms (d each), q and o (d^2 each), k and v (d kv each), gate,
+    // up and down (d h each); no biases. Exact.
+    const double matmul_parameters = 2 * d * d + 2 * d * kv + 3 * d * hidden;
+    block.parameter_count = static_cast<uint64_t>(matmul_parameters + 2 * d);
+    block.flops_per_sample = 6 * t * matmul_parameters + 3 * 2 * 2 * t * t * d;
+    block.training_bytes =
+        block.parameter_count * kBytesPerTrainedParameter +
+        static_cast<uint64_t>(batch * t * (10 * d + 4 * hidden + m.heads() * t) * 4);
+    for (int i = 0; i < m.blocks(); ++i) layers.push_back(block);
+    LayerProfile head;
+    head.kind = "head";
+    head.parameter_count = static_cast<uint64_t>(d + d * v);
+    head.flops_per_sample = 6 * t * d * v;
+    head.training_bytes = head.parameter_count * kBytesPerTrainedParameter +
+                          static_cast<uint64_t>(batch * t * v * 4 * 2);
+    layers.push_back(head);
   } else if (job.has_mlp()) {
     int in = kFashionPixels;
     for (int i = 0; i <= job.mlp().hidden_size(); ++i) {
@@ -73,12 +124,12 @@ std::vector<LayerProfile> ProfileLayers(const v1::JobSpec& job) {
 
 TensorSpec LayerInputSpec(const v1::JobSpec& job, int layer, int64_t batch) {
   TensorSpec spec;
-  if (job.has_gpt()) {
+  if (IsLanguageModel(job)) {
     if (layer == 0) {
-      spec.shape = {batch, job.gpt().context()};
+      spec.shape = {batch, ContextOf(job)};
       spec.dtype = v1::DTYPE_INT64;
     } else {
-      spec.shape = {batch, job.gpt().context(), job.gpt().d_model()};
+      spec.shape = {batch, ContextOf(job), DModelOf(job)};
     }
   } else if (job.has_mlp()) {
     const int width = layer == 0 ? kFashionPixels : job.mlp().hidden(layer - 1);
@@ -88,14 +139,14 @@ TensorSpec LayerInputSpec(const v1::JobSpec& job, int layer, int64_t batch) {
 }
 
 int64_t NumTargetClasses(const v1::JobSpec& job) {
-  return job.has_gpt() ? kByteVocab : kFashionClasses;
+  return IsLanguageModel(job) ? VocabOf(job) : kFashionClasses;
 }
 
 TensorSpec TargetSpec(const v1::JobSpec& job, int64_t batch) {
   TensorSpec spec;
   spec.dtype = v1::DTYPE_INT64;
-  if (job.has_gpt()) {
-    spec.shape = {batch, job.gpt().context()};
+  if (IsLanguageModel(job)) {
+    spec.shape = {batch, ContextOf(job)};
   } else {
     spec.shape = {batch};
   }

@@ -15,7 +15,7 @@ namespace geotrain {
 
 struct LayerProfile {
   // What a worker benchmarks per layer kind: "embed", "block", "head"
-  // (GPT), "linear" (MLP).
+  // (GPT, LLaMA), "linear" (MLP).
   std::string kind;
   double flops_per_sample = 0;  // forward + backward
   uint64_t parameter_count = 0;
@@ -28,6 +28,12 @@ struct TensorSpec {
   std::vector<int64_t> shape;  // dimension 0 is the microbatch size
   v1::DType dtype = v1::DTYPE_FLOAT32;
 };
+
+// A model over token sequences (gpt or llama): the figures they share.
+bool IsLanguageModel(const v1::JobSpec& job);
+int ContextOf(const v1::JobSpec& job);   // tokens per sample; 0 for the MLP
+int DModelOf(const v1::JobSpec& job);    // width of the activations; 0 for the MLP
+int64_t VocabOf(const v1::JobSpec& job); // token ids are in [0, VocabOf); 0 for the MLP
 
 int NumLayers(const v1::JobSpec& job);
 std::vector<LayerProfile> ProfileLayers(const v1::JobSpec& job);

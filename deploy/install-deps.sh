@@ -13,7 +13,8 @@ PACKAGES=(
   libssl-dev                # keys, CSRs and certificates of the cluster CA
   nftables                  # the network lab (deploy/net-lab): namespaces, veth, tbf, NAT
   clang-14 libclang-rt-14-dev  # libFuzzer (tests/fuzz)
-  fortunes                  # text corpus for the byte-level GPT
+  fortunes                  # text corpus for the byte-level GPT and the token files
+  python3-sentencepiece     # deploy/tokenize.py: a real tokenizer for token-file datasets
   dataset-fashion-mnist     # idx files for the MLP
   procps iproute2 python3 python3-venv
 )

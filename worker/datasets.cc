@@ -11,6 +11,8 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "common/model_profile.h"
+#include "common/token_file.h"
 
 namespace geotrain {
 namespace {
@@ -30,7 +32,7 @@ class TextDataset : public Dataset {
   TextDataset(const v1::JobSpec& job, std::string text)
       : seed_(job.seed()),
         batch_(job.microbatch_size()),
-        context_(job.gpt().context()),
+        context_(ContextOf(job)),
         eval_batches_(job.eval_batches()) {
     const int64_t total = static_cast<int64_t>(text.size());
     const int64_t val = static_cast<int64_t>(total * job.text().validation_fraction());
@@ -64,6 +66,44 @@ class TextDataset : public Dataset {
   uint64_t seed_;
   int64_t batch_, context_, eval_batches_;
   torch::Tensor bytes_, train_, val_;
+};
+
+// Token files (TokenFile: mapped, ids checked at open): windows of
+// `context` + 1 tokens at offsets drawn from (seed, index), targets shifted
+// by one, as for text.
+class TokenDataset : public Dataset {
+ public:
+  TokenDataset(const v1::JobSpec& job, TokenFile train, TokenFile validation)
+      : seed_(job.seed()),
+        batch_(job.microbatch_size()),
+        context_(ContextOf(job)),
+        eval_batches_(job.eval_batches()),
+        train_(std::move(train)),
+        validation_(std::move(validation)) {}
+
+  Batch TrainMicrobatch(int64_t index) override {
+    return Windows(train_, MixSeed(seed_, 1, index));
+  }
+  Batch EvalMicrobatch(int64_t index) override {
+    return Windows(validation_, MixSeed(seed_, 2, index));
+  }
+  int64_t num_eval_microbatches() const override { return eval_batches_; }
+
+ private:
+  Batch Windows(const TokenFile& source, uint64_t seed) const {
+    std::mt19937_64 rng(seed);
+    const uint64_t span = static_cast<uint64_t>(source.size() - context_ - 1) + 1;
+    torch::Tensor all = torch::empty({batch_, context_ + 1}, torch::kInt64);
+    int64_t* out = all.data_ptr<int64_t>();
+    for (int64_t b = 0; b < batch_; ++b) {
+      source.Copy(static_cast<int64_t>(rng() % span), context_ + 1, out + b * (context_ + 1));
+    }
+    return {all.slice(1, 0, context_).contiguous(), all.slice(1, 1, context_ + 1).contiguous()};
+  }
+
+  uint64_t seed_;
+  int64_t batch_, context_, eval_batches_;
+  TokenFile train_, validation_;
 };
 
 // Fashion-MNIST: 60k training and 10k test images of 28x28, 10 classes.
@@ -201,14 +241,28 @@ absl::StatusOr<std::string> ReadCorpus(const v1::TextData& text) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Dataset>> OpenDataset(const v1::JobSpec& job) {
+  if (job.has_tokens()) {
+    const v1::TokenData& tokens = job.tokens();
+    const int width = tokens.dtype() == v1::TokenData::UINT32 ? 4 : 2;
+    // A window is context + 1 tokens.
+    const int64_t min_tokens = int64_t{ContextOf(job)} + 1;
+    absl::StatusOr<TokenFile> train =
+        TokenFile::Open(tokens.train(), width, VocabOf(job), min_tokens);
+    if (!train.ok()) return train.status();
+    absl::StatusOr<TokenFile> validation =
+        TokenFile::Open(tokens.validation(), width, VocabOf(job), min_tokens);
+    if (!validation.ok()) return validation.status();
+    return std::unique_ptr<Dataset>(
+        new TokenDataset(job, *std::move(train), *std::move(validation)));
+  }
   if (job.has_text()) {
     absl::StatusOr<std::string> corpus = ReadCorpus(job.text());
     if (!corpus.ok()) return corpus.status();
-    const double needed = (job.gpt().context() + 2) / job.text().validation_fraction();
+    const double needed = (ContextOf(job) + 2) / job.text().validation_fraction();
     if (corpus->size() < needed) {
       return absl::FailedPreconditionError(absl::StrCat(
           "text corpus of ", corpus->size(), " bytes is too small for context ",
-          job.gpt().context()));
+          ContextOf(job)));
     }
     return std::unique_ptr<Dataset>(new TextDataset(job, *std::move(corpus)));
   }

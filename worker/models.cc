@@ -1,11 +1,17 @@
 #include "worker/models.h"
 
+#include <torch/version.h>
+
 #include <cmath>
+#include <limits>
+#include <string>
+
+#include "common/model_profile.h"
 
 namespace geotrain {
 namespace {
 
-constexpr int64_t kVocab = 256;
+constexpr int64_t kVocab = 256;  // the GPT's bytes
 constexpr int64_t kPixels = 28 * 28;
 constexpr int64_t kClasses = 10;
 
@@ -96,6 +102,165 @@ class GptHead : public Layer {
   size_t norm_w_, norm_b_, out_w_, out_b_;
 };
 
+// A LLaMA parameter group named as in Hugging Face's LlamaForCausalLM
+// ("self_attn" holding "q_proj", ...): names only, no forward of its own.
+class Group : public torch::nn::Module {};
+
+torch::nn::Linear Projection(int64_t in, int64_t out) {
+  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+}
+
+// LLaMA's initialisation: every matrix N(0, 0.02), norms 1.
+void InitLlamaWeights(torch::nn::Module& layer) {
+  torch::NoGradGuard no_grad;
+  for (auto& named : layer.named_parameters()) {
+    if (named.key().find("norm") != std::string::npos) {
+      named.value().fill_(1.0);
+    } else {
+      named.value().normal_(0.0, 0.02);
+    }
+  }
+}
+
+torch::Tensor RmsNorm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  return weight * (x * torch::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps));
+}
+
+class LlamaEmbedding : public Layer {
+ public:
+  LlamaEmbedding(int64_t vocab, int64_t d_model) {
+    auto embed = register_module("embed_tokens", std::make_shared<Group>());
+    embed->register_parameter("weight", torch::empty({vocab, d_model}));
+    InitLlamaWeights(*this);
+    weight_ = IndexOf("embed_tokens.weight");
+  }
+  torch::Tensor Forward(const torch::Tensor& tokens,
+                        at::ArrayRef<torch::Tensor> p) const override {
+    return torch::embedding(p[weight_], tokens);
+  }
+
+ private:
+  size_t weight_;
+};
+
+// One decoder block: x + attn(norm(x)), then + mlp(norm(.)). Attention is
+// causal with rotary positions (Hugging Face's rotate-half layout) and
+// kv_heads key/value heads shared by heads / kv_heads query heads each.
+class LlamaBlock : public Layer {
+ public:
+  explicit LlamaBlock(const v1::LlamaModel& m)
+      : width_(m.d_model()),
+        heads_(m.heads()),
+        kv_heads_(m.kv_heads()),
+        head_dim_(m.d_model() / m.heads()),
+        eps_(m.rms_norm_eps()) {
+    const int64_t d = width_, kv = kv_heads_ * head_dim_, hidden = m.intermediate();
+    register_module("input_layernorm", std::make_shared<Group>())
+        ->register_parameter("weight", torch::empty({d}));
+    auto attn = register_module("self_attn", std::make_shared<Group>());
+    attn->register_module("q_proj", Projection(d, d));
+    attn->register_module("k_proj", Projection(d, kv));
+    attn->register_module("v_proj", Projection(d, kv));
+    attn->register_module("o_proj", Projection(d, d));
+    register_module("post_attention_layernorm", std::make_shared<Group>())
+        ->register_parameter("weight", torch::empty({d}));
+    auto mlp = register_module("mlp", std::make_shared<Group>());
+    mlp->register_module("gate_proj", Projection(d, hidden));
+    mlp->register_module("up_proj", Projection(d, hidden));
+    mlp->register_module("down_proj", Projection(hidden, d));
+    InitLlamaWeights(*this);
+    for (const char* name :
+         {"input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+          "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
+          "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"}) {
+      index_.push_back(IndexOf(name));
+    }
+    // cos and sin of each position's angles, [context, head_dim]: the
+    // frequencies theta^(-2i/head_dim), each twice (rotate-half layout).
+    const torch::Tensor inv_freq =
+        1.0 / torch::pow(m.rope_theta(),
+                         torch::arange(0, head_dim_, 2, torch::kInt64).to(torch::kFloat) /
+                             static_cast<double>(head_dim_));
+    const torch::Tensor positions = torch::arange(m.context(), torch::kInt64).to(torch::kFloat);
+    const torch::Tensor angles = torch::outer(positions, inv_freq);
+    const torch::Tensor both = torch::cat({angles, angles}, -1);
+    cos_ = register_buffer("rope_cos", both.cos());
+    sin_ = register_buffer("rope_sin", both.sin());
+  }
+
+  torch::Tensor Forward(const torch::Tensor& x, at::ArrayRef<torch::Tensor> p) const override {
+    enum { kInNorm, kQ, kK, kV, kO, kPostNorm, kGate, kUp, kDown };
+    auto w = [&](int i) { return p[index_[i]]; };
+    const int64_t batch = x.size(0), time = x.size(1);
+    const torch::Tensor cos = cos_.slice(0, 0, time), sin = sin_.slice(0, 0, time);
+    auto rotate = [&](const torch::Tensor& t) {  // [batch, heads, time, head_dim]
+      const torch::Tensor first = t.slice(-1, 0, head_dim_ / 2);
+      const torch::Tensor second = t.slice(-1, head_dim_ / 2, head_dim_);
+      return t * cos + torch::cat({-second, first}, -1) * sin;
+    };
+    const torch::Tensor h = RmsNorm(x, w(kInNorm), eps_);
+    torch::Tensor q = torch::linear(h, w(kQ)).view({batch, time, heads_, head_dim_}).transpose(1, 2);
+    torch::Tensor k =
+        torch::linear(h, w(kK)).view({batch, time, kv_heads_, head_dim_}).transpose(1, 2);
+    torch::Tensor v =
+        torch::linear(h, w(kV)).view({batch, time, kv_heads_, head_dim_}).transpose(1, 2);
+    q = rotate(q);
+    k = rotate(k);
+    if (kv_heads_ < heads_) {  // each key/value head serves heads / kv_heads query heads
+      k = k.repeat_interleave(heads_ / kv_heads_, 1);
+      v = v.repeat_interleave(heads_ / kv_heads_, 1);
+    }
+    const torch::Tensor mixed =
+        Attention(q, k, v).transpose(1, 2).reshape({batch, time, width_});
+    const torch::Tensor y = x + torch::linear(mixed, w(kO));
+    const torch::Tensor m = RmsNorm(y, w(kPostNorm), eps_);
+    return y + torch::linear(torch::silu(torch::linear(m, w(kGate))) * torch::linear(m, w(kUp)),
+                             w(kDown));
+  }
+
+ private:
+  // Causal softmax(q k^T / sqrt(head_dim)) v.
+  torch::Tensor Attention(const torch::Tensor& q, const torch::Tensor& k,
+                          const torch::Tensor& v) const {
+#if TORCH_VERSION_MAJOR >= 2
+    return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
+                                            /*is_causal=*/true);
+#else
+    const int64_t time = q.size(2);
+    torch::Tensor scores =
+        torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim_));
+    scores = scores.masked_fill(torch::ones({time, time}, q.options()).triu(1).to(torch::kBool),
+                                -std::numeric_limits<float>::infinity());
+    return torch::matmul(torch::softmax(scores, -1), v);
+#endif
+  }
+
+  int64_t width_, heads_, kv_heads_, head_dim_;
+  double eps_;
+  std::vector<size_t> index_;
+  torch::Tensor cos_, sin_;
+};
+
+class LlamaHead : public Layer {
+ public:
+  LlamaHead(int64_t d_model, int64_t vocab, double eps) : eps_(eps) {
+    register_module("norm", std::make_shared<Group>())
+        ->register_parameter("weight", torch::empty({d_model}));
+    register_module("lm_head", std::make_shared<Group>())
+        ->register_parameter("weight", torch::empty({vocab, d_model}));
+    InitLlamaWeights(*this);
+    norm_ = IndexOf("norm.weight");
+    out_ = IndexOf("lm_head.weight");
+  }
+  torch::Tensor Forward(const torch::Tensor& x, at::ArrayRef<torch::Tensor> p) const override {
+    return torch::linear(RmsNorm(x, p[norm_], eps_), p[out_]);
+  }
+
+ private:
+  double eps_;
+  size_t norm_, out_;
+};
+
 class DenseLayer : public Layer {
  public:
   DenseLayer(int64_t in, int64_t out, bool relu) : relu_(relu) {
@@ -131,6 +296,14 @@ std::shared_ptr<Layer> BuildLayer(const v1::JobSpec& job, int index) {
     return std::make_shared<GptBlock>(g.context(), g.d_model(), g.heads(),
                                       g.mlp_ratio());
   }
+  if (job.has_llama()) {
+    const v1::LlamaModel& m = job.llama();
+    if (index == 0) return std::make_shared<LlamaEmbedding>(VocabOf(job), m.d_model());
+    if (index == m.blocks() + 1) {
+      return std::make_shared<LlamaHead>(m.d_model(), VocabOf(job), m.rms_norm_eps());
+    }
+    return std::make_shared<LlamaBlock>(m);
+  }
   const auto& hidden = job.mlp().hidden();
   const int64_t in = index == 0 ? kPixels : hidden[index - 1];
   const bool last = index == hidden.size();
@@ -156,8 +329,8 @@ std::vector<std::shared_ptr<Layer>> BuildLayers(const v1::JobSpec& job,
 
 torch::Tensor ComputeLoss(const v1::JobSpec& job, const torch::Tensor& output,
                           const torch::Tensor& targets) {
-  if (job.has_gpt()) {
-    return torch::nn::functional::cross_entropy(output.reshape({-1, kVocab}),
+  if (IsLanguageModel(job)) {
+    return torch::nn::functional::cross_entropy(output.reshape({-1, VocabOf(job)}),
                                                 targets.reshape({-1}));
   }
   return torch::nn::functional::cross_entropy(output, targets);
@@ -170,7 +343,7 @@ torch::Tensor CountCorrect(const v1::JobSpec& job, const torch::Tensor& output,
 }
 
 int64_t LossElements(const v1::JobSpec& job, int64_t batch) {
-  return job.has_gpt() ? batch * job.gpt().context() : batch;
+  return IsLanguageModel(job) ? batch * ContextOf(job) : batch;
 }
 
 }  // namespace geotrain

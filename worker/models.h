@@ -1,5 +1,9 @@
 // The models geotrain trains, as lists of partitioning units ("layers"):
 //   GPT: byte embedding (+ positions), N transformer blocks, final norm + head.
+//   LLaMA: token embedding, N decoder blocks (RMSNorm, rotary positions,
+//     grouped-query attention, SwiGLU), final RMSNorm + head; parameters
+//     named as in Hugging Face's LlamaForCausalLM, without the "model." and
+//     "model.layers.<i>." prefixes.
 //   MLP: one Linear(+ReLU) per layer, for Fashion-MNIST.
 // Layer i is initialised from (job seed, i) alone, so any worker that builds
 // layer i gets the same weights. Includes LibTorch: only compute code uses it.

@@ -79,9 +79,24 @@ TEST(JobSpecTest, MissingFileIsNamed) {
 
 TEST(JobSpecTest, ShippedJobsAreValid) {
   for (const char* path : {"deploy/jobs/gpt-tiny.textproto", "deploy/jobs/fmnist-mlp.textproto",
-                           "deploy/jobs/gpt-replicas.textproto"}) {
+                           "deploy/jobs/gpt-replicas.textproto", "deploy/jobs/llama-tiny.textproto"}) {
     absl::StatusOr<v1::JobSpec> job = LoadJobSpec(std::string(GEOTRAIN_SOURCE_DIR) + "/" + path);
     EXPECT_TRUE(job.ok()) << path << ": " << job.status();
+  }
+}
+
+TEST(JobSpecTest, TokenFilesNeedALanguageModelAndBothFiles) {
+  auto job = ParseJobSpec(
+      "llama { context: 8 d_model: 16 heads: 2 blocks: 1 vocab: 1000 } "
+      "tokens { train: \"t.bin\" validation: \"v.bin\" } steps: 3", "job");
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->tokens().dtype(), v1::TokenData::UINT16);  // the default
+  for (const char* bad :
+       {"llama { context: 8 d_model: 16 heads: 2 blocks: 1 } tokens { train: \"t.bin\" }",
+        "mlp { hidden: 4 } tokens { train: \"t.bin\" validation: \"v.bin\" }"}) {
+    auto refused = ParseJobSpec(std::string(bad) + " steps: 3", "bad.job");
+    ASSERT_FALSE(refused.ok()) << bad;
+    EXPECT_NE(refused.status().message().find("tokens"), std::string::npos) << refused.status();
   }
 }
 

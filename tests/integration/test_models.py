@@ -1,0 +1,112 @@
+"""Models and data people use, with real processes: the LLaMA-family decoder
+and token-file datasets made by deploy/tokenize.py."""
+import array
+import math
+import os
+import subprocess
+import tempfile
+import unittest
+
+from cluster import SOURCE_DIR, Cluster, job_path, wait_for
+
+TOKENIZE = os.path.join(SOURCE_DIR, "deploy", "tokenize.py")
+# Debian's python, which has python3-sentencepiece (deploy/install-deps.sh).
+DEBIAN_PYTHON = "/usr/bin/python3"
+
+
+def tokenize_fortunes(out, vocab=1024):
+    done = subprocess.run([DEBIAN_PYTHON, TOKENIZE, f"--out={out}", f"--vocab={vocab}",
+                           "/usr/share/games/fortunes"],
+                          capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError(f"tokenize.py failed:\n{done.stdout}{done.stderr}")
+    return done.stdout
+
+
+def llama_tokens_job(path, train, val, vocab, steps, min_workers=2):
+    with open(path, "w") as f:
+        f.write(f"""
+name: "llama-tokens"
+llama {{ context: 32 d_model: 64 heads: 4 kv_heads: 2 blocks: 2 vocab: {vocab} }}
+tokens {{ train: "{train}" validation: "{val}" dtype: UINT16 }}
+optimizer {{ kind: KIND_ADAMW lr: 0.003 }}
+schedule: SCHEDULE_SYNC
+steps: {steps}
+microbatches: 2
+microbatch_size: 8
+seed: 4
+min_workers: {min_workers}
+eval_every: {steps}
+eval_batches: 4
+""")
+    return path
+
+
+class ModelsTest(unittest.TestCase):
+    def test_llama_sync_pipeline_matches_single_process(self):
+        """sync over 3 workers gives the same per-step losses as 1, for LLaMA."""
+        losses = {}
+        for workers in (1, 3):
+            with Cluster(job_path("llama-tiny.textproto"),
+                         ["--steps=8", f"--min_workers={workers}", "--seed=5"]) as c:
+                c.train(workers, timeout=300)
+                self.assertEqual(len(c.status()["workers"]), workers)
+                losses[workers] = [m["loss"] for m in c.steps()]
+        self.assertEqual(len(losses[1]), 8)
+        self.assertEqual(len(losses[3]), 8)
+        # Bytes at initialisation: near ln(256).
+        self.assertLess(abs(losses[1][0] - math.log(256)), 0.5, losses[1][0])
+        print("llama-tiny per-step losses, 1 worker vs 3 workers:")
+        for step, (one, three) in enumerate(zip(losses[1], losses[3]), start=1):
+            print(f"  step {step}: {one:.7f} {three:.7f}")
+            self.assertLessEqual(abs(one - three) / abs(one), 1e-4,
+                                 f"step {step}: 1 worker {one}, 3 workers {three}")
+        self.assertLess(losses[1][-1], losses[1][0])
+
+    def test_llama_trains_on_token_files(self):
+        with tempfile.TemporaryDirectory() as d:
+            print(tokenize_fortunes(os.path.join(d, "tok")).strip())
+            train = os.path.join(d, "tok", "train.bin")
+            val = os.path.join(d, "tok", "val.bin")
+            job = llama_tokens_job(os.path.join(d, "job.textproto"), train, val, 1024, 40)
+            with Cluster(job) as c:
+                c.train(2, timeout=300)
+                steps = c.steps()
+                evals = c.evals()
+            self.assertEqual(len(steps), 40)
+            # A 1024-token vocabulary at initialisation: near ln(1024).
+            self.assertLess(abs(steps[0]["loss"] - math.log(1024)), 0.5, steps[0]["loss"])
+            first = sum(s["loss"] for s in steps[:5]) / 5
+            last = sum(s["loss"] for s in steps[-5:]) / 5
+            print(f"llama on fortunes tokens: loss {first:.3f} -> {last:.3f} over 40 steps; "
+                  f"held-out {evals[-1]['val_loss'] if evals else None}")
+            # It learns: 40 steps took 0.8 nats off here.
+            self.assertLess(last, first - 0.5)
+            self.assertTrue(evals, "no evaluation on val.bin")
+            self.assertLess(evals[-1]["val_loss"], math.log(1024) - 0.5)
+
+    def test_out_of_range_token_ids_are_an_error_at_start_naming_the_file(self):
+        with tempfile.TemporaryDirectory() as d:
+            bad = os.path.join(d, "bad.bin")
+            ids = array.array("H", [i % 1000 for i in range(5000)])
+            ids[1234] = 4000  # past a vocabulary of 1024
+            with open(bad, "wb") as f:
+                ids.tofile(f)
+            good = os.path.join(d, "good.bin")
+            with open(good, "wb") as f:
+                array.array("H", [i % 1000 for i in range(5000)]).tofile(f)
+            job = llama_tokens_job(os.path.join(d, "job.textproto"), bad, good, 1024, 5,
+                                   min_workers=1)
+            with Cluster(job) as c:
+                c.start_coordinator()
+                worker = c.start_worker("w0")
+                wait_for(lambda: "out of range" in worker.log(), 60,
+                         "the worker to refuse the token file")
+                log = worker.log()
+                self.assertIn(f"{bad}: token id 4000 at position 1234 is out of range for a "
+                              "vocabulary of 1024", log)
+                self.assertEqual(c.status().get("step", 0), 0)  # nothing trained on it
+
+
+if __name__ == "__main__":
+    unittest.main()
