@@ -122,6 +122,49 @@ std::vector<LayerProfile> ProfileLayers(const v1::JobSpec& job) {
   return layers;
 }
 
+std::vector<ParameterSpec> LayerParameters(const v1::JobSpec& job, int layer) {
+  if (job.has_gpt()) {
+    const v1::GptModel& g = job.gpt();
+    const int64_t d = g.d_model(), hidden = int64_t{g.d_model()} * g.mlp_ratio();
+    if (layer == 0) {
+      // A module's own parameters come before its children's.
+      return {{"positions", {g.context(), d}}, {"tokens.weight", {kByteVocab, d}}};
+    }
+    if (layer == g.blocks() + 1) {
+      return {{"norm.weight", {d}}, {"norm.bias", {d}},
+              {"out.weight", {kByteVocab, d}}, {"out.bias", {kByteVocab}}};
+    }
+    return {{"norm1.weight", {d}},         {"norm1.bias", {d}},
+            {"qkv.weight", {3 * d, d}},    {"qkv.bias", {3 * d}},
+            {"proj.weight", {d, d}},       {"proj.bias", {d}},
+            {"norm2.weight", {d}},         {"norm2.bias", {d}},
+            {"fc1.weight", {hidden, d}},   {"fc1.bias", {hidden}},
+            {"fc2.weight", {d, hidden}},   {"fc2.bias", {d}}};
+  }
+  if (job.has_llama()) {
+    const v1::LlamaModel& m = job.llama();
+    const int64_t d = m.d_model(), vocab = VocabOf(job), hidden = m.intermediate();
+    const int64_t kv = d / m.heads() * m.kv_heads();
+    if (layer == 0) return {{"embed_tokens.weight", {vocab, d}}};
+    if (layer == m.blocks() + 1) return {{"norm.weight", {d}}, {"lm_head.weight", {vocab, d}}};
+    return {{"input_layernorm.weight", {d}},
+            {"self_attn.q_proj.weight", {d, d}},
+            {"self_attn.k_proj.weight", {kv, d}},
+            {"self_attn.v_proj.weight", {kv, d}},
+            {"self_attn.o_proj.weight", {d, d}},
+            {"post_attention_layernorm.weight", {d}},
+            {"mlp.gate_proj.weight", {hidden, d}},
+            {"mlp.up_proj.weight", {hidden, d}},
+            {"mlp.down_proj.weight", {d, hidden}}};
+  }
+  if (job.has_mlp()) {
+    const int64_t in = layer == 0 ? kFashionPixels : job.mlp().hidden(layer - 1);
+    const int64_t out = layer < job.mlp().hidden_size() ? job.mlp().hidden(layer) : kFashionClasses;
+    return {{"linear.weight", {out, in}}, {"linear.bias", {out}}};
+  }
+  return {};
+}
+
 TensorSpec LayerInputSpec(const v1::JobSpec& job, int layer, int64_t batch) {
   TensorSpec spec;
   if (IsLanguageModel(job)) {

@@ -38,6 +38,17 @@ int64_t VocabOf(const v1::JobSpec& job); // token ids are in [0, VocabOf); 0 for
 int NumLayers(const v1::JobSpec& job);
 std::vector<LayerProfile> ProfileLayers(const v1::JobSpec& job);
 
+// One parameter of a layer, as the layer names it (Hugging Face's local
+// names for LLaMA: "self_attn.q_proj.weight"), float32.
+struct ParameterSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+};
+
+// Layer `layer`'s parameters in the order the worker's layer holds them
+// (the order of a checkpoint's tensors), without building it.
+std::vector<ParameterSpec> LayerParameters(const v1::JobSpec& job, int layer);
+
 // The tensor entering layer `layer` (0 <= layer < NumLayers) for a microbatch
 // of `batch` samples. Layer 0's input is the data itself.
 TensorSpec LayerInputSpec(const v1::JobSpec& job, int layer, int64_t batch);

@@ -166,8 +166,21 @@ std::string_view SafetensorsReader::Data(const SafetensorsTensor& tensor) const 
                           tensor.end - tensor.begin);
 }
 
+absl::StatusOr<uint64_t> SafetensorsBytes(const SafetensorsEntry& entry) {
+  const size_t size = SafetensorsDtypeSize(entry.dtype);
+  if (size == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(entry.name, ": unknown dtype ", entry.dtype));
+  }
+  uint64_t elements = 1;
+  for (int64_t d : entry.shape) {
+    if (d < 0) return absl::InvalidArgumentError(absl::StrCat(entry.name, ": negative dimension"));
+    elements *= static_cast<uint64_t>(d);
+  }
+  return elements * size;
+}
+
 absl::StatusOr<std::string> EncodeSafetensorsHeader(
-    const std::vector<SafetensorsBlob>& tensors,
+    const std::vector<SafetensorsEntry>& tensors,
     const std::map<std::string, std::string>& metadata) {
   std::string json = "{";
   if (!metadata.empty()) {
@@ -181,28 +194,18 @@ absl::StatusOr<std::string> EncodeSafetensorsHeader(
   }
   std::set<std::string> names;
   uint64_t offset = 0;
-  for (const SafetensorsBlob& t : tensors) {
-    const size_t size = SafetensorsDtypeSize(t.dtype);
-    if (size == 0) return absl::InvalidArgumentError(absl::StrCat(t.name, ": unknown dtype ", t.dtype));
+  for (const SafetensorsEntry& t : tensors) {
     if (t.name.empty() || t.name == "__metadata__" || !names.insert(t.name).second) {
       return absl::InvalidArgumentError(absl::StrCat("tensor name \"", t.name, "\" empty or repeated"));
     }
-    uint64_t elements = 1;
+    absl::StatusOr<uint64_t> bytes = SafetensorsBytes(t);
+    if (!bytes.ok()) return bytes.status();
     std::string shape;
-    for (int64_t d : t.shape) {
-      if (d < 0) return absl::InvalidArgumentError(absl::StrCat(t.name, ": negative dimension"));
-      elements *= static_cast<uint64_t>(d);
-      absl::StrAppend(&shape, shape.empty() ? "" : ",", d);
-    }
-    if (elements * size != t.data.size()) {
-      return absl::InvalidArgumentError(absl::StrCat(t.name, ": ", t.data.size(),
-                                                     " bytes for ", elements, " elements of ",
-                                                     t.dtype));
-    }
+    for (int64_t d : t.shape) absl::StrAppend(&shape, shape.empty() ? "" : ",", d);
     absl::StrAppend(&json, json.size() > 1 ? "," : "", JsonString(t.name), ":{\"dtype\":\"",
                     t.dtype, "\",\"shape\":[", shape, "],\"data_offsets\":[", offset, ",",
-                    offset + t.data.size(), "]}");
-    offset += t.data.size();
+                    offset + *bytes, "]}");
+    offset += *bytes;
   }
   json += "}";
   while ((8 + json.size()) % 8 != 0) json += ' ';
@@ -210,6 +213,23 @@ absl::StatusOr<std::string> EncodeSafetensorsHeader(
   uint64_t length = json.size();
   for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((length >> (8 * i)) & 0xff);
   return out + json;
+}
+
+absl::StatusOr<std::string> EncodeSafetensorsHeader(
+    const std::vector<SafetensorsBlob>& tensors,
+    const std::map<std::string, std::string>& metadata) {
+  std::vector<SafetensorsEntry> entries;
+  for (const SafetensorsBlob& t : tensors) {
+    SafetensorsEntry entry{t.name, t.dtype, t.shape};
+    absl::StatusOr<uint64_t> bytes = SafetensorsBytes(entry);
+    if (!bytes.ok()) return bytes.status();
+    if (*bytes != t.data.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(t.name, ": ", t.data.size(), " bytes for ",
+                                                     *bytes, " bytes of ", t.dtype));
+    }
+    entries.push_back(std::move(entry));
+  }
+  return EncodeSafetensorsHeader(entries, metadata);
 }
 
 absl::Status WriteSafetensors(const std::string& path, const std::vector<SafetensorsBlob>& tensors,

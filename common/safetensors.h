@@ -77,6 +77,25 @@ class SafetensorsReader {
   SafetensorsHeader header_;
 };
 
+// A tensor's name, dtype ("F32", "F16", "BF16", ...) and shape.
+struct SafetensorsEntry {
+  std::string name;
+  std::string dtype;
+  std::vector<int64_t> shape;
+};
+
+// Its size in the file; INVALID_ARGUMENT for an unknown dtype or a
+// negative dimension.
+absl::StatusOr<uint64_t> SafetensorsBytes(const SafetensorsEntry& entry);
+
+// The first 8 + N bytes of a file holding `tensors` in the order given,
+// each taking SafetensorsBytes: for writers that stream the data after it
+// (export). INVALID_ARGUMENT for a bad entry or a name that is empty or
+// repeats.
+absl::StatusOr<std::string> EncodeSafetensorsHeader(
+    const std::vector<SafetensorsEntry>& tensors,
+    const std::map<std::string, std::string>& metadata);
+
 struct SafetensorsBlob {
   std::string name;
   std::string dtype;

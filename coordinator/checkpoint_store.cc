@@ -242,6 +242,16 @@ absl::StatusOr<v1::LayerCheckpoint> CheckpointStore::LoadLatest(
   return absl::NotFoundError(absl::StrCat("no intact checkpoint of layer ", layer));
 }
 
+absl::StatusOr<v1::LayerCheckpoint> CheckpointStore::Load(int layer, int step) {
+  absl::MutexLock lock(&mu_);
+  auto found = index_.find(layer);
+  if (found == index_.end() ||
+      std::find(found->second.begin(), found->second.end(), step) == found->second.end()) {
+    return absl::NotFoundError(absl::StrCat("no checkpoint of layer ", layer, " at step ", step));
+  }
+  return ParseFile(PathOf(layer, step), layer, step);
+}
+
 std::map<int, std::vector<int>> CheckpointStore::Index() const {
   absl::MutexLock lock(&mu_);
   return index_;

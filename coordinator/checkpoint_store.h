@@ -51,6 +51,10 @@ class CheckpointStore {
   // Each corrupt file passed over is appended to `*skipped` (path: reason).
   absl::StatusOr<v1::LayerCheckpoint> LoadLatest(int layer, std::vector<std::string>* skipped);
 
+  // The checkpoint of `layer` at `step`: NOT_FOUND when there is none,
+  // DATA_LOSS when its file does not check out.
+  absl::StatusOr<v1::LayerCheckpoint> Load(int layer, int step);
+
   // Layer -> steps on disk, oldest first. In memory: cheap enough for
   // every status query.
   std::map<int, std::vector<int>> Index() const;

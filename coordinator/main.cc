@@ -16,6 +16,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/codec.h"
 #include "common/job_spec.h"
 #include "common/logging.h"
@@ -25,6 +26,7 @@
 #include "coordinator/cluster_authority.h"
 #include "coordinator/coordinator_service.h"
 #include "coordinator/job_controller.h"
+#include "coordinator/model_export.h"
 #include "coordinator/plan_builder.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:7070", "HOST:PORT to serve on (port 0: any)");
@@ -56,6 +58,9 @@ ABSL_FLAG(std::vector<std::string>, tls_san, {},
 ABSL_FLAG(std::string, planner, "join-order",
           "join-order: stages in join order, cuts by compute (planner v1); network: workers, "
           "order and cuts chosen by predicted time per sample (see geotrain-ctl plan --explain)");
+ABSL_FLAG(std::string, export_dir, "",
+          "when the job ends, write the newest complete model here (Hugging Face "
+          "safetensors + config.json)");
 ABSL_FLAG(int, joins_per_minute, 60, "joins and enrollments accepted per source host per minute");
 
 namespace {
@@ -65,6 +70,27 @@ void OnSignal(int) { g_stop = true; }
 int Fail(const std::string& message) {
   std::fprintf(stderr, "geotrain-coordinator: %s\n", message.c_str());
   return 2;
+}
+
+// --export_dir at the job's end: the newest complete model from the
+// checkpoints on disk; the outcome is an event either way.
+void ExportAtEnd(const geotrain::v1::JobSpec& job, const std::string& state_dir,
+                 const std::string& out_dir, geotrain::JobController* controller) {
+  absl::StatusOr<std::unique_ptr<geotrain::CheckpointStore>> store =
+      geotrain::CheckpointStore::Open(state_dir);
+  absl::StatusOr<geotrain::ModelExport> exported =
+      store.ok() ? geotrain::ExportModel(job, **store, {out_dir}) : store.status();
+  if (!exported.ok()) {
+    GT_LOG(Warning) << "export to " << out_dir << " failed: " << exported.status().message();
+    controller->RecordAdminEvent("export_failed",
+                                 absl::StrCat(out_dir, ": ", exported.status().message()));
+    return;
+  }
+  const std::string detail =
+      absl::StrCat(exported->parameters, " parameters of step ", exported->step, " to ", out_dir,
+                   " (", absl::StrJoin(exported->files, ", "), ")");
+  GT_LOG(Info) << "exported " << detail;
+  controller->RecordAdminEvent("exported", detail);
 }
 }  // namespace
 
@@ -207,8 +233,13 @@ int main(int argc, char** argv) {
 
   signal(SIGINT, OnSignal);
   signal(SIGTERM, OnSignal);
+  bool exported = false;
   while (!g_stop) {
     (*controller)->Tick();
+    if (!exported && (*controller)->done() && !absl::GetFlag(FLAGS_export_dir).empty()) {
+      exported = true;
+      ExportAtEnd(*job, options.state_dir, absl::GetFlag(FLAGS_export_dir), controller->get());
+    }
     if (absl::GetFlag(FLAGS_exit_when_done) && (*controller)->done()) {
       // Give workers a moment to read the final plan before closing.
       std::this_thread::sleep_for(std::chrono::milliseconds(500));

@@ -1,8 +1,10 @@
 """Models and data people use, with real processes: the LLaMA-family decoder
 and token-file datasets made by deploy/tokenize.py."""
 import array
+import json
 import math
 import os
+import struct
 import subprocess
 import tempfile
 import unittest
@@ -84,6 +86,48 @@ class ModelsTest(unittest.TestCase):
             self.assertLess(last, first - 0.5)
             self.assertTrue(evals, "no evaluation on val.bin")
             self.assertLess(evals[-1]["val_loss"], math.log(1024) - 0.5)
+
+    def test_export_writes_hugging_face_safetensors_and_config(self):
+        """--export_dir: at the job's end the newest complete checkpoint step
+        is written as LlamaForCausalLM's safetensors and config.json."""
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "export")
+            with Cluster(job_path("llama-tiny.textproto"),
+                         ["--steps=10", "--min_workers=2", f"--export_dir={out}"]) as c:
+                c.train(2, timeout=300)
+                wait_for(lambda: any(e["kind"] in ("exported", "export_failed")
+                                     for e in c.status()["events"]), 30, "the export")
+                events = [e for e in c.status()["events"] if e["kind"].startswith("export")]
+            print(events[-1]["detail"])
+            self.assertEqual(events[-1]["kind"], "exported", events[-1])
+            self.assertIn("of step 10 ", events[-1]["detail"])
+            with open(os.path.join(out, "config.json")) as f:
+                config = json.load(f)
+            self.assertEqual(config["architectures"], ["LlamaForCausalLM"])
+            self.assertEqual((config["hidden_size"], config["num_hidden_layers"],
+                              config["num_attention_heads"], config["num_key_value_heads"],
+                              config["intermediate_size"], config["vocab_size"]),
+                             (128, 4, 4, 2, 384, 256))
+            with open(os.path.join(out, "model.safetensors"), "rb") as f:
+                length = struct.unpack("<Q", f.read(8))[0]
+                header = json.loads(f.read(length))
+                size = os.path.getsize(os.path.join(out, "model.safetensors"))
+            self.assertEqual(header["__metadata__"]["format"], "pt")
+            names = {n for n in header if n != "__metadata__"}
+            expected = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+            for i in range(4):
+                for part in ("input_layernorm", "post_attention_layernorm"):
+                    expected.add(f"model.layers.{i}.{part}.weight")
+                for proj in ("q", "k", "v", "o"):
+                    expected.add(f"model.layers.{i}.self_attn.{proj}_proj.weight")
+                for proj in ("gate", "up", "down"):
+                    expected.add(f"model.layers.{i}.mlp.{proj}_proj.weight")
+            self.assertEqual(names, expected)
+            self.assertEqual(header["model.layers.2.self_attn.k_proj.weight"]["shape"], [64, 128])
+            end = max(t["data_offsets"][1] for n, t in header.items() if n != "__metadata__")
+            self.assertEqual(8 + length + end, size)
+            self.assertTrue(all(t["dtype"] == "F32" for n, t in header.items()
+                                if n != "__metadata__"))
 
     def test_out_of_range_token_ids_are_an_error_at_start_naming_the_file(self):
         with tempfile.TemporaryDirectory() as d:

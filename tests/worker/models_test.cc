@@ -64,6 +64,26 @@ TEST(LlamaModelTest, LayersAreNamedAndSizedAsLlamaForCausalLM) {
   EXPECT_TRUE(torch::equal(again["mlp.up_proj.weight"], block["mlp.up_proj.weight"]));
 }
 
+TEST(ModelsTest, TheTorchFreeParameterListIsWhatTheLayersHold) {
+  const std::string corpus = "text {} steps: 3";
+  for (const std::string& model :
+       {std::string("gpt { context: 8 d_model: 16 heads: 2 blocks: 2 } ") + corpus,
+        std::string("llama { context: 8 d_model: 16 heads: 4 kv_heads: 2 blocks: 2 } ") + corpus,
+        std::string("mlp { hidden: 12 hidden: 7 } fashion_mnist {} steps: 3")}) {
+    auto job = ParseJobSpec(model, "test");
+    ASSERT_TRUE(job.ok()) << job.status();
+    for (int layer = 0; layer < NumLayers(*job); ++layer) {
+      const auto built = BuildLayers(*job, layer, layer + 1)[0]->named_parameters();
+      const std::vector<ParameterSpec> listed = LayerParameters(*job, layer);
+      ASSERT_EQ(listed.size(), built.size()) << model << " layer " << layer;
+      for (size_t i = 0; i < listed.size(); ++i) {
+        EXPECT_EQ(listed[i].name, built[i].key()) << model << " layer " << layer;
+        EXPECT_EQ(built[i].value().sizes(), listed[i].shape) << listed[i].name;
+      }
+    }
+  }
+}
+
 TEST(LlamaModelTest, TheDefaultsAreLlamasAndBadShapesAreRefused) {
   const v1::JobSpec job = Llama("context: 8 d_model: 96 heads: 4 blocks: 1");
   EXPECT_EQ(job.llama().kv_heads(), 4);
