@@ -1,7 +1,7 @@
 """Loads a directory geotrain exported (--export_dir) with Hugging Face
 transformers and scores 32 fixed windows of the fortunes as bytes.
 
-Not part of tests/run.sh yet (transformers is not installed there); run it
+By hand (tests/hf/test_export_loads.py is the automatic check); run it
 with a Python that has torch and transformers, e.g. the wheel tree's venv:
 
   build-wheel/torch-venv/bin/pip install transformers
