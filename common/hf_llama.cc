@@ -32,6 +32,11 @@ std::string HfParameterName(const v1::LlamaModel& model, int layer, std::string_
   return absl::StrCat("model.layers.", layer - 1, ".", name);
 }
 
+std::string ExportedParameterName(const v1::JobSpec& job, int layer, std::string_view local) {
+  if (job.has_llama()) return HfParameterName(job.llama(), layer, local);
+  return absl::StrCat("layers.", layer, ".", absl::string_view(local.data(), local.size()));
+}
+
 std::string LlamaConfigJson(const v1::LlamaModel& m) {
   return absl::StrFormat(
       "{\n"
@@ -150,9 +155,13 @@ absl::Status CheckLlamaAgainstConfig(const v1::LlamaModel& job_block,
     const char* config_name;
     double job, config;
   };
+  // The context is the training window: any length the positions cover.
+  if (job_block.context() > config.context()) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "the job's llama.context is %d but %s has max_position_embeddings %d", job_block.context(),
+        config_path, config.context()));
+  }
   for (const Field& field : {
-           Field{"context", "max_position_embeddings", double(job_block.context()),
-                 double(config.context())},
            Field{"d_model", "hidden_size", double(job_block.d_model()), double(config.d_model())},
            Field{"heads", "num_attention_heads", double(job_block.heads()),
                  double(config.heads())},

@@ -20,6 +20,11 @@ namespace geotrain {
 // "lm_head.weight".
 std::string HfParameterName(const v1::LlamaModel& model, int layer, std::string_view local);
 
+// The name a geotrain export (and init_from) gives parameter `local` of
+// layer `layer`: HfParameterName for a LLaMA, "layers.<layer>.<local>" for
+// the other models.
+std::string ExportedParameterName(const v1::JobSpec& job, int layer, std::string_view local);
+
 // config.json for `model` (float32, architectures ["LlamaForCausalLM"]).
 std::string LlamaConfigJson(const v1::LlamaModel& model);
 
@@ -31,7 +36,8 @@ absl::StatusOr<v1::LlamaModel> LlamaFromConfigJson(std::string_view json,
                                                    const std::string& path);
 
 // OK when every field the job's block sets (non-zero; the block as
-// written, before ApplyJobDefaults) equals the config's; otherwise INVALID_ARGUMENT naming the field, both values and
+// written, before ApplyJobDefaults) equals the config's (the context, a
+// training window, may be shorter than max_position_embeddings); otherwise INVALID_ARGUMENT naming the field, both values and
 // `config_path`. The block may be left empty: the config then decides.
 absl::Status CheckLlamaAgainstConfig(const v1::LlamaModel& job_block,
                                      const v1::LlamaModel& config, const std::string& config_path);

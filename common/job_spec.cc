@@ -1,5 +1,7 @@
 #include "common/job_spec.h"
 
+#include "common/hf_llama.h"
+
 #include <google/protobuf/io/tokenizer.h>
 #include <google/protobuf/text_format.h>
 
@@ -324,6 +326,28 @@ absl::StatusOr<v1::JobSpec> ParseJobSpec(const std::string& text,
   parser.RecordErrorsTo(&errors);
   if (!parser.ParseFromString(text, &job)) {
     return Invalid(absl::StrCat(source, ": ", errors.Joined()));
+  }
+  if (!job.init_from().empty()) {
+    if (job.has_gpt() || job.has_mlp()) {
+      return Invalid(absl::StrCat(source, ": init_from needs a llama {} model (a Hugging Face "
+                                  "LlamaForCausalLM directory)"));
+    }
+    // The directory's config.json decides the architecture; what the job's
+    // block sets (as written, before defaults) must agree with it.
+    const std::string config_path = job.init_from() + "/config.json";
+    absl::StatusOr<std::string> config_text = ReadFileBounded(config_path, 1 << 20);
+    if (!config_text.ok()) {
+      return Invalid(absl::StrCat(source, ": init_from: ", config_text.status().message()));
+    }
+    absl::StatusOr<v1::LlamaModel> config = LlamaFromConfigJson(*config_text, config_path);
+    if (!config.ok()) return Invalid(absl::StrCat(source, ": ", config.status().message()));
+    if (absl::Status agrees = CheckLlamaAgainstConfig(job.llama(), *config, config_path);
+        !agrees.ok()) {
+      return Invalid(absl::StrCat(source, ": ", agrees.message()));
+    }
+    const int context = job.llama().context();
+    *job.mutable_llama() = *config;
+    if (context > 0) job.mutable_llama()->set_context(context);
   }
   ApplyJobDefaults(&job);
   absl::Status valid = ValidateJobSpec(job);

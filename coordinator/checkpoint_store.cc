@@ -1,10 +1,12 @@
 #include "coordinator/checkpoint_store.h"
 
 #include <dirent.h>
+#include <fcntl.h>
+#include <unistd.h>
 #include <sys/stat.h>
-#include <zlib.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -14,13 +16,16 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/strip.h"
+#include "common/files.h"
+#include "common/layer_state.h"
 #include "common/link_message.h"
 #include "common/model_profile.h"
-#include "coordinator/state_store.h"
+#include "common/status_macros.h"
 
 namespace geotrain {
 
-absl::Status CheckLayerCheckpoint(const v1::JobSpec& job, const v1::LayerCheckpoint& c) {
+absl::Status CheckLayerCheckpointHeader(const v1::JobSpec& job, const v1::LayerCheckpoint& c,
+                                        uint64_t payload_bytes) {
   const std::vector<LayerProfile> layers = ProfileLayers(job);
   if (c.layer() < 0 || c.layer() >= static_cast<int>(layers.size())) {
     return absl::InvalidArgumentError(absl::StrCat("checkpoint of layer ", c.layer(),
@@ -70,26 +75,43 @@ absl::Status CheckLayerCheckpoint(const v1::JobSpec& job, const v1::LayerCheckpo
     return absl::InvalidArgumentError(absl::StrCat(what, ": ", elements, " parameters; the layer has ",
                                                    layers[c.layer()].parameter_count));
   }
-  if (bytes != c.payload().size()) {
+  if (bytes != payload_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": tensors of ", bytes,
-                                                   " bytes, payload of ", c.payload().size()));
+                                                   " bytes, payload of ", payload_bytes));
   }
-  size_t offset = 0;
-  for (const auto* tensors : {&c.params(), &c.optimizer_state()}) {
-    for (const v1::TensorHeader& h : *tensors) {
-      if (absl::Status finite = CheckFinite(h, c.payload(), offset); !finite.ok()) {
-        return absl::InvalidArgumentError(absl::StrCat(what, ": ", finite.message()));
-      }
-      offset += h.payload_bytes();
+  return absl::OkStatus();
+}
+
+absl::Status CheckFiniteFloats(absl::string_view data, const std::string& what) {
+  if (data.size() % 4 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": ", data.size(),
+                                                   " bytes is not a whole number of float32s"));
+  }
+  for (size_t i = 0; i < data.size(); i += 4) {
+    float value;
+    std::memcpy(&value, data.data() + i, 4);
+    if (!std::isfinite(value)) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": a value that is not finite"));
     }
   }
   return absl::OkStatus();
 }
+
+absl::Status CheckLayerCheckpoint(const v1::JobSpec& job, const v1::LayerCheckpoint& c) {
+  RETURN_IF_ERROR(CheckLayerCheckpointHeader(job, c, c.payload().size()));
+  return CheckFiniteFloats(c.payload(), absl::StrCat("checkpoint of layer ", c.layer(),
+                                                     " at step ", c.step()));
+}
+
 namespace {
 
-constexpr char kMagic[] = "GTCKPT01";
+constexpr char kLegacyMagic[] = "GTCKPT01";
+constexpr char kMagic[] = "GTCKPT02";
 constexpr size_t kMagicBytes = 8;
-constexpr size_t kHeaderBytes = kMagicBytes + 4 + 8;
+constexpr size_t kFileFrameBytes = kMagicBytes + 4 + 8;
+// A header lists the layer's tensors: far below this even for a huge layer.
+constexpr uint64_t kMaxHeaderBytes = 4 << 20;
+constexpr size_t kIoBytes = 1 << 20;
 
 absl::Status MakeDir(const std::string& path) {
   if (mkdir(path.c_str(), 0755) != 0 && errno != EEXIST) {
@@ -98,9 +120,8 @@ absl::Status MakeDir(const std::string& path) {
   return absl::OkStatus();
 }
 
-uint32_t Crc32(const std::string& bytes) {
-  return static_cast<uint32_t>(
-      crc32(0L, reinterpret_cast<const Bytef*>(bytes.data()), static_cast<uInt>(bytes.size())));
+absl::Status ErrnoError(const std::string& what) {
+  return absl::UnavailableError(absl::StrCat(what, ": ", std::strerror(errno)));
 }
 
 template <typename T>
@@ -117,47 +138,128 @@ T ReadLittleEndian(const char* p) {
   return value;
 }
 
-absl::StatusOr<v1::LayerCheckpoint> ParseFile(const std::string& path, int layer, int step) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError("cannot open");
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  absl::StatusOr<v1::LayerCheckpoint> checkpoint = ParseCheckpointFile(buffer.str());
-  if (!checkpoint.ok()) return checkpoint.status();
-  if (checkpoint->layer() != layer || checkpoint->step() != step) {
-    return absl::DataLossError(absl::StrCat("holds layer ", checkpoint->layer(), " step ",
-                                            checkpoint->step(), ", not what its name says"));
+// The 20-byte frame with a CRC of `crc`, then the header's length.
+std::string Frame(uint32_t crc, uint64_t header_bytes) {
+  std::string frame(kMagic, kMagicBytes);
+  AppendLittleEndian<uint32_t>(&frame, crc);
+  AppendLittleEndian<uint64_t>(&frame, header_bytes);
+  return frame;
+}
+
+// Reads exactly `n` bytes at `offset`; DATA_LOSS if the file is shorter.
+absl::Status ReadAt(int fd, uint64_t offset, size_t n, char* out) {
+  size_t done = 0;
+  while (done < n) {
+    const ssize_t got = pread(fd, out + done, n - done, static_cast<off_t>(offset + done));
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) return ErrnoError("read");
+    if (got == 0) return absl::DataLossError("file ends early");
+    done += static_cast<size_t>(got);
   }
-  return checkpoint;
+  return absl::OkStatus();
 }
 
 }  // namespace
 
 std::string FormatCheckpointFile(const v1::LayerCheckpoint& checkpoint) {
-  const std::string body = checkpoint.SerializeAsString();
-  std::string file(kMagic, kMagicBytes);
-  AppendLittleEndian<uint32_t>(&file, Crc32(body));
-  AppendLittleEndian<uint64_t>(&file, body.size());
-  return file + body;
+  const std::string header = LayerStateHeader(checkpoint).SerializeAsString();
+  const uint32_t crc = Crc32Update(Crc32Update(0, header), checkpoint.payload());
+  return Frame(crc, header.size()) + header + checkpoint.payload();
 }
 
 absl::StatusOr<v1::LayerCheckpoint> ParseCheckpointFile(const std::string& data) {
-  if (data.size() < kHeaderBytes || data.compare(0, kMagicBytes, kMagic) != 0) {
-    return absl::DataLossError("not a checkpoint file (bad magic or too short)");
+  if (data.size() < kFileFrameBytes) {
+    return absl::DataLossError("not a checkpoint file (too short)");
   }
   const uint32_t crc = ReadLittleEndian<uint32_t>(data.data() + kMagicBytes);
   const uint64_t length = ReadLittleEndian<uint64_t>(data.data() + kMagicBytes + 4);
-  if (length != data.size() - kHeaderBytes) {
-    return absl::DataLossError(absl::StrCat("body is ", data.size() - kHeaderBytes,
-                                            " bytes, header says ", length));
-  }
-  const std::string body = data.substr(kHeaderBytes);
-  if (Crc32(body) != crc) return absl::DataLossError("checksum mismatch");
+  const absl::string_view rest = absl::string_view(data).substr(kFileFrameBytes);
   v1::LayerCheckpoint checkpoint;
-  if (!checkpoint.ParseFromString(body)) return absl::DataLossError("body does not parse");
+  if (data.compare(0, kMagicBytes, kLegacyMagic) == 0) {
+    if (length != rest.size()) {
+      return absl::DataLossError(absl::StrCat("body is ", rest.size(), " bytes, header says ",
+                                              length));
+    }
+    if (Crc32Update(0, rest) != crc) return absl::DataLossError("checksum mismatch");
+    if (!checkpoint.ParseFromArray(rest.data(), static_cast<int>(rest.size()))) {
+      return absl::DataLossError("body does not parse");
+    }
+    return checkpoint;
+  }
+  if (data.compare(0, kMagicBytes, kMagic) != 0) {
+    return absl::DataLossError("not a checkpoint file (bad magic)");
+  }
+  if (length > rest.size() || length > kMaxHeaderBytes) {
+    return absl::DataLossError(absl::StrCat("header of ", length, " bytes in a file of ",
+                                            data.size()));
+  }
+  if (Crc32Update(0, rest) != crc) return absl::DataLossError("checksum mismatch");
+  if (!checkpoint.ParseFromArray(rest.data(), static_cast<int>(length)) ||
+      !checkpoint.payload().empty()) {
+    return absl::DataLossError("header does not parse");
+  }
+  checkpoint.set_payload(std::string(rest.substr(length)));
   return checkpoint;
 }
 
+CheckpointWriter::~CheckpointWriter() {
+  if (fd_ >= 0) close(fd_);
+  if (!committed_) unlink(tmp_.c_str());
+}
+
+absl::Status CheckpointWriter::Append(absl::string_view data) {
+  if (committed_ || fd_ < 0) return absl::FailedPreconditionError("checkpoint already committed");
+  if (data.size() > payload_bytes_ - written_) {
+    return absl::InvalidArgumentError(absl::StrCat("checkpoint of layer ", layer_, " step ", step_,
+                                                   ": more than the announced ", payload_bytes_,
+                                                   " payload bytes"));
+  }
+  RETURN_IF_ERROR(WriteAll(fd_, std::string_view(data.data(), data.size()), tmp_));
+  crc_ = Crc32Update(crc_, data);
+  written_ += data.size();
+  return absl::OkStatus();
+}
+
+absl::Status CheckpointWriter::Commit() {
+  if (committed_ || fd_ < 0) return absl::FailedPreconditionError("checkpoint already committed");
+  if (written_ != payload_bytes_) {
+    return absl::FailedPreconditionError(absl::StrCat("checkpoint of layer ", layer_, " step ",
+                                                      step_, ": ", written_, " of ",
+                                                      payload_bytes_, " payload bytes"));
+  }
+  // The CRC goes into the frame written first (it covers what followed).
+  char crc[4];
+  for (int i = 0; i < 4; ++i) crc[i] = static_cast<char>(crc_ >> (8 * i));
+  if (pwrite(fd_, crc, 4, kMagicBytes) != 4) return ErrnoError("write " + tmp_);
+  if (fsync(fd_) != 0) return ErrnoError("fsync " + tmp_);
+  close(fd_);
+  fd_ = -1;
+  RETURN_IF_ERROR(store_->CommitFile(tmp_, layer_, step_));
+  committed_ = true;
+  return absl::OkStatus();
+}
+
+CheckpointReader::~CheckpointReader() {
+  if (fd_ >= 0) close(fd_);
+}
+
+absl::StatusOr<size_t> CheckpointReader::Read(size_t max_bytes, std::string* out) {
+  const size_t n = static_cast<size_t>(std::min<uint64_t>(max_bytes, payload_bytes_ - offset_));
+  if (n == 0) return 0;
+  if (fd_ < 0) {
+    out->append(legacy_payload_, offset_, n);
+  } else {
+    const size_t before = out->size();
+    out->resize(before + n);
+    if (absl::Status read = ReadAt(fd_, file_offset_ + offset_, n, out->data() + before);
+        !read.ok()) {
+      out->resize(before);
+      return read;
+    }
+  }
+  offset_ += n;
+  return n;
+}
 
 absl::StatusOr<std::unique_ptr<CheckpointStore>> CheckpointStore::Open(
     const std::string& state_dir, int keep) {
@@ -207,49 +309,170 @@ std::vector<int> CheckpointStore::StepsOnDisk(int layer) const {
   return steps;
 }
 
-absl::Status CheckpointStore::Save(const v1::LayerCheckpoint& checkpoint) {
-  if (checkpoint.layer() < 0 || checkpoint.step() < 0) {
+absl::StatusOr<std::unique_ptr<CheckpointWriter>> CheckpointStore::BeginSave(
+    const v1::LayerCheckpoint& header, uint64_t payload_bytes) {
+  if (header.layer() < 0 || header.step() < 0) {
     return absl::InvalidArgumentError("checkpoint with a negative layer or step");
   }
-  const std::string file = FormatCheckpointFile(checkpoint);
+  if (!header.payload().empty()) {
+    return absl::InvalidArgumentError("a checkpoint header with a payload of its own");
+  }
+  const std::string header_bytes = header.SerializeAsString();
+  std::string tmp;
+  {
+    absl::MutexLock lock(&mu_);
+    RETURN_IF_ERROR(MakeDir(LayerDir(header.layer())));
+    tmp = absl::StrCat(PathOf(header.layer(), header.step()), ".tmp", next_temp_++);
+  }
+  const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (fd < 0) return ErrnoError("open " + tmp);
+  auto writer = std::unique_ptr<CheckpointWriter>(
+      new CheckpointWriter(this, header.layer(), header.step(), tmp, fd, payload_bytes));
+  RETURN_IF_ERROR(WriteAll(fd, Frame(0, header_bytes.size()) + header_bytes, tmp));
+  writer->crc_ = Crc32Update(0, header_bytes);
+  return writer;
+}
+
+absl::Status CheckpointStore::CommitFile(const std::string& tmp, int layer, int step) {
   absl::MutexLock lock(&mu_);
-  if (absl::Status made = MakeDir(LayerDir(checkpoint.layer())); !made.ok()) return made;
-  const std::string path = PathOf(checkpoint.layer(), checkpoint.step());
-  if (absl::Status written = WriteFileAtomically(path, file); !written.ok()) return written;
-  std::vector<int>& steps = index_[checkpoint.layer()];
-  if (!std::binary_search(steps.begin(), steps.end(), checkpoint.step())) {
-    steps.insert(std::upper_bound(steps.begin(), steps.end(), checkpoint.step()),
-                 checkpoint.step());
+  const std::string path = PathOf(layer, step);
+  if (rename(tmp.c_str(), path.c_str()) != 0) return ErrnoError("rename " + tmp + " -> " + path);
+  const int dir_fd = open(LayerDir(layer).c_str(), O_RDONLY | O_DIRECTORY);
+  if (dir_fd >= 0) {
+    fsync(dir_fd);
+    close(dir_fd);
+  }
+  std::vector<int>& steps = index_[layer];
+  if (!std::binary_search(steps.begin(), steps.end(), step)) {
+    steps.insert(std::upper_bound(steps.begin(), steps.end(), step), step);
   }
   while (steps.size() > static_cast<size_t>(keep_)) {
-    std::remove(PathOf(checkpoint.layer(), steps.front()).c_str());
+    std::remove(PathOf(layer, steps.front()).c_str());
     steps.erase(steps.begin());
   }
   return absl::OkStatus();
 }
 
-absl::StatusOr<v1::LayerCheckpoint> CheckpointStore::LoadLatest(
+absl::Status CheckpointStore::Save(const v1::LayerCheckpoint& checkpoint) {
+  ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> writer,
+                   BeginSave(LayerStateHeader(checkpoint), checkpoint.payload().size()));
+  RETURN_IF_ERROR(writer->Append(checkpoint.payload()));
+  return writer->Commit();
+}
+
+absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointStore::OpenFile(int layer,
+                                                                            int step) const {
+  const std::string path = PathOf(layer, step);
+  const int fd = open(path.c_str(), O_RDONLY);
+  if (fd < 0) return absl::NotFoundError("cannot open");
+  auto reader = std::unique_ptr<CheckpointReader>(new CheckpointReader());
+  reader->fd_ = fd;  // closed by the reader from here on
+  struct stat info;
+  if (fstat(fd, &info) != 0) return ErrnoError("stat");
+  const uint64_t size = static_cast<uint64_t>(info.st_size);
+  char frame[kFileFrameBytes];
+  if (size < kFileFrameBytes) return absl::DataLossError("not a checkpoint file (too short)");
+  RETURN_IF_ERROR(ReadAt(fd, 0, kFileFrameBytes, frame));
+  if (std::memcmp(frame, kLegacyMagic, kMagicBytes) == 0) {
+    // The old format is a serialized whole: read it whole.
+    std::string data(static_cast<size_t>(size), '\0');
+    RETURN_IF_ERROR(ReadAt(fd, 0, data.size(), data.data()));
+    ASSIGN_OR_RETURN(v1::LayerCheckpoint whole, ParseCheckpointFile(data));
+    reader->legacy_payload_ = std::move(*whole.mutable_payload());
+    whole.clear_payload();
+    reader->header_ = std::move(whole);
+    reader->payload_bytes_ = reader->legacy_payload_.size();
+    close(fd);
+    reader->fd_ = -1;
+  } else {
+    if (std::memcmp(frame, kMagic, kMagicBytes) != 0) {
+      return absl::DataLossError("not a checkpoint file (bad magic)");
+    }
+    const uint32_t crc = ReadLittleEndian<uint32_t>(frame + kMagicBytes);
+    const uint64_t header_bytes = ReadLittleEndian<uint64_t>(frame + kMagicBytes + 4);
+    if (header_bytes > size - kFileFrameBytes || header_bytes > kMaxHeaderBytes) {
+      return absl::DataLossError(absl::StrCat("header of ", header_bytes, " bytes in a file of ",
+                                              size));
+    }
+    // The whole file's checksum, a megabyte at a time, before any of it is used.
+    uint32_t actual = 0;
+    std::string buffer(kIoBytes, '\0');
+    for (uint64_t offset = kFileFrameBytes; offset < size;) {
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(kIoBytes, size - offset));
+      RETURN_IF_ERROR(ReadAt(fd, offset, n, buffer.data()));
+      actual = Crc32Update(actual, absl::string_view(buffer.data(), n));
+      offset += n;
+    }
+    if (actual != crc) return absl::DataLossError("checksum mismatch");
+    buffer.resize(static_cast<size_t>(header_bytes));
+    RETURN_IF_ERROR(ReadAt(fd, kFileFrameBytes, buffer.size(), buffer.data()));
+    if (!reader->header_.ParseFromString(buffer) || !reader->header_.payload().empty()) {
+      return absl::DataLossError("header does not parse");
+    }
+    reader->file_offset_ = kFileFrameBytes + header_bytes;
+    reader->payload_bytes_ = size - reader->file_offset_;
+  }
+  if (reader->header_.layer() != layer || reader->header_.step() != step) {
+    return absl::DataLossError(absl::StrCat("holds layer ", reader->header_.layer(), " step ",
+                                            reader->header_.step(), ", not what its name says"));
+  }
+  return reader;
+}
+
+absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointStore::OpenLatest(
     int layer, std::vector<std::string>* skipped) {
-  absl::MutexLock lock(&mu_);
-  auto found = index_.find(layer);
-  const std::vector<int> steps = found == index_.end() ? std::vector<int>() : found->second;
+  std::vector<int> steps;
+  {
+    absl::MutexLock lock(&mu_);
+    auto found = index_.find(layer);
+    if (found != index_.end()) steps = found->second;
+  }
   for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
-    const std::string path = PathOf(layer, *it);
-    absl::StatusOr<v1::LayerCheckpoint> checkpoint = ParseFile(path, layer, *it);
-    if (checkpoint.ok()) return checkpoint;
-    if (skipped != nullptr) skipped->push_back(absl::StrCat(path, ": ", checkpoint.status().message()));
+    absl::StatusOr<std::unique_ptr<CheckpointReader>> reader = OpenFile(layer, *it);
+    if (reader.ok()) return reader;
+    if (skipped != nullptr) {
+      skipped->push_back(absl::StrCat(PathOf(layer, *it), ": ", reader.status().message()));
+    }
   }
   return absl::NotFoundError(absl::StrCat("no intact checkpoint of layer ", layer));
 }
 
-absl::StatusOr<v1::LayerCheckpoint> CheckpointStore::Load(int layer, int step) {
-  absl::MutexLock lock(&mu_);
-  auto found = index_.find(layer);
-  if (found == index_.end() ||
-      std::find(found->second.begin(), found->second.end(), step) == found->second.end()) {
-    return absl::NotFoundError(absl::StrCat("no checkpoint of layer ", layer, " at step ", step));
+absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointStore::Open(int layer, int step) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto found = index_.find(layer);
+    if (found == index_.end() ||
+        std::find(found->second.begin(), found->second.end(), step) == found->second.end()) {
+      return absl::NotFoundError(absl::StrCat("no checkpoint of layer ", layer, " at step ", step));
+    }
   }
-  return ParseFile(PathOf(layer, step), layer, step);
+  return OpenFile(layer, step);
+}
+
+namespace {
+
+absl::StatusOr<v1::LayerCheckpoint> ReadWhole(CheckpointReader& reader) {
+  v1::LayerCheckpoint checkpoint = reader.header();
+  std::string* payload = checkpoint.mutable_payload();
+  payload->reserve(reader.payload_bytes());
+  while (true) {
+    ASSIGN_OR_RETURN(size_t n, reader.Read(kIoBytes * 16, payload));
+    if (n == 0) break;
+  }
+  return checkpoint;
+}
+
+}  // namespace
+
+absl::StatusOr<v1::LayerCheckpoint> CheckpointStore::LoadLatest(
+    int layer, std::vector<std::string>* skipped) {
+  ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader, OpenLatest(layer, skipped));
+  return ReadWhole(*reader);
+}
+
+absl::StatusOr<v1::LayerCheckpoint> CheckpointStore::Load(int layer, int step) {
+  ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader, Open(layer, step));
+  return ReadWhole(*reader);
 }
 
 std::map<int, std::vector<int>> CheckpointStore::Index() const {

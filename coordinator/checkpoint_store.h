@@ -1,12 +1,17 @@
 // Stage checkpoints on disk, one file per (layer, step):
 //   <state_dir>/checkpoints/layer-0003/step-00000120.ckpt
-// A file is "GTCKPT01", then a little-endian uint32 CRC-32 and uint64 length
-// of the body, then the body (a serialized LayerCheckpoint). Files are
-// written atomically (temp file, fsync, rename, fsync of the directory), the
-// newest `keep` per layer are kept, and the directory itself is the index,
-// so a restarted coordinator finds every checkpoint without other state.
-// A file whose magic, length, checksum or body does not check out is passed
-// over (and named) in favour of the previous one.
+// A file is "GTCKPT02", a little-endian uint32 CRC-32 of everything after
+// the 20-byte frame, a uint64 length of the header, the header (a
+// serialized LayerCheckpoint without payload), then the raw payload. Files
+// are streamed in (CheckpointWriter) and out (CheckpointReader) a chunk at
+// a time, so no layer is held in memory whole; they are written atomically
+// (temp file, fsync, rename, fsync of the directory), the newest `keep` per
+// layer are kept, and the directory itself is the index, so a restarted
+// coordinator finds every checkpoint without other state. Files of the
+// previous format ("GTCKPT01": CRC, length, a whole serialized
+// LayerCheckpoint) are still read. A file whose magic, length, checksum or
+// header does not check out is passed over (and named) in favour of the
+// previous one.
 //
 // Thread-safe; saves and loads of different layers may run concurrently
 // with everything else (the controller's lock is not held for disk I/O).
@@ -19,11 +24,23 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "geotrain/v1/coordinator.pb.h"
 #include "geotrain/v1/job.pb.h"
 
 namespace geotrain {
+
+// OK when a checkpoint with this header (no payload) and `payload_bytes`
+// fits the job's model: everything CheckLayerCheckpoint checks except the
+// values themselves (the upload checks those chunk by chunk:
+// CheckFiniteFloats).
+absl::Status CheckLayerCheckpointHeader(const v1::JobSpec& job, const v1::LayerCheckpoint& header,
+                                        uint64_t payload_bytes);
+
+// INVALID_ARGUMENT naming `what` when `data` (float32 values, a multiple of
+// 4 bytes) holds a NaN or an infinity.
+absl::Status CheckFiniteFloats(absl::string_view data, const std::string& what);
 
 // OK when `checkpoint` fits the job's model: one of its layers, a step in
 // [0, job.steps], float32 parameters whose element counts add up to the
@@ -38,6 +55,64 @@ absl::Status CheckLayerCheckpoint(const v1::JobSpec& job, const v1::LayerCheckpo
 std::string FormatCheckpointFile(const v1::LayerCheckpoint& checkpoint);
 absl::StatusOr<v1::LayerCheckpoint> ParseCheckpointFile(const std::string& data);
 
+class CheckpointStore;
+
+// One checkpoint file being written: Append the payload in order, then
+// Commit (the checkpoint becomes visible atomically). Destroyed without a
+// Commit, it leaves nothing behind. Not thread-safe.
+class CheckpointWriter {
+ public:
+  CheckpointWriter(const CheckpointWriter&) = delete;
+  CheckpointWriter& operator=(const CheckpointWriter&) = delete;
+  ~CheckpointWriter();
+
+  // INVALID_ARGUMENT past the payload size given to BeginSave.
+  absl::Status Append(absl::string_view data);
+  // FAILED_PRECONDITION unless exactly the announced bytes were appended.
+  absl::Status Commit();
+
+ private:
+  friend class CheckpointStore;
+  CheckpointWriter(CheckpointStore* store, int layer, int step, std::string tmp, int fd,
+                   uint64_t payload_bytes)
+      : store_(store), layer_(layer), step_(step), tmp_(std::move(tmp)), fd_(fd),
+        payload_bytes_(payload_bytes) {}
+  CheckpointStore* store_;
+  const int layer_, step_;
+  const std::string tmp_;
+  int fd_;
+  const uint64_t payload_bytes_;
+  uint64_t written_ = 0;
+  uint32_t crc_ = 0;
+  bool committed_ = false;
+};
+
+// One checked checkpoint file open for reading: the header at once, the
+// payload a piece at a time. The file was checked whole (checksum) when it
+// was opened. Not thread-safe.
+class CheckpointReader {
+ public:
+  CheckpointReader(const CheckpointReader&) = delete;
+  CheckpointReader& operator=(const CheckpointReader&) = delete;
+  ~CheckpointReader();
+
+  const v1::LayerCheckpoint& header() const { return header_; }  // payload empty
+  uint64_t payload_bytes() const { return payload_bytes_; }
+  // Appends the next min(max_bytes, what is left) payload bytes to `*out`
+  // and returns how many (0 at the end). UNAVAILABLE on a read error.
+  absl::StatusOr<size_t> Read(size_t max_bytes, std::string* out);
+
+ private:
+  friend class CheckpointStore;
+  CheckpointReader() = default;
+  v1::LayerCheckpoint header_;
+  uint64_t payload_bytes_ = 0;
+  uint64_t offset_ = 0;  // of the payload already read
+  int fd_ = -1;          // -1: a file of the old format, held in legacy_payload_
+  uint64_t file_offset_ = 0;
+  std::string legacy_payload_;
+};
+
 class CheckpointStore {
  public:
   // Creates <state_dir>/checkpoints if needed.
@@ -46,6 +121,16 @@ class CheckpointStore {
 
   // INVALID_ARGUMENT for a negative layer or step.
   absl::Status Save(const v1::LayerCheckpoint& checkpoint);
+  // A file for `header` (its payload must be empty) and `payload_bytes` to
+  // come. Concurrent writers of the same (layer, step): the last to commit
+  // wins.
+  absl::StatusOr<std::unique_ptr<CheckpointWriter>> BeginSave(const v1::LayerCheckpoint& header,
+                                                              uint64_t payload_bytes);
+
+  // As LoadLatest and Load, but streaming.
+  absl::StatusOr<std::unique_ptr<CheckpointReader>> OpenLatest(int layer,
+                                                               std::vector<std::string>* skipped);
+  absl::StatusOr<std::unique_ptr<CheckpointReader>> Open(int layer, int step);
 
   // The newest intact checkpoint of `layer`; NOT_FOUND when there is none.
   // Each corrupt file passed over is appended to `*skipped` (path: reason).
@@ -66,12 +151,17 @@ class CheckpointStore {
   std::string LayerDir(int layer) const;
   std::string PathOf(int layer, int step) const;
   std::vector<int> StepsOnDisk(int layer) const;
+  absl::StatusOr<std::unique_ptr<CheckpointReader>> OpenFile(int layer, int step) const;
   void ScanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Renames the writer's file into place and updates the index.
+  absl::Status CommitFile(const std::string& tmp, int layer, int step);
+  friend class CheckpointWriter;
 
   const std::string dir_;
   const int keep_;
   mutable absl::Mutex mu_;  // one writer at a time per store; reads take it too
   std::map<int, std::vector<int>> index_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_temp_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace geotrain

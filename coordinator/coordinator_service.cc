@@ -1,5 +1,8 @@
 #include "coordinator/coordinator_service.h"
 
+#include "common/layer_state.h"
+#include "coordinator/checkpoint_upload.h"
+
 #include "coordinator/membership.h"
 
 #include "absl/strings/str_cat.h"
@@ -226,37 +229,49 @@ grpc::Status CoordinatorService::ReportDone(grpc::ServerContext* context,
 }
 
 grpc::Status CoordinatorService::SaveCheckpoint(grpc::ServerContext* context,
-                                                grpc::ServerReader<v1::LayerCheckpoint>* reader,
+                                                grpc::ServerReader<v1::LayerStateChunk>* reader,
                                                 v1::SaveCheckpointResponse* response) {
   absl::StatusOr<std::string> worker = caller_.Worker(*context, "");
   if (!worker.ok()) return Refused(worker.status());
-  v1::LayerCheckpoint checkpoint;
-  while (reader->Read(&checkpoint)) {
-    if (caller_.insecure()) {
-      *worker = checkpoint.worker_id();
-    } else if (!checkpoint.worker_id().empty() && checkpoint.worker_id() != *worker) {
-      return Refused(absl::PermissionDeniedError(
-          absl::StrCat("worker ", *worker, " uploads a checkpoint for ", checkpoint.worker_id())));
+  std::unique_ptr<CheckpointUpload> upload;
+  std::unique_ptr<LayerStateReceiver> receiver;
+  v1::LayerStateChunk chunk;
+  while (reader->Read(&chunk)) {
+    if (upload == nullptr) {
+      // Insecure: the uploader is whoever the first header names.
+      if (caller_.insecure()) *worker = chunk.header().worker_id();
+      upload = std::make_unique<CheckpointUpload>(options_.controller, *worker);
+      receiver = std::make_unique<LayerStateReceiver>(upload.get(), kMaxLayerStateBytes);
     }
-    checkpoint.set_worker_id(*worker);
-    if (absl::Status saved = options_.controller->SaveCheckpoint(checkpoint); !saved.ok()) {
-      return ToGrpcStatus(saved);
+    if (absl::Status added = receiver->Add(chunk); !added.ok()) return ToGrpcStatus(added);
+    response->set_layers_saved(receiver->layers_done());
+  }
+  if (receiver != nullptr) {
+    if (absl::Status finished = receiver->Finish(); !finished.ok()) {
+      return ToGrpcStatus(finished);
     }
-    response->set_layers_saved(response->layers_saved() + 1);
   }
   return grpc::Status::OK;
 }
 
 grpc::Status CoordinatorService::LoadCheckpoint(grpc::ServerContext* context,
                                                 const v1::LoadCheckpointRequest* request,
-                                                v1::LayerCheckpoint* response) {
+                                                grpc::ServerWriter<v1::LayerStateChunk>* writer) {
   absl::StatusOr<std::string> worker = caller_.Worker(*context, request->worker_id());
   if (!worker.ok()) return Refused(worker.status());
-  absl::StatusOr<v1::LayerCheckpoint> checkpoint =
-      options_.controller->LoadCheckpoint(*worker, request->layer(), request->probe());
-  if (!checkpoint.ok()) return ToGrpcStatus(checkpoint.status());
-  *response = *std::move(checkpoint);
-  return grpc::Status::OK;
+  if (request->probe()) {
+    absl::StatusOr<v1::LayerCheckpoint> newest =
+        options_.controller->LoadCheckpoint(*worker, request->layer(), /*probe=*/true);
+    if (!newest.ok()) return ToGrpcStatus(newest.status());
+    v1::LayerStateChunk chunk;
+    *chunk.mutable_header() = *std::move(newest);
+    chunk.set_last(true);
+    writer->Write(chunk);
+    return grpc::Status::OK;
+  }
+  return ToGrpcStatus(SendCheckpoint(
+      *options_.controller, *worker, request->layer(),
+      [writer](const v1::LayerStateChunk& chunk) { return writer->Write(chunk); }));
 }
 
 grpc::Status CoordinatorService::ReportEvent(grpc::ServerContext* context,

@@ -103,11 +103,11 @@ class CoordinatorService final : public v1::Coordinator::Service {
                           const v1::DoneReport* request,
                           v1::ReportAck* response) override;
   grpc::Status SaveCheckpoint(grpc::ServerContext* context,
-                              grpc::ServerReader<v1::LayerCheckpoint>* reader,
+                              grpc::ServerReader<v1::LayerStateChunk>* reader,
                               v1::SaveCheckpointResponse* response) override;
   grpc::Status LoadCheckpoint(grpc::ServerContext* context,
                               const v1::LoadCheckpointRequest* request,
-                              v1::LayerCheckpoint* response) override;
+                              grpc::ServerWriter<v1::LayerStateChunk>* writer) override;
   grpc::Status ReportEvent(grpc::ServerContext* context, const v1::WorkerEvent* request,
                            v1::ReportAck* response) override;
 

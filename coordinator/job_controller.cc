@@ -7,9 +7,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/job_spec.h"
+#include "common/layer_state.h"
 #include "common/logging.h"
 #include "common/model_profile.h"
 #include "common/plan_util.h"
+#include "common/status_macros.h"
 #include "coordinator/accusation_ledger.h"
 #include "coordinator/link_assigner.h"
 #include "coordinator/plan_builder.h"
@@ -563,35 +565,53 @@ void JobController::Tick() {
   }
 }
 
-absl::Status JobController::SaveCheckpoint(const v1::LayerCheckpoint& checkpoint) {
+absl::Status JobController::AuthorizeCheckpoint(const std::string& worker_id,
+                                                const v1::LayerCheckpoint& header,
+                                                uint64_t payload_bytes) {
   absl::Status valid;
   {
     absl::MutexLock lock(&mu_);
-    const v1::StageAssignment* stage =
-        plan_.has_value() ? StageOf(*plan_, checkpoint.worker_id()) : nullptr;
-    if (stage == nullptr || stage->worker_id() != checkpoint.worker_id() ||
-        checkpoint.layer() < stage->layer_begin() || checkpoint.layer() >= stage->layer_end()) {
+    const v1::StageAssignment* stage = plan_.has_value() ? StageOf(*plan_, worker_id) : nullptr;
+    if (stage == nullptr || stage->worker_id() != worker_id ||
+        header.layer() < stage->layer_begin() || header.layer() >= stage->layer_end()) {
       valid = absl::PermissionDeniedError(absl::StrCat(
-          "checkpoint of layer ", checkpoint.layer(), " from ",
-          checkpoint.worker_id().substr(0, 128),
+          "checkpoint of layer ", header.layer(), " from ", worker_id.substr(0, 128),
           ", which is not the primary of the stage that holds it"));
     }
   }
+  if (valid.ok()) valid = CheckLayerCheckpointHeader(options_.job, header, payload_bytes);
+  if (!valid.ok()) RecordCheckpointRefused(worker_id, std::string(valid.message()));
+  return valid;
+}
+
+void JobController::RecordCheckpointRefused(const std::string& worker_id, const std::string& why) {
+  absl::MutexLock lock(&mu_);
+  AddEventLocked("checkpoint_refused", NameOf(worker_id), why);
+}
+
+void JobController::CountStateReceived(uint64_t payload_bytes) {
+  state_bytes_received_ += payload_bytes;
+  ++state_layers_received_;
+}
+
+void JobController::CountStateSent(uint64_t payload_bytes) {
+  state_bytes_sent_ += payload_bytes;
+  ++state_layers_sent_;
+}
+
+absl::Status JobController::SaveCheckpoint(const v1::LayerCheckpoint& checkpoint) {
+  RETURN_IF_ERROR(AuthorizeCheckpoint(checkpoint.worker_id(), LayerStateHeader(checkpoint),
+                                      checkpoint.payload().size()));
   // The content check reads every value (megabytes): not under the lock.
-  if (valid.ok()) valid = CheckLayerCheckpoint(options_.job, checkpoint);
-  {
-    absl::MutexLock lock(&mu_);
-    if (!valid.ok()) {
-      AddEventLocked("checkpoint_refused", NameOf(checkpoint.worker_id()),
-                     std::string(valid.message()));
-      return valid;
-    }
+  if (absl::Status finite = CheckLayerCheckpoint(options_.job, checkpoint); !finite.ok()) {
+    RecordCheckpointRefused(checkpoint.worker_id(), std::string(finite.message()));
+    return finite;
   }
   return checkpoints_->Save(checkpoint);
 }
 
-absl::StatusOr<v1::LayerCheckpoint> JobController::LoadCheckpoint(const std::string& worker_id,
-                                                                   int layer, bool probe) {
+absl::StatusOr<std::unique_ptr<CheckpointReader>> JobController::OpenCheckpoint(
+    const std::string& worker_id, int layer) {
   {
     absl::MutexLock lock(&mu_);
     const v1::StageAssignment* stage = plan_.has_value() ? StageOf(*plan_, worker_id) : nullptr;
@@ -600,7 +620,31 @@ absl::StatusOr<v1::LayerCheckpoint> JobController::LoadCheckpoint(const std::str
           worker_id.substr(0, 128), " may load only the layers of its own stage, not ", layer));
     }
   }
+  std::vector<std::string> skipped;
+  absl::StatusOr<std::unique_ptr<CheckpointReader>> reader =
+      checkpoints_->OpenLatest(layer, &skipped);
+  absl::MutexLock lock(&mu_);
+  for (const std::string& why : skipped) {
+    AddEventLocked("checkpoint_corrupt", "", absl::StrCat(why, "; using an older one"));
+  }
+  if (reader.ok()) {
+    AddEventLocked("restore", NameOf(worker_id),
+                   absl::StrCat("layer ", layer, " from step ", (*reader)->header().step()));
+  }
+  return reader;
+}
+
+absl::StatusOr<v1::LayerCheckpoint> JobController::LoadCheckpoint(const std::string& worker_id,
+                                                                   int layer, bool probe) {
   if (probe) {
+    {
+      absl::MutexLock lock(&mu_);
+      const v1::StageAssignment* stage = plan_.has_value() ? StageOf(*plan_, worker_id) : nullptr;
+      if (stage == nullptr || layer < stage->layer_begin() || layer >= stage->layer_end()) {
+        return absl::PermissionDeniedError(absl::StrCat(
+            worker_id.substr(0, 128), " may load only the layers of its own stage, not ", layer));
+      }
+    }
     const std::map<int, std::vector<int>> index = checkpoints_->Index();
     auto it = index.find(layer);
     if (it == index.end() || it->second.empty()) {
@@ -611,15 +655,11 @@ absl::StatusOr<v1::LayerCheckpoint> JobController::LoadCheckpoint(const std::str
     newest.set_step(it->second.back());
     return newest;
   }
-  std::vector<std::string> skipped;
-  absl::StatusOr<v1::LayerCheckpoint> checkpoint = checkpoints_->LoadLatest(layer, &skipped);
-  absl::MutexLock lock(&mu_);
-  for (const std::string& why : skipped) {
-    AddEventLocked("checkpoint_corrupt", "", absl::StrCat(why, "; using an older one"));
-  }
-  if (checkpoint.ok() && !probe) {
-    AddEventLocked("restore", NameOf(worker_id),
-                   absl::StrCat("layer ", layer, " from step ", checkpoint->step()));
+  ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader, OpenCheckpoint(worker_id, layer));
+  v1::LayerCheckpoint checkpoint = reader->header();
+  while (true) {
+    ASSIGN_OR_RETURN(size_t n, reader->Read(16 << 20, checkpoint.mutable_payload()));
+    if (n == 0) break;
   }
   return checkpoint;
 }
@@ -1233,6 +1273,11 @@ v1::ClusterStatus JobController::Status() const {
     auto it = index.find(layer);
     status.add_checkpoint_steps(it == index.end() || it->second.empty() ? -1 : it->second.back());
   }
+  v1::StateTraffic* traffic = status.mutable_state_traffic();
+  traffic->set_checkpoint_bytes_received(state_bytes_received_);
+  traffic->set_checkpoint_bytes_sent(state_bytes_sent_);
+  traffic->set_layers_received(state_layers_received_);
+  traffic->set_layers_sent(state_layers_sent_);
   return status;
 }
 

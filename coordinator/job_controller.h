@@ -7,10 +7,10 @@
 #ifndef GEOTRAIN_COORDINATOR_JOB_CONTROLLER_H_
 #define GEOTRAIN_COORDINATOR_JOB_CONTROLLER_H_
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
-#include <atomic>
 #include <map>
 #include <memory>
 #include <optional>
@@ -111,9 +111,26 @@ class JobController {
   // for the disk I/O). A worker saves only the layers of the stage it is
   // the primary of, loads only its own stage's (PERMISSION_DENIED), and a
   // checkpoint must match the model (CheckLayerCheckpoint) or it is refused
-  // with an event. LoadCheckpoint records a restore event and one for each
-  // corrupt file passed over; with `probe` it returns only the newest
-  // step (from the index, no tensors, no event).
+  // with an event. Loading records a restore event and one for each
+  // corrupt file passed over.
+  //
+  // Streaming (the RPCs; coordinator/checkpoint_upload.h): AuthorizeCheckpoint
+  // checks the uploader and the header before any payload arrives;
+  // RecordCheckpointRefused logs a refusal found later (a value that is not
+  // finite); OpenCheckpoint opens the newest intact file for a restore.
+  absl::Status AuthorizeCheckpoint(const std::string& worker_id, const v1::LayerCheckpoint& header,
+                                   uint64_t payload_bytes);
+  void RecordCheckpointRefused(const std::string& worker_id, const std::string& why);
+  absl::StatusOr<std::unique_ptr<CheckpointReader>> OpenCheckpoint(const std::string& worker_id,
+                                                                   int layer);
+  CheckpointStore& checkpoints() { return *checkpoints_; }
+  // Model state that crossed the coordinator's own network interface
+  // (status: state_traffic). Thread-safe.
+  void CountStateReceived(uint64_t payload_bytes);
+  void CountStateSent(uint64_t payload_bytes);
+  // Whole-layer forms of the above (tests, tools). With `probe`,
+  // LoadCheckpoint returns only the newest step (from the index, no
+  // tensors, no event).
   absl::Status SaveCheckpoint(const v1::LayerCheckpoint& checkpoint);
   absl::StatusOr<v1::LayerCheckpoint> LoadCheckpoint(const std::string& worker_id, int layer,
                                                      bool probe = false);
@@ -217,6 +234,8 @@ class JobController {
   // metrics go through AppendLog's thread (events_, metrics_).
   std::unique_ptr<DurableStateWriter> state_writer_;
   const std::unique_ptr<CheckpointStore> checkpoints_;  // thread-safe itself
+  std::atomic<uint64_t> state_bytes_received_{0}, state_bytes_sent_{0};
+  std::atomic<uint64_t> state_layers_received_{0}, state_layers_sent_{0};
   int64_t last_persist_ms_ ABSL_GUARDED_BY(mu_) = 0;
   bool recovered_ ABSL_GUARDED_BY(mu_) = false;
   bool waiting_for_workers_ ABSL_GUARDED_BY(mu_) = false;

@@ -191,6 +191,21 @@ int main(int argc, char** argv) {
   }
   auto controller = geotrain::JobController::Create(options);
   if (!controller.ok()) return Fail(std::string(controller.status().message()));
+  if (!job->init_from().empty()) {
+    absl::StatusOr<geotrain::ModelImport> imported =
+        geotrain::ImportModel(*job, (*controller)->checkpoints());
+    if (!imported.ok()) {
+      return Fail(absl::StrCat("init_from: ", imported.status().message()));
+    }
+    const std::string detail =
+        imported->layers == 0
+            ? absl::StrCat(job->init_from(), " not imported: the state dir has checkpoints "
+                           "already (the job resumes from them)")
+            : absl::StrCat(imported->layers, " layers (", imported->parameters,
+                           " parameters) from ", job->init_from(), " as step 0");
+    GT_LOG(Info) << "init_from: " << detail;
+    (*controller)->RecordAdminEvent("imported", detail);
+  }
 
   geotrain::CoordinatorServiceOptions service_options;
   service_options.controller = controller->get();

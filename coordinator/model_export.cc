@@ -14,6 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "common/files.h"
 #include "common/hf_llama.h"
+#include "common/hf_model_dir.h"
 #include "common/json.h"
 #include "common/model_profile.h"
 #include "common/safetensors.h"
@@ -111,8 +112,7 @@ absl::StatusOr<ModelExport> ExportModel(const v1::JobSpec& job, CheckpointStore&
     const std::vector<ParameterSpec> specs = LayerParameters(job, l);
     for (size_t i = 0; i < specs.size(); ++i) {
       Tensor t;
-      t.entry.name = job.has_llama() ? HfParameterName(job.llama(), l, specs[i].name)
-                                     : absl::StrCat("layers.", l, ".", specs[i].name);
+      t.entry.name = ExportedParameterName(job, l, specs[i].name);
       t.entry.dtype = "F32";
       t.entry.shape = specs[i].shape;
       absl::StatusOr<uint64_t> bytes = SafetensorsBytes(t.entry);
@@ -220,6 +220,21 @@ absl::StatusOr<ModelExport> ExportModel(const v1::JobSpec& job, CheckpointStore&
     return ok;
   }
   result.files.push_back("config.json");
+  return result;
+}
+
+absl::StatusOr<ModelImport> ImportModel(const v1::JobSpec& job, CheckpointStore& store) {
+  ModelImport result;
+  if (!store.Index().empty()) return result;
+  absl::StatusOr<HfModelDir> dir = HfModelDir::Open(job.init_from());
+  if (!dir.ok()) return dir.status();
+  for (int layer = 0; layer < NumLayers(job); ++layer) {
+    absl::StatusOr<v1::LayerCheckpoint> checkpoint = dir->ReadLayer(job, layer);
+    if (!checkpoint.ok()) return checkpoint.status();
+    result.parameters += static_cast<int64_t>(checkpoint->payload().size() / sizeof(float));
+    if (absl::Status saved = store.Save(*checkpoint); !saved.ok()) return saved;
+    ++result.layers;
+  }
   return result;
 }
 

@@ -38,6 +38,19 @@ struct ModelExport {
 absl::StatusOr<ModelExport> ExportModel(const v1::JobSpec& job, CheckpointStore& store,
                                         const ModelExportOptions& options);
 
+struct ModelImport {
+  int layers = 0;  // imported as step 0; 0 when the store already had checkpoints
+  int64_t parameters = 0;
+};
+
+// Starts a job from `job.init_from` (a Hugging Face directory, read by
+// HfModelDir): every layer goes into `store` as its checkpoint of step 0,
+// one layer in memory at a time, so the workers restore them as they
+// restore any checkpoint. Does nothing when the store holds a checkpoint
+// already (a restarted coordinator resumes the job instead). Errors as
+// HfModelDir's, naming the directory and the tensor.
+absl::StatusOr<ModelImport> ImportModel(const v1::JobSpec& job, CheckpointStore& store);
+
 }  // namespace geotrain
 
 #endif  // GEOTRAIN_COORDINATOR_MODEL_EXPORT_H_

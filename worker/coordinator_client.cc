@@ -4,9 +4,12 @@
 
 #include <algorithm>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/grpc_status.h"
+#include "common/layer_state.h"
 #include "common/logging.h"
+#include "common/status_macros.h"
 #include "common/rpc_options.h"
 
 namespace geotrain {
@@ -70,18 +73,34 @@ CoordinatorClient::~CoordinatorClient() {
   if (uploader_.joinable()) uploader_.join();
 }
 
+namespace {
+
+// A transfer's deadline grows with its size: 30 s, plus 1 s per MiB (a
+// slow uplink), so a large layer is not cut off for being large.
+std::chrono::seconds StateDeadline(uint64_t payload_bytes) {
+  return std::chrono::seconds(30 + static_cast<int64_t>(payload_bytes >> 20));
+}
+
+}  // namespace
+
 absl::Status CoordinatorClient::SaveCheckpoint(std::vector<v1::LayerCheckpoint> layers) {
   absl::Status status;
   {
+    uint64_t total = 0;
+    for (const v1::LayerCheckpoint& layer : layers) total += layer.payload().size();
     grpc::ClientContext context;
-    context.set_deadline(DeadlineFromNow(std::chrono::seconds(30)));
+    context.set_deadline(DeadlineFromNow(StateDeadline(total)));
     v1::SaveCheckpointResponse response;
     auto writer = stub_->SaveCheckpoint(&context, &response);
     const std::string id = worker_id();
     for (v1::LayerCheckpoint& layer : layers) {
       layer.set_worker_id(id);
-      if (!writer->Write(layer)) break;
-      layer.Clear();  // sent: its megabytes are not needed any more
+      const bool sent = ForEachLayerStateChunk(
+          layer, kLayerStateChunkBytes,
+          [&writer](const v1::LayerStateChunk& chunk) { return writer->Write(chunk); });
+      if (!sent) break;
+      // Sent: its megabytes are not needed any more.
+      std::string().swap(*layer.mutable_payload());
     }
     writer->WritesDone();
     status = FromGrpcStatus(writer->Finish());
@@ -93,17 +112,40 @@ absl::Status CoordinatorClient::SaveCheckpoint(std::vector<v1::LayerCheckpoint> 
   return status;
 }
 
-absl::StatusOr<v1::LayerCheckpoint> CoordinatorClient::LoadCheckpoint(int layer, bool probe) {
+absl::StatusOr<std::vector<v1::LayerCheckpoint>> ReceiveLayerStates(
+    grpc::ClientReader<v1::LayerStateChunk>& reader, uint64_t max_layer_bytes) {
+  LayerStateCollector collector;
+  LayerStateReceiver receiver(&collector, max_layer_bytes);
+  v1::LayerStateChunk chunk;
+  absl::Status received;
+  while (reader.Read(&chunk)) {
+    received = receiver.Add(chunk);
+    if (!received.ok()) break;
+  }
+  const absl::Status finished = FromGrpcStatus(reader.Finish());
+  if (!finished.ok()) return finished;
+  if (received.ok()) received = receiver.Finish();
+  if (!received.ok()) return received;
+  return std::move(collector.layers());
+}
+
+absl::StatusOr<v1::LayerCheckpoint> CoordinatorClient::LoadCheckpoint(int layer, bool probe,
+                                                                       uint64_t max_layer_bytes) {
   grpc::ClientContext context;
-  context.set_deadline(DeadlineFromNow(std::chrono::seconds(30)));
+  context.set_deadline(DeadlineFromNow(StateDeadline(probe ? 0 : max_layer_bytes)));
   v1::LoadCheckpointRequest request;
   request.set_worker_id(worker_id());
   request.set_layer(layer);
   request.set_probe(probe);
-  v1::LayerCheckpoint response;
-  const grpc::Status status = stub_->LoadCheckpoint(&context, request, &response);
-  if (!status.ok()) return FromGrpcStatus(status);
-  return response;
+  std::unique_ptr<grpc::ClientReader<v1::LayerStateChunk>> reader =
+      stub_->LoadCheckpoint(&context, request);
+  ASSIGN_OR_RETURN(std::vector<v1::LayerCheckpoint> layers,
+                   ReceiveLayerStates(*reader, max_layer_bytes));
+  if (layers.size() != 1 || layers[0].layer() != layer) {
+    return absl::InvalidArgumentError(absl::StrCat("the restore of layer ", layer, " brought ",
+                                                   layers.size(), " layers"));
+  }
+  return std::move(layers[0]);
 }
 
 void CoordinatorClient::CheckpointReady(std::vector<v1::LayerCheckpoint> layers) {

@@ -23,6 +23,12 @@
 
 namespace geotrain {
 
+// Reads layers' state (runs of LayerStateChunks, checked) from `reader` and
+// finishes the call: the coordinator's restores and a peer's
+// (StageState.FetchLayerState) alike.
+absl::StatusOr<std::vector<v1::LayerCheckpoint>> ReceiveLayerStates(
+    grpc::ClientReader<v1::LayerStateChunk>& reader, uint64_t max_layer_bytes);
+
 class CoordinatorClient final : public ProgressSink {
  public:
   explicit CoordinatorClient(std::string address);
@@ -60,7 +66,10 @@ class CoordinatorClient final : public ProgressSink {
   // never stalls training. LoadCheckpoint: NOT_FOUND when there is none.
   absl::Status SaveCheckpoint(std::vector<v1::LayerCheckpoint> layers);
   // `probe`: only to compare steps (the coordinator records no restore).
-  absl::StatusOr<v1::LayerCheckpoint> LoadCheckpoint(int layer, bool probe = false);
+  // The layer arrives in chunks (common/layer_state.h); one declaring more
+  // than `max_layer_bytes` is refused before anything is allocated.
+  absl::StatusOr<v1::LayerCheckpoint> LoadCheckpoint(int layer, bool probe = false,
+                                                     uint64_t max_layer_bytes = 1 << 30);
   void CheckpointReady(std::vector<v1::LayerCheckpoint> layers) override;
   // Logged and dropped on failure.
   // Carries the epoch set by SetEpoch().

@@ -10,6 +10,7 @@
 #include "absl/strings/str_split.h"
 #include "common/adaptive_codec.h"
 #include "common/job_spec.h"
+#include "common/layer_state.h"
 #include "common/logging.h"
 #include "common/plan_util.h"
 #include "common/process_stats.h"
@@ -365,7 +366,7 @@ absl::StatusOr<bool> Worker::PrepareRuntime(const StagePlacement& placement,
   std::vector<v1::LayerCheckpoint> found;
   std::vector<int> missing;
   for (int layer = placement.layer_begin; layer < placement.layer_end; ++layer) {
-    absl::StatusOr<v1::LayerCheckpoint> checkpoint = coordinator_.LoadCheckpoint(layer);
+    absl::StatusOr<v1::LayerCheckpoint> checkpoint = coordinator_.LoadCheckpoint(layer, /*probe=*/false, MaxLayerStateBytes(job_, layer));
     if (checkpoint.ok()) {
       found.push_back(*std::move(checkpoint));
     } else if (checkpoint.status().code() == absl::StatusCode::kNotFound) {

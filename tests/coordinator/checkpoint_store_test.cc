@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <fstream>
 
+#include "common/layer_state.h"
 #include "gtest/gtest.h"
 
 namespace geotrain {
@@ -97,6 +98,75 @@ TEST(CheckpointStoreTest, AFileUnderTheWrongNameIsRefused) {
   std::vector<std::string> skipped;
   EXPECT_EQ((*store)->LoadLatest(2, &skipped)->step(), 10);
   EXPECT_EQ(skipped.size(), 1u);
+}
+
+// A layer is written and read a piece at a time; the reader hands back the
+// same bytes; a writer dropped before Commit leaves no file and no index
+// entry.
+TEST(CheckpointStoreTest, StreamsALayerInAndOutInPieces) {
+  auto store = CheckpointStore::Open(TempDir());
+  ASSERT_TRUE(store.ok());
+  v1::LayerCheckpoint header = Checkpoint(5, 40);
+  std::string payload(3 << 20, '\0');
+  for (size_t i = 0; i < payload.size(); ++i) payload[i] = static_cast<char>(i % 251);
+  header.clear_payload();
+  {
+    auto writer = (*store)->BeginSave(header, payload.size());
+    ASSERT_TRUE(writer.ok());
+    ASSERT_TRUE((*writer)->Append(absl::string_view(payload).substr(0, 1000)).ok());
+  }  // abandoned
+  EXPECT_TRUE((*store)->Index().empty() || (*store)->Index().at(5).empty());
+  auto writer = (*store)->BeginSave(header, payload.size());
+  ASSERT_TRUE(writer.ok());
+  for (size_t offset = 0; offset < payload.size(); offset += 1 << 20) {
+    ASSERT_TRUE((*writer)->Append(absl::string_view(payload).substr(offset, 1 << 20)).ok());
+  }
+  EXPECT_EQ((*writer)->Append("x").code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE((*writer)->Commit().ok());
+  auto reader = (*store)->OpenLatest(5, nullptr);
+  ASSERT_TRUE(reader.ok());
+  EXPECT_EQ((*reader)->header().step(), 40);
+  EXPECT_TRUE((*reader)->header().payload().empty());
+  ASSERT_EQ((*reader)->payload_bytes(), payload.size());
+  std::string read;
+  while (true) {
+    auto n = (*reader)->Read(777777, &read);
+    ASSERT_TRUE(n.ok());
+    if (*n == 0) break;
+  }
+  EXPECT_EQ(read, payload);
+  // Nothing else was left in the layer's directory (no temp files).
+  int files = 0;
+  for (int step = 0; step < 100; ++step) files += access(PathOf(**store, 5, step).c_str(), F_OK) == 0;
+  EXPECT_EQ(files, 1);
+}
+
+TEST(CheckpointStoreTest, AWriterMustDeliverWhatItAnnounced) {
+  auto store = CheckpointStore::Open(TempDir());
+  v1::LayerCheckpoint header = Checkpoint(1, 1);
+  header.clear_payload();
+  auto writer = (*store)->BeginSave(header, 10);
+  ASSERT_TRUE((*writer)->Append("12345").ok());
+  EXPECT_EQ((*writer)->Commit().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*store)->LoadLatest(1, nullptr).status().code(), absl::StatusCode::kNotFound);
+}
+
+// A state directory written by the previous format is still read.
+TEST(CheckpointStoreTest, ReadsFilesOfThePreviousFormat) {
+  const std::string dir = TempDir();
+  const v1::LayerCheckpoint old = Checkpoint(2, 30);
+  const std::string body = old.SerializeAsString();
+  std::string file = "GTCKPT01";
+  const uint32_t crc = Crc32Update(0, body);
+  for (int i = 0; i < 4; ++i) file.push_back(static_cast<char>(crc >> (8 * i)));
+  for (int i = 0; i < 8; ++i) file.push_back(static_cast<char>(uint64_t{body.size()} >> (8 * i)));
+  file += body;
+  ASSERT_EQ(system(("mkdir -p " + dir + "/checkpoints/layer-0002").c_str()), 0);
+  std::ofstream(dir + "/checkpoints/layer-0002/step-00000030.ckpt", std::ios::binary) << file;
+  auto store = CheckpointStore::Open(dir);
+  auto loaded = (*store)->LoadLatest(2, nullptr);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(loaded->SerializeAsString(), old.SerializeAsString());
 }
 
 }  // namespace

@@ -22,6 +22,7 @@
 #include <sstream>
 #include <thread>
 
+#include "common/layer_state.h"
 #include "common/link_message.h"
 #include "common/model_profile.h"
 #include <zstd.h>
@@ -489,7 +490,8 @@ TEST_F(LinkRefusalTest, ControlCallsForAnotherWorkerAreRefused) {
     auto ctx = context();
     v1::SaveCheckpointResponse saved;
     auto writer = coordinator_stub_->SaveCheckpoint(ctx.get(), &saved);
-    writer->Write(checkpoint);
+    ForEachLayerStateChunk(checkpoint, kLayerStateChunkBytes,
+                           [&](const v1::LayerStateChunk& chunk) { return writer->Write(chunk); });
     writer->WritesDone();
     EXPECT_EQ(writer->Finish().error_code(), expected) << "layer " << layer;
   }

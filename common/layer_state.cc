@@ -1,0 +1,158 @@
+#include "common/layer_state.h"
+
+#include <zlib.h>
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/model_profile.h"
+
+namespace geotrain {
+
+uint64_t MaxLayerStateBytes(const v1::JobSpec& job, int layer) {
+  const std::vector<LayerProfile> layers = ProfileLayers(job);
+  if (layer < 0 || layer >= static_cast<int>(layers.size())) return 0;
+  return layers[layer].parameter_count * sizeof(float) * 3;
+}
+
+v1::LayerCheckpoint LayerStateHeader(const v1::LayerCheckpoint& layer) {
+  v1::LayerCheckpoint header;
+  header.set_worker_id(layer.worker_id());
+  header.set_layer(layer.layer());
+  header.set_step(layer.step());
+  header.set_optimizer_steps(layer.optimizer_steps());
+  header.set_state_per_param(layer.state_per_param());
+  *header.mutable_params() = layer.params();
+  *header.mutable_optimizer_state() = layer.optimizer_state();
+  header.set_data_cursor(layer.data_cursor());
+  return header;
+}
+
+uint64_t DeclaredPayloadBytes(const v1::LayerCheckpoint& header) {
+  uint64_t bytes = 0;
+  for (const auto* tensors : {&header.params(), &header.optimizer_state()}) {
+    for (const v1::TensorHeader& h : *tensors) {
+      // Saturate rather than wrap: a forged header must not look small.
+      bytes = h.payload_bytes() > UINT64_MAX - bytes ? UINT64_MAX : bytes + h.payload_bytes();
+    }
+  }
+  return bytes;
+}
+
+uint32_t Crc32Update(uint32_t crc, absl::string_view data) {
+  uLong value = crc;
+  while (!data.empty()) {
+    const size_t n = std::min<size_t>(data.size(), 1u << 30);
+    value = crc32(value, reinterpret_cast<const Bytef*>(data.data()), static_cast<uInt>(n));
+    data.remove_prefix(n);
+  }
+  return static_cast<uint32_t>(value);
+}
+
+bool ForEachLayerStateChunk(const v1::LayerCheckpoint& layer, size_t chunk_bytes,
+                            const std::function<bool(const v1::LayerStateChunk&)>& emit) {
+  chunk_bytes = std::max<size_t>(4, chunk_bytes & ~size_t{3});
+  const absl::string_view payload = layer.payload();
+  uint32_t crc = 0;
+  size_t offset = 0;
+  bool first = true;
+  do {
+    v1::LayerStateChunk chunk;
+    if (first) {
+      *chunk.mutable_header() = LayerStateHeader(layer);
+      chunk.set_payload_bytes(payload.size());
+    }
+    const absl::string_view piece = payload.substr(offset, chunk_bytes);
+    chunk.set_data(piece.data(), piece.size());
+    crc = Crc32Update(crc, piece);
+    offset += piece.size();
+    if (offset == payload.size()) {
+      chunk.set_last(true);
+      chunk.set_payload_crc32(crc);
+    }
+    if (!emit(chunk)) return false;
+    first = false;
+  } while (offset < payload.size());
+  return true;
+}
+
+absl::Status LayerStateReceiver::Add(const v1::LayerStateChunk& chunk) {
+  if (!in_layer_) {
+    if (!chunk.has_header()) {
+      return absl::InvalidArgumentError("layer state chunk without a header where a layer begins");
+    }
+    const v1::LayerCheckpoint& header = chunk.header();
+    if (!header.payload().empty()) {
+      return absl::InvalidArgumentError("layer state header carries a payload of its own");
+    }
+    layer_ = header.layer();
+    declared_ = chunk.payload_bytes();
+    if (declared_ != DeclaredPayloadBytes(header)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("state of layer ", layer_, " declares ", declared_,
+                       " payload bytes; its tensors need ", DeclaredPayloadBytes(header)));
+    }
+    if (declared_ > max_layer_bytes_) {
+      return absl::InvalidArgumentError(absl::StrCat("state of layer ", layer_, " of ", declared_,
+                                                     " bytes; at most ", max_layer_bytes_,
+                                                     " are accepted"));
+    }
+    received_ = 0;
+    crc_ = 0;
+    in_layer_ = true;
+    if (absl::Status begun = sink_->Begin(header, declared_); !begun.ok()) return begun;
+  } else if (chunk.has_header()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("state of layer ", layer_, " interrupted by another layer's header"));
+  }
+  const std::string& data = chunk.data();
+  if (data.size() > kLayerStateChunkBytes || data.size() % 4 != 0 ||
+      data.size() > declared_ - received_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "state of layer ", layer_, ": a chunk of ", data.size(), " bytes at offset ", received_,
+        " of ", declared_, " (chunks are multiples of 4, at most ", kLayerStateChunkBytes, ")"));
+  }
+  if (!data.empty()) {
+    crc_ = Crc32Update(crc_, data);
+    received_ += data.size();
+    bytes_total_ += data.size();
+    if (absl::Status appended = sink_->Append(data); !appended.ok()) return appended;
+  }
+  if (!chunk.last()) return absl::OkStatus();
+  if (received_ != declared_) {
+    return absl::InvalidArgumentError(absl::StrCat("state of layer ", layer_, " ends after ",
+                                                   received_, " of ", declared_, " bytes"));
+  }
+  if (chunk.payload_crc32() != crc_) {
+    return absl::DataLossError(absl::StrCat("state of layer ", layer_,
+                                            ": the payload's checksum does not match"));
+  }
+  in_layer_ = false;
+  ++layers_done_;
+  return sink_->End();
+}
+
+absl::Status LayerStateReceiver::Finish() const {
+  if (in_layer_) {
+    return absl::InvalidArgumentError(absl::StrCat("the stream ended inside the state of layer ",
+                                                   layer_, " (", received_, " of ", declared_,
+                                                   " bytes)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LayerStateCollector::Begin(const v1::LayerCheckpoint& header,
+                                        uint64_t payload_bytes) {
+  v1::LayerCheckpoint& layer = layers_.emplace_back(header);
+  layer.mutable_payload()->reserve(payload_bytes);
+  return absl::OkStatus();
+}
+
+absl::Status LayerStateCollector::Append(absl::string_view data) {
+  layers_.back().mutable_payload()->append(data.data(), data.size());
+  return absl::OkStatus();
+}
+
+absl::Status LayerStateCollector::End() { return absl::OkStatus(); }
+
+}  // namespace geotrain
