@@ -4,7 +4,8 @@
 # builds the same code a second time against PyPI's CUDA LibTorch (the torch
 # wheel, with the CUDA codec kernels where nvcc is installed) and runs every
 # unit test that links LibTorch there too, plus the GPU check in its CPU mode,
-# then loads a model the wheel tree exported with transformers.
+# then loads a model the wheel tree exported with transformers, and
+# fine-tunes a model transformers made (init_from) and exports it back.
 # Usage: ./tests/run.sh [extra ctest args for the first tree, e.g. -L unit]
 # GEOTRAIN_SKIP_WHEEL=1 skips the second tree (a quick local run).
 set -euo pipefail
@@ -51,8 +52,10 @@ phase "testing $WHEEL_BUILD_DIR"
 (cd "$WHEEL_BUILD_DIR" && ctest --output-on-failure -j2 -L torch)
 GEOTRAIN_GPU_BUILD_DIR="$WHEEL_BUILD_DIR" ./tests/gpu/run.sh --device=cpu
 # Hugging Face interop: transformers (PyPI) loads what --export_dir wrote.
-phase "loading an export with transformers"
+phase "Hugging Face interop with transformers"
 "$WHEEL_BUILD_DIR/torch-venv/bin/pip" install -q "transformers==5.24.0"
 GEOTRAIN_SOURCE_DIR="$PWD" GEOTRAIN_BIN_DIR="$WHEEL_BUILD_DIR/bin" \
   "$WHEEL_BUILD_DIR/torch-venv/bin/python" -u tests/hf/test_export_loads.py
+GEOTRAIN_SOURCE_DIR="$PWD" GEOTRAIN_BIN_DIR="$WHEEL_BUILD_DIR/bin" \
+  "$WHEEL_BUILD_DIR/torch-venv/bin/python" -u tests/hf/test_init_from.py
 phase "done"

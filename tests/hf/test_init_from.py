@@ -4,7 +4,7 @@ with init_from and an empty llama {} block, on 2 workers.
 
 - The first step's loss (weights as imported, before any update) equals the
   loss transformers computes for the same model and batch, within 1e-4
-  relative. The token files hold context + 2 tokens, so every window the
+  relative. The token files hold context + 1 tokens, so every window the
   job draws is the same one: the batch is fixed.
 - After training, the coordinator's export loads with
   LlamaForCausalLM.from_pretrained, and its logits on that batch match
@@ -80,10 +80,10 @@ class InitFromTest(unittest.TestCase):
             model_dir = os.path.join(d, "hf")
             model = tiny_llama(model_dir)
             model.eval()
-            window = np.random.default_rng(5).integers(0, VOCAB, CONTEXT + 2).astype(np.uint16)
+            window = np.random.default_rng(5).integers(0, VOCAB, CONTEXT + 1).astype(np.uint16)
             tokens = os.path.join(d, "tokens.bin")
             window.tofile(tokens)
-            window = [int(t) for t in window[:CONTEXT + 1]]
+            window = [int(t) for t in window]
             expected = hf_loss(model, window)
 
             export = os.path.join(d, "export")
@@ -129,7 +129,7 @@ class InitFromTest(unittest.TestCase):
             model_dir = os.path.join(d, "hf")
             tiny_llama(model_dir)
             tokens = os.path.join(d, "tokens.bin")
-            np.zeros(CONTEXT + 2, dtype=np.uint16).tofile(tokens)
+            np.zeros(CONTEXT + 1, dtype=np.uint16).tofile(tokens)
             job = write_job(os.path.join(d, "job.textproto"), model_dir, tokens,
                             block="d_model: 128")
             done = subprocess.run([binary("geotrain-coordinator"), f"--job={job}", "--insecure",
