@@ -112,6 +112,24 @@ absl::Status CoordinatorClient::SaveCheckpoint(std::vector<v1::LayerCheckpoint> 
   return status;
 }
 
+absl::Status CoordinatorClient::UploadCheckpointNow(uint64_t bytes,
+                                                    const LayerStateWriter& write) {
+  grpc::ClientContext context;
+  context.set_deadline(DeadlineFromNow(StateDeadline(bytes)));
+  v1::SaveCheckpointResponse response;
+  auto writer = stub_->SaveCheckpoint(&context, &response);
+  const std::string id = worker_id();
+  const absl::Status written = write([&](const v1::LayerStateChunk& chunk) {
+    if (!chunk.has_header()) return writer->Write(chunk);
+    v1::LayerStateChunk first = chunk;  // the header chunk: small
+    first.mutable_header()->set_worker_id(id);
+    return writer->Write(first);
+  });
+  writer->WritesDone();
+  const absl::Status finished = FromGrpcStatus(writer->Finish());
+  return finished.ok() ? written : finished;
+}
+
 absl::StatusOr<std::vector<v1::LayerCheckpoint>> ReceiveLayerStates(
     grpc::ClientReader<v1::LayerStateChunk>& reader, uint64_t max_layer_bytes) {
   LayerStateCollector collector;

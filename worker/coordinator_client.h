@@ -71,6 +71,7 @@ class CoordinatorClient final : public ProgressSink {
   absl::StatusOr<v1::LayerCheckpoint> LoadCheckpoint(int layer, bool probe = false,
                                                      uint64_t max_layer_bytes = 1 << 30);
   void CheckpointReady(std::vector<v1::LayerCheckpoint> layers) override;
+  absl::Status UploadCheckpointNow(uint64_t bytes, const LayerStateWriter& write) override;
   // Logged and dropped on failure.
   // Carries the epoch set by SetEpoch().
   void ReportEvent(const std::string& kind, const std::string& detail,

@@ -1,4 +1,5 @@
 // geotrain-worker: joins a coordinator and serves one pipeline stage.
+#include <malloc.h>
 #include <pthread.h>
 #include <signal.h>
 
@@ -48,6 +49,13 @@ int main(int argc, char** argv) {
   // First of all: LibTorch's BLAS and OpenMP read their settings when they
   // load, so a worker that must change them starts itself again.
   geotrain::ReexecWithComputeEnvironment(argv);
+  // Weights, gradients and model state come and go in blocks of megabytes
+  // (a restore, a checkpoint snapshot, the join-time layer timings). glibc
+  // would raise its mmap threshold after the first such block is freed and
+  // keep later ones in its heap, so a worker's resident memory would stay
+  // at its highest; with a fixed threshold every block of 4 MiB or more is
+  // mapped and unmapped, and goes back to the system when freed.
+  mallopt(M_MMAP_THRESHOLD, 4 << 20);
   absl::SetProgramUsageMessage(
       "geotrain-worker --coordinator=HOST:PORT [--listen=HOST:PORT] [--device=auto] "
       "[--threads=N] [--name=NAME]");

@@ -233,10 +233,22 @@ absl::Status PipelineDriver::AfterBackward(double loss, uint64_t microbatch) {
   // updates. Without replicas updates fall on step boundaries (update_every
   // divides M); a replica's need not.
   if (checkpoint_due_ > 0 && backwards_since_update_ == 0) {
-    ASSIGN_OR_RETURN(std::vector<v1::LayerCheckpoint> layers,
-                     runtime_->ExportCheckpoint(checkpoint_due_));
-    progress_->CheckpointReady(std::move(layers));
+    const int step = checkpoint_due_;
     checkpoint_due_ = 0;
+    const uint64_t bytes = runtime_->StateBytes();
+    if (bytes > kLargestCheckpointSnapshot) {
+      const absl::Status uploaded = progress_->UploadCheckpointNow(
+          bytes, [this, step](const std::function<bool(const v1::LayerStateChunk&)>& emit) {
+            return runtime_->StreamCheckpoint(step, emit);
+          });
+      // A lost checkpoint costs only recovery time, never the run.
+      if (!uploaded.ok()) {
+        GT_LOG(Warning) << "checkpoint of step " << step << " not saved: " << uploaded.message();
+      }
+    } else {
+      ASSIGN_OR_RETURN(std::vector<v1::LayerCheckpoint> layers, runtime_->ExportCheckpoint(step));
+      progress_->CheckpointReady(std::move(layers));
+    }
   }
   return absl::OkStatus();
 }

@@ -47,7 +47,22 @@ class ProgressSink {
   virtual void StageProgress(int step) = 0;
   // Called every job.checkpoint_every steps with the stage's layers.
   virtual void CheckpointReady(std::vector<v1::LayerCheckpoint> layers) {}
+  // Writes a stage's layers as chunks into `emit` (false: the stream broke).
+  using LayerStateWriter =
+      std::function<absl::Status(const std::function<bool(const v1::LayerStateChunk&)>& emit)>;
+  // Instead of CheckpointReady for a stage over kLargestCheckpointSnapshot:
+  // uploads `bytes` of state now, from the live tensors, while the driver
+  // waits (a snapshot for a background upload would double the stage's
+  // memory).
+  virtual absl::Status UploadCheckpointNow(uint64_t bytes, const LayerStateWriter& write) {
+    return absl::UnimplementedError("this sink takes no checkpoints");
+  }
 };
+
+// A stage whose weights and optimizer state exceed this checkpoints
+// between updates straight from its tensors (UploadCheckpointNow); smaller
+// ones are copied and uploaded in the background.
+inline constexpr uint64_t kLargestCheckpointSnapshot = uint64_t{256} << 20;
 
 struct ScheduleConfig {
   int window = 1;

@@ -8,6 +8,7 @@
 #include "common/model_profile.h"
 #include "common/status_macros.h"
 #include "common/tensor_wire.h"
+#include "common/layer_state.h"
 #include "worker/datasets.h"
 #include "worker/models.h"
 #include "worker/optimizer.h"
@@ -246,6 +247,16 @@ absl::StatusOr<std::unique_ptr<StageRuntime>> StageRuntime::Create(
       for (const torch::Tensor& p : layer->parameters()) parameters.push_back(p);
     }
     impl->stash = std::make_unique<WeightStash>(std::move(parameters));
+    // The stash now holds the initial weights (its own handles on the same
+    // storage); the modules' copies would pin them for the runtime's life,
+    // a whole extra copy of the stage's parameters once they are updated or
+    // restored. The modules keep only their structure.
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& layer : impl->layers) {
+        for (torch::Tensor& p : layer->parameters()) p.set_data(torch::empty({0}, p.options()));
+      }
+    }
     impl->optimizer = MakeOptimizer(job.optimizer());
     if (placement.stage == 0) {
       ASSIGN_OR_RETURN(impl->dataset, OpenDataset(job));
@@ -534,6 +545,79 @@ absl::StatusOr<std::vector<v1::LayerCheckpoint>> StageRuntime::ExportCheckpoint(
   });
 }
 
+uint64_t StageRuntime::StateBytes() const {
+  const Impl& s = *impl_;
+  uint64_t bytes = 0;
+  for (const torch::Tensor& p : s.stash->Get(s.stash->current_version())) {
+    bytes += static_cast<uint64_t>(p.numel()) * p.element_size();
+  }
+  for (const std::vector<torch::Tensor>& per_param : s.optimizer->State()) {
+    for (const torch::Tensor& t : per_param) {
+      bytes += static_cast<uint64_t>(t.numel()) * t.element_size();
+    }
+  }
+  return bytes;
+}
+
+absl::Status StageRuntime::StreamCheckpoint(
+    int step, const std::function<bool(const v1::LayerStateChunk&)>& emit) const {
+  const Impl& s = *impl_;
+  return GuardTorch("streaming a checkpoint", [&]() -> absl::Status {
+    const std::vector<torch::Tensor>& params = s.stash->Get(s.stash->current_version());
+    const std::vector<std::vector<torch::Tensor>> state = s.optimizer->State();
+    for (size_t i = 0; i < s.layers.size(); ++i) {
+      const auto [begin, end] = s.LayerParams(i, params.size());
+      std::vector<torch::Tensor> tensors;  // params, then each one's state
+      v1::LayerStateChunk chunk;
+      v1::LayerCheckpoint* header = chunk.mutable_header();
+      header->set_layer(s.placement.layer_begin + static_cast<int>(i));
+      header->set_step(step);
+      header->set_optimizer_steps(s.optimizer->steps());
+      header->set_state_per_param(state.empty() ? 0 : static_cast<int>(state[0].size()));
+      auto describe = [&](const torch::Tensor& t, v1::TensorHeader* h) {
+        for (int64_t dim : t.sizes()) h->add_shape(dim);
+        h->set_dtype(v1::DTYPE_FLOAT32);
+        h->set_codec(v1::CODEC_NONE);
+        h->set_payload_bytes(static_cast<uint64_t>(t.numel()) * sizeof(float));
+        tensors.push_back(t);
+      };
+      for (size_t p = begin; p < end; ++p) describe(params[p], header->add_params());
+      for (size_t p = begin; p < end && !state.empty(); ++p) {
+        for (const torch::Tensor& t : state[p]) describe(t, header->add_optimizer_state());
+      }
+      const uint64_t total = DeclaredPayloadBytes(*header);
+      chunk.set_payload_bytes(total);
+      // One tensor on the host at a time (a copy only for a device tensor).
+      uint32_t crc = 0;
+      uint64_t sent = 0;
+      for (const torch::Tensor& tensor : tensors) {
+        if (tensor.scalar_type() != torch::kFloat32) {
+          return absl::InternalError("a stage tensor that is not float32");
+        }
+        const torch::Tensor host = tensor.detach().to(torch::kCPU).contiguous();
+        absl::string_view bytes(static_cast<const char*>(host.data_ptr()),
+                                static_cast<size_t>(host.numel()) * sizeof(float));
+        while (!bytes.empty()) {
+          const size_t room = kLayerStateChunkBytes - chunk.data().size();
+          const absl::string_view piece = bytes.substr(0, room);
+          chunk.mutable_data()->append(piece.data(), piece.size());
+          crc = Crc32Update(crc, piece);
+          sent += piece.size();
+          bytes.remove_prefix(piece.size());
+          if (chunk.data().size() == kLayerStateChunkBytes && sent < total) {
+            if (!emit(chunk)) return absl::CancelledError("the checkpoint stream broke");
+            chunk.Clear();
+          }
+        }
+      }
+      chunk.set_last(true);
+      chunk.set_payload_crc32(crc);
+      if (!emit(chunk)) return absl::CancelledError("the checkpoint stream broke");
+    }
+    return absl::OkStatus();
+  });
+}
+
 absl::Status StageRuntime::RestoreCheckpoint(const std::vector<v1::LayerCheckpoint>& layers) {
   Impl& s = *impl_;
   if (!s.pending.empty()) {
@@ -573,7 +657,22 @@ absl::Status StageRuntime::RestoreCheckpoint(const std::vector<v1::LayerCheckpoi
       size_t offset = 0;
       auto next = [&](const v1::TensorHeader& header,
                       const torch::Tensor& like) -> absl::StatusOr<torch::Tensor> {
-        ASSIGN_OR_RETURN(torch::Tensor t, DecodeTensor(header, c.payload(), offset));
+        torch::Tensor t;
+        if (header.dtype() == v1::DTYPE_FLOAT32 && header.codec() == v1::CODEC_NONE &&
+            !header.zstd() && header.payload_bytes() == like.numel() * sizeof(float) &&
+            offset + header.payload_bytes() <= c.payload().size()) {
+          // A view of the payload, not a copy: the weights are cloned once
+          // below (Publish) and the optimizer state by Restore, so a layer
+          // is never decoded into a second full copy beside its payload.
+          t = torch::from_blob(const_cast<char*>(c.payload().data()) + offset, like.sizes(),
+                               torch::kFloat32);
+          if (!torch::isfinite(t).all().item<bool>()) {
+            return absl::InvalidArgumentError(absl::StrCat(
+                "checkpoint of layer ", c.layer(), " holds a value that is not finite"));
+          }
+        } else {
+          ASSIGN_OR_RETURN(t, DecodeTensor(header, c.payload(), offset));
+        }
         offset += header.payload_bytes();
         if (t.sizes() != like.sizes()) {
           return absl::InvalidArgumentError(absl::StrCat(

@@ -12,6 +12,7 @@
 #define GEOTRAIN_WORKER_STAGE_RUNTIME_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -110,6 +111,15 @@ class StageRuntime {
   // This stage's layers (current weights and optimizer state) as one
   // checkpoint per layer, labelled `step`.
   absl::StatusOr<std::vector<v1::LayerCheckpoint>> ExportCheckpoint(int step) const;
+  // The same layers as LayerStateChunks (common/layer_state.h) read
+  // straight from the live tensors, a chunk at a time: no copy of the stage
+  // is made, so the stage must not change meanwhile (call it from the
+  // driver's thread, between updates). CANCELLED when `emit` returns false.
+  absl::Status StreamCheckpoint(
+      int step, const std::function<bool(const v1::LayerStateChunk&)>& emit) const;
+  // Bytes of weights and optimizer state this stage holds (what a
+  // checkpoint of it carries).
+  uint64_t StateBytes() const;
   // Loads checkpoints of any of this stage's layers (the others keep their
   // weights; optimizer state missing for some starts from zero) and
   // publishes them as a new weight version. REQUIRES: nothing in flight

@@ -1,5 +1,7 @@
 #include "worker/worker.h"
 
+#include <malloc.h>
+
 #include <unistd.h>
 
 #include <set>
@@ -179,6 +181,9 @@ void Worker::MeasureLayerKinds() {
     absl::StrAppendFormat(&line, " %s %.3f ms", kind, 1e3 * seconds);
   }
   GT_LOG(Info) << "layer timings per sample (forward + backward):" << line;
+  // The timed layers were as large as the job's: give their memory back
+  // rather than let the allocator keep it for the life of the worker.
+  malloc_trim(0);
   coordinator_.SetLayerTimings(*std::move(timings));
 }
 
@@ -279,8 +284,12 @@ absl::Status Worker::HandOver() {
     return absl::CancelledError("drained (replica)");
   }
   dropped_microbatches_ += runtime_->DropInFlight();
-  absl::StatusOr<std::vector<v1::LayerCheckpoint>> layers = runtime_->ExportCheckpoint(step);
-  absl::Status saved = layers.ok() ? coordinator_.SaveCheckpoint(*std::move(layers)) : layers.status();
+  // Nothing else runs on the stage now: stream it from its tensors.
+  const absl::Status saved = coordinator_.UploadCheckpointNow(
+      runtime_->StateBytes(),
+      [this, step](const std::function<bool(const v1::LayerStateChunk&)>& emit) {
+        return runtime_->StreamCheckpoint(step, emit);
+      });
   if (saved.ok()) {
     coordinator_.ReportEvent("drain", absl::StrCat("layers [", runtime_->layer_begin(), ",",
                                                    runtime_->layer_end(), ") saved at step ",

@@ -1,5 +1,7 @@
 #include "worker/stage_runtime.h"
 
+#include "common/layer_state.h"
+
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -322,6 +324,40 @@ TEST_F(StageRuntimeTest, RestoredCheckpointContinuesIdentically) {
   // A fresh runtime without the checkpoint does not match: the test can tell.
   auto fresh = Make(0, 1, 0, 4);
   EXPECT_NE(train_step(fresh.get(), 2), after_restore);
+}
+
+// The checkpoint streamed from the live tensors (large stages) is the one
+// ExportCheckpoint copies, byte for byte, in chunks of at most 1 MiB.
+TEST_F(StageRuntimeTest, AStreamedCheckpointIsTheExportedOne) {
+  auto runtime = Make(0, 1, 0, 4);
+  for (int mb = 0; mb < job_.microbatches(); ++mb) {
+    ASSERT_TRUE(runtime->ForwardLoss(*runtime->LoadTrainMicrobatch(0, mb)).ok());
+  }
+  ASSERT_TRUE(runtime->ApplyUpdate(0.5).ok());
+  auto exported = runtime->ExportCheckpoint(1);
+  ASSERT_TRUE(exported.ok());
+  LayerStateCollector collector;
+  LayerStateReceiver receiver(&collector, uint64_t{1} << 30);
+  int chunks = 0;
+  ASSERT_TRUE(runtime
+                  ->StreamCheckpoint(1,
+                                     [&](const v1::LayerStateChunk& chunk) {
+                                       ++chunks;
+                                       EXPECT_LE(chunk.data().size(), kLayerStateChunkBytes);
+                                       return receiver.Add(chunk).ok();
+                                     })
+                  .ok());
+  ASSERT_TRUE(receiver.Finish().ok());
+  ASSERT_EQ(collector.layers().size(), exported->size());
+  for (size_t i = 0; i < exported->size(); ++i) {
+    EXPECT_EQ(collector.layers()[i].SerializeAsString(), (*exported)[i].SerializeAsString());
+  }
+  EXPECT_GE(chunks, static_cast<int>(exported->size()));
+  uint64_t bytes = 0;
+  for (const auto& layer : *exported) bytes += layer.payload().size();
+  EXPECT_EQ(runtime->StateBytes(), bytes);
+  EXPECT_EQ(runtime->StreamCheckpoint(1, [](const v1::LayerStateChunk&) { return false; }).code(),
+            absl::StatusCode::kCancelled);
 }
 
 TEST_F(StageRuntimeTest, RestoreRefusesWhatDoesNotFit) {
