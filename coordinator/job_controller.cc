@@ -15,6 +15,7 @@
 #include "coordinator/accusation_ledger.h"
 #include "coordinator/link_assigner.h"
 #include "coordinator/plan_builder.h"
+#include "coordinator/state_sources.h"
 
 namespace geotrain {
 namespace {
@@ -1144,7 +1145,10 @@ void JobController::RelinkLocked(const std::string& why) {
 }
 
 void JobController::PublishLocked(v1::Plan plan) {
-  if (!plan.job_done()) AssignLinksLocked(&plan);
+  if (!plan.job_done()) {
+    AssignLinksLocked(&plan);
+    AssignStateSources(plan_.has_value() ? &*plan_ : nullptr, &plan);
+  }
   stragglers_.ResetPatience();  // figures of the old plan say nothing of the new
   // The members the plan names (and the id counter) reach the disk before
   // the plan does: a restart must not find a plan naming a worker its state

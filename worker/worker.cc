@@ -13,6 +13,7 @@
 #include "common/adaptive_codec.h"
 #include "common/job_spec.h"
 #include "common/layer_state.h"
+#include "absl/strings/str_join.h"
 #include "common/logging.h"
 #include "common/plan_util.h"
 #include "common/process_stats.h"
@@ -113,6 +114,7 @@ absl::Status Worker::StartServer() {
       MakeServerCredentials(link_options_.transport, ClientCertificates::kRequire), &port);
   builder.RegisterService(link_service_.get());
   builder.RegisterService(&averager_);
+  builder.RegisterService(&state_server_);
   server_ = builder.BuildAndStart();
   if (server_ == nullptr || port == 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", options_.listen));
@@ -203,6 +205,8 @@ absl::Status Worker::Run() {
     coordinator_.UseSecurity(credentials.coordinator, options_.tls_server_name);
     link_options_.transport = credentials.peers;
     averager_.UseSecurity(credentials.peers);
+    state_server_.UseSecurity(credentials.peers);
+    peer_security_ = credentials.peers;
     prober_.UseSecurity(credentials.peers);
   }
   prober_.UseRoutes(options_.routes);
@@ -327,8 +331,49 @@ std::optional<v1::Plan> Worker::WaitForAssignment(uint64_t after_epoch) {
   return latest_plan_;
 }
 
+void Worker::OfferStateToNewcomers(const v1::StageAssignment& mine, uint64_t epoch) {
+  const v1::StateSource& source = mine.state_source();
+  if (source.worker_id() != worker_id_ || source.for_workers().empty() || runtime_ == nullptr) {
+    return;
+  }
+  // Taken now, before this epoch trains: the weights the newcomers start
+  // from are the ones this worker starts from.
+  absl::StatusOr<std::vector<v1::LayerCheckpoint>> layers =
+      runtime_->ExportCheckpoint(coordinator_.stage_step());
+  if (!layers.ok()) {
+    GT_LOG(Warning) << "no state to offer the stage's newcomers: " << layers.status().message();
+    return;
+  }
+  std::vector<std::string> newcomers(source.for_workers().begin(), source.for_workers().end());
+  GT_LOG(Info) << "offering stage " << mine.stage() << "'s state (step "
+               << coordinator_.stage_step() << ") to " << absl::StrJoin(newcomers, ", ");
+  state_server_.Offer(epoch, mine.layer_begin(), mine.layer_end(), std::move(newcomers),
+                      *std::move(layers));
+}
+
+absl::StatusOr<std::vector<v1::LayerCheckpoint>> Worker::FetchFromHolder(
+    const v1::StageAssignment& mine, uint64_t epoch) {
+  const v1::StateSource& source = mine.state_source();
+  v1::FetchLayerStateRequest request;
+  request.set_epoch(epoch);
+  request.set_worker_id(worker_id_);
+  request.set_layer_begin(mine.layer_begin());
+  request.set_layer_end(mine.layer_end());
+  uint64_t largest = 0, total = 0;
+  for (int layer = mine.layer_begin(); layer < mine.layer_end(); ++layer) {
+    largest = std::max(largest, MaxLayerStateBytes(job_, layer));
+    total += MaxLayerStateBytes(job_, layer);
+  }
+  auto route = options_.routes.find(source.address());
+  const std::string address = route != options_.routes.end() ? route->second : source.address();
+  // As for the coordinator: 30 s, plus 1 s per MiB.
+  return FetchStageState(address, source.worker_id(), peer_security_, request, largest,
+                         absl::Seconds(30 + static_cast<int64_t>(total >> 20)));
+}
+
 absl::StatusOr<bool> Worker::PrepareRuntime(const StagePlacement& placement,
-                                            const ScheduleConfig& schedule) {
+                                            const ScheduleConfig& schedule,
+                                            const v1::StageAssignment& mine, uint64_t epoch) {
   if (runtime_ != nullptr) {
     const StagePlacement& held = runtime_->placement();
     const bool same_place =
@@ -370,11 +415,30 @@ absl::StatusOr<bool> Worker::PrepareRuntime(const StagePlacement& placement,
   }
   ASSIGN_OR_RETURN(std::unique_ptr<StageRuntime> runtime,
                    StageRuntime::Create(job_, placement, runtime_options));
-  // Every layer that has a checkpoint starts from it; the rest from the
-  // seed (a layer nobody has checkpointed yet).
+  // A live worker that keeps this stage gives us its state, if the plan
+  // names one; otherwise (or if it cannot) every layer that has a
+  // checkpoint starts from it, the rest from the seed (a layer nobody has
+  // checkpointed yet).
   std::vector<v1::LayerCheckpoint> found;
   std::vector<int> missing;
-  for (int layer = placement.layer_begin; layer < placement.layer_end; ++layer) {
+  const v1::StateSource& source = mine.state_source();
+  std::string from_peer;
+  if (!source.worker_id().empty() && source.worker_id() != worker_id_ &&
+      std::find(source.for_workers().begin(), source.for_workers().end(), worker_id_) !=
+          source.for_workers().end()) {
+    absl::StatusOr<std::vector<v1::LayerCheckpoint>> fetched = FetchFromHolder(mine, epoch);
+    if (fetched.ok()) {
+      found = *std::move(fetched);
+      from_peer = source.worker_id();
+    } else {
+      GT_LOG(Warning) << "the stage's state from " << source.worker_id() << " failed ("
+                      << fetched.status().message() << "); taking the coordinator's checkpoints";
+      coordinator_.ReportEvent("state_fetch_failed", std::string(fetched.status().message()),
+                               source.worker_id());
+    }
+  }
+  for (int layer = placement.layer_begin; layer < placement.layer_end && from_peer.empty();
+       ++layer) {
     absl::StatusOr<v1::LayerCheckpoint> checkpoint = coordinator_.LoadCheckpoint(layer, /*probe=*/false, MaxLayerStateBytes(job_, layer));
     if (checkpoint.ok()) {
       found.push_back(*std::move(checkpoint));
@@ -388,6 +452,9 @@ absl::StatusOr<bool> Worker::PrepareRuntime(const StagePlacement& placement,
   std::string detail = absl::StrCat("stage ", placement.stage, ", layers [", placement.layer_begin,
                                     ",", placement.layer_end, "): ");
   if (!found.empty()) absl::StrAppend(&detail, found.size(), " restored from step ", found[0].step());
+  if (!from_peer.empty()) {
+    absl::StrAppend(&detail, " from peer ", from_peer, " (live state, not the coordinator's)");
+  }
   if (!missing.empty()) {
     absl::StrAppend(&detail, found.empty() ? "" : "; ", missing.size(),
                     " without a checkpoint start from the seed");
@@ -437,7 +504,8 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
       worker->averager_.Deactivate();
     }
   } unregister{this};
-  ASSIGN_OR_RETURN(const bool built, PrepareRuntime(placement, schedule));
+  ASSIGN_OR_RETURN(const bool built, PrepareRuntime(placement, schedule, mine, plan.epoch()));
+  OfferStateToNewcomers(mine, plan.epoch());
   StageRuntime* runtime = runtime_.get();
   // The plan's codec for each of this stage's links (the network planner
   // compresses only the links that bind), each direction on its own ladder

@@ -46,6 +46,7 @@
 #include "worker/link_stream.h"
 #include "worker/pipeline_driver.h"
 #include "worker/replica_averager.h"
+#include "worker/stage_state_server.h"
 #include "worker/stage_runtime.h"
 #include "worker/worker_credentials.h"
 
@@ -99,7 +100,14 @@ class Worker {
   // what is in flight), else a new one restored from checkpoints. True when
   // it built a new one.
   absl::StatusOr<bool> PrepareRuntime(const StagePlacement& placement,
-                                      const ScheduleConfig& schedule);
+                                      const ScheduleConfig& schedule,
+                                      const v1::StageAssignment& mine, uint64_t epoch);
+  // The plan sends newcomers of this worker's stage here for its state
+  // (state_source): offer them a snapshot taken now.
+  void OfferStateToNewcomers(const v1::StageAssignment& mine, uint64_t epoch);
+  // The stage's state from the live holder the plan names.
+  absl::StatusOr<std::vector<v1::LayerCheckpoint>> FetchFromHolder(
+      const v1::StageAssignment& mine, uint64_t epoch);
   absl::Status HandOver();
   // Ends the current pipeline attempt: the driver returns, links close.
   void AbortTrainingLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -111,6 +119,8 @@ class Worker {
   LinkOptions link_options_;  // set by Run() before anything dials or serves
   std::unique_ptr<LinkService> link_service_;  // made by StartServer()
   ReplicaAverager averager_;
+  StageStateServer state_server_;
+  TransportSecurity peer_security_ = TransportSecurity::Insecure();
   std::unique_ptr<grpc::Server> server_;
   std::string advertise_;
   std::string device_name_;  // resolved, e.g. "cpu" or "cuda:0"

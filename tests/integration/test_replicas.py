@@ -145,6 +145,41 @@ class ReplicaTest(unittest.TestCase):
             self.assertEqual(stage1[0]["name"], replicas[0]["name"])
             self.assertEqual(len(c.stage_workers(status)), 3)
 
+    def test_a_newcomer_takes_its_state_from_a_live_replica(self):
+        """Stage 1 has a primary and a replica; a fifth worker joins and
+        becomes its second replica. The plan sends it to the replica for
+        the stage's state, the events say it came from that peer, and the
+        coordinator's counters show none of it passed through the
+        coordinator."""
+        with ReplicaCluster(steps=100000, replicas=3) as c:
+            with open(c.job) as f:
+                text = f.read().replace("min_workers: 5", "min_workers: 4")
+            with open(c.job, "w") as f:
+                f.write(text)
+            c.start(workers=4, until_step=12)
+            stage1 = wait_for(lambda: len(c.stage1()) == 2 and c.stage1(), 30,
+                              "two workers on stage 1")
+            replica = stage1[1]
+            wait_for(lambda: c.status()["checkpoint_steps"][1] >= 10, 60, "a checkpoint")
+            before = c.status()["state_traffic"]
+            newcomer = c.add_worker()
+            restored = wait_for(
+                lambda: [e for e in c.status()["events"]
+                         if e["kind"] == "restored" and e.get("worker") == newcomer], 60,
+                "the newcomer's restore")
+            detail = restored[-1]["detail"]
+            after = c.status()
+            print(f"{newcomer}: {detail}; coordinator state bytes sent "
+                  f"{before.get('checkpoint_bytes_sent', 0)} -> "
+                  f"{after['state_traffic'].get('checkpoint_bytes_sent', 0)}", flush=True)
+            replica_id = next(w["id"] for w in after["workers"] if w["name"] == replica["name"])
+            self.assertIn(f"from peer {replica_id}", detail)
+            self.assertEqual(after["state_traffic"].get("checkpoint_bytes_sent", "0"),
+                             before.get("checkpoint_bytes_sent", "0"))
+            self.assertEqual(len(c.stage1(after)), 3)
+            step = int(after["step"])
+            c.wait_step(step + 5, 60)  # and the pipeline trains on with it
+
     def test_without_replicas_the_same_pause_stalls_the_pipeline(self):
         """The reference for the test above: the same job and pause with one
         worker on stage 1 (and a standby). Until the lease runs out, nothing
