@@ -1,7 +1,14 @@
 #include "coordinator/coordinator_service.h"
 
+#include <unistd.h>
+
+#include <atomic>
+#include <filesystem>
+#include <fstream>
+
 #include "common/layer_state.h"
 #include "coordinator/checkpoint_upload.h"
+#include "coordinator/model_export.h"
 
 #include "coordinator/membership.h"
 
@@ -321,6 +328,69 @@ grpc::Status AdminService::RevokeToken(grpc::ServerContext* context,
   *response->mutable_info() = *revoked;
   options_.controller->RecordAdminEvent("token_revoked", absl::StrCat("token ", revoked->id()));
   return grpc::Status::OK;
+}
+
+grpc::Status AdminService::ExportModel(grpc::ServerContext* context,
+                                       const v1::ExportModelRequest* request,
+                                       grpc::ServerWriter<v1::ExportFileChunk>* writer) {
+  if (!caller_.insecure()) {
+    if (absl::Status admin = caller_.Admin(*context); !admin.ok()) return Refused(admin);
+  }
+  JobController& controller = *options_.controller;
+  // Written to a private directory under the state dir, streamed, removed.
+  static std::atomic<int> exports{0};
+  const std::string dir =
+      absl::StrCat(controller.state_dir(), "/export-", getpid(), "-", exports++);
+  ModelExportOptions export_options;
+  export_options.out_dir = dir;
+  if (request->max_shard_bytes() > 0) export_options.max_shard_bytes = request->max_shard_bytes();
+  absl::StatusOr<ModelExport> exported =
+      geotrain::ExportModel(controller.job(), controller.checkpoints(), export_options);
+  grpc::Status status = grpc::Status::OK;
+  if (!exported.ok()) {
+    status = ToGrpcStatus(exported.status());
+  } else {
+    std::string buffer(kLayerStateChunkBytes, '\0');
+    for (const std::string& file : exported->files) {
+      std::ifstream in(dir + "/" + file, std::ios::binary);
+      in.seekg(0, std::ios::end);
+      const uint64_t size = static_cast<uint64_t>(in.tellg());
+      in.seekg(0);
+      uint64_t sent = 0;
+      bool first = true;
+      do {
+        v1::ExportFileChunk chunk;
+        if (first) {
+          chunk.set_file(file);
+          chunk.set_size(size);
+          chunk.set_step(exported->step);
+          first = false;
+        }
+        in.read(buffer.data(), static_cast<std::streamsize>(
+                                   std::min<uint64_t>(buffer.size(), size - sent)));
+        const auto n = static_cast<size_t>(in.gcount());
+        if (n == 0 && sent < size) {
+          status = grpc::Status(grpc::StatusCode::INTERNAL, "export file shrank while read");
+          break;
+        }
+        chunk.set_data(buffer.data(), n);
+        sent += n;
+        chunk.set_last(sent == size);
+        if (!writer->Write(chunk)) {
+          status = grpc::Status(grpc::StatusCode::CANCELLED, "the reader went away");
+          break;
+        }
+      } while (sent < size);
+      if (!status.ok()) break;
+    }
+    controller.RecordAdminEvent(
+        status.ok() ? "exported" : "export_failed",
+        absl::StrCat(exported->parameters, " parameters of step ", exported->step,
+                     " to geotrain-ctl", status.ok() ? "" : ": " + status.error_message()));
+  }
+  std::error_code ignored;
+  std::filesystem::remove_all(dir, ignored);
+  return status;
 }
 
 grpc::Status AdminService::RevokeWorker(grpc::ServerContext* context,

@@ -131,6 +131,8 @@ class AdminService final : public v1::Admin::Service {
                            v1::RevokeTokenResponse* response) override;
   grpc::Status RevokeWorker(grpc::ServerContext* context, const v1::RevokeWorkerRequest* request,
                             v1::RevokeWorkerResponse* response) override;
+  grpc::Status ExportModel(grpc::ServerContext* context, const v1::ExportModelRequest* request,
+                           grpc::ServerWriter<v1::ExportFileChunk>* writer) override;
 
  private:
   grpc::Status CheckAdmin(const grpc::ServerContext& context) const;

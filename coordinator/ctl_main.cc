@@ -11,6 +11,8 @@
 #include <grpcpp/grpcpp.h>
 
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <string>
 #include <vector>
@@ -45,6 +47,8 @@ ABSL_FLAG(absl::Duration, ttl, absl::Hours(24), "token create: how long the toke
 ABSL_FLAG(int, uses, 0, "token create: how many workers may enroll with it (0: unlimited)");
 ABSL_FLAG(std::string, name, "", "token create: a label shown by token list");
 ABSL_FLAG(std::string, role, "worker", "token create: worker or viewer (status only)");
+ABSL_FLAG(std::string, out, "", "export: the directory to write the model into");
+ABSL_FLAG(int, export_timeout_s, 600, "export: deadline of the whole transfer");
 
 namespace {
 
@@ -199,7 +203,8 @@ constexpr char kUsage[] =
     "  token create [--ttl=24h] [--uses=N] [--name=LABEL] [--role=worker|viewer]\n"
     "  token list\n"
     "  token revoke ID_OR_TOKEN\n"
-    "  worker revoke ID\n";
+    "  worker revoke ID\n"
+    "  export --out=DIR [--export_timeout_s=600]\n";
 
 int Fail(const std::string& message) {
   std::fprintf(stderr, "geotrain-ctl: %s\n", message.c_str());
@@ -347,6 +352,72 @@ int WorkerCommand(const std::vector<std::string>& args, const Connection& connec
   return 0;
 }
 
+// `export`: the newest complete model, written into --out file by file
+// (each to a temporary name, renamed when whole).
+int ExportCommand(const Connection& connection, const std::string& address) {
+  const std::string out = absl::GetFlag(FLAGS_out);
+  if (out.empty()) return UsageError("export needs --out=DIR");
+  if (absl::GetFlag(FLAGS_export_timeout_s) <= 0) {
+    return UsageError("--export_timeout_s must be > 0");
+  }
+  std::error_code error;
+  std::filesystem::create_directories(out, error);
+  if (error) return Fail(absl::StrCat("cannot create ", out, ": ", error.message()));
+  auto stub = geotrain::v1::Admin::NewStub(connection.channel);
+  grpc::ClientContext context;
+  context.set_deadline(geotrain::DeadlineFromNow(
+      std::chrono::seconds(absl::GetFlag(FLAGS_export_timeout_s))));
+  if (!connection.token.empty()) context.AddMetadata(geotrain::kTokenMetadataKey, connection.token);
+  auto reader = stub->ExportModel(&context, geotrain::v1::ExportModelRequest());
+  geotrain::v1::ExportFileChunk chunk;
+  std::ofstream file;
+  std::string name, tmp;
+  uint64_t expected = 0, written = 0, total = 0;
+  int step = -1;
+  std::vector<std::string> files;
+  while (reader->Read(&chunk)) {
+    if (!chunk.file().empty()) {
+      name = chunk.file();
+      // A name from the coordinator, written under --out only.
+      if (name.find('/') != std::string::npos || name == "." || name == ".." ||
+          file.is_open()) {
+        context.TryCancel();
+        return Fail(absl::StrCat("the coordinator sent a bad file name '", name.substr(0, 64),
+                                 "'"));
+      }
+      tmp = absl::StrCat(out, "/.", name, ".tmp");
+      file.open(tmp, std::ios::binary | std::ios::trunc);
+      if (!file) return Fail("cannot write " + tmp);
+      expected = chunk.size();
+      written = 0;
+      step = chunk.step();
+    } else if (!file.is_open()) {
+      context.TryCancel();
+      return Fail("the coordinator sent data outside a file");
+    }
+    written += chunk.data().size();
+    if (written > expected) {
+      context.TryCancel();
+      return Fail(absl::StrCat(name, ": more than the announced ", expected, " bytes"));
+    }
+    file.write(chunk.data().data(), static_cast<std::streamsize>(chunk.data().size()));
+    if (chunk.last()) {
+      file.close();
+      if (!file || written != expected) return Fail(absl::StrCat("writing ", name, " failed"));
+      std::filesystem::rename(tmp, out + "/" + name, error);
+      if (error) return Fail(absl::StrCat("rename ", tmp, ": ", error.message()));
+      files.push_back(name);
+      total += written;
+    }
+  }
+  const grpc::Status rpc = reader->Finish();
+  if (!rpc.ok()) return RpcFailed("export", address, rpc);
+  if (file.is_open()) return Fail(absl::StrCat("the export ended inside ", name));
+  std::printf("exported step %d to %s: %s (%.1f MB)\n", step, out.c_str(),
+              absl::StrJoin(files, ", ").c_str(), total / 1e6);
+  return 0;
+}
+
 // `plan`: the planner's prediction for the current plan; with --explain,
 // per stage: compute, link, bound and why each worker is where it is.
 int PrintPlan(const geotrain::v1::ClusterStatus& status) {
@@ -401,7 +472,8 @@ int main(int argc, char** argv) {
   const std::vector<char*> raw_args = absl::ParseCommandLine(argc, argv);
   const std::vector<std::string> args(raw_args.begin(), raw_args.end());
   const bool known =
-      (args.size() == 2 && (args[1] == "status" || args[1] == "plan" || args[1] == "network")) ||
+      (args.size() == 2 && (args[1] == "status" || args[1] == "plan" || args[1] == "network" ||
+                            args[1] == "export")) ||
                      (args.size() >= 3 && (args[1] == "token" || args[1] == "worker"));
   if (!known) {
     std::fprintf(stderr, "%s", kUsage);
@@ -416,6 +488,7 @@ int main(int argc, char** argv) {
   if (!connection.ok()) return Fail(std::string(connection.status().message()));
   if (args[1] == "token") return TokenCommand(args, *connection, address);
   if (args[1] == "worker") return WorkerCommand(args, *connection, address);
+  if (args[1] == "export") return ExportCommand(*connection, address);
   auto stub = geotrain::v1::Status::NewStub(connection->channel);
   geotrain::v1::ClusterStatus status;
   grpc::Status rpc = stub->GetClusterStatus(NewContext(*connection).get(),

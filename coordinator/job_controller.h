@@ -124,6 +124,8 @@ class JobController {
   absl::StatusOr<std::unique_ptr<CheckpointReader>> OpenCheckpoint(const std::string& worker_id,
                                                                    int layer);
   CheckpointStore& checkpoints() { return *checkpoints_; }
+  const v1::JobSpec& job() const { return options_.job; }
+  const std::string& state_dir() const { return options_.state_dir; }
   // Model state that crossed the coordinator's own network interface
   // (status: state_traffic). Thread-safe.
   void CountStateReceived(uint64_t payload_bytes);

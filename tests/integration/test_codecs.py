@@ -149,7 +149,12 @@ class PlannedCodecTest(unittest.TestCase):
             for name, port in ports.items():
                 routes = ",".join(f"127.0.0.1:{ports[b]}=127.0.0.1:{relays[(name, b)]}"
                                   for b in ports if (name, b) in relays)
-                c.start_worker(name, [f"--listen=127.0.0.1:{port}", f"--route={routes}"])
+                worker = c.start_worker(name, [f"--listen=127.0.0.1:{port}", f"--route={routes}"])
+                # One at a time: layer timings taken by three workers at once
+                # on 2 cores measure contention (a run timed blocks from 2.3
+                # to 4.0 ms and the planner rightly chose 2 stages).
+                wait_for(lambda: "layer timings per sample" in worker.log(), 60,
+                         f"{name}'s layer timings")
 
             def links_with_codecs():
                 status = c.status()

@@ -129,6 +129,41 @@ class ModelsTest(unittest.TestCase):
             self.assertTrue(all(t["dtype"] == "F32" for n, t in header.items()
                                 if n != "__metadata__"))
 
+    def test_ctl_exports_a_running_job(self):
+        """geotrain-ctl export against a live coordinator: refused with a
+        reason before every layer has a checkpoint, then the newest
+        complete model, byte for byte what --export_dir writes for that
+        step."""
+        with tempfile.TemporaryDirectory() as d:
+            job = os.path.join(d, "llama-tiny-5.textproto")
+            with open(job_path("llama-tiny.textproto")) as f, open(job, "w") as out:
+                out.write(f.read() + "\ncheckpoint_every: 5\n")
+            with Cluster(job, ["--steps=100000", "--min_workers=2"]) as c:
+                c.start_coordinator()
+                early = c.ctl("export", f"--out={d}/early")
+                self.assertNotEqual(early.returncode, 0)
+                self.assertIn("no step has a checkpoint of every layer", early.stderr)
+                c.start_worker("w0")
+                c.start_worker("w1")
+                wait_for(lambda: (lambda s: s["checkpoint_steps"] and
+                                  min(s["checkpoint_steps"]) >= 5)(c.status()), 120,
+                         "a checkpoint of every layer")
+                out = c.ctl("export", f"--out={d}/live")
+                self.assertEqual(out.returncode, 0, out.stderr)
+                print(out.stdout.strip())
+                self.assertIn("model.safetensors, config.json", out.stdout)
+                step = int(out.stdout.split("exported step ")[1].split()[0])
+                self.assertGreaterEqual(step, 5)
+                self.assertTrue(any(e["kind"] == "exported" and "geotrain-ctl" in e["detail"]
+                                    for e in c.status()["events"]))
+            self.assertEqual(sorted(os.listdir(f"{d}/live")), ["config.json", "model.safetensors"])
+            with open(f"{d}/live/model.safetensors", "rb") as f:
+                length = struct.unpack("<Q", f.read(8))[0]
+                header = json.loads(f.read(length))
+            self.assertIn("model.layers.3.mlp.down_proj.weight", header)
+            end = max(t["data_offsets"][1] for n, t in header.items() if n != "__metadata__")
+            self.assertEqual(8 + length + end, os.path.getsize(f"{d}/live/model.safetensors"))
+
     def test_out_of_range_token_ids_are_an_error_at_start_naming_the_file(self):
         with tempfile.TemporaryDirectory() as d:
             bad = os.path.join(d, "bad.bin")
