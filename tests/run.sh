@@ -45,9 +45,12 @@ fi
 # The benchmarks are built (and run) in the first tree only.
 cmake -S . -B "$WHEEL_BUILD_DIR" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DGEOTRAIN_BUILD_BENCH=OFF \
   -DCMAKE_PREFIX_PATH="$PREFIX" "${CUDA_FLAGS[@]}"
-# Only what depends on the LibTorch: the daemons and the unit tests that
-# link it (label "unit-torch"); the others are the same code in both trees.
+# Only what depends on the LibTorch: the worker and the unit tests that
+# link it (label "unit-torch"); the others, the coordinator and geotrain-ctl
+# are the same code in both trees, so the wheel tree's workers run with the
+# first tree's coordinator (GEOTRAIN_COORDINATOR_BIN_DIR).
 cmake --build "$WHEEL_BUILD_DIR" -j2 --target geotrain_torch_checks
+export GEOTRAIN_COORDINATOR_BIN_DIR="$(cd "$BUILD_DIR/bin" && pwd)"
 phase "testing $WHEEL_BUILD_DIR"
 (cd "$WHEEL_BUILD_DIR" && ctest --output-on-failure -j2 -L torch)
 GEOTRAIN_GPU_BUILD_DIR="$WHEEL_BUILD_DIR" ./tests/gpu/run.sh --device=cpu

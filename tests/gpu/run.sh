@@ -10,7 +10,10 @@
 #   tests/gpu/run.sh --device=cpu     # CI: the same script, both runs on the CPU
 #
 # Environment: GEOTRAIN_GPU_BUILD_DIR (default build-wheel, shared with
-# tests/run.sh's second tree), GEOTRAIN_GPU_STEPS (default 30).
+# tests/run.sh's second tree), GEOTRAIN_GPU_STEPS (default 30),
+# GEOTRAIN_COORDINATOR_BIN_DIR (a directory that already has
+# geotrain-coordinator and geotrain-ctl, which link no LibTorch: this tree
+# then builds only the worker).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -29,7 +32,13 @@ echo "== gpu check: device $DEVICE, build $BUILD_DIR"
 PREFIX=$(./deploy/install-libtorch.sh "$BUILD_DIR")
 NVCC=$(command -v nvcc || true)
 [ -z "$NVCC" ] && [ -x /usr/local/cuda/bin/nvcc ] && NVCC=/usr/local/cuda/bin/nvcc
-TARGETS=(geotrain-coordinator geotrain-worker geotrain-ctl)
+TARGETS=(geotrain-worker)
+if [ -z "${GEOTRAIN_COORDINATOR_BIN_DIR:-}" ]; then
+  TARGETS+=(geotrain-coordinator geotrain-ctl)
+elif [ ! -x "$GEOTRAIN_COORDINATOR_BIN_DIR/geotrain-coordinator" ]; then
+  echo "GEOTRAIN_COORDINATOR_BIN_DIR=$GEOTRAIN_COORDINATOR_BIN_DIR has no geotrain-coordinator" >&2
+  exit 2
+fi
 CUDA_FLAGS=()
 if [ -n "$NVCC" ]; then
   CUDA_FLAGS=(-DGEOTRAIN_WITH_CUDA=ON -DCMAKE_CUDA_COMPILER="$NVCC")

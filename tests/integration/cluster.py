@@ -16,9 +16,14 @@ SOURCE_DIR = os.environ.get(
     "GEOTRAIN_SOURCE_DIR",
     os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 BIN_DIR = os.environ.get("GEOTRAIN_BIN_DIR", os.path.join(SOURCE_DIR, "build", "bin"))
+# The coordinator and geotrain-ctl link no LibTorch, so a tree built against
+# another LibTorch (tests/run.sh's wheel tree) may take them from this one.
+COORDINATOR_BIN_DIR = os.environ.get("GEOTRAIN_COORDINATOR_BIN_DIR", BIN_DIR)
 
 
 def binary(name):
+    if name in ("geotrain-coordinator", "geotrain-ctl"):
+        return os.path.join(COORDINATOR_BIN_DIR, name)
     return os.path.join(BIN_DIR, name)
 
 

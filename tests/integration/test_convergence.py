@@ -1,6 +1,12 @@
 """The shipped jobs learn under every schedule: the demo GPT on 3 workers
 (sync, async-stash, and sync with int8 on every link) and the Fashion-MNIST
-MLP on 2 workers, run in full over real processes."""
+MLP on 2 workers, over real processes.
+
+The MLP runs 3 of its job's 5 epochs, to keep CI under its 45 minutes
+(9 runs in 155 s, 0.867-0.877 test accuracy; after 2 epochs they measured
+0.853-0.867, too close to the 0.85 bound). The GPT runs its job in full: at 200 steps
+async-stash's validation loss measured -1.9% and -2.9% of sync's, too close
+to the 3% bound (-0.6% at 300 steps)."""
 import unittest
 
 from cluster import Cluster, job_path
@@ -13,6 +19,9 @@ def run_job(test, job, workers, schedule="sync", flags=()):
         for w in status["workers"]:
             test.assertEqual(w["schedule"], schedule)
         return c.steps(), c.evals(), status
+
+
+MLP_STEPS = ["--steps=1410"]  # 3 epochs of 60k at 128 samples a step
 
 
 class ConvergenceTest(unittest.TestCase):
@@ -73,7 +82,7 @@ class ConvergenceTest(unittest.TestCase):
             runs = []
             for seed in self.SEEDS:
                 steps, evals, _ = run_job(self, "fmnist-mlp.textproto", 2, schedule,
-                                          [f"--seed={seed}"])
+                                          MLP_STEPS + [f"--seed={seed}"])
                 runs.append(evals[-1]["accuracy"])
                 print(f"fmnist-mlp {schedule} seed {seed}: {len(steps)} steps, "
                       f"{steps[-1]['samples']} samples, test accuracy {runs[-1]:.4f} on "
