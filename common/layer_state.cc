@@ -15,6 +15,10 @@ uint64_t MaxLayerStateBytes(const v1::JobSpec& job, int layer) {
   return layers[layer].parameter_count * sizeof(float) * 3;
 }
 
+uint64_t MaxLayerWeightsBytes(const v1::JobSpec& job, int layer) {
+  return MaxLayerStateBytes(job, layer) / 3 * 2;
+}
+
 v1::LayerCheckpoint LayerStateHeader(const v1::LayerCheckpoint& layer) {
   v1::LayerCheckpoint header;
   header.set_worker_id(layer.worker_id());

@@ -35,6 +35,10 @@ inline constexpr uint64_t kMaxLayerStateBytes = uint64_t{64} << 30;
 // optimizer tensors per parameter (AdamW's m and v). What a worker accepts
 // for that layer.
 uint64_t MaxLayerStateBytes(const v1::JobSpec& job, int layer);
+// The most a replica's push of that layer's weights (parameters alone) can
+// hold: twice their float32 size, since int8 and int4 with the smallest
+// codec_block_size (1) take 5 bytes a value.
+uint64_t MaxLayerWeightsBytes(const v1::JobSpec& job, int layer);
 
 // `layer` without its payload (the first chunk's header).
 v1::LayerCheckpoint LayerStateHeader(const v1::LayerCheckpoint& layer);

@@ -13,10 +13,14 @@
 // newcomer adopts the first weights it receives from a sibling that is not
 // catching up, instead of averaging. Two newcomers average each other.
 //
-// The server half (ReplicaSync service) accepts pushes for the active plan
-// epoch and stage from the stage's other workers, checks their structure
-// and keeps the newest weights of each peer and layer until the driver takes
-// them. Torch-free; thread-safe.
+// A push is one stream of ~1 MiB messages (a large layer cut into parts),
+// with a deadline that grows with its size, so a layer of any size goes
+// through. The server half (ReplicaSync service) accepts pushes for the
+// active plan epoch and stage from the stage's other workers, checks each
+// part's place as it arrives (a layer's declared size is bounded by
+// Target::max_layer_bytes before anything is kept), and keeps the newest
+// complete push of each peer until the driver takes it. Torch-free;
+// thread-safe.
 #ifndef GEOTRAIN_WORKER_REPLICA_AVERAGER_H_
 #define GEOTRAIN_WORKER_REPLICA_AVERAGER_H_
 
@@ -47,9 +51,15 @@ class ReplicaAverager final : public v1::ReplicaSync::Service {
     int layer_begin = 0, layer_end = 0;
     std::string self_id;
     std::vector<Peer> peers;  // the stage's other workers
+    // The largest payload a pushed layer may declare (MaxLayerWeightsBytes
+    // of the stage's largest layer).
+    uint64_t max_layer_bytes = uint64_t{1} << 40;
   };
 
-  explicit ReplicaAverager(absl::Duration push_deadline = absl::Seconds(5));
+  // Each push may take `push_deadline` plus its size at
+  // `min_push_bytes_per_second`; one that takes longer fails (that round).
+  explicit ReplicaAverager(absl::Duration push_deadline = absl::Seconds(5),
+                           double min_push_bytes_per_second = 1 << 20);
   ~ReplicaAverager() override;
 
   // mTLS between replicas: a push must come from the worker its
@@ -75,34 +85,46 @@ class ReplicaAverager final : public v1::ReplicaSync::Service {
   Received TakeReceived(bool catching_up = false);
 
   struct Counters {
-    int64_t pushes_sent = 0;      // messages delivered to a peer
+    int64_t pushes_sent = 0;      // whole pushes delivered to a peer
     int64_t pushes_failed = 0;    // deadline passed, peer gone, refused
-    int64_t pushes_received = 0;  // accepted from peers
+    int64_t pushes_received = 0;  // whole pushes accepted from peers
   };
   Counters counters() const;
 
-  grpc::Status PushWeights(grpc::ServerContext* context, const v1::ReplicaWeights* request,
+  grpc::Status PushWeights(grpc::ServerContext* context,
+                           grpc::ServerReader<v1::ReplicaWeights>* reader,
                            v1::PushWeightsResponse* response) override;
 
  private:
-  void SendLoop();
-
-  const absl::Duration push_deadline_;
-  TransportSecurity security_;
-  mutable absl::Mutex mu_;
-  std::optional<Target> target_ ABSL_GUARDED_BY(mu_);
-  // The newest push of each peer, not yet taken. A stage too large for one
-  // message arrives in parts; a push is used only once all its layers are
-  // here (a newer step replaces an unfinished older one).
   struct PeerPush {
     int step = -1;
     bool catching_up = false;
     std::map<int, v1::LayerWeights> layers;
   };
+  // Checks one message of a push against the target and the parts before
+  // it, and appends its parts to `push`.
+  static grpc::Status AddParts(const Target& target, const v1::ReplicaWeights& message,
+                               const v1::ReplicaWeights& first, PeerPush& push,
+                               std::map<int, uint64_t>& declared);
+  void SendLoop();
+  bool SendPush(v1::ReplicaSync::Stub& stub, int step, bool catching_up, const Target& target,
+                const std::vector<v1::LayerWeights>& layers, std::string* error);
+
+  const absl::Duration push_deadline_;
+  const double min_push_bytes_per_second_;
+  TransportSecurity security_;
+  mutable absl::Mutex mu_;
+  std::optional<Target> target_ ABSL_GUARDED_BY(mu_);
+  // The newest complete push of each peer, not yet taken.
   std::map<std::string, PeerPush> received_ ABSL_GUARDED_BY(mu_);
-  // The next push: messages of at most kMaxPushBytes each.
-  std::vector<v1::ReplicaWeights> pending_ ABSL_GUARDED_BY(mu_);
-  std::vector<Peer> pending_peers_ ABSL_GUARDED_BY(mu_);
+  // The next push (whole layers; cut into messages as they are sent).
+  struct PendingPush {
+    int step = 0;
+    bool catching_up = false;
+    Target target;
+    std::vector<v1::LayerWeights> layers;
+  };
+  std::optional<PendingPush> pending_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::unique_ptr<v1::ReplicaSync::Stub>> stubs_;  // SendLoop only
   Counters counters_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;

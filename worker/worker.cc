@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <set>
 
 #include "absl/strings/numbers.h"
@@ -560,6 +561,10 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
     target.layer_begin = mine.layer_begin();
     target.layer_end = mine.layer_end();
     target.self_id = worker_id_;
+    target.max_layer_bytes = 0;
+    for (int layer = mine.layer_begin(); layer < mine.layer_end(); ++layer) {
+      target.max_layer_bytes = std::max(target.max_layer_bytes, MaxLayerWeightsBytes(job_, layer));
+    }
     for (const StageWorker& w : stage_workers) {
       if (w.id == worker_id_) continue;
       auto route = options_.routes.find(w.address);

@@ -72,34 +72,120 @@ TEST(ReplicaAveragerTest, APushReachesThePeerNewestFirst) {
   EXPECT_EQ(a.averager.counters().pushes_sent, 1);
 }
 
-TEST(ReplicaAveragerTest, PushesForAnotherPlanStrangersAndBadLayersAreRefused) {
-  Served b;
-  b.averager.Activate(TargetFor("b", "a", "unused:1"));
-  auto stub = v1::ReplicaSync::NewStub(MakeChannel(b.address()));
-  auto push = [&](uint64_t epoch, const std::string& from, v1::LayerWeights layer) {
-    v1::ReplicaWeights request;
-    request.set_epoch(epoch);
-    request.set_stage(1);
-    request.set_from_worker(from);
-    *request.add_layers() = std::move(layer);
+// A layer larger than a message (and than gRPC's 16 MiB message limit)
+// arrives whole, cut into ~1 MiB parts.
+TEST(ReplicaAveragerTest, ALayerOfAnySizeGoesThroughInParts) {
+  Served a, b;
+  a.averager.Activate(TargetFor("a", "b", b.address()));
+  b.averager.Activate(TargetFor("b", "a", a.address()));
+  std::string large(20 << 20, '\0');
+  for (size_t i = 0; i < large.size(); ++i) large[i] = static_cast<char>(i * 7 % 251);
+  a.averager.Push(9, {Layer(2, large), Layer(3, std::string(12, 'z'))});
+  ASSERT_TRUE(Eventually([&] { return b.averager.counters().pushes_received == 1; }));
+  std::vector<v1::LayerWeights> got = b.averager.TakeReceived().layers;
+  ASSERT_EQ(got.size(), 2u);
+  EXPECT_EQ(got[0].params_size(), 1);
+  EXPECT_TRUE(got[0].payload() == large);
+  EXPECT_EQ(got[1].payload(), std::string(12, 'z'));
+}
+
+class RefusalTest : public ::testing::Test {
+ protected:
+  RefusalTest() {
+    ReplicaAverager::Target target = TargetFor("b", "a", "unused:1");
+    target.max_layer_bytes = 64;
+    b_.averager.Activate(target);
+    stub_ = v1::ReplicaSync::NewStub(MakeChannel(b_.address()));
+  }
+  static v1::ReplicaWeights Message(uint64_t epoch, const std::string& from,
+                                    std::vector<v1::LayerWeights> parts, int step = 1) {
+    v1::ReplicaWeights message;
+    message.set_epoch(epoch);
+    message.set_stage(1);
+    message.set_from_worker(from);
+    message.set_step(step);
+    for (v1::LayerWeights& part : parts) *message.add_layers() = std::move(part);
+    return message;
+  }
+  // A part of layer `layer` at `offset` without headers.
+  static v1::LayerWeights Part(int layer, uint64_t offset, const std::string& bytes) {
+    v1::LayerWeights part;
+    part.set_layer(layer);
+    part.set_payload_offset(offset);
+    part.set_payload(bytes);
+    return part;
+  }
+  grpc::StatusCode Push(const std::vector<v1::ReplicaWeights>& messages) {
     grpc::ClientContext context;
     context.set_deadline(DeadlineFromNow(std::chrono::milliseconds(2000)));
     v1::PushWeightsResponse response;
-    return stub->PushWeights(&context, request, &response).error_code();
-  };
-  EXPECT_EQ(push(3, "a", Layer(2, "abcd")), grpc::StatusCode::FAILED_PRECONDITION);
-  EXPECT_EQ(push(4, "mallory", Layer(2, "abcd")), grpc::StatusCode::PERMISSION_DENIED);
-  EXPECT_EQ(push(4, "a", Layer(7, "abcd")), grpc::StatusCode::INVALID_ARGUMENT);
-  v1::LayerWeights short_payload = Layer(2, "abcdefgh");
-  short_payload.set_payload("abcd");
-  EXPECT_EQ(push(4, "a", short_payload), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_TRUE(b.averager.TakeReceived().layers.empty());
-  EXPECT_EQ(push(4, "a", Layer(2, "abcd")), grpc::StatusCode::OK);
-  EXPECT_TRUE(b.averager.TakeReceived().layers.empty());  // layer 3 still missing
-  EXPECT_EQ(push(4, "a", Layer(3, "efgh")), grpc::StatusCode::OK);
-  EXPECT_EQ(b.averager.TakeReceived().layers.size(), 2u);
-  b.averager.Deactivate();
-  EXPECT_EQ(push(4, "a", Layer(2, "abcd")), grpc::StatusCode::FAILED_PRECONDITION);
+    auto writer = stub_->PushWeights(&context, &response);
+    for (const v1::ReplicaWeights& message : messages) {
+      if (!writer->Write(message)) break;
+    }
+    writer->WritesDone();
+    return writer->Finish().error_code();
+  }
+  bool NothingKept() { return b_.averager.TakeReceived().layers.empty(); }
+
+  Served b_;
+  std::unique_ptr<v1::ReplicaSync::Stub> stub_;
+};
+
+TEST_F(RefusalTest, AnotherPlanAStrangerAndALayerOfAnotherStage) {
+  EXPECT_EQ(Push({Message(3, "a", {Layer(2, "abcd"), Layer(3, "efgh")})}),
+            grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(Push({Message(4, "mallory", {Layer(2, "abcd"), Layer(3, "efgh")})}),
+            grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(Push({Message(4, "a", {Layer(7, "abcd")})}), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(Push({}), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(NothingKept());
+  EXPECT_EQ(Push({Message(4, "a", {Layer(2, "abcd"), Layer(3, "efgh")})}), grpc::StatusCode::OK);
+  EXPECT_EQ(b_.averager.TakeReceived().layers.size(), 2u);
+  b_.averager.Deactivate();
+  EXPECT_EQ(Push({Message(4, "a", {Layer(2, "abcd"), Layer(3, "efgh")})}),
+            grpc::StatusCode::FAILED_PRECONDITION);
+}
+
+// Parts out of place, too many bytes, a push cut short: refused, and
+// nothing of the push is kept.
+TEST_F(RefusalTest, PartsMustContinueWhereTheLastEndedAndEndComplete) {
+  v1::LayerWeights head = Layer(2, "abcdefgh");
+  head.set_payload("abcd");  // the first 4 of its 8 bytes
+  const v1::ReplicaWeights tail3 = Message(4, "a", {Layer(3, "wxyz")});
+  // Complete: the first part, then the rest in a second message.
+  EXPECT_EQ(Push({Message(4, "a", {head}), Message(4, "a", {Part(2, 4, "efgh")}), tail3}),
+            grpc::StatusCode::OK);
+  std::vector<v1::LayerWeights> got = b_.averager.TakeReceived().layers;
+  ASSERT_EQ(got.size(), 2u);
+  EXPECT_EQ(got[0].payload(), "abcdefgh");
+
+  // A gap, an overlap, headers again, a part before the first.
+  EXPECT_EQ(Push({Message(4, "a", {head, Part(2, 5, "fgh")}), tail3}),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(Push({Message(4, "a", {head, Part(2, 2, "cdefgh")}), tail3}),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  v1::LayerWeights again = Layer(2, "efgh");
+  again.set_payload_offset(4);
+  EXPECT_EQ(Push({Message(4, "a", {head, again}), tail3}), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(Push({Message(4, "a", {Part(2, 4, "efgh")}), tail3}),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  // More than the headers describe; a push that stops short or lacks a layer.
+  EXPECT_EQ(Push({Message(4, "a", {head, Part(2, 4, "efghi")}), tail3}),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(Push({Message(4, "a", {head}), tail3}), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(Push({Message(4, "a", {Layer(2, "abcd")})}), grpc::StatusCode::INVALID_ARGUMENT);
+  // Another step in the middle of a push.
+  EXPECT_EQ(Push({Message(4, "a", {head}), Message(4, "a", {Part(2, 4, "efgh")}, 2), tail3}),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  // Headers declaring more than the layer can hold (64 bytes here), before
+  // a byte of it arrives; a forged 2^60 as well.
+  EXPECT_EQ(Push({Message(4, "a", {Layer(2, std::string(68, 'q'))})}),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  v1::LayerWeights forged = Layer(2, "");
+  forged.mutable_params(0)->set_payload_bytes(uint64_t{1} << 60);
+  EXPECT_EQ(Push({Message(4, "a", {forged})}), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(NothingKept());
 }
 
 // A newcomer (restored from a checkpoint) adopts an established sibling's
