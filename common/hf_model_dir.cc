@@ -97,8 +97,14 @@ absl::StatusOr<v1::LayerCheckpoint> HfModelDir::ReadLayer(const v1::JobSpec& job
   checkpoint.set_step(0);
   std::string* payload = checkpoint.mutable_payload();
   for (const ParameterSpec& spec : LayerParameters(job, layer)) {
-    const std::string name = ExportedParameterName(job, layer, spec.name);
+    std::string name = ExportedParameterName(job, layer, spec.name);
     auto where = where_.find(name);
+    // A tied head is saved as the embedding alone (tie_word_embeddings).
+    if (where == where_.end() && job.has_llama() && job.llama().tie_embeddings() &&
+        name == "lm_head.weight") {
+      name = ExportedParameterName(job, 0, "embed_tokens.weight");
+      where = where_.find(name);
+    }
     if (where == where_.end()) {
       return absl::InvalidArgumentError(
           absl::StrCat(dir_, " has no tensor \"", name, "\", which the job's model needs"));

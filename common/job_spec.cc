@@ -159,10 +159,14 @@ absl::Status ValidateJobSpec(const v1::JobSpec& job) {
     if (!(m.rope_theta() > 1) || !(m.rms_norm_eps() > 0 && m.rms_norm_eps() < 1)) {
       return Invalid("llama: rope_theta must be > 1 and rms_norm_eps in (0, 1)");
     }
-    if (m.tie_embeddings()) {
-      return Invalid(
-          "llama: tie_embeddings is not supported yet (the embedding and the head are on "
-          "different stages); leave it false");
+    if (m.tie_embeddings() && job.schedule() != v1::SCHEDULE_SYNC) {
+      // The first and the last stage trade the tied matrix's gradient at
+      // each update; only a flushed step has nothing in flight between them
+      // then, so neither waits on pipeline work the other holds.
+      return Invalid(absl::StrCat(
+          "llama: tie_embeddings needs schedule SCHEDULE_SYNC (the schedule is ",
+          ScheduleName(job.schedule()),
+          "): the embedding's stage and the head's exchange gradients at every update"));
     }
     if (!job.has_text() && !job.has_tokens()) {
       return Invalid("a llama model trains on `text` or `tokens` data");

@@ -111,6 +111,11 @@ absl::StatusOr<ModelExport> ExportModel(const v1::JobSpec& job, CheckpointStore&
   for (int l = 0; l < layers; ++l) {
     const std::vector<ParameterSpec> specs = LayerParameters(job, l);
     for (size_t i = 0; i < specs.size(); ++i) {
+      // A tied head is the embedding: saved once, as Hugging Face does.
+      if (job.has_llama() && job.llama().tie_embeddings() && l == layers - 1 &&
+          specs[i].name == "lm_head.weight") {
+        continue;
+      }
       Tensor t;
       t.entry.name = ExportedParameterName(job, l, specs[i].name);
       t.entry.dtype = "F32";

@@ -300,7 +300,15 @@ std::shared_ptr<Layer> BuildLayer(const v1::JobSpec& job, int index) {
     const v1::LlamaModel& m = job.llama();
     if (index == 0) return std::make_shared<LlamaEmbedding>(VocabOf(job), m.d_model());
     if (index == m.blocks() + 1) {
-      return std::make_shared<LlamaHead>(m.d_model(), VocabOf(job), m.rms_norm_eps());
+      auto head = std::make_shared<LlamaHead>(m.d_model(), VocabOf(job), m.rms_norm_eps());
+      if (m.tie_embeddings()) {  // the head's matrix starts as the embedding's
+        torch::manual_seed(LayerSeed(job.seed(), 0));
+        LlamaEmbedding embedding(VocabOf(job), m.d_model());
+        torch::NoGradGuard no_grad;
+        head->named_parameters()["lm_head.weight"].copy_(
+            embedding.named_parameters()["embed_tokens.weight"]);
+      }
+      return head;
     }
     return std::make_shared<LlamaBlock>(m);
   }

@@ -6,7 +6,7 @@
 //     "model.layers.<i>." prefixes.
 //   MLP: one Linear(+ReLU) per layer, for Fashion-MNIST.
 // Layer i is initialised from (job seed, i) alone, so any worker that builds
-// layer i gets the same weights. Includes LibTorch: only compute code uses it.
+// layer i gets the same weights (a tied head: the embedding's, from (seed, 0)). Includes LibTorch: only compute code uses it.
 #ifndef GEOTRAIN_WORKER_MODELS_H_
 #define GEOTRAIN_WORKER_MODELS_H_
 

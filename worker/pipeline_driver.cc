@@ -207,7 +207,14 @@ absl::Status PipelineDriver::AfterBackward(double loss, uint64_t microbatch) {
     // The learning-rate schedule's position is the fraction of the run's
     // microbatches finished, so every schedule follows the same curve.
     const double total = static_cast<double>(job_.steps()) * job_.microbatches();
-    RETURN_IF_ERROR(runtime_->ApplyUpdate(position_ / total));
+    StageRuntime::TiedGradientExchangeFn exchange_tied;
+    if (options_.tied != nullptr) {
+      // The update's name on both ends: the microbatches finished by then.
+      exchange_tied = [this](std::string_view mine) {
+        return options_.tied->Exchange(position_, mine);
+      };
+    }
+    RETURN_IF_ERROR(runtime_->ApplyUpdate(position_ / total, exchange_tied));
     backwards_since_update_ = 0;
     AverageReceivedWeights();
   }

@@ -30,6 +30,7 @@
 #include "geotrain/v1/job.pb.h"
 #include "worker/link_stream.h"
 #include "worker/replica_averager.h"
+#include "worker/tied_gradient_exchange.h"
 #include "worker/replica_router.h"
 #include "worker/stage_runtime.h"
 
@@ -126,6 +127,9 @@ struct PipelineDriverOptions {
   bool replicated = false;
   bool primary = true;
   ReplicaAverager* averager = nullptr;
+  // Tied embeddings, where this stage holds one end: trades the tied
+  // matrix's gradient with the other end at each update. Not owned.
+  TiedGradientExchange* tied = nullptr;
   // This replica restored its stage from a checkpoint to join a running
   // stage: it adopts a sibling's weights before it averages (see
   // ReplicaAverager).

@@ -3,6 +3,8 @@
 #include <torch/torch.h>
 
 #include <map>
+#include <optional>
+#include <string_view>
 
 #include "absl/strings/str_cat.h"
 #include "common/model_profile.h"
@@ -37,6 +39,9 @@ struct StageRuntime::Impl {
   DeferredDeviceChecks device_checks;
   std::vector<torch::Tensor> gradient_sum;
   int64_t gradient_count = 0;
+  // Tied embeddings: the stage's parameter index of the embedding's matrix
+  // (first stage) and of the head's (last stage), where it holds them.
+  std::optional<size_t> tied_embedding, tied_head;
 
   struct Pending {
     torch::Tensor input;   // requires grad on stages > 0
@@ -246,6 +251,18 @@ absl::StatusOr<std::unique_ptr<StageRuntime>> StageRuntime::Create(
       impl->layer_offsets.push_back(parameters.size());
       for (const torch::Tensor& p : layer->parameters()) parameters.push_back(p);
     }
+    if (job.has_llama() && job.llama().tie_embeddings()) {
+      auto index_of = [&](int layer, const std::string& name) -> std::optional<size_t> {
+        if (layer < placement.layer_begin || layer >= placement.layer_end) return std::nullopt;
+        const std::vector<ParameterSpec> specs = LayerParameters(job, layer);
+        for (size_t i = 0; i < specs.size(); ++i) {
+          if (specs[i].name == name) return impl->layer_offsets[layer - placement.layer_begin] + i;
+        }
+        return std::nullopt;
+      };
+      impl->tied_embedding = index_of(0, "embed_tokens.weight");
+      impl->tied_head = index_of(NumLayers(job) - 1, "lm_head.weight");
+    }
     impl->stash = std::make_unique<WeightStash>(std::move(parameters));
     // The stash now holds the initial weights (its own handles on the same
     // storage); the modules' copies would pin them for the runtime's life,
@@ -452,9 +469,56 @@ EvalResult StageRuntime::TakeEvalResult(int step) {
   return result;
 }
 
-absl::Status StageRuntime::ApplyUpdate(double progress) {
+bool StageRuntime::holds_one_tied_end() const {
+  return impl_->tied_embedding.has_value() != impl_->tied_head.has_value();
+}
+
+uint64_t StageRuntime::TiedEmbeddingBytes(const v1::JobSpec& job) {
+  if (!job.has_llama() || !job.llama().tie_embeddings()) return 0;
+  return static_cast<uint64_t>(VocabOf(job)) * job.llama().d_model() * sizeof(float);
+}
+
+absl::Status StageRuntime::ApplyUpdate(double progress,
+                                       const TiedGradientExchangeFn& exchange_tied) {
   Impl& s = *impl_;
   if (s.gradient_count == 0) return absl::OkStatus();
+  if (s.tied_embedding.has_value() || s.tied_head.has_value()) {
+    // Embedding + head, summed here or traded with the other end: the same
+    // float32 sum on both (addition commutes), before the mean.
+    RETURN_IF_ERROR(GuardTorch("tied embedding", [&]() -> absl::Status {
+      const std::vector<torch::Tensor>& params = s.stash->Get(s.stash->current_version());
+      auto sum_of = [&](size_t i) {
+        return s.gradient_sum[i].defined() ? s.gradient_sum[i] : torch::zeros_like(params[i]);
+      };
+      if (s.tied_embedding.has_value() && s.tied_head.has_value()) {
+        const torch::Tensor both = sum_of(*s.tied_embedding) + sum_of(*s.tied_head);
+        s.gradient_sum[*s.tied_embedding] = both;
+        s.gradient_sum[*s.tied_head] = both.clone();
+        return absl::OkStatus();
+      }
+      if (!exchange_tied) {
+        return absl::FailedPreconditionError(
+            "this stage holds one end of a tied embedding and has no peer to exchange with");
+      }
+      const size_t index = s.tied_embedding.has_value() ? *s.tied_embedding : *s.tied_head;
+      const torch::Tensor mine = sum_of(index).to(torch::kCPU).contiguous();
+      const uint64_t bytes = mine.numel() * sizeof(float);
+      ASSIGN_OR_RETURN(std::string theirs,
+                       exchange_tied(std::string_view(
+                           static_cast<const char*>(mine.data_ptr()), bytes)));
+      if (theirs.size() != bytes) {
+        return absl::InternalError(absl::StrCat("the other end's tied gradient is ", theirs.size(),
+                                                " bytes, not ", bytes));
+      }
+      const torch::Tensor other =
+          torch::from_blob(theirs.data(), mine.sizes(), torch::kFloat32);
+      if (!torch::isfinite(other).all().item<bool>()) {
+        return absl::InvalidArgumentError("the other end's tied gradient is not finite");
+      }
+      s.gradient_sum[index] = (mine + other).to(s.device);
+      return absl::OkStatus();
+    }));
+  }
   // Stage 0's backwards send nothing, so nothing has synchronised since
   // their gradients were decoded: once per update, before they count.
   if (absl::Status checked = s.device_checks.SynchronizeAndVerify(); !checked.ok()) {

@@ -16,6 +16,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 
 #include "absl/status/statusor.h"
 #include "common/link_message.h"
@@ -105,7 +106,19 @@ class StageRuntime {
   // one; publishes a new weight version. No-op without gradients.
   // `progress` (fraction of the run's samples seen) drives the job's
   // learning-rate schedule.
-  absl::Status ApplyUpdate(double progress = 0);
+  //
+  // Tied embeddings: a stage holding the embedding or the head (not both)
+  // passes `exchange_tied`, which trades this stage's gradient sum of the
+  // tied matrix (float32 bytes) for the other end's; both then step with
+  // their sum. A stage holding both adds them itself.
+  using TiedGradientExchangeFn =
+      std::function<absl::StatusOr<std::string>(std::string_view mine)>;
+  absl::Status ApplyUpdate(double progress = 0, const TiedGradientExchangeFn& exchange_tied = {});
+  // Whether this stage holds one end of a tied embedding that another stage
+  // holds the other end of (it must then exchange at each update).
+  bool holds_one_tied_end() const;
+  // Bytes of the tied matrix, float32 [vocab, d_model]; 0 without tying.
+  static uint64_t TiedEmbeddingBytes(const v1::JobSpec& job);
   StashStats stash_stats() const;
 
   // This stage's layers (current weights and optimizer state) as one

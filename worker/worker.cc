@@ -101,6 +101,7 @@ void Worker::AbortTrainingLocked() {
   for (const std::shared_ptr<LinkEnd>& link : open_links_) link->EndOnPurpose();
   if (link_service_ != nullptr) link_service_->Deactivate();
   averager_.Deactivate();
+  tied_.Deactivate();  // ends an exchange that waits for a peer of the old plan
 }
 
 absl::Status Worker::StartServer() {
@@ -115,6 +116,7 @@ absl::Status Worker::StartServer() {
       MakeServerCredentials(link_options_.transport, ClientCertificates::kRequire), &port);
   builder.RegisterService(link_service_.get());
   builder.RegisterService(&averager_);
+  builder.RegisterService(&tied_);
   builder.RegisterService(&state_server_);
   server_ = builder.BuildAndStart();
   if (server_ == nullptr || port == 0) {
@@ -206,6 +208,7 @@ absl::Status Worker::Run() {
     coordinator_.UseSecurity(credentials.coordinator, options_.tls_server_name);
     link_options_.transport = credentials.peers;
     averager_.UseSecurity(credentials.peers);
+    tied_.UseSecurity(credentials.peers);
     state_server_.UseSecurity(credentials.peers);
     peer_security_ = credentials.peers;
     prober_.UseSecurity(credentials.peers);
@@ -503,6 +506,7 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
       worker->open_links_.clear();
       worker->training_epoch_ = 0;
       worker->averager_.Deactivate();
+      worker->tied_.Deactivate();
     }
   } unregister{this};
   ASSIGN_OR_RETURN(const bool built, PrepareRuntime(placement, schedule, mine, plan.epoch()));
@@ -573,6 +577,27 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
     GT_LOG(Info) << "stage " << mine.stage() << " has " << stage_workers.size()
                  << " workers; this one is " << (primary_ ? "the primary" : "a replica");
     averager_.Activate(std::move(target));
+  }
+
+  // Tied embeddings: the first stage's worker and the last's trade the
+  // tied matrix's gradient at each update (sync only; no replicas).
+  if (runtime->holds_one_tied_end()) {
+    const int other = mine.stage() == 0 ? num_stages - 1 : 0;
+    const std::vector<StageWorker> ends = WorkersOf(plan.stages(other));
+    if (ends.size() != 1 || stage_workers.size() != 1) {
+      return absl::FailedPreconditionError(
+          "tied embeddings need one worker on the first stage and one on the last");
+    }
+    TiedGradientExchange::Target target;
+    target.epoch = plan.epoch();
+    target.stage = mine.stage();
+    target.self_id = worker_id_;
+    target.peer_stage = other;
+    target.peer_id = ends[0].id;
+    auto route = options_.routes.find(ends[0].address);
+    target.peer_address = route == options_.routes.end() ? ends[0].address : route->second;
+    target.gradient_bytes = StageRuntime::TiedEmbeddingBytes(job_);
+    tied_.Activate(std::move(target));
   }
 
   // The links are unregistered (under mu_) before they are destroyed.
@@ -653,6 +678,7 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
   driver_options.replicated = stage_workers.size() > 1;
   driver_options.primary = primary_;
   driver_options.averager = stage_workers.size() > 1 ? &averager_ : nullptr;
+  driver_options.tied = runtime->holds_one_tied_end() ? &tied_ : nullptr;
   // Joining a stage that is already training: this worker's weights come
   // from a checkpoint, or were kept while it was a standby; its siblings'
   // are newer.

@@ -46,6 +46,7 @@
 #include "worker/link_stream.h"
 #include "worker/pipeline_driver.h"
 #include "worker/replica_averager.h"
+#include "worker/tied_gradient_exchange.h"
 #include "worker/stage_state_server.h"
 #include "worker/stage_runtime.h"
 #include "worker/worker_credentials.h"
@@ -119,6 +120,7 @@ class Worker {
   LinkOptions link_options_;  // set by Run() before anything dials or serves
   std::unique_ptr<LinkService> link_service_;  // made by StartServer()
   ReplicaAverager averager_;
+  TiedGradientExchange tied_;  // llama.tie_embeddings: the first and last stage's exchange
   StageStateServer state_server_;
   TransportSecurity peer_security_ = TransportSecurity::Insecure();
   std::unique_ptr<grpc::Server> server_;

@@ -32,12 +32,12 @@ CONTEXT = 32
 VOCAB = 320
 
 
-def tiny_llama(path):
+def tiny_llama(path, tied=False):
     torch.manual_seed(11)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=192,
                          num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-6,
-                         tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
+                         tie_word_embeddings=tied, attention_bias=False, mlp_bias=False)
     model = LlamaForCausalLM(config).to(torch.float32)
     model.save_pretrained(path, safe_serialization=True)
     return model
@@ -76,9 +76,18 @@ def hf_loss(model, window):
 
 class InitFromTest(unittest.TestCase):
     def test_fine_tunes_a_transformers_model_and_exports_it_back(self):
+        self.fine_tune_and_export(tied=False)
+
+    def test_tied_embeddings_fine_tune_and_export_back(self):
+        """tie_word_embeddings: transformers saves the embedding alone; the
+        head on the other worker starts from it, and the two copies train
+        as one matrix (their gradients traded at each update)."""
+        self.fine_tune_and_export(tied=True)
+
+    def fine_tune_and_export(self, tied):
         with tempfile.TemporaryDirectory() as d:
             model_dir = os.path.join(d, "hf")
-            model = tiny_llama(model_dir)
+            model = tiny_llama(model_dir, tied)
             model.eval()
             window = np.random.default_rng(5).integers(0, VOCAB, CONTEXT + 1).astype(np.uint16)
             tokens = os.path.join(d, "tokens.bin")
@@ -99,13 +108,17 @@ class InitFromTest(unittest.TestCase):
             self.assertIn("5 layers", imported[0]["detail"])  # embedding, 3 blocks, head
             self.assertEqual([e for e in events if e["kind"].startswith("export")][-1]["kind"],
                              "exported")
-            print(f"step 1 loss: geotrain {losses[0]:.7f}, transformers {expected:.7f}; "
+            print(f"tied {tied}: step 1 loss: geotrain {losses[0]:.7f}, transformers {expected:.7f}; "
                   f"after {len(losses)} steps {losses[-1]:.4f}")
             self.assertLess(abs(losses[0] - expected) / expected, 1e-4)
             # It trained: the loss on the one window fell.
             self.assertLess(losses[-1], losses[0] - 0.1)
 
-            trained = LlamaForCausalLM.from_pretrained(export, torch_dtype=torch.float32)
+            with open(os.path.join(export, "config.json")) as f:
+                self.assertEqual(json.load(f)["tie_word_embeddings"], tied)
+            trained, info = LlamaForCausalLM.from_pretrained(export, torch_dtype=torch.float32,
+                                                             output_loading_info=True)
+            self.assertFalse(info["missing_keys"] or info["unexpected_keys"], info)
             trained.eval()
             logits_path = os.path.join(d, "logits.bin")
             done = subprocess.run([binary("geotrain-eval"), f"--model={export}",

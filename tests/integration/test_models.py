@@ -65,6 +65,28 @@ class ModelsTest(unittest.TestCase):
                                  f"step {step}: 1 worker {one}, 3 workers {three}")
         self.assertLess(losses[1][-1], losses[1][0])
 
+    def test_tied_embeddings_over_3_workers_match_1(self):
+        """tie_embeddings: the first and the last stage trade the tied
+        matrix's gradient at every update, so 3 workers still train as 1."""
+        with tempfile.TemporaryDirectory() as d:
+            with open(job_path("llama-tiny.textproto")) as f:
+                text = f.read().replace("llama {", "llama {\n  tie_embeddings: true", 1)
+            job = os.path.join(d, "tied.textproto")
+            with open(job, "w") as f:
+                f.write(text)
+            losses = {}
+            for workers in (1, 3):
+                with Cluster(job, ["--steps=6", f"--min_workers={workers}", "--seed=5"]) as c:
+                    c.train(workers, timeout=300)
+                    losses[workers] = [m["loss"] for m in c.steps()]
+        print("tied llama-tiny per-step losses, 1 worker vs 3 workers:")
+        for step, (one, three) in enumerate(zip(losses[1], losses[3]), start=1):
+            print(f"  step {step}: {one:.7f} {three:.7f}")
+            self.assertLessEqual(abs(one - three) / abs(one), 1e-4,
+                                 f"step {step}: 1 worker {one}, 3 workers {three}")
+        self.assertEqual(len(losses[3]), 6)
+        self.assertLess(losses[1][-1], losses[1][0])
+
     def test_llama_trains_on_token_files(self):
         with tempfile.TemporaryDirectory() as d:
             print(tokenize_fortunes(os.path.join(d, "tok")).strip())

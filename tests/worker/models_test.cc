@@ -93,13 +93,21 @@ TEST(LlamaModelTest, TheDefaultsAreLlamasAndBadShapesAreRefused) {
   for (const char* bad : {"context: 8 d_model: 32 heads: 4 kv_heads: 3 blocks: 1",
                           "context: 8 d_model: 36 heads: 4 blocks: 1",  // head size 9: odd
                           "context: 8 d_model: 32 heads: 4 blocks: 1 vocab: 100",
-                          "context: 8 d_model: 32 heads: 4 blocks: 1 tie_embeddings: true",
                           "context: 0 d_model: 32 heads: 4 blocks: 1"}) {
     auto refused = ParseJobSpec(std::string("llama { ") + bad + " } text {} steps: 3", "bad.job");
     EXPECT_FALSE(refused.ok()) << bad;
     EXPECT_NE(refused.status().message().find("bad.job: llama"), std::string::npos)
         << refused.status();
   }
+  // Tied embeddings trade gradients at each update: the sync schedule only.
+  const std::string tied =
+      "llama { context: 8 d_model: 32 heads: 4 blocks: 1 tie_embeddings: true } text {} steps: 3";
+  EXPECT_TRUE(ParseJobSpec(tied, "tied.job").ok());
+  auto async_tied = ParseJobSpec(tied + " schedule: SCHEDULE_ASYNC_STASH", "tied.job");
+  ASSERT_FALSE(async_tied.ok());
+  EXPECT_NE(async_tied.status().message().find("tie_embeddings needs schedule SCHEDULE_SYNC"),
+            std::string::npos)
+      << async_tied.status();
 }
 
 // Plain causal attention with rotary positions, head by head, as the

@@ -9,6 +9,8 @@
 
 #include <cstring>
 #include <fstream>
+#include <future>
+#include <thread>
 
 #include "common/job_spec.h"
 #include "common/tensor_wire.h"
@@ -85,6 +87,89 @@ TEST_F(StageRuntimeTest, TwoStagesMatchOneStage) {
     ASSERT_TRUE(first->ApplyUpdate().ok());
     ASSERT_TRUE(second->ApplyUpdate().ok());
   }
+}
+
+// Tied embeddings: the first stage's embedding and the last stage's head
+// are copies of one matrix. Trading their gradient sums at each update keeps
+// the copies bit-equal, and two stages train as one stage holding both.
+TEST_F(StageRuntimeTest, TiedEmbeddingCopiesStayEqualAndTwoStagesMatchOne) {
+  auto job = ParseJobSpec(
+      "llama { context: 16 d_model: 32 heads: 4 kv_heads: 2 blocks: 2 tie_embeddings: true } "
+      "text { paths: \"" + corpus_ + "\" } steps: 3 microbatches: 2 microbatch_size: 4 seed: 7",
+      "test");
+  ASSERT_TRUE(job.ok()) << job.status();
+  job_ = *job;
+  auto single = Make(0, 1, 0, 4);
+  auto first = Make(0, 2, 0, 2);
+  auto second = Make(1, 2, 2, 4);
+  EXPECT_FALSE(single->holds_one_tied_end());
+  EXPECT_TRUE(first->holds_one_tied_end());
+  EXPECT_TRUE(second->holds_one_tied_end());
+  EXPECT_EQ(StageRuntime::TiedEmbeddingBytes(job_), 256u * 32 * 4);
+  // The tied matrix of each runtime: the embedding's (layer 0, its only
+  // parameter) or the head's (its second, after the norm).
+  auto matrix = [](StageRuntime& runtime, bool head) {
+    auto weights = runtime.ExportWeights(WireEncoding{});
+    EXPECT_TRUE(weights.ok()) << weights.status();
+    const v1::LayerWeights& layer = head ? weights->back() : weights->front();
+    const uint64_t offset = head ? layer.params(0).payload_bytes() : 0;
+    return layer.payload().substr(offset, layer.params(head ? 1 : 0).payload_bytes());
+  };
+  EXPECT_EQ(matrix(*first, false), matrix(*second, true)) << "the head starts as the embedding";
+
+  for (int step = 0; step < job_.steps(); ++step) {
+    for (int mb = 0; mb < job_.microbatches(); ++mb) {
+      auto reference = single->ForwardLoss(*single->LoadTrainMicrobatch(step, mb));
+      ASSERT_TRUE(reference.ok()) << reference.status();
+      auto activation = first->Forward(*first->LoadTrainMicrobatch(step, mb));
+      ASSERT_TRUE(activation.ok()) << activation.status();
+      auto result = second->ForwardLoss(*activation);
+      ASSERT_TRUE(result.ok()) << result.status();
+      EXPECT_NEAR(result->loss, reference->loss, 1e-5 * std::abs(reference->loss)) << step;
+      ASSERT_TRUE(first->Backward(*result->gradient).ok());
+    }
+    ASSERT_TRUE(single->ApplyUpdate(0.5).ok());
+    // Each end hands its sum over and waits for the other's, as the two
+    // workers do over TiedEmbedding.
+    std::promise<std::string> to_first, to_second;
+    auto exchange = [](std::promise<std::string>& out, std::promise<std::string>& in) {
+      return [&out, &in](std::string_view mine) -> absl::StatusOr<std::string> {
+        out.set_value(std::string(mine));
+        return in.get_future().get();
+      };
+    };
+    absl::Status first_updated;
+    std::thread other([&] { first_updated = first->ApplyUpdate(0.5, exchange(to_second, to_first)); });
+    const absl::Status second_updated = second->ApplyUpdate(0.5, exchange(to_first, to_second));
+    other.join();
+    ASSERT_TRUE(first_updated.ok()) << first_updated;
+    ASSERT_TRUE(second_updated.ok()) << second_updated;
+    EXPECT_EQ(matrix(*first, false), matrix(*second, true)) << "after step " << step;
+    EXPECT_EQ(matrix(*single, false), matrix(*single, true)) << "after step " << step;
+    EXPECT_EQ(matrix(*single, false), matrix(*first, false)) << "after step " << step;
+  }
+}
+
+// A stage holding one end cannot update alone: its copy would drift.
+TEST_F(StageRuntimeTest, ATiedEndWithoutItsPeerDoesNotUpdate) {
+  auto job = ParseJobSpec(
+      "llama { context: 16 d_model: 32 heads: 4 blocks: 2 tie_embeddings: true } "
+      "text { paths: \"" + corpus_ + "\" } steps: 3 microbatches: 2 microbatch_size: 4",
+      "test");
+  ASSERT_TRUE(job.ok()) << job.status();
+  job_ = *job;
+  auto second = Make(1, 2, 2, 4);
+  auto first = Make(0, 2, 0, 2);
+  auto result = second->ForwardLoss(*first->Forward(*first->LoadTrainMicrobatch(0, 0)));
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(second->ApplyUpdate(0.5).code(), absl::StatusCode::kFailedPrecondition);
+  // A peer's sum of the wrong size is refused.
+  auto result2 = second->ForwardLoss(*first->Forward(*first->LoadTrainMicrobatch(0, 1)));
+  ASSERT_TRUE(result2.ok());
+  const absl::Status short_sum = second->ApplyUpdate(
+      0.5, [](std::string_view) -> absl::StatusOr<std::string> { return std::string(8, '\0'); });
+  EXPECT_FALSE(short_sum.ok());
+  EXPECT_NE(short_sum.message().find("not"), std::string::npos) << short_sum;
 }
 
 // The gradient a stage sends upstream is d(loss)/d(input): checked against
