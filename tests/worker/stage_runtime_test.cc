@@ -42,6 +42,16 @@ class StageRuntimeTest : public testing::Test {
     return std::move(*runtime);
   }
 
+  // A 4-layer LLaMA whose head is tied to its embedding, on the corpus.
+  void UseTiedLlama() {
+    auto job = ParseJobSpec(
+        "llama { context: 16 d_model: 32 heads: 4 kv_heads: 2 blocks: 2 tie_embeddings: true } "
+        "text { paths: \"" + corpus_ + "\" } steps: 3 microbatches: 2 microbatch_size: 4 seed: 7",
+        "test");
+    ASSERT_TRUE(job.ok()) << job.status();
+    job_ = *job;
+  }
+
   std::string corpus_;
   v1::JobSpec job_;
 };
@@ -93,12 +103,7 @@ TEST_F(StageRuntimeTest, TwoStagesMatchOneStage) {
 // are copies of one matrix. Trading their gradient sums at each update keeps
 // the copies bit-equal, and two stages train as one stage holding both.
 TEST_F(StageRuntimeTest, TiedEmbeddingCopiesStayEqualAndTwoStagesMatchOne) {
-  auto job = ParseJobSpec(
-      "llama { context: 16 d_model: 32 heads: 4 kv_heads: 2 blocks: 2 tie_embeddings: true } "
-      "text { paths: \"" + corpus_ + "\" } steps: 3 microbatches: 2 microbatch_size: 4 seed: 7",
-      "test");
-  ASSERT_TRUE(job.ok()) << job.status();
-  job_ = *job;
+  ASSERT_NO_FATAL_FAILURE(UseTiedLlama());
   auto single = Make(0, 1, 0, 4);
   auto first = Make(0, 2, 0, 2);
   auto second = Make(1, 2, 2, 4);
@@ -152,12 +157,7 @@ TEST_F(StageRuntimeTest, TiedEmbeddingCopiesStayEqualAndTwoStagesMatchOne) {
 
 // A stage holding one end cannot update alone: its copy would drift.
 TEST_F(StageRuntimeTest, ATiedEndWithoutItsPeerDoesNotUpdate) {
-  auto job = ParseJobSpec(
-      "llama { context: 16 d_model: 32 heads: 4 blocks: 2 tie_embeddings: true } "
-      "text { paths: \"" + corpus_ + "\" } steps: 3 microbatches: 2 microbatch_size: 4",
-      "test");
-  ASSERT_TRUE(job.ok()) << job.status();
-  job_ = *job;
+  ASSERT_NO_FATAL_FAILURE(UseTiedLlama());
   auto second = Make(1, 2, 2, 4);
   auto first = Make(0, 2, 0, 2);
   auto result = second->ForwardLoss(*first->Forward(*first->LoadTrainMicrobatch(0, 0)));
