@@ -251,6 +251,11 @@ std::unique_ptr<grpc::ClientReader<v1::Plan>> CoordinatorClient::WatchPlan(
 }
 
 absl::Status CoordinatorClient::ReportDone(int step) {
+  // Every step's report first: the coordinator counts them.
+  if (!reports_.Flush(kFlushBeforeDone)) {
+    GT_LOG(Warning) << "progress reports still pending after "
+                    << absl::FormatDuration(kFlushBeforeDone) << "; reporting DONE anyway";
+  }
   grpc::ClientContext context;
   context.set_deadline(DeadlineFromNow(kControlRpcTimeout));
   v1::DoneReport request;
@@ -261,6 +266,7 @@ absl::Status CoordinatorClient::ReportDone(int step) {
 }
 
 void CoordinatorClient::Leave() {
+  reports_.Flush(absl::Seconds(2));  // a leaving worker's last steps, if it can
   grpc::ClientContext context;
   context.set_deadline(DeadlineFromNow(kControlRpcTimeout));
   v1::LeaveRequest request;
@@ -270,24 +276,24 @@ void CoordinatorClient::Leave() {
 }
 
 void CoordinatorClient::StepFinished(int step, double loss, int64_t samples) {
-  grpc::ClientContext context;
-  context.set_deadline(DeadlineFromNow(kControlRpcTimeout));
   v1::StepReport report;
   report.set_worker_id(worker_id());
   report.set_epoch(epoch_);
   report.set_step(step);
   report.set_loss(loss);
   report.set_samples(samples);
-  v1::ReportAck ack;
-  const grpc::Status status = stub_->ReportStep(&context, report, &ack);
-  if (!status.ok()) {
-    GT_LOG(Warning) << "step " << step << " report failed: " << status.error_message();
-  }
+  reports_.Post([this, report = std::move(report)] {
+    grpc::ClientContext context;
+    context.set_deadline(DeadlineFromNow(kControlRpcTimeout));
+    v1::ReportAck ack;
+    const grpc::Status status = stub_->ReportStep(&context, report, &ack);
+    if (!status.ok()) {
+      GT_LOG(Warning) << "step " << report.step() << " report failed: " << status.error_message();
+    }
+  });
 }
 
 void CoordinatorClient::EvalFinished(int step, const EvalResult& result) {
-  grpc::ClientContext context;
-  context.set_deadline(DeadlineFromNow(kControlRpcTimeout));
   v1::EvalReport report;
   report.set_worker_id(worker_id());
   report.set_epoch(epoch_);
@@ -296,15 +302,17 @@ void CoordinatorClient::EvalFinished(int step, const EvalResult& result) {
   report.set_has_accuracy(result.accuracy >= 0);
   report.set_accuracy(std::max(0.0, result.accuracy));
   report.set_samples(result.samples);
-  v1::ReportAck ack;
-  const grpc::Status status = stub_->ReportEval(&context, report, &ack);
   GT_LOG(Info) << absl::StrFormat("eval at step %d: val_loss %.4f%s", step, result.loss,
                                   result.accuracy >= 0
                                       ? absl::StrFormat(" accuracy %.4f", result.accuracy)
                                       : "");
-  if (!status.ok()) {
-    GT_LOG(Warning) << "eval report failed: " << status.error_message();
-  }
+  reports_.Post([this, report = std::move(report)] {
+    grpc::ClientContext context;
+    context.set_deadline(DeadlineFromNow(kControlRpcTimeout));
+    v1::ReportAck ack;
+    const grpc::Status status = stub_->ReportEval(&context, report, &ack);
+    if (!status.ok()) GT_LOG(Warning) << "eval report failed: " << status.error_message();
+  });
 }
 
 }  // namespace geotrain

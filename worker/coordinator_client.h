@@ -20,6 +20,7 @@
 #include "common/transport_security.h"
 #include "worker/peer_prober.h"
 #include "worker/pipeline_driver.h"
+#include "worker/report_queue.h"
 
 namespace geotrain {
 
@@ -78,7 +79,9 @@ class CoordinatorClient final : public ProgressSink {
                    const std::string& peer = "");
   ~CoordinatorClient() override;
 
-  // ProgressSink: reports go to the coordinator; failures are logged.
+  // ProgressSink: reports go to the coordinator from a background queue
+  // (ReportQueue), in order, so the driver never waits on it; failures are
+  // logged. ReportDone() sends what is pending first.
   void StepFinished(int step, double loss, int64_t samples) override;
   void EvalFinished(int step, const EvalResult& result) override;
   void StageProgress(int step) override { step_ = step; }
@@ -100,6 +103,9 @@ class CoordinatorClient final : public ProgressSink {
   PeerProber* prober_ = nullptr;
   std::atomic<uint64_t> epoch_{0};
   std::atomic<int> step_{0};
+  static constexpr absl::Duration kFlushBeforeDone = absl::Seconds(10);
+  // Last: destroyed (flushed) first, while the stub its sends use lives.
+  ReportQueue reports_;
 };
 
 }  // namespace geotrain

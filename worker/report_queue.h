@@ -1,0 +1,55 @@
+// Sends a worker's progress reports (step and evaluation results) from a
+// background thread, in the order they were posted, so the pipeline driver
+// never waits on the coordinator: over a WAN each unary report costs a round
+// trip, and a slow or unreachable coordinator would stall every step.
+//
+// Bounded: past `capacity` pending reports the oldest is dropped (and
+// counted), so a coordinator that is gone costs memory for `capacity`
+// reports at most. Flush() waits for what is pending (before DONE, so the
+// coordinator has every step first). Thread-safe.
+#ifndef GEOTRAIN_WORKER_REPORT_QUEUE_H_
+#define GEOTRAIN_WORKER_REPORT_QUEUE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <thread>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
+namespace geotrain {
+
+class ReportQueue {
+ public:
+  explicit ReportQueue(size_t capacity = 1024);
+  // Flushes for up to `kFlushOnExit`, then drops what is left.
+  ~ReportQueue();
+  ReportQueue(const ReportQueue&) = delete;
+  ReportQueue& operator=(const ReportQueue&) = delete;
+
+  static constexpr absl::Duration kFlushOnExit = absl::Seconds(5);
+
+  // Queues `send` (one report's RPC, with its own deadline) and returns.
+  void Post(std::function<void()> send);
+  // Waits until every report posted so far has been sent (or has failed);
+  // false if `limit` passed first.
+  bool Flush(absl::Duration limit);
+  int64_t dropped() const;
+
+ private:
+  void Loop();
+
+  const size_t capacity_;
+  mutable absl::Mutex mu_;
+  std::deque<std::function<void()>> pending_ ABSL_GUARDED_BY(mu_);
+  bool sending_ ABSL_GUARDED_BY(mu_) = false;  // one is out of the queue, in flight
+  int64_t dropped_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread sender_;
+};
+
+}  // namespace geotrain
+
+#endif  // GEOTRAIN_WORKER_REPORT_QUEUE_H_
