@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/model_profile.h"
+#include "common/status_macros.h"
 
 namespace geotrain {
 
@@ -53,31 +54,57 @@ uint32_t Crc32Update(uint32_t crc, absl::string_view data) {
   return static_cast<uint32_t>(value);
 }
 
+LayerStateChunker::LayerStateChunker(const v1::LayerCheckpoint& header, uint64_t payload_bytes,
+                                     const LayerStateEmit& emit, size_t chunk_bytes)
+    : emit_(emit),
+      chunk_bytes_(std::max<size_t>(4, chunk_bytes & ~size_t{3})),
+      declared_(payload_bytes) {
+  *chunk_.mutable_header() = LayerStateHeader(header);
+  chunk_.set_payload_bytes(payload_bytes);
+}
+
+absl::Status LayerStateChunker::Emit() {
+  if (broken_ || !emit_(chunk_)) {
+    broken_ = true;
+    return absl::CancelledError("the layer state stream broke");
+  }
+  chunk_.Clear();
+  return absl::OkStatus();
+}
+
+absl::Status LayerStateChunker::Append(absl::string_view bytes) {
+  if (broken_) return absl::CancelledError("the layer state stream broke");
+  if (bytes.size() > declared_ - appended_) {
+    return absl::InternalError(absl::StrCat("layer state past its declared ", declared_, " bytes"));
+  }
+  while (!bytes.empty()) {
+    // A full chunk goes once more bytes follow it; the final one waits
+    // for Finish() and its checksum.
+    if (chunk_.data().size() == chunk_bytes_) RETURN_IF_ERROR(Emit());
+    const absl::string_view piece = bytes.substr(0, chunk_bytes_ - chunk_.data().size());
+    chunk_.mutable_data()->append(piece.data(), piece.size());
+    crc_ = Crc32Update(crc_, piece);
+    appended_ += piece.size();
+    bytes.remove_prefix(piece.size());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LayerStateChunker::Finish() {
+  if (broken_) return absl::CancelledError("the layer state stream broke");
+  if (appended_ != declared_) {
+    return absl::InternalError(absl::StrCat("layer state ended at byte ", appended_, " of ",
+                                            declared_));
+  }
+  chunk_.set_last(true);
+  chunk_.set_payload_crc32(crc_);
+  return Emit();
+}
+
 bool ForEachLayerStateChunk(const v1::LayerCheckpoint& layer, size_t chunk_bytes,
-                            const std::function<bool(const v1::LayerStateChunk&)>& emit) {
-  chunk_bytes = std::max<size_t>(4, chunk_bytes & ~size_t{3});
-  const absl::string_view payload = layer.payload();
-  uint32_t crc = 0;
-  size_t offset = 0;
-  bool first = true;
-  do {
-    v1::LayerStateChunk chunk;
-    if (first) {
-      *chunk.mutable_header() = LayerStateHeader(layer);
-      chunk.set_payload_bytes(payload.size());
-    }
-    const absl::string_view piece = payload.substr(offset, chunk_bytes);
-    chunk.set_data(piece.data(), piece.size());
-    crc = Crc32Update(crc, piece);
-    offset += piece.size();
-    if (offset == payload.size()) {
-      chunk.set_last(true);
-      chunk.set_payload_crc32(crc);
-    }
-    if (!emit(chunk)) return false;
-    first = false;
-  } while (offset < payload.size());
-  return true;
+                            const LayerStateEmit& emit) {
+  LayerStateChunker chunker(layer, layer.payload().size(), emit, chunk_bytes);
+  return chunker.Append(layer.payload()).ok() && chunker.Finish().ok();
 }
 
 absl::Status LayerStateReceiver::Add(const v1::LayerStateChunk& chunk) {

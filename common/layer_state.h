@@ -50,11 +50,42 @@ uint64_t DeclaredPayloadBytes(const v1::LayerCheckpoint& header);
 // CRC-32 (zlib) of `data` continuing from `crc` (0 to start).
 uint32_t Crc32Update(uint32_t crc, absl::string_view data);
 
+using LayerStateEmit = std::function<bool(const v1::LayerStateChunk&)>;
+
+// Cuts one layer's state into chunks as its bytes come, in pieces of any
+// size (a file read, one tensor at a time): the first chunk carries the
+// header and the declared size, each holds `chunk_bytes`, and the last one
+// the rest, `last` and the CRC-32 of the whole. The one slicer behind every
+// sender of layer state (memory, a live stage, the coordinator's files).
+class LayerStateChunker {
+ public:
+  // `emit` returns false when the stream broke; it must outlive the chunker.
+  LayerStateChunker(const v1::LayerCheckpoint& header, uint64_t payload_bytes,
+                    const LayerStateEmit& emit, size_t chunk_bytes = kLayerStateChunkBytes);
+  // CANCELLED once the stream broke; INTERNAL past the declared size.
+  absl::Status Append(absl::string_view bytes);
+  // Emits the last chunk (the only one, header included, for an empty
+  // payload). INTERNAL if the bytes fell short of the declared size.
+  absl::Status Finish();
+  uint64_t bytes_sent() const { return appended_; }
+
+ private:
+  absl::Status Emit();
+
+  const LayerStateEmit& emit_;
+  const size_t chunk_bytes_;
+  const uint64_t declared_;
+  uint64_t appended_ = 0;
+  uint32_t crc_ = 0;
+  bool broken_ = false;
+  v1::LayerStateChunk chunk_;
+};
+
 // Calls `emit` with each chunk of `layer` in order (at least one chunk: the
 // header, even for an empty payload). Stops early and returns false when
 // `emit` does (a broken stream).
 bool ForEachLayerStateChunk(const v1::LayerCheckpoint& layer, size_t chunk_bytes,
-                            const std::function<bool(const v1::LayerStateChunk&)>& emit);
+                            const LayerStateEmit& emit);
 
 // Where a receiver puts what it checked. Begin is called once per layer
 // before its bytes, End after the checksum matched; any error stops the

@@ -40,25 +40,16 @@ absl::Status SendCheckpoint(JobController& controller, const std::string& worker
                             const std::function<bool(const v1::LayerStateChunk&)>& emit) {
   ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader,
                    controller.OpenCheckpoint(worker_id, layer));
-  uint32_t crc = 0;
-  uint64_t sent = 0;
-  bool first = true;
-  do {
-    v1::LayerStateChunk chunk;
-    if (first) {
-      *chunk.mutable_header() = reader->header();
-      chunk.set_payload_bytes(reader->payload_bytes());
-      first = false;
-    }
-    ASSIGN_OR_RETURN(size_t n, reader->Read(kLayerStateChunkBytes, chunk.mutable_data()));
-    crc = Crc32Update(crc, chunk.data());
-    sent += n;
-    if (sent == reader->payload_bytes()) {
-      chunk.set_last(true);
-      chunk.set_payload_crc32(crc);
-    }
-    if (!emit(chunk)) return absl::CancelledError("the restore stream broke");
-  } while (sent < reader->payload_bytes());
+  LayerStateChunker chunker(reader->header(), reader->payload_bytes(), emit);
+  std::string piece;
+  while (chunker.bytes_sent() < reader->payload_bytes()) {
+    piece.clear();
+    ASSIGN_OR_RETURN(const size_t n, reader->Read(kLayerStateChunkBytes, &piece));
+    if (n == 0) return absl::DataLossError("the checkpoint file ended early");
+    RETURN_IF_ERROR(chunker.Append(piece));
+  }
+  RETURN_IF_ERROR(chunker.Finish());
+  const uint64_t sent = chunker.bytes_sent();
   controller.CountStateSent(sent);
   return absl::OkStatus();
 }

@@ -632,12 +632,11 @@ absl::Status StageRuntime::StreamCheckpoint(
     for (size_t i = 0; i < s.layers.size(); ++i) {
       const auto [begin, end] = s.LayerParams(i, params.size());
       std::vector<torch::Tensor> tensors;  // params, then each one's state
-      v1::LayerStateChunk chunk;
-      v1::LayerCheckpoint* header = chunk.mutable_header();
-      header->set_layer(s.placement.layer_begin + static_cast<int>(i));
-      header->set_step(step);
-      header->set_optimizer_steps(s.optimizer->steps());
-      header->set_state_per_param(state.empty() ? 0 : static_cast<int>(state[0].size()));
+      v1::LayerCheckpoint header;
+      header.set_layer(s.placement.layer_begin + static_cast<int>(i));
+      header.set_step(step);
+      header.set_optimizer_steps(s.optimizer->steps());
+      header.set_state_per_param(state.empty() ? 0 : static_cast<int>(state[0].size()));
       auto describe = [&](const torch::Tensor& t, v1::TensorHeader* h) {
         for (int64_t dim : t.sizes()) h->add_shape(dim);
         h->set_dtype(v1::DTYPE_FLOAT32);
@@ -645,38 +644,22 @@ absl::Status StageRuntime::StreamCheckpoint(
         h->set_payload_bytes(static_cast<uint64_t>(t.numel()) * sizeof(float));
         tensors.push_back(t);
       };
-      for (size_t p = begin; p < end; ++p) describe(params[p], header->add_params());
+      for (size_t p = begin; p < end; ++p) describe(params[p], header.add_params());
       for (size_t p = begin; p < end && !state.empty(); ++p) {
-        for (const torch::Tensor& t : state[p]) describe(t, header->add_optimizer_state());
+        for (const torch::Tensor& t : state[p]) describe(t, header.add_optimizer_state());
       }
-      const uint64_t total = DeclaredPayloadBytes(*header);
-      chunk.set_payload_bytes(total);
+      LayerStateChunker chunker(header, DeclaredPayloadBytes(header), emit);
       // One tensor on the host at a time (a copy only for a device tensor).
-      uint32_t crc = 0;
-      uint64_t sent = 0;
       for (const torch::Tensor& tensor : tensors) {
         if (tensor.scalar_type() != torch::kFloat32) {
           return absl::InternalError("a stage tensor that is not float32");
         }
         const torch::Tensor host = tensor.detach().to(torch::kCPU).contiguous();
-        absl::string_view bytes(static_cast<const char*>(host.data_ptr()),
-                                static_cast<size_t>(host.numel()) * sizeof(float));
-        while (!bytes.empty()) {
-          const size_t room = kLayerStateChunkBytes - chunk.data().size();
-          const absl::string_view piece = bytes.substr(0, room);
-          chunk.mutable_data()->append(piece.data(), piece.size());
-          crc = Crc32Update(crc, piece);
-          sent += piece.size();
-          bytes.remove_prefix(piece.size());
-          if (chunk.data().size() == kLayerStateChunkBytes && sent < total) {
-            if (!emit(chunk)) return absl::CancelledError("the checkpoint stream broke");
-            chunk.Clear();
-          }
-        }
+        RETURN_IF_ERROR(chunker.Append(
+            absl::string_view(static_cast<const char*>(host.data_ptr()),
+                              static_cast<size_t>(host.numel()) * sizeof(float))));
       }
-      chunk.set_last(true);
-      chunk.set_payload_crc32(crc);
-      if (!emit(chunk)) return absl::CancelledError("the checkpoint stream broke");
+      RETURN_IF_ERROR(chunker.Finish());
     }
     return absl::OkStatus();
   });

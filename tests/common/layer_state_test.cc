@@ -56,6 +56,42 @@ TEST(LayerStateTest, ALayerCrossesInChunksAndArrivesWhole) {
   EXPECT_EQ(receiver.payload_bytes_received(), a.payload().size() + b.payload().size());
 }
 
+// Bytes fed in pieces of any size (a file read, one tensor at a time) make
+// the same chunks as the whole payload at once; the chunker refuses more or
+// fewer bytes than declared and stops at a broken stream.
+TEST(LayerStateTest, TheChunkerCutsPiecesOfAnySizeTheSameWay) {
+  const v1::LayerCheckpoint a = Layer(3, 1000);
+  const std::vector<v1::LayerStateChunk> whole = Chunks(a, 4096);
+  std::vector<v1::LayerStateChunk> pieces;
+  const LayerStateEmit keep = [&](const v1::LayerStateChunk& c) {
+    pieces.push_back(c);
+    return true;
+  };
+  LayerStateChunker chunker(LayerStateHeader(a), a.payload().size(), keep, 4096);
+  const absl::string_view payload = a.payload();
+  for (size_t offset = 0, n = 1; offset < payload.size(); offset += n, n = n * 3 + 1) {
+    ASSERT_TRUE(chunker.Append(payload.substr(offset, n)).ok());
+  }
+  ASSERT_TRUE(chunker.Finish().ok());
+  ASSERT_EQ(pieces.size(), whole.size());
+  for (size_t i = 0; i < whole.size(); ++i) {
+    EXPECT_EQ(pieces[i].SerializeAsString(), whole[i].SerializeAsString()) << "chunk " << i;
+  }
+
+  LayerStateChunker over(LayerStateHeader(a), 8, keep, 4096);
+  EXPECT_EQ(over.Append(std::string(9, 'x')).code(), absl::StatusCode::kInternal);
+  LayerStateChunker under(LayerStateHeader(a), 8, keep, 4096);
+  ASSERT_TRUE(under.Append(std::string(4, 'x')).ok());
+  EXPECT_EQ(under.Finish().code(), absl::StatusCode::kInternal);
+
+  int emitted = 0;
+  const LayerStateEmit broken = [&](const v1::LayerStateChunk&) { return ++emitted < 2; };
+  LayerStateChunker cut(LayerStateHeader(a), a.payload().size(), broken, 4096);
+  EXPECT_EQ(cut.Append(a.payload()).code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(cut.Finish().code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(emitted, 2) << "nothing is emitted after the stream broke";
+}
+
 TEST(LayerStateTest, AnEmptyPayloadIsOneChunk) {
   v1::LayerCheckpoint probe;
   probe.set_layer(2);
