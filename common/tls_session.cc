@@ -161,36 +161,14 @@ bool TlsSession::Wait(bool read, absl::Time deadline) {
 }
 
 bool TlsSession::WriteAll(const void* data, size_t size) {
-  const char* p = static_cast<const char*>(data);
-  absl::Time deadline =
-      io_timeout_ == absl::InfiniteDuration() ? absl::InfiniteFuture() : absl::Now() + io_timeout_;
-  while (size > 0) {
-    if (shut_down_) return false;
-    int rc, error;
-    {
-      absl::MutexLock lock(&mu_);
-      ERR_clear_error();
-      rc = SSL_write(ssl_, p, static_cast<int>(std::min<size_t>(size, 1 << 20)));
-      error = rc > 0 ? SSL_ERROR_NONE : SSL_get_error(ssl_, rc);
-    }
-    if (rc > 0) {
-      p += rc;
-      size -= static_cast<size_t>(rc);
-      if (io_timeout_ != absl::InfiniteDuration()) deadline = absl::Now() + io_timeout_;
-      continue;
-    }
-    if ((error == SSL_ERROR_WANT_WRITE || error == SSL_ERROR_WANT_READ) &&
-        Wait(error == SSL_ERROR_WANT_READ, deadline)) {
-      continue;
-    }
-    ERR_clear_error();
-    return false;
-  }
-  return true;
+  return Transfer(const_cast<char*>(static_cast<const char*>(data)), size, /*write=*/true);
 }
 
 bool TlsSession::ReadExactly(void* data, size_t size) {
-  char* p = static_cast<char*>(data);
+  return Transfer(static_cast<char*>(data), size, /*write=*/false);
+}
+
+bool TlsSession::Transfer(char* p, size_t size, bool write) {
   absl::Time deadline =
       io_timeout_ == absl::InfiniteDuration() ? absl::InfiniteFuture() : absl::Now() + io_timeout_;
   while (size > 0) {
@@ -199,7 +177,8 @@ bool TlsSession::ReadExactly(void* data, size_t size) {
     {
       absl::MutexLock lock(&mu_);
       ERR_clear_error();
-      rc = SSL_read(ssl_, p, static_cast<int>(std::min<size_t>(size, 1 << 20)));
+      const int n = static_cast<int>(std::min<size_t>(size, 1 << 20));
+      rc = write ? SSL_write(ssl_, p, n) : SSL_read(ssl_, p, n);
       error = rc > 0 ? SSL_ERROR_NONE : SSL_get_error(ssl_, rc);
     }
     if (rc > 0) {
@@ -208,6 +187,7 @@ bool TlsSession::ReadExactly(void* data, size_t size) {
       if (io_timeout_ != absl::InfiniteDuration()) deadline = absl::Now() + io_timeout_;
       continue;
     }
+    // Either direction may need the other first (renegotiation, a key update).
     if ((error == SSL_ERROR_WANT_READ || error == SSL_ERROR_WANT_WRITE) &&
         Wait(error == SSL_ERROR_WANT_READ, deadline)) {
       continue;

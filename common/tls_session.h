@@ -58,6 +58,9 @@ class TlsSession {
   // Waits until the socket is readable (`read`) or writable; false on
   // timeout, hang-up or shutdown.
   bool Wait(bool read, absl::Time deadline);
+  // SSL_write (or SSL_read) until `size` bytes went, the timeout passed
+  // without progress, or the session ended.
+  bool Transfer(char* data, size_t size, bool write);
 
   TcpSocket socket_;
   SSL_CTX* ctx_ = nullptr;

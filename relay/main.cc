@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "common/logging.h"
 #include "common/rpc_options.h"
+#include "common/stop_signals.h"
 #include "relay/relay_daemon.h"
 
 ABSL_FLAG(std::string, coordinator, "127.0.0.1:7070", "coordinator HOST:PORT");
@@ -82,14 +83,7 @@ int main(int argc, char** argv) {
   options.splice.max_pairs = absl::GetFlag(FLAGS_max_links);
   geotrain::SetLogPrefix(options.name.empty() ? "relay" : options.name);
 
-  // A peer that resets a TLS link through a relay must fail the write, not
-  // kill the process (OpenSSL writes to its socket with plain write()).
-  signal(SIGPIPE, SIG_IGN);
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGINT);
-  sigaddset(&signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  sigset_t signals = geotrain::BlockStopSignals();  // one thread takes them, below
   geotrain::RelayDaemon relay(options);
   std::thread signal_thread([&] {
     int received = 0;

@@ -13,6 +13,7 @@
 #include "absl/flags/usage.h"
 #include "common/logging.h"
 #include "common/rpc_options.h"
+#include "common/stop_signals.h"
 #include "worker/compute_environment.h"
 #include "worker/worker.h"
 
@@ -99,16 +100,7 @@ int main(int argc, char** argv) {
   }
   geotrain::SetLogPrefix(options.name.empty() ? "worker" : options.name);
 
-  // Signals are taken by one thread that asks the worker to stop; every other
-  // thread (gRPC's included) has them blocked.
-  // A peer that resets a TLS link through a relay must fail the write, not
-  // kill the process (OpenSSL writes to its socket with plain write()).
-  signal(SIGPIPE, SIG_IGN);
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGINT);
-  sigaddset(&signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  sigset_t signals = geotrain::BlockStopSignals();  // one thread takes them, below
 
   geotrain::Worker worker(options);
   std::thread signal_thread([&] {

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <iostream>
 #include <map>
 #include <sstream>
 #include <thread>
@@ -198,6 +199,14 @@ class LinkRefusalTest : public testing::Test {
   }
 
   void TearDown() override {
+    // A set-up that failed says why from the daemons' side too.
+    if (HasFailure()) {
+      for (const char* log : {"/coordinator.log", "/worker.log"}) {
+        const std::string text = ReadAll(dir_ + log);
+        std::cerr << "---- last of " << log << ":\n"
+                  << text.substr(text.size() > 4000 ? text.size() - 4000 : 0) << "\n";
+      }
+    }
     stop_heartbeats_ = true;
     if (heartbeats_.joinable()) heartbeats_.join();
     for (pid_t pid : {worker_, coordinator_}) {
