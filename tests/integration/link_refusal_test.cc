@@ -153,6 +153,24 @@ class LinkRefusalTest : public testing::Test {
     v1::JoinResponse joined;
     ASSERT_TRUE(coordinator_stub_->Join(&join_context, join, &joined).ok());
     job_ = joined.job();
+    stage0_id_ = joined.worker_id();
+    // Keep this test's lease from its join on (the job's lease is 5 s): the
+    // worker it waits for may take longer than that to start on a loaded
+    // machine, and a lapsed lease would leave the coordinator one worker
+    // short of a plan.
+    heartbeats_ = std::thread([this] {
+      while (!stop_heartbeats_) {
+        v1::HeartbeatRequest beat;
+        beat.set_worker_id(stage0_id_);
+        v1::HeartbeatResponse known;
+        grpc::ClientContext context;
+        context.set_deadline(DeadlineFromNow(std::chrono::seconds(2)));
+        coordinator_stub_->Heartbeat(&context, beat, &known);
+        for (int i = 0; i < 10 && !stop_heartbeats_; ++i) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        }
+      }
+    });
 
     worker_ = Spawn({bin + "/geotrain-worker", "--coordinator=" + coordinator,
                      "--listen=127.0.0.1:0", "--device=cpu", "--threads=1", "--name=target",
@@ -169,21 +187,6 @@ class LinkRefusalTest : public testing::Test {
     reader->Finish();
     ASSERT_EQ(plan_.stages_size(), 2);
     ASSERT_EQ(plan_.stages(0).worker_id(), joined.worker_id());
-    stage0_id_ = joined.worker_id();
-    // Keep this test's lease while it works (the job's lease is 5 s).
-    heartbeats_ = std::thread([this] {
-      while (!stop_heartbeats_) {
-        v1::HeartbeatRequest beat;
-        beat.set_worker_id(stage0_id_);
-        v1::HeartbeatResponse known;
-        grpc::ClientContext context;
-        context.set_deadline(DeadlineFromNow(std::chrono::seconds(2)));
-        coordinator_stub_->Heartbeat(&context, beat, &known);
-        for (int i = 0; i < 10 && !stop_heartbeats_; ++i) {
-          std::this_thread::sleep_for(std::chrono::milliseconds(50));
-        }
-      }
-    });
     stage1_id_ = plan_.stages(1).worker_id();
     stage_stub_ = v1::Stage::NewStub(
         MakeSecureChannel(plan_.stages(1).address(), peers_, stage1_id_));
