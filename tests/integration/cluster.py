@@ -48,8 +48,9 @@ def wait_for(condition, timeout, what, interval=0.05):
 
 
 class Process:
-    def __init__(self, args, log_path, env=None):
+    def __init__(self, args, log_path, env=None, name=None):
         self.args = args
+        self.name = name or os.path.basename(args[0])
         self.log_path = log_path
         self._log = open(log_path, "wb")
         self.popen = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
@@ -134,7 +135,7 @@ class Cluster:
         args = [binary("geotrain-worker"), f"--coordinator={self.address}",
                 "--listen=127.0.0.1:0", "--device=cpu", "--threads=1",
                 f"--name={name}"] + ([] if self.secure else ["--insecure"]) + list(extra)
-        worker = Process(args, os.path.join(self.dir, f"{name}.log"), env)
+        worker = Process(args, os.path.join(self.dir, f"{name}.log"), env, name)
         self.workers.append(worker)
         return worker
 
@@ -186,7 +187,7 @@ class Cluster:
         def done():
             for p in self.workers:
                 if p.popen.poll() not in (None, 0):
-                    raise RuntimeError(f"{p.args[-1]} exited with {p.popen.returncode}:\n"
+                    raise RuntimeError(f"{p.name} exited with {p.popen.returncode}:\n"
                                        + p.log()[-3000:])
             if not self.coordinator.alive() and self.coordinator.popen.returncode != 0:
                 raise RuntimeError("coordinator failed:\n" + self.coordinator.log()[-3000:])
