@@ -194,7 +194,8 @@ class JobController {
   bool MayReplicateLocked(const std::string& worker_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sets PlannerWorkerInfo::may_replicate from MayReplicateLocked.
   void MarkReplicaCandidatesLocked(PlannerInput* input) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Gives middle stages of `plan` standbys as replicas until each has
+  // Gives the stages of `plan` but the last standbys as replicas (middle
+  // stages first, then stage 0) until each has
   // job.replicas workers (never a worker demoted as a straggler). True when
   // it added one. Join order only: the network planner chooses replicas.
   bool FillReplicasLocked(v1::Plan* plan, std::string* summary) const

@@ -470,7 +470,7 @@ void ImproveCuts(const CostModel& model, PipelinePlan* plan) {
 }
 
 // Replicas, after the search has fixed the pipeline: while making a spare a
-// replica of a middle stage with room (max_replicas workers per stage) and
+// replica of a stage other than the last with room (max_replicas workers per stage) and
 // then moving cuts lowers the objective by more than 1%, the best such move
 // is taken. Per stage the spare tried is the fastest on its layers that
 // fits (ties: the lower index). Greedy: the pipeline is the search's (exact
@@ -478,11 +478,17 @@ void ImproveCuts(const CostModel& model, PipelinePlan* plan) {
 void AddReplicas(const CostModel& model, PipelinePlan* plan) {
   const PlannerInput& in = model.input();
   const int stages = static_cast<int>(plan->stages.size());
-  if (in.max_replicas <= 1 || stages < 3) return;
+  if (in.max_replicas <= 1 || stages < 2) return;
   while (!plan->spares.empty()) {
     PipelinePlan best;
     bool found = false;
-    for (int k = 1; k + 1 < stages; ++k) {
+    // Every stage but the last (which owns the loss and the step count):
+    // the middle ones first, so that a tie goes to them, then stage 0,
+    // whose replicas split the microbatch ids and the window.
+    std::vector<int> order;
+    for (int k = 1; k + 1 < stages; ++k) order.push_back(k);
+    order.push_back(0);
+    for (int k : order) {
       const PlannedStageInfo& s = plan->stages[k];
       if (1 + static_cast<int>(s.replicas.size()) >= in.max_replicas) continue;
       int pick = -1;

@@ -84,7 +84,7 @@ struct PlannerInput {
   int microbatch_size = 1;
   int max_stages = 0;     // 0: no limit but the workers and layers
   int max_in_flight = 0;  // 0: no cap on W
-  // Replicas (job.replicas): at most this many workers per middle stage,
+  // Replicas (job.replicas): at most this many workers per stage but the last,
   // the primary included; 1: none. A spare becomes a replica where that
   // lowers the objective (the router splits microbatches by speed; the
   // stage's workers average their weights every replica_sync_every steps,

@@ -280,7 +280,7 @@ absl::Status PipelineDriver::AtStep(int step) {
     ASSIGN_OR_RETURN(std::vector<v1::LayerWeights> weights, runtime_->ExportWeights(encoding));
     options_.averager->Push(step, std::move(weights), catching_up_);
   }
-  if (options_.stage == 0 &&
+  if (options_.stage == 0 && options_.primary &&
       (step == job_.steps() || (job_.eval_every() > 0 && step % job_.eval_every() == 0))) {
     eval_due_ = step;  // RunFirstStage runs it once the pipeline has drained
   }
@@ -306,11 +306,20 @@ void PipelineDriver::AverageReceivedWeights() {
   ++weight_averages_;
 }
 
+int64_t PipelineDriver::OwnIdFrom(int64_t id) const {
+  const int64_t replicas = std::max(1, options_.stage_replicas);
+  const int64_t offset = ((options_.replica_index - id) % replicas + replicas) % replicas;
+  return id + offset;
+}
+
 absl::Status PipelineDriver::RunFirstStage() {
   const int microbatches = job_.microbatches();
   const ScheduleConfig& schedule = options_.schedule;
   const int64_t end = static_cast<int64_t>(job_.steps()) * microbatches;
-  int64_t next = backwards_;
+  const int replicas = std::max(1, options_.stage_replicas);
+  // The job's window is shared among stage 0's replicas.
+  const int window = std::max(1, (schedule.window + replicas - 1) / replicas);
+  int64_t next = OwnIdFrom(backwards_);
   int in_flight = 0;
   while (true) {
     // An evaluation waits for the microbatches in flight to return: no
@@ -320,15 +329,29 @@ absl::Status PipelineDriver::RunFirstStage() {
       RETURN_IF_ERROR(RunEvaluation(eval_due_));
       eval_due_ = 0;
     }
-    if (backwards_ == end) break;
-    // With a flush, step s+1 starts only after step s has fully returned.
+    if (next >= end && in_flight == 0) {
+      // A replica's last id need not be the run's: once its share is done,
+      // the steps after its newest id are over too as far as it can tell,
+      // so their boundaries (the primary's final evaluation) pass here.
+      if (position_ < end) {
+        const int64_t before = position_;
+        position_ = end;
+        for (int64_t step = before / microbatches + 1; step <= end / microbatches; ++step) {
+          RETURN_IF_ERROR(AtStep(static_cast<int>(step)));
+        }
+      }
+      if (eval_due_ > 0) continue;
+      break;
+    }
+    // With a flush, step s+1 starts only after step s has fully returned
+    // (sync, which has no replicas).
     const int64_t issue_limit =
         schedule.flush ? std::min(end, (backwards_ / microbatches + 1) * microbatches) : end;
-    while (eval_due_ == 0 && next < issue_limit && in_flight < schedule.window) {
+    while (eval_due_ == 0 && next < issue_limit && in_flight < window) {
       const int step = static_cast<int>(next / microbatches);
       ASSIGN_OR_RETURN(LinkMessage input,
                        runtime_->LoadTrainMicrobatch(step, static_cast<int>(next % microbatches)));
-      ++next;
+      next += replicas;
       if (runtime_->is_last()) {  // a single-stage pipeline
         ASSIGN_OR_RETURN(LastStageResult result, runtime_->ForwardLoss(input));
         RETURN_IF_ERROR(AfterBackward(result.loss, input.header.microbatch()));

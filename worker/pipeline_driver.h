@@ -11,7 +11,9 @@
 // `async-2bw` is (min(W, M), M, no flush), which keeps at most two weight
 // versions alive. Middle and last stages only react to what arrives; the
 // window bounds every queue. Stage 0 evaluates (every eval_every steps and
-// at the end) once its microbatches in flight have returned. Torch-free; runs on one thread, except
+// at the end) once its microbatches in flight have returned; a replicated
+// stage 0 splits the microbatch ids among its workers (see
+// PipelineDriverOptions::stage_replicas). Torch-free; runs on one thread, except
 // StatsBoard, which other threads read.
 #ifndef GEOTRAIN_WORKER_PIPELINE_DRIVER_H_
 #define GEOTRAIN_WORKER_PIPELINE_DRIVER_H_
@@ -126,6 +128,15 @@ struct PipelineDriverOptions {
   // job.replica_sync_every steps. Not owned.
   bool replicated = false;
   bool primary = true;
+  // Stage 0 with replicas: this worker is replica `replica_index` (0 for
+  // the primary) of `stage_replicas`, and issues exactly the microbatch ids
+  // i with i % stage_replicas == replica_index. A microbatch's data is a
+  // function of (seed, id), so each replica's shard of the data is
+  // deterministic and disjoint from the others'; together they cover every
+  // id once. Each keeps ceil(window / stage_replicas) in flight, and only
+  // the primary evaluates.
+  int replica_index = 0;
+  int stage_replicas = 1;
   ReplicaAverager* averager = nullptr;
   // Tied embeddings, where this stage holds one end: trades the tied
   // matrix's gradient with the other end at each update. Not owned.
@@ -164,6 +175,8 @@ class PipelineDriver {
 
  private:
   absl::Status RunFirstStage();
+  // Stage 0: the first id at or after `id` in this replica's shard.
+  int64_t OwnIdFrom(int64_t id) const;
   absl::Status RunLaterStage();
   absl::Status RunEvaluation(int step);
   // Bookkeeping after one microbatch's backward on this stage: updates,

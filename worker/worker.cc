@@ -677,6 +677,14 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
   driver_options.upstream_workers = std::max<int>(1, upstream_workers.size());
   driver_options.replicated = stage_workers.size() > 1;
   driver_options.primary = primary_;
+  if (mine.stage() == 0) {
+    // The plan lists stage 0's workers in the same order for every one of
+    // them, which fixes each replica's share of the microbatch ids.
+    driver_options.stage_replicas = static_cast<int>(stage_workers.size());
+    for (size_t i = 0; i < stage_workers.size(); ++i) {
+      if (stage_workers[i].id == worker_id_) driver_options.replica_index = static_cast<int>(i);
+    }
+  }
   driver_options.averager = stage_workers.size() > 1 ? &averager_ : nullptr;
   driver_options.tied = runtime->holds_one_tied_end() ? &tied_ : nullptr;
   // Joining a stage that is already training: this worker's weights come

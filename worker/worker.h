@@ -11,8 +11,9 @@
 // ran out, e.g. after SIGSTOP) joins again as a new standby. Drain()
 // (SIGTERM) hands the stage over: checkpoint now, then leave.
 //
-// A stage may have several workers (replicas, middle stages only): the
-// stage before routes microbatches among them (ReplicaRouter), the stage
+// A stage other than the last may have several workers (replicas): the
+// stage before routes microbatches among them (ReplicaRouter), or on stage
+// 0 each issues its own share of the microbatch ids; the stage
 // after returns each gradient to the one that sent its activation
 // (UpstreamLinks), and they average weights (ReplicaAverager). Only a
 // stage's primary uploads checkpoints.

@@ -701,9 +701,18 @@ TEST_F(ReplicaPlanTest, ExtraWorkersReplicateTheMiddleStage) {
     }
   }
   EXPECT_EQ(replicas, 1);
-  // A fifth worker is a standby: the stage has its 2 workers.
-  Join("e");
-  EXPECT_EQ(Plan().epoch(), 1u);
+  // The middle stage has its 2 workers: a fifth replicates stage 0, and a
+  // sixth is a standby (the last stage is never replicated).
+  const std::string e = Join("e").worker_id();
+  const v1::Plan with_e = Plan();
+  EXPECT_EQ(with_e.epoch(), 2u);
+  ASSERT_EQ(with_e.stages(0).replicas_size(), 1);
+  EXPECT_EQ(with_e.stages(0).replicas(0).worker_id(), e);
+  EXPECT_EQ(with_e.stages(0).worker_id(), plan.stages(0).worker_id());
+  EXPECT_EQ(with_e.stages(1).replicas_size(), 1);
+  EXPECT_EQ(with_e.stages(2).replicas_size(), 0);
+  Join("f");
+  EXPECT_EQ(Plan().epoch(), 2u);
 }
 
 TEST_F(ReplicaPlanTest, ALostReplicaLeavesItsStageToTheOther) {
@@ -815,8 +824,11 @@ TEST_F(ReplicaPlanTest, AReplicaAccusedOfALostLinkIsNotReaddedAtOnce) {
 TEST_F(ReplicaPlanTest, ASlowReplicatedStageSwapsItsSlowestWorkerForAStandby) {
   std::vector<std::string> ids;
   for (const char* name : {"a", "b", "c", "d"}) ids.push_back(Join(name).worker_id());
+  ids.push_back(Join("e").worker_id());  // stage 0's replica
   const v1::Plan before = Plan();
-  const std::string e = Join("e").worker_id();  // standby
+  ASSERT_EQ(before.epoch(), 2u);
+  ASSERT_EQ(before.stages(0).replicas_size(), 1);
+  const std::string e = Join("f").worker_id();  // standby
   ids.push_back(e);
   const std::string slowest = before.stages(1).replicas(0).worker_id();
   std::set<std::string> stage1 = {before.stages(1).worker_id(), slowest};
@@ -830,7 +842,7 @@ TEST_F(ReplicaPlanTest, ASlowReplicatedStageSwapsItsSlowestWorkerForAStandby) {
   }
   EXPECT_TRUE(HasEvent("straggler"));
   const v1::Plan plan = Plan();
-  EXPECT_EQ(plan.epoch(), 2u);
+  EXPECT_EQ(plan.epoch(), 3u);
   EXPECT_EQ(plan.stages(1).worker_id(), before.stages(1).worker_id());
   ASSERT_EQ(plan.stages(1).replicas_size(), 1);
   EXPECT_EQ(plan.stages(1).replicas(0).worker_id(), e);  // swapped in its place

@@ -297,7 +297,8 @@ TEST(NetworkPlannerTest, ASpareReplicatesTheBottleneckStageOnlyWhereItPays) {
 TEST(NetworkPlannerTest, AReplicatedStageTakesLayersFromItsNeighbours) {
   // Four equal layers on at most three stages: one stage must hold two. A
   // replica of the middle stage lets that be the middle one, at the pace of
-  // one layer.
+  // one layer (stage 0 holding two with a replica would tie; ties go to the
+  // middle stages).
   PlannerInput in;
   for (int w = 0; w < 4; ++w) in.workers.push_back(Worker("w" + std::to_string(w), 10));
   for (int l = 0; l < 4; ++l) in.layers.push_back(Layer(1e8, 1000));
@@ -310,8 +311,28 @@ TEST(NetworkPlannerTest, AReplicatedStageTakesLayersFromItsNeighbours) {
   ASSERT_EQ(plan->stages.size(), 3u);
   const double layer_s = 1e8 / 10e9 * 4;
   ASSERT_EQ(plan->stages[1].replicas.size(), 1u) << ExplainPlan(in, *plan);
+  EXPECT_TRUE(plan->stages[0].replicas.empty()) << ExplainPlan(in, *plan);
   EXPECT_EQ(plan->stages[1].layer_end - plan->stages[1].layer_begin, 2) << ExplainPlan(in, *plan);
   EXPECT_NEAR(plan->bottleneck_s, layer_s, 1e-3 * layer_s) << ExplainPlan(in, *plan);
+}
+
+TEST(NetworkPlannerTest, ABottleneckFirstStageGetsAReplica) {
+  // Stage 0's one heavy layer binds (the layers cannot be cut finer): a
+  // spare as its replica halves its pace, as for any other stage.
+  PlannerInput in;
+  for (int w = 0; w < 3; ++w) in.workers.push_back(Worker("w" + std::to_string(w), 10));
+  for (double flops : {1e9, 1e8}) in.layers.push_back(Layer(flops, 1000));
+  in.microbatch_size = 4;
+  in.max_stages = 2;
+  in.max_replicas = 2;
+  in.codecs = Ladder();
+  absl::StatusOr<PipelinePlan> plan = MakeNetworkPlanner()->Plan(in);
+  ASSERT_TRUE(plan.ok());
+  ASSERT_EQ(plan->stages.size(), 2u) << ExplainPlan(in, *plan);
+  ASSERT_EQ(plan->stages[0].replicas.size(), 1u) << ExplainPlan(in, *plan);
+  EXPECT_TRUE(plan->stages[1].replicas.empty());
+  const double layer_s = 1e9 / 10e9 * 4;
+  EXPECT_NEAR(plan->stages[0].compute_s, layer_s / 2, 1e-3 * layer_s) << ExplainPlan(in, *plan);
 }
 
 TEST(NetworkPlannerTest, TheWindowCoversTheRoundTrip) {

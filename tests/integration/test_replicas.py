@@ -220,6 +220,45 @@ class ReplicaTest(unittest.TestCase):
         done = [w for w in status["workers"] if w["state"] == "WORKER_STATE_DONE"]
         self.assertEqual(len(done), 4, status["workers"])
 
+    def test_first_stage_replicas_train_disjoint_shards(self):
+        """Fashion-MNIST on 2 stages with replicas: 2 and 3 workers: the
+        third worker replicates stage 0. Each stage-0 worker trains half of
+        the microbatch ids (replica r: the ids i with i % 2 == r, so half of
+        each epoch's permutation of the images), the last stage sees every
+        microbatch once, only the primary evaluates, and the model learns."""
+        with open(job_path("fmnist-mlp.textproto")) as f:
+            text = "\n".join(line for line in f.read().splitlines()
+                              if not line.startswith(("schedule:", "steps:", "min_workers:",
+                                                      "eval_every:")))
+        text += ("\nschedule: SCHEDULE_ASYNC_STASH\nsteps: 470\nmin_workers: 3\n"
+                 "max_stages: 2\nreplicas: 2\nreplica_sync_every: 5\neval_every: 235\n")
+        with Cluster(None) as c:
+            c.job = os.path.join(c.dir, "fmnist-replicas.textproto")
+            with open(c.job, "w") as f:
+                f.write(text)
+            status = c.train(3).status()
+            evals = c.evals()
+        stage0 = [w for w in status["workers"] if w["stage"] == 0]
+        last = [w for w in status["workers"] if w["stage"] == 1]
+        total = 470 * 2  # steps x microbatches
+        print("stage 0: " + ", ".join(f"{w['name']} (replica {w.get('replica', 0)}): "
+                                      f"{w['microbatches']} microbatches, "
+                                      f"{w.get('weight_averages', 0)} averages"
+                                      for w in stage0) +
+              f"; last stage {last[0]['microbatches']}; evaluations "
+              + ", ".join(f"step {e['step']} accuracy {e['accuracy']:.4f}" for e in evals),
+              flush=True)
+        self.assertEqual(len(stage0), 2, status["workers"])
+        self.assertEqual(sorted(w.get("replica", 0) for w in stage0), [0, 1])
+        for w in stage0:
+            self.assertEqual(int(w["microbatches"]), total // 2, w)
+            self.assertGreater(int(w.get("weight_averages", 0)), 0, w)
+        self.assertEqual(int(last[0]["microbatches"]), total)
+        # One evaluation per eval step, each over the whole test set.
+        self.assertEqual([e["step"] for e in evals], [235, 470])
+        self.assertEqual(evals[-1]["samples"], 10000)
+        self.assertGreaterEqual(evals[-1]["accuracy"], 0.80)
+
     def test_network_planner_gives_the_bottleneck_stage_a_replica(self):
         """gpt-replicas (6 layers, at most 3 stages, replicas: 2) on 4
         workers under --planner=network: one stage must hold two of the

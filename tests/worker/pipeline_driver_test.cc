@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <set>
 #include <thread>
 
 #include "common/job_spec.h"
@@ -46,6 +47,10 @@ class RecordingProgress : public ProgressSink {
     evals_.push_back(result.loss);
   }
   void StageProgress(int) override {}
+  std::vector<double> evals() {
+    absl::MutexLock lock(&mu_);
+    return evals_;
+  }
   std::vector<double> losses() {
     absl::MutexLock lock(&mu_);
     return losses_;
@@ -274,6 +279,126 @@ TEST(ConfigureScheduleTest, ThePlansWindowAppliesWhenTheJobSetsNone) {
   EXPECT_EQ(ConfigureSchedule(job, 3, 0).window, 3);
   job.set_in_flight(6);
   EXPECT_EQ(ConfigureSchedule(job, 3, 11).window, 6) << "the job's own W wins";
+}
+
+}  // namespace
+}  // namespace geotrain
+
+namespace geotrain {
+namespace {
+
+// Stage 0's replicas each send their training activations through one of
+// these, which records the microbatch ids.
+class RecordingSink : public MessageSink {
+ public:
+  explicit RecordingSink(MessageSink* next) : next_(next) {}
+  absl::Status Send(const LinkMessage& message) override {
+    if (message.header.kind() == v1::MESSAGE_KIND_ACTIVATION) {
+      absl::MutexLock lock(&mu_);
+      ids_.push_back(message.header.microbatch());
+    }
+    return next_->Send(message);
+  }
+  std::vector<uint64_t> ids() {
+    absl::MutexLock lock(&mu_);
+    return ids_;
+  }
+
+ private:
+  MessageSink* next_;
+  absl::Mutex mu_;
+  std::vector<uint64_t> ids_;
+};
+
+// The last stage's way back: each gradient to the replica whose share its
+// microbatch id is in (what UpstreamLinks does by the sending link).
+class ShareRoutingSink : public MessageSink {
+ public:
+  explicit ShareRoutingSink(std::vector<Inbox*> replicas) : replicas_(std::move(replicas)) {}
+  absl::Status Send(const LinkMessage& message) override {
+    Inbox* to = replicas_[message.header.microbatch() % replicas_.size()];
+    if (!to->Push({false, message, absl::OkStatus()})) return absl::UnavailableError("closed");
+    return absl::OkStatus();
+  }
+
+ private:
+  std::vector<Inbox*> replicas_;
+};
+
+TEST_F(PipelineDriverTest, StageZeroReplicasTrainDisjointSharesThatCoverEveryMicrobatch) {
+  v1::JobSpec job = MakeJob(*corpus_, v1::SCHEDULE_ASYNC_STASH);
+  job.set_steps(15);
+  job.set_eval_every(5);
+  constexpr int kReplicas = 2;
+  const ScheduleConfig schedule = ConfigureSchedule(job, kReplicas + 1);
+  std::vector<std::unique_ptr<StageRuntime>> runtimes;
+  for (int r = 0; r <= kReplicas; ++r) {
+    const bool last = r == kReplicas;
+    RuntimeOptions options;
+    options.max_weight_versions = schedule.max_weight_versions;
+    auto runtime = StageRuntime::Create(job, {last ? 1 : 0, 2, last ? 2 : 0, last ? 4 : 2},
+                                        options);
+    ASSERT_TRUE(runtime.ok()) << runtime.status();
+    runtimes.push_back(std::move(*runtime));
+  }
+  std::vector<std::unique_ptr<Inbox>> inboxes;
+  for (int i = 0; i <= kReplicas; ++i) inboxes.push_back(std::make_unique<Inbox>(64));
+  InboxSink to_last(inboxes[kReplicas].get(), /*from_upstream=*/true);
+  std::vector<std::unique_ptr<RecordingSink>> downs;
+  for (int r = 0; r < kReplicas; ++r) downs.push_back(std::make_unique<RecordingSink>(&to_last));
+  ShareRoutingSink up({inboxes[0].get(), inboxes[1].get()});
+  RecordingProgress progress;
+  std::vector<StatsBoard> boards(kReplicas + 1);
+  std::vector<absl::Status> results(kReplicas + 1);
+  std::vector<std::thread> threads;
+  for (int i = 0; i <= kReplicas; ++i) {
+    const bool last = i == kReplicas;
+    PipelineDriverOptions options;
+    options.stage = last ? 1 : 0;
+    options.num_stages = 2;
+    options.schedule = schedule;
+    if (last) {
+      options.upstream_workers = kReplicas;
+    } else {
+      options.replicated = true;
+      options.primary = i == 0;
+      options.replica_index = i;
+      options.stage_replicas = kReplicas;
+    }
+    threads.emplace_back([&, i, last, options] {
+      PipelineDriver driver(job, options, runtimes[i].get(), last ? &up : nullptr,
+                            last ? nullptr : downs[i].get(), inboxes[i].get(), &progress,
+                            &boards[i]);
+      results[i] = driver.Run();
+      if (!results[i].ok()) {
+        for (auto& inbox : inboxes) inbox->Close();
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int i = 0; i <= kReplicas; ++i) ASSERT_TRUE(results[i].ok()) << i << ": " << results[i];
+
+  const int64_t total = int64_t{job.steps()} * job.microbatches();
+  std::set<uint64_t> all;
+  for (int r = 0; r < kReplicas; ++r) {
+    const std::vector<uint64_t> ids = downs[r]->ids();
+    // Replica r issued exactly the ids r, r + R, r + 2R, ... below the end.
+    ASSERT_EQ(ids.size(), static_cast<size_t>(total / kReplicas)) << "replica " << r;
+    for (size_t j = 0; j < ids.size(); ++j) {
+      EXPECT_EQ(ids[j], static_cast<uint64_t>(r + kReplicas * j)) << "replica " << r;
+    }
+    all.insert(ids.begin(), ids.end());
+    EXPECT_EQ(boards[r].Get().microbatches(), total / kReplicas);
+    EXPECT_EQ(runtimes[r]->stash_stats().references, 0);
+  }
+  // Disjoint, and together every microbatch once.
+  EXPECT_EQ(all.size(), static_cast<size_t>(total));
+  EXPECT_EQ(*all.rbegin(), static_cast<uint64_t>(total - 1));
+  EXPECT_EQ(boards[kReplicas].Get().microbatches(), total);
+  EXPECT_EQ(progress.steps().size(), static_cast<size_t>(job.steps()));
+  // Only the primary evaluates: steps 5, 10 and 15, once each.
+  EXPECT_EQ(progress.evals().size(), 3u);
+  EXPECT_LT(progress.losses().back(), progress.losses().front());
 }
 
 }  // namespace
