@@ -19,13 +19,14 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "common/rpc_options.h"
 #include "geotrain/v1/coordinator.pb.h"
 #include "geotrain/v1/job.pb.h"
 
 namespace geotrain {
 
 // Payload bytes per chunk (a multiple of 4: every value is float32).
-inline constexpr size_t kLayerStateChunkBytes = 1 << 20;
+inline constexpr size_t kLayerStateChunkBytes = kStreamPartBytes;
 // The largest layer (weights and optimizer state) a receiver accepts by
 // default: 64 GiB, far beyond any real layer, so a forged header cannot
 // make it reserve more.

@@ -15,6 +15,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
+#include <cstddef>
 #include <memory>
 #include <string>
 
@@ -23,6 +24,10 @@
 namespace geotrain {
 
 inline constexpr int kMaxGrpcMessageBytes = 16 << 20;
+// The payload of one message of every chunked stream (layer state,
+// replica weight pushes, tied-gradient parts): far under that limit, and
+// what a receiver holds of a stream beyond what it keeps.
+inline constexpr size_t kStreamPartBytes = 1 << 20;
 // 4 MiB covers the bandwidth-delay product of the WAN profiles in DESIGN.md
 // up to Oregon-Virginia (790 Mb/s x 134 ms = 13 MB needs probing; 100 Mb/s x
 // 100 ms = 1.25 MB does not); BDP probing raises it where a link needs more

@@ -9,9 +9,8 @@
 namespace geotrain {
 namespace {
 
-// Payload bytes per message of a push: about 1 MiB, far under the 16 MiB
-// gRPC limit (rpc_options.h), whatever the size of a layer.
-constexpr size_t kPushMessageBytes = 1 << 20;
+// Payload bytes per message of a push, whatever the size of a layer.
+constexpr size_t kPushMessageBytes = kStreamPartBytes;
 
 grpc::Status Refuse(grpc::StatusCode code, const std::string& why) {
   GT_LOG(Warning) << "refused replica weights: " << why;

@@ -10,8 +10,7 @@
 namespace geotrain {
 namespace {
 
-// Bytes per part: about 1 MiB, far under the 16 MiB gRPC message limit.
-constexpr size_t kPartBytes = 1 << 20;
+constexpr size_t kPartBytes = kStreamPartBytes;
 
 grpc::Status Refuse(grpc::StatusCode code, const std::string& why) {
   GT_LOG(Warning) << "refused a tied-embedding gradient: " << why;
