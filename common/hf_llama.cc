@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/json.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 
@@ -16,10 +17,9 @@ absl::Status Bad(const std::string& path, const std::string& what) {
 
 // A JSON number that is a whole int32 >= 0.
 bool AsInt(const google::protobuf::Value& value, int* out) {
-  if (value.kind_case() != google::protobuf::Value::kNumberValue) return false;
-  const double d = value.number_value();
-  if (!(d >= 0) || d > 2147483647.0 || std::floor(d) != d) return false;
-  *out = static_cast<int>(d);
+  uint64_t whole = 0;
+  if (!WholeNumber(value, 2147483647, &whole)) return false;
+  *out = static_cast<int>(whole);
   return true;
 }
 

@@ -1,5 +1,8 @@
 #include "common/json.h"
 
+#include <algorithm>
+#include <cmath>
+
 #include "absl/strings/str_format.h"
 
 namespace geotrain {
@@ -21,5 +24,14 @@ std::string JsonEscape(std::string_view s) {
 }
 
 std::string JsonString(std::string_view s) { return "\"" + JsonEscape(s) + "\""; }
+
+bool WholeNumber(const google::protobuf::Value& value, uint64_t max, uint64_t* out) {
+  if (value.kind_case() != google::protobuf::Value::kNumberValue) return false;
+  const double d = value.number_value();
+  const double limit = static_cast<double>(std::min<uint64_t>(max, uint64_t{1} << 53));
+  if (!(d >= 0) || d > limit || std::floor(d) != d) return false;
+  *out = static_cast<uint64_t>(d);
+  return true;
+}
 
 }  // namespace geotrain

@@ -25,11 +25,7 @@ absl::Status Bad(std::string_view source, std::string_view what) {
 
 // A JSON number that is a whole number in [0, 2^53].
 bool AsUint(const google::protobuf::Value& value, uint64_t* out) {
-  if (value.kind_case() != google::protobuf::Value::kNumberValue) return false;
-  const double d = value.number_value();
-  if (!(d >= 0) || d > 9007199254740992.0 || std::floor(d) != d) return false;
-  *out = static_cast<uint64_t>(d);
-  return true;
+  return WholeNumber(value, uint64_t{1} << 53, out);
 }
 
 }  // namespace

@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstdint>
 #include <string>
 
 #include "common/json.h"
@@ -16,6 +18,30 @@ TEST(JsonTest, EscapesQuotesBackslashesAndControlCharacters) {
   EXPECT_EQ(JsonEscape("a\"b\\c\nd\x01"), "a\\\"b\\\\c\\u000ad\\u0001");
   EXPECT_EQ(JsonString("caf\xc3\xa9"), "\"caf\xc3\xa9\"");  // UTF-8 kept
   EXPECT_EQ(JsonString(""), "\"\"");
+}
+
+TEST(JsonTest, WholeNumberTakesOnlyWholeNumbersInRange) {
+  auto number = [](double d) {
+    google::protobuf::Value v;
+    v.set_number_value(d);
+    return v;
+  };
+  uint64_t out = 7;
+  EXPECT_TRUE(WholeNumber(number(0), 10, &out));
+  EXPECT_EQ(out, 0u);
+  EXPECT_TRUE(WholeNumber(number(10), 10, &out));
+  EXPECT_EQ(out, 10u);
+  EXPECT_TRUE(WholeNumber(number(9007199254740992.0), UINT64_MAX, &out));  // 2^53
+  EXPECT_EQ(out, uint64_t{1} << 53);
+  out = 7;
+  for (double bad : {11.0, -1.0, 0.5, std::nan(""), 1e300}) {
+    EXPECT_FALSE(WholeNumber(number(bad), 10, &out)) << bad;
+  }
+  EXPECT_FALSE(WholeNumber(number(18014398509481984.0), UINT64_MAX, &out));  // 2^54
+  google::protobuf::Value text;
+  text.set_string_value("3");
+  EXPECT_FALSE(WholeNumber(text, 10, &out));
+  EXPECT_EQ(out, 7u);  // untouched by every refusal
 }
 
 TEST(FilesTest, WriteAllWritesEverythingOrSaysWhy) {
