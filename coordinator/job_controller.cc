@@ -777,13 +777,7 @@ bool JobController::FillReplicasLocked(v1::Plan* plan, std::string* summary) con
   }
   bool added = false;
   size_t next = 0;
-  // Middle stages first, then stage 0, whose replicas split the microbatch
-  // ids (a disjoint shard of the data each). The last stage is never
-  // replicated: it owns the loss and the step count.
-  std::vector<int> order;
-  for (int k = 1; k + 1 < plan->stages_size(); ++k) order.push_back(k);
-  if (plan->stages_size() > 1) order.push_back(0);
-  for (int k : order) {
+  for (int k : ReplicableStages(plan->stages_size())) {
     v1::StageAssignment* stage = plan->mutable_stages(k);
     while (1 + stage->replicas_size() < wanted && next < candidates.size()) {
       const WorkerRecord& w = candidates[next++];

@@ -34,6 +34,13 @@ LinkEstimate PlannerInput::Link(int from, int to) const {
   return default_link;
 }
 
+std::vector<int> ReplicableStages(int stages) {
+  std::vector<int> order;
+  for (int k = 1; k + 1 < stages; ++k) order.push_back(k);
+  if (stages > 1) order.push_back(0);
+  return order;
+}
+
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
@@ -470,7 +477,7 @@ void ImproveCuts(const CostModel& model, PipelinePlan* plan) {
 }
 
 // Replicas, after the search has fixed the pipeline: while making a spare a
-// replica of a stage other than the last with room (max_replicas workers per stage) and
+// replica of a stage in ReplicableStages with room (max_replicas per stage) and
 // then moving cuts lowers the objective by more than 1%, the best such move
 // is taken. Per stage the spare tried is the fastest on its layers that
 // fits (ties: the lower index). Greedy: the pipeline is the search's (exact
@@ -482,13 +489,8 @@ void AddReplicas(const CostModel& model, PipelinePlan* plan) {
   while (!plan->spares.empty()) {
     PipelinePlan best;
     bool found = false;
-    // Every stage but the last (which owns the loss and the step count):
-    // the middle ones first, so that a tie goes to them, then stage 0,
-    // whose replicas split the microbatch ids and the window.
-    std::vector<int> order;
-    for (int k = 1; k + 1 < stages; ++k) order.push_back(k);
-    order.push_back(0);
-    for (int k : order) {
+    // In ReplicableStages' order, so that a tie goes to a middle stage.
+    for (int k : ReplicableStages(stages)) {
       const PlannedStageInfo& s = plan->stages[k];
       if (1 + static_cast<int>(s.replicas.size()) >= in.max_replicas) continue;
       int pick = -1;

@@ -158,6 +158,12 @@ struct NetworkPlannerOptions {
 
 // Today's planner (v1): the fastest min(workers, layers, max_stages) in join
 // order, cuts balancing compute alone, every link raw.
+// The stages of a `stages`-stage pipeline that may have replicas, in the
+// order spares go to them: the middle stages, then stage 0 (whose replicas
+// split the microbatch ids). Never the last, which owns the loss and the
+// step count; none for a single stage.
+std::vector<int> ReplicableStages(int stages);
+
 std::unique_ptr<Planner> MakeJoinOrderPlanner();
 std::unique_ptr<Planner> MakeNetworkPlanner(NetworkPlannerOptions options = {});
 

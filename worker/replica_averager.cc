@@ -9,9 +9,6 @@
 namespace geotrain {
 namespace {
 
-// Payload bytes per message of a push, whatever the size of a layer.
-constexpr size_t kPushMessageBytes = kStreamPartBytes;
-
 grpc::Status Refuse(grpc::StatusCode code, const std::string& why) {
   GT_LOG(Warning) << "refused replica weights: " << why;
   return grpc::Status(code, why);
@@ -227,11 +224,11 @@ bool ReplicaAverager::SendPush(v1::ReplicaSync::Stub& stub, int step, bool catch
     const std::string& payload = layer.payload();
     size_t offset = 0;
     do {  // at least one part, which carries the headers
-      if (message_bytes == kPushMessageBytes) {
+      if (message_bytes == kStreamPartBytes) {
         written = written && writer->Write(message);
         start_message();
       }
-      const size_t take = std::min(payload.size() - offset, kPushMessageBytes - message_bytes);
+      const size_t take = std::min(payload.size() - offset, kStreamPartBytes - message_bytes);
       v1::LayerWeights& part = *message.add_layers();
       part.set_layer(layer.layer());
       if (offset == 0) *part.mutable_params() = layer.params();

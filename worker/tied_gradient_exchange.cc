@@ -10,8 +10,6 @@
 namespace geotrain {
 namespace {
 
-constexpr size_t kPartBytes = kStreamPartBytes;
-
 grpc::Status Refuse(grpc::StatusCode code, const std::string& why) {
   GT_LOG(Warning) << "refused a tied-embedding gradient: " << why;
   return grpc::Status(code, why);
@@ -107,7 +105,7 @@ grpc::Status TiedGradientExchange::Send(const Target& target, int64_t update,
   part.set_total_bytes(mine.size());
   size_t offset = 0;
   do {  // at least one part, even for an empty matrix
-    const size_t take = std::min(kPartBytes, mine.size() - offset);
+    const size_t take = std::min(kStreamPartBytes, mine.size() - offset);
     part.set_offset(offset);
     part.set_data(mine.data() + offset, take);
     if (!writer->Write(part)) break;

@@ -472,3 +472,15 @@ TEST(NetworkPlannerTest, BadInputIsAnError) {
 
 }  // namespace
 }  // namespace geotrain
+
+namespace geotrain {
+namespace {
+
+TEST(ReplicableStagesTest, MiddleStagesThenTheFirstNeverTheLast) {
+  EXPECT_TRUE(ReplicableStages(1).empty());
+  EXPECT_EQ(ReplicableStages(2), (std::vector<int>{0}));
+  EXPECT_EQ(ReplicableStages(4), (std::vector<int>{1, 2, 0}));
+}
+
+}  // namespace
+}  // namespace geotrain
