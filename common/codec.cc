@@ -115,17 +115,21 @@ class BlockCodec : public Codec {
   absl::Status Encode(const float* values, size_t n, std::string* out) override {
     if (absl::Status s = CheckFiniteInput(values, n); !s.ok()) return s;
     constexpr int kLevels = kBits == 8 ? 127 : 7;
+    // Sized once and written in place: the encoding is the payload's bytes.
+    const size_t start = out->size();
+    out->resize(start + EncodedSize(n));
+    char* next = &(*out)[start];
     for (size_t begin = 0; begin < n; begin += block_) {
       const size_t count = std::min(block_, n - begin);
       float absmax = 0;
       for (size_t i = 0; i < count; ++i) absmax = std::max(absmax, std::fabs(values[begin + i]));
       const float scale = absmax / kLevels;
       const float inverse = scale > 0 ? 1.0f / scale : 0.0f;
-      Append(out, scale);
+      std::memcpy(next, &scale, sizeof(scale));
+      next += sizeof(scale);
       if (kBits == 8) {
         for (size_t i = 0; i < count; ++i) {
-          out->push_back(static_cast<char>(
-              static_cast<int8_t>(std::lrintf(values[begin + i] * inverse))));
+          *next++ = static_cast<char>(static_cast<int8_t>(std::lrintf(values[begin + i] * inverse)));
         }
       } else {
         for (size_t i = 0; i < count; i += 2) {
@@ -133,7 +137,7 @@ class BlockCodec : public Codec {
           const int hi = i + 1 < count
                              ? static_cast<int>(std::lrintf(values[begin + i + 1] * inverse))
                              : 0;
-          out->push_back(static_cast<char>((lo & 0x0F) | ((hi & 0x0F) << 4)));
+          *next++ = static_cast<char>((lo & 0x0F) | ((hi & 0x0F) << 4));
         }
       }
     }

@@ -22,32 +22,50 @@ size_t DTypeSize(v1::DType dtype) {
   }
 }
 
+std::vector<FrameRange> FrameRanges(size_t message_bytes, size_t frame_bytes) {
+  std::vector<FrameRange> ranges;
+  size_t offset = 0;
+  do {
+    FrameRange range;
+    range.offset = offset;
+    range.size = std::min(frame_bytes, message_bytes - offset);
+    offset += range.size;
+    range.last = offset == message_bytes;
+    ranges.push_back(range);
+  } while (offset < message_bytes);
+  return ranges;
+}
+
 std::vector<v1::LinkFrame> SplitIntoFrames(const LinkMessage& message,
                                            size_t frame_bytes) {
   std::vector<v1::LinkFrame> frames;
-  const size_t total = message.payload.size();
-  size_t offset = 0;
-  do {
+  for (const FrameRange& range : FrameRanges(message.payload.size(), frame_bytes)) {
     v1::LinkFrame frame;
-    if (offset == 0) *frame.mutable_header() = message.header;
-    const size_t n = std::min(frame_bytes, total - offset);
-    frame.set_data(message.payload.substr(offset, n));
-    offset += n;
-    frame.set_last(offset == total);
+    if (range.offset == 0) *frame.mutable_header() = message.header;
+    frame.set_data(message.payload.substr(range.offset, range.size));
+    frame.set_last(range.last);
     frames.push_back(std::move(frame));
-  } while (offset < total);
+  }
   return frames;
 }
 
-absl::StatusOr<std::optional<LinkMessage>> FrameAssembler::Add(
-    v1::LinkFrame frame) {
+absl::StatusOr<std::optional<LinkMessage>> FrameAssembler::Add(v1::LinkFrame frame) {
+  FrameParts parts;
+  if (frame.has_header()) parts.header = std::move(*frame.mutable_header());
+  if (!frame.data().empty()) parts.data.push_back(frame.data());
+  parts.data_bytes = frame.data().size();
+  parts.last = frame.last();
+  return Add(std::move(parts));
+}
+
+absl::StatusOr<std::optional<LinkMessage>> FrameAssembler::Add(FrameParts frame) {
   if (!in_message_) {
-    if (!frame.has_header()) {
+    if (!frame.header.has_value()) {
       return absl::InvalidArgumentError(
           "first frame of a message has no header");
     }
     uint64_t expected = 0;
-    for (const v1::TensorHeader& tensor : frame.header().tensors()) {
+    for (const v1::TensorHeader& tensor : frame.header->tensors()) {
       if (tensor.payload_bytes() > max_message_bytes_ - expected) {
         return absl::InvalidArgumentError(absl::StrCat(
             "message of more than ", max_message_bytes_, " bytes refused"));
@@ -55,26 +73,27 @@ absl::StatusOr<std::optional<LinkMessage>> FrameAssembler::Add(
       expected += tensor.payload_bytes();
     }
     if (check_header_ != nullptr) {
-      if (absl::Status valid = check_header_(frame.header()); !valid.ok()) return valid;
+      if (absl::Status valid = check_header_(*frame.header); !valid.ok()) return valid;
     }
     current_ = LinkMessage();
-    current_.header = std::move(*frame.mutable_header());
+    current_.header = std::move(*frame.header);
     expected_bytes_ = expected;
     // Checked against the plan (when a check is set): reserve it all once.
     if (check_header_ != nullptr) current_.payload.reserve(expected);
     in_message_ = true;
-  } else if (frame.has_header()) {
+  } else if (frame.header.has_value()) {
     return absl::InvalidArgumentError(
         "frame with a header in the middle of a message");
   }
-  if (current_.payload.size() + frame.data().size() > expected_bytes_) {
+  if (current_.payload.size() + frame.data_bytes > expected_bytes_) {
     in_message_ = false;
     return absl::InvalidArgumentError(absl::StrCat(
         "frames carry more than the ", expected_bytes_,
         " payload bytes the header announced"));
   }
-  current_.payload.append(frame.data());
-  if (!frame.last()) return std::optional<LinkMessage>();
+  for (absl::string_view piece : frame.data) current_.payload.append(piece.data(), piece.size());
+  PayloadCopies().wire_to_payload.fetch_add(frame.data_bytes, std::memory_order_relaxed);
+  if (!frame.last) return std::optional<LinkMessage>();
   in_message_ = false;
   if (current_.payload.size() != expected_bytes_) {
     return absl::InvalidArgumentError(

@@ -13,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/link_frame_wire.h"
 #include "common/model_profile.h"
 #include "geotrain/v1/stage.pb.h"
 
@@ -31,8 +32,19 @@ struct LinkMessage {
 // Bytes of one element of `dtype`, 0 for unknown dtypes.
 size_t DTypeSize(v1::DType dtype);
 
-// Splits `message` into frames of at most `frame_bytes` payload each. A
-// message without payload is one frame.
+// One frame of a message as a range of its payload.
+struct FrameRange {
+  size_t offset = 0;
+  size_t size = 0;
+  bool last = false;  // the first frame carries the header
+};
+
+// How `message_bytes` of payload split into frames of at most `frame_bytes`
+// each. A message without payload is one frame.
+std::vector<FrameRange> FrameRanges(size_t message_bytes, size_t frame_bytes = kFrameBytes);
+
+// The same frames as protos, their data copied (tests and tools; the links
+// send FrameRanges straight from the payload).
 std::vector<v1::LinkFrame> SplitIntoFrames(const LinkMessage& message,
                                            size_t frame_bytes = kFrameBytes);
 
@@ -50,6 +62,10 @@ class FrameAssembler {
   // Adds one frame. Returns the completed message when `frame` was its last,
   // nullopt while more frames are due, and INVALID_ARGUMENT when the frames
   // disagree with the header (sizes, order, limit).
+  // The frame's data is appended to the message's payload: the one copy
+  // between the transport's buffers and the message.
+  absl::StatusOr<std::optional<LinkMessage>> Add(FrameParts frame);
+  // The same for a parsed proto (tests, fuzzing).
   absl::StatusOr<std::optional<LinkMessage>> Add(v1::LinkFrame frame);
 
  private:

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/codec.h"
+#include "common/link_frame_wire.h"
 #include "common/link_message.h"
 #include "common/staging_pool.h"
 #include "common/status_macros.h"
@@ -65,6 +66,7 @@ absl::Status AppendEncoded(absl::string_view encoded, const WireEncoding& encodi
     RETURN_IF_ERROR(ZstdCompress(encoded, 1, payload));
   } else {
     payload->append(encoded.data(), encoded.size());
+    PayloadCopies().staging.fetch_add(encoded.size(), std::memory_order_relaxed);
   }
   header->set_payload_bytes(payload->size() - start);
   return absl::OkStatus();
@@ -86,6 +88,7 @@ absl::Status EncodeHostBytes(const char* bytes, size_t numel, v1::DType dtype,
     header->set_codec(v1::CODEC_NONE);
     header->set_payload_bytes(raw_bytes);
     payload->append(bytes, raw_bytes);
+    PayloadCopies().tensor_to_payload.fetch_add(raw_bytes, std::memory_order_relaxed);
     return absl::OkStatus();
   }
   if (codec_id == v1::CODEC_NONE) {  // raw elements of any dtype, zstd'd
@@ -101,8 +104,24 @@ absl::Status EncodeHostBytes(const char* bytes, size_t numel, v1::DType dtype,
   options.block_size = encoding.block_size;
   options.topk_fraction = encoding.topk_fraction;
   ASSIGN_OR_RETURN(std::unique_ptr<Codec> codec, MakeCodec(encoding.codec, options));
+  const float* values = reinterpret_cast<const float*>(bytes);
+  if (!encoding.zstd) {  // the codec writes the payload's bytes in place
+    const size_t start = payload->size();
+    if (absl::Status encoded = codec->Encode(values, numel, payload); !encoded.ok()) {
+      payload->resize(start);
+      return encoded;
+    }
+    header->set_codec(encoding.codec);
+    header->set_block_size(encoding.block_size);
+    header->set_encoded_bytes(payload->size() - start);
+    header->set_payload_bytes(payload->size() - start);
+    PayloadCopies().tensor_to_payload.fetch_add(payload->size() - start,
+                                                std::memory_order_relaxed);
+    return absl::OkStatus();
+  }
   std::string encoded;
-  RETURN_IF_ERROR(codec->Encode(reinterpret_cast<const float*>(bytes), numel, &encoded));
+  RETURN_IF_ERROR(codec->Encode(values, numel, &encoded));
+  PayloadCopies().tensor_to_payload.fetch_add(encoded.size(), std::memory_order_relaxed);
   return AppendEncoded(encoded, encoding, header, payload);
 }
 
@@ -226,6 +245,7 @@ absl::StatusOr<at::Tensor> DecodeOnHost(const v1::TensorHeader& header, absl::st
       torch::empty(shape, torch::TensorOptions().dtype(ToTorchDType(header.dtype())));
   if (header.codec() == v1::CODEC_NONE && !header.zstd()) {
     if (!bytes.empty()) std::memcpy(out.data_ptr(), bytes.data(), bytes.size());
+    PayloadCopies().payload_to_tensor.fetch_add(bytes.size(), std::memory_order_relaxed);
     return out;
   }
   std::string decompressed;
@@ -235,7 +255,9 @@ absl::StatusOr<at::Tensor> DecodeOnHost(const v1::TensorHeader& header, absl::st
       return absl::InvalidArgumentError("zstd frame does not hold the announced encoding");
     }
     bytes = decompressed;
+    PayloadCopies().staging.fetch_add(decompressed.size(), std::memory_order_relaxed);
   }
+  PayloadCopies().payload_to_tensor.fetch_add(bytes.size(), std::memory_order_relaxed);
   if (header.codec() == v1::CODEC_NONE) {
     if (!bytes.empty()) std::memcpy(out.data_ptr(), bytes.data(), bytes.size());
     if (header.dtype() != v1::DTYPE_FLOAT32) return out;

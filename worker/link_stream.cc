@@ -33,15 +33,16 @@ absl::Status Refusal(absl::StatusCode code, const std::string& peer, absl::strin
 // split in at least two, so the receiver can time its dispersion. A frame
 // that cannot be written within `stall_limit` (the peer stopped reading)
 // cancels the transport.
-bool WriteMessage(LinkTransport* transport, const LinkMessage& message,
+// The frames are ranges of the payload, written without copying it.
+bool WriteMessage(LinkTransport* transport, std::shared_ptr<const LinkMessage> message,
                   absl::Duration stall_limit) {
-  const size_t size = message.payload.size();
+  const size_t size = message->payload.size();
   const size_t frame_bytes =
       size >= kMinTimedMessageBytes ? std::min(kFrameBytes, (size + 1) / 2) : kFrameBytes;
-  for (const v1::LinkFrame& frame : SplitIntoFrames(message, frame_bytes)) {
+  for (const FrameRange& range : FrameRanges(size, frame_bytes)) {
     StallWatchdog::Guard guard =
         StallWatchdog::Shared().Watch(stall_limit, [transport] { transport->Cancel(); });
-    if (!transport->Write(frame)) {
+    if (!transport->Write(OutgoingFrame{message, range})) {
       if (guard.stalled()) {
         GT_LOG(Warning) << "cut a link whose peer read nothing for "
                         << absl::FormatDuration(stall_limit);
@@ -119,13 +120,14 @@ void LinkEnd::EndOnPurpose() {
   CancelTransport();
 }
 
-absl::Status LinkEnd::Send(const LinkMessage& message) {
+absl::Status LinkEnd::Send(LinkMessage message) {
+  auto shared = std::make_shared<const LinkMessage>(std::move(message));
   absl::MutexLock lock(&write_mu_);
   if (retired_) {
     return absl::UnavailableError(absl::StrCat(PeerSideName(peer_.side), " link to '", peer_.id,
                                                "' (", description_, ") is closed"));
   }
-  if (!WriteMessage(transport_.get(), message, write_stall_timeout_)) {
+  if (!WriteMessage(transport_.get(), std::move(shared), write_stall_timeout_)) {
     return absl::UnavailableError(absl::StrCat(PeerSideName(peer_.side), " link to '", peer_.id,
                                                "' (", description_, ") broke while sending"));
   }
@@ -140,18 +142,23 @@ absl::Status LinkEnd::Serve() {
     return from_upstream ? validator->CheckHeaderFromUpstream(h)
                          : validator->CheckHeaderFromDownstream(h);
   });
-  v1::LinkFrame frame;
+  IncomingFrame frame;
   absl::Status failure;
   bool after_stall = false, stopping = false;
   absl::Time first_at;
   uint64_t first_bytes = 0;
   int64_t delivered = 0;
   while (transport_->Read(&frame)) {
-    if (frame.has_header()) {
-      first_at = absl::Now();
-      first_bytes = frame.data().size();
+    absl::StatusOr<FrameParts> parts = ParseFrame(frame.pieces);
+    if (!parts.ok()) {
+      failure = parts.status();
+      break;
     }
-    absl::StatusOr<std::optional<LinkMessage>> added = assembler.Add(std::move(frame));
+    if (parts->header.has_value()) {
+      first_at = absl::Now();
+      first_bytes = parts->data_bytes;
+    }
+    absl::StatusOr<std::optional<LinkMessage>> added = assembler.Add(*std::move(parts));
     if (!added.ok()) {
       failure = added.status();
       break;
@@ -302,7 +309,7 @@ void UpstreamLinks::EndAll() {
   origin_.clear();
 }
 
-absl::Status UpstreamLinks::Send(const LinkMessage& message) {
+absl::Status UpstreamLinks::Send(LinkMessage message) {
   std::shared_ptr<LinkEnd> end;
   {
     absl::MutexLock lock(&mu_);
@@ -325,7 +332,7 @@ absl::Status UpstreamLinks::Send(const LinkMessage& message) {
     }
     end = it->second;
   }
-  absl::Status sent = end->Send(message);
+  absl::Status sent = end->Send(std::move(message));
   if (!sent.ok()) {
     absl::MutexLock lock(&mu_);
     failed_peer_ = end->peer().id;
@@ -339,6 +346,17 @@ std::string UpstreamLinks::failed_peer() const {
 }
 
 // ---- LinkService ----
+
+LinkService::LinkService(LinkOptions options) : options_(std::move(options)) {
+  // Link is the Stage service's first method (stage.proto); its handler
+  // becomes one on raw bytes, as the generated one would be on LinkFrames.
+  MarkMethodStreamed(
+      0, new grpc::internal::BidiStreamingHandler<LinkService, grpc::ByteBuffer, grpc::ByteBuffer>(
+             [](LinkService* service, grpc::ServerContext* context, RawLinkStream* stream) {
+               return service->LinkRaw(context, stream);
+             },
+             this));
+}
 
 LinkService::~LinkService() {
   Shutdown();
@@ -385,7 +403,7 @@ void LinkService::Shutdown() {
 }
 
 absl::Status LinkService::ReadHello(LinkTransport* transport, const std::string& pending_key,
-                                    const std::string& peer_name, v1::LinkFrame* hello) {
+                                    const std::string& peer_name, FrameParts* hello) {
   {
     absl::MutexLock lock(&mu_);
     if (pending_total_ >= options_.max_pending ||
@@ -400,10 +418,11 @@ absl::Status LinkService::ReadHello(LinkTransport* transport, const std::string&
     ++pending_total_;
   }
   bool read, stalled;
+  IncomingFrame frame;
   {
     StallWatchdog::Guard guard = StallWatchdog::Shared().Watch(
         options_.hello_timeout, [transport] { transport->Cancel(); });
-    read = transport->Read(hello);
+    read = transport->Read(&frame);
     stalled = guard.stalled();
   }
   {
@@ -415,7 +434,13 @@ absl::Status LinkService::ReadHello(LinkTransport* transport, const std::string&
     return Refusal(absl::StatusCode::kDeadlineExceeded, peer_name,
                    absl::StrCat("no HELLO within ", absl::FormatDuration(options_.hello_timeout)));
   }
-  return read ? absl::OkStatus() : absl::CancelledError("link ended before its HELLO");
+  if (!read) return absl::CancelledError("link ended before its HELLO");
+  absl::StatusOr<FrameParts> parts = ParseFrame(frame.pieces);
+  if (!parts.ok()) return Refusal(absl::StatusCode::kInvalidArgument, peer_name, parts.status().message());
+  hello->header = std::move(parts->header);
+  hello->data_bytes = parts->data_bytes;  // (its views die with `frame`)
+  hello->last = parts->last;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::shared_ptr<LinkEnd>> LinkService::Answer(
@@ -426,7 +451,7 @@ absl::StatusOr<std::shared_ptr<LinkEnd>> LinkService::Answer(
     return Refusal(absl::StatusCode::kUnauthenticated, peer_name,
                    "a link needs a worker certificate of this cluster");
   }
-  v1::LinkFrame hello;
+  FrameParts hello;
   if (absl::Status read = ReadHello(transport.get(), authenticated ? identity : PeerHost(peer_name),
                                     peer_name, &hello);
       !read.ok()) {
@@ -443,11 +468,11 @@ absl::StatusOr<std::shared_ptr<LinkEnd>> LinkService::Answer(
       return Refusal(absl::StatusCode::kFailedPrecondition, peer_name,
                      "this worker has no stage in a plan yet");
     }
-    if (!hello.has_header()) {
+    if (!hello.header.has_value()) {
       return Refusal(absl::StatusCode::kInvalidArgument, peer_name,
                      "first frame of a link has no header");
     }
-    const v1::LinkHeader& h = hello.header();
+    const v1::LinkHeader& h = *hello.header;
     if (authenticated && h.from_worker() != identity) {
       return Refusal(absl::StatusCode::kPermissionDenied, peer_name,
                      absl::StrCat("HELLO as '", h.from_worker().substr(0, 128),
@@ -472,7 +497,7 @@ absl::StatusOr<std::shared_ptr<LinkEnd>> LinkService::Answer(
     ack.header = MakeHello(validator_->epoch(), validator_->stage());
   }
   // The answer goes first: nothing may be sent on the link before it.
-  if (absl::Status sent = end->Send(ack); !sent.ok()) {
+  if (absl::Status sent = end->Send(std::move(ack)); !sent.ok()) {
     end->EndOnPurpose();
     return absl::CancelledError("link ended before its HELLO was answered");
   }
@@ -537,8 +562,7 @@ absl::StatusOr<std::shared_ptr<LinkEnd>> LinkService::AwaitDownstream(
   return downstream_[id];
 }
 
-grpc::Status LinkService::Link(grpc::ServerContext* context,
-                               grpc::ServerReaderWriter<v1::LinkFrame, v1::LinkFrame>* stream) {
+grpc::Status LinkService::LinkRaw(grpc::ServerContext* context, RawLinkStream* stream) {
   const std::string peer = context->peer();
   const std::string identity = options_.transport.insecure ? "" : PeerIdentity(*context);
   absl::StatusOr<std::shared_ptr<LinkEnd>> end =
@@ -580,8 +604,9 @@ struct Opened {
 // HELLO out, answer in, on a transport this end opened.
 absl::Status ExchangeHello(LinkTransport* transport, const LinkMessage& hello,
                            const LinkOptions& options) {
-  v1::LinkFrame ack;
-  if (!WriteMessage(transport, hello, options.write_stall_timeout)) {
+  IncomingFrame ack;
+  if (!WriteMessage(transport, std::make_shared<const LinkMessage>(hello),
+                    options.write_stall_timeout)) {
     absl::Status end = transport->Finish();
     return end.ok() ? absl::UnavailableError("the link broke while sending its HELLO") : end;
   }
@@ -592,7 +617,10 @@ absl::Status ExchangeHello(LinkTransport* transport, const LinkMessage& hello,
     read = transport->Read(&ack);
     stalled = guard.stalled();
   }
-  if (!read || stalled || !ack.has_header() || ack.header().kind() != v1::MESSAGE_KIND_HELLO) {
+  absl::StatusOr<FrameParts> answer =
+      read ? ParseFrame(ack.pieces) : absl::StatusOr<FrameParts>(FrameParts());
+  if (!read || stalled || !answer.ok() || !answer->header.has_value() ||
+      answer->header->kind() != v1::MESSAGE_KIND_HELLO) {
     if (read) transport->Cancel();  // the stream is still open: Finish would wait for it
     absl::Status end = transport->Finish();
     return end.ok() ? absl::UnavailableError("the peer ended the link without answering its HELLO")
@@ -614,14 +642,10 @@ absl::StatusOr<std::unique_ptr<LinkTransport>> DialDirect(const DialTarget& targ
   absl::Duration backoff = absl::Milliseconds(100);
   while (true) {
     const absl::Time attempt_start = absl::Now();
-    auto stub = v1::Stage::NewStub(channel);
-    auto context = std::make_unique<grpc::ClientContext>();
     // The stream lives as long as training; liveness is checked by keepalive
     // (rpc_options.cc) rather than a deadline.
-    auto stream = stub->Link(context.get());
-    auto transport = MakeGrpcClientTransport(
-        std::move(stub), std::move(context), std::move(stream),
-        absl::StrCat("dialled to ", address));
+    auto transport = MakeGrpcClientTransport(channel, std::make_unique<grpc::ClientContext>(),
+                                             absl::StrCat("dialled to ", address));
     absl::Status exchanged = ExchangeHello(transport.get(), hello, options);
     if (exchanged.ok()) return transport;
     const absl::StatusCode code = exchanged.code();

@@ -67,7 +67,8 @@ using Inbox = BoundedQueue<InboundMessage>;
 class MessageSink {
  public:
   virtual ~MessageSink() = default;
-  virtual absl::Status Send(const LinkMessage& message) = 0;
+  // Takes the message: a link keeps it until its bytes are on the socket.
+  virtual absl::Status Send(LinkMessage message) = 0;
   // The driver got the reply (gradient) to training microbatch
   // `microbatch`, sent through this sink. For routing; default: nothing.
   virtual void OnReply(uint64_t microbatch) {}
@@ -121,7 +122,7 @@ class LinkEnd final : public MessageSink, public std::enable_shared_from_this<Li
   // holds its own reference, so the end outlives it.
   ~LinkEnd() override;
 
-  absl::Status Send(const LinkMessage& message) override;
+  absl::Status Send(LinkMessage message) override;
   std::string failed_peer() const override { return peer_.id; }
 
   // Before serving: `on_activation` sees each training activation's
@@ -196,7 +197,7 @@ class UpstreamLinks final : public MessageSink {
   // waiting up to `connect_wait` for that worker's link when it is
   // reconnecting. UNAVAILABLE when there is none or it broke;
   // FAILED_PRECONDITION for a microbatch no upstream delivered.
-  absl::Status Send(const LinkMessage& message) override;
+  absl::Status Send(LinkMessage message) override;
   std::string failed_peer() const override;
 
  private:
@@ -218,7 +219,7 @@ class UpstreamLinks final : public MessageSink {
 // in number and time (LinkOptions).
 class LinkService final : public v1::Stage::Service {
  public:
-  explicit LinkService(LinkOptions options) : options_(std::move(options)) {}
+  explicit LinkService(LinkOptions options);
   // Shuts down and waits for the readers of every link it accepted.
   ~LinkService() override;
 
@@ -246,8 +247,9 @@ class LinkService final : public v1::Stage::Service {
                                                            absl::Duration timeout,
                                                            const std::atomic<bool>* stop);
 
-  grpc::Status Link(grpc::ServerContext* context,
-                    grpc::ServerReaderWriter<v1::LinkFrame, v1::LinkFrame>* stream) override;
+  // The Link method, on raw frames (link_transport.h): registered in place
+  // of the generated LinkFrame handler.
+  grpc::Status LinkRaw(grpc::ServerContext* context, RawLinkStream* stream);
   grpc::Status Probe(grpc::ServerContext* context, const v1::ProbeRequest* request,
                      v1::ProbeResponse* response) override;
   // Echoes a payload's size (network measurement, common/stage_probe.h);
@@ -257,7 +259,7 @@ class LinkService final : public v1::Stage::Service {
 
  private:
   absl::Status ReadHello(LinkTransport* transport, const std::string& pending_key,
-                         const std::string& peer_name, v1::LinkFrame* hello);
+                         const std::string& peer_name, FrameParts* hello);
 
   const LinkOptions options_;
   UpstreamLinks upstream_links_;

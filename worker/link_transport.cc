@@ -3,19 +3,36 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/grpc_status.h"
+#include "common/link_frame_wire.h"
 
 namespace geotrain {
 namespace {
 
+void ReleaseMessage(void* owner) { delete static_cast<std::shared_ptr<const LinkMessage>*>(owner); }
+
+// A gRPC message's slices as the frame's pieces (no copy).
+bool DumpInto(const grpc::ByteBuffer& buffer, IncomingFrame* frame) {
+  frame->pieces.clear();
+  frame->slices.clear();
+  if (!buffer.Dump(&frame->slices).ok()) return false;
+  for (const grpc::Slice& slice : frame->slices) {
+    frame->pieces.emplace_back(reinterpret_cast<const char*>(slice.begin()), slice.size());
+  }
+  return true;
+}
+
 class GrpcClientTransport final : public LinkTransport {
  public:
-  GrpcClientTransport(std::unique_ptr<v1::Stage::Stub> stub,
-                      std::unique_ptr<grpc::ClientContext> context,
-                      std::unique_ptr<grpc::ClientReaderWriter<v1::LinkFrame, v1::LinkFrame>> stream,
-                      std::string description)
-      : stub_(std::move(stub)),
+  GrpcClientTransport(std::shared_ptr<grpc::Channel> channel,
+                      std::unique_ptr<grpc::ClientContext> context, std::string description)
+      : channel_(std::move(channel)),
         context_(std::move(context)),
-        stream_(std::move(stream)),
+        // What the generated stub does, with ByteBuffer for LinkFrame.
+        stream_(grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::
+                    Create(channel_.get(),
+                           grpc::internal::RpcMethod(kLinkMethod,
+                                                     grpc::internal::RpcMethod::BIDI_STREAMING),
+                           context_.get())),
         description_(std::move(description)) {}
   ~GrpcClientTransport() override {
     if (!finished_) {
@@ -23,8 +40,11 @@ class GrpcClientTransport final : public LinkTransport {
       stream_->Finish();
     }
   }
-  bool Read(v1::LinkFrame* frame) override { return stream_->Read(frame); }
-  bool Write(const v1::LinkFrame& frame) override { return stream_->Write(frame); }
+  bool Read(IncomingFrame* frame) override {
+    grpc::ByteBuffer buffer;
+    return stream_->Read(&buffer) && DumpInto(buffer, frame);
+  }
+  bool Write(const OutgoingFrame& frame) override { return stream_->Write(FrameBuffer(frame)); }
   void Cancel() override { context_->TryCancel(); }
   void CloseWrites() override { stream_->WritesDone(); }
   absl::Status Finish() override {
@@ -34,21 +54,23 @@ class GrpcClientTransport final : public LinkTransport {
   std::string description() const override { return description_; }
 
  private:
-  std::unique_ptr<v1::Stage::Stub> stub_;
+  std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<grpc::ClientContext> context_;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::LinkFrame, v1::LinkFrame>> stream_;
+  std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream_;
   const std::string description_;
   bool finished_ = false;
 };
 
 class GrpcServerTransport final : public LinkTransport {
  public:
-  GrpcServerTransport(grpc::ServerContext* context,
-                      grpc::ServerReaderWriter<v1::LinkFrame, v1::LinkFrame>* stream,
+  GrpcServerTransport(grpc::ServerContext* context, RawLinkStream* stream,
                       std::string description)
       : context_(context), stream_(stream), description_(std::move(description)) {}
-  bool Read(v1::LinkFrame* frame) override { return stream_->Read(frame); }
-  bool Write(const v1::LinkFrame& frame) override { return stream_->Write(frame); }
+  bool Read(IncomingFrame* frame) override {
+    grpc::ByteBuffer buffer;
+    return stream_->Read(&buffer) && DumpInto(buffer, frame);
+  }
+  bool Write(const OutgoingFrame& frame) override { return stream_->Write(FrameBuffer(frame)); }
   void Cancel() override { context_->TryCancel(); }
   void CloseWrites() override {}
   absl::Status Finish() override {
@@ -59,7 +81,7 @@ class GrpcServerTransport final : public LinkTransport {
 
  private:
   grpc::ServerContext* const context_;
-  grpc::ServerReaderWriter<v1::LinkFrame, v1::LinkFrame>* const stream_;
+  RawLinkStream* const stream_;
   const std::string description_;
 };
 
@@ -69,7 +91,7 @@ class FramedTransport final : public LinkTransport {
  public:
   FramedTransport(Channel channel, std::string description)
       : channel_(std::move(channel)), description_(std::move(description)) {}
-  bool Read(v1::LinkFrame* frame) override {
+  bool Read(IncomingFrame* frame) override {
     unsigned char prefix[4];
     if (!ReadExactly(prefix, sizeof(prefix))) {
       end_ = cancelled_ ? absl::CancelledError("link cancelled")
@@ -87,26 +109,30 @@ class FramedTransport final : public LinkTransport {
           "relayed frame of ", size, " bytes: at most ", kMaxRelayedFrameBytes));
       return false;
     }
-    buffer_.resize(size);
-    if (!ReadExactly(buffer_.data(), size)) {
+    frame->buffer.resize(size);
+    if (!ReadExactly(frame->buffer.data(), size)) {
       end_ = absl::UnavailableError(absl::StrCat(description_, ": broke inside a frame"));
       return false;
     }
-    if (!frame->ParseFromString(buffer_)) {
-      end_ = absl::InvalidArgumentError("relayed frame does not parse as a LinkFrame");
-      return false;
-    }
+    frame->slices.clear();
+    frame->pieces.assign(1, frame->buffer);
     return true;
   }
-  bool Write(const v1::LinkFrame& frame) override {
-    std::string bytes;
-    frame.SerializeToString(&bytes);
-    const uint32_t size = static_cast<uint32_t>(bytes.size());
-    unsigned char prefix[4] = {static_cast<unsigned char>(size >> 24),
-                               static_cast<unsigned char>(size >> 16),
-                               static_cast<unsigned char>(size >> 8),
-                               static_cast<unsigned char>(size)};
-    return size > 0 && WriteAll(prefix, 4) && WriteAll(bytes.data(), bytes.size());
+  // The length and the encoding's prefix in one write, then the data from
+  // the payload itself, then the suffix.
+  bool Write(const OutgoingFrame& frame) override {
+    const LinkMessage& message = *frame.message;
+    const std::string prefix =
+        FramePrefix(frame.range.offset == 0 ? &message.header : nullptr, frame.range.size);
+    const absl::string_view suffix = FrameSuffix(frame.range.last);
+    const uint64_t size = prefix.size() + frame.range.size + suffix.size();
+    if (size == 0 || size > kMaxRelayedFrameBytes) return false;
+    std::string head(4, '\0');
+    for (int i = 0; i < 4; ++i) head[i] = static_cast<char>(size >> (24 - 8 * i));
+    head += prefix;
+    return WriteAll(head.data(), head.size()) &&
+           WriteAll(message.payload.data() + frame.range.offset, frame.range.size) &&
+           WriteAll(suffix.data(), suffix.size());
   }
   void Cancel() override {
     cancelled_ = true;
@@ -128,7 +154,6 @@ class FramedTransport final : public LinkTransport {
 
   Channel channel_;
   const std::string description_;
-  std::string buffer_;
   std::atomic<bool> cancelled_{false};
   absl::Status end_;
 };
@@ -148,17 +173,36 @@ class PlainChannel {
 
 }  // namespace
 
-std::unique_ptr<LinkTransport> MakeGrpcClientTransport(
-    std::unique_ptr<v1::Stage::Stub> stub, std::unique_ptr<grpc::ClientContext> context,
-    std::unique_ptr<grpc::ClientReaderWriter<v1::LinkFrame, v1::LinkFrame>> stream,
-    std::string description) {
-  return std::make_unique<GrpcClientTransport>(std::move(stub), std::move(context),
-                                               std::move(stream), std::move(description));
+grpc::ByteBuffer FrameBuffer(const OutgoingFrame& frame) {
+  const LinkMessage& message = *frame.message;
+  grpc::Slice slices[3];
+  size_t count = 0;
+  slices[count++] =
+      grpc::Slice(FramePrefix(frame.range.offset == 0 ? &message.header : nullptr, frame.range.size));
+  if (frame.range.size > 0) {
+    // gRPC only reads the slice; it is released (and with it the message)
+    // once the bytes are written or the call ends.
+    char* data = const_cast<char*>(message.payload.data()) + frame.range.offset;
+    slices[count++] = grpc::Slice(data, frame.range.size, &ReleaseMessage,
+                                  new std::shared_ptr<const LinkMessage>(frame.message));
+  }
+  const absl::string_view suffix = FrameSuffix(frame.range.last);
+  if (!suffix.empty()) {
+    slices[count++] = grpc::Slice(suffix.data(), suffix.size(), grpc::Slice::STATIC_SLICE);
+  }
+  return grpc::ByteBuffer(slices, count);
 }
 
-std::unique_ptr<LinkTransport> MakeGrpcServerTransport(
-    grpc::ServerContext* context,
-    grpc::ServerReaderWriter<v1::LinkFrame, v1::LinkFrame>* stream, std::string description) {
+std::unique_ptr<LinkTransport> MakeGrpcClientTransport(
+    std::shared_ptr<grpc::Channel> channel, std::unique_ptr<grpc::ClientContext> context,
+    std::string description) {
+  return std::make_unique<GrpcClientTransport>(std::move(channel), std::move(context),
+                                               std::move(description));
+}
+
+std::unique_ptr<LinkTransport> MakeGrpcServerTransport(grpc::ServerContext* context,
+                                                       RawLinkStream* stream,
+                                                       std::string description) {
   return std::make_unique<GrpcServerTransport>(context, stream, std::move(description));
 }
 

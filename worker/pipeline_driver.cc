@@ -165,7 +165,7 @@ absl::Status PipelineDriver::CountedSend(MessageSink* sink, LinkMessage message,
                                        : 0.75 * link->wire_bytes_per_message + 0.25 * bytes;
   }
   const absl::Time start = absl::Now();
-  absl::Status sent = sink->Send(message);
+  absl::Status sent = sink->Send(std::move(message));
   const absl::Duration took = absl::Now() - start;
   link->send_time += took;
   send_total_ += took;

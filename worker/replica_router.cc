@@ -53,13 +53,13 @@ int ReplicaRouter::ChooseLocked(absl::Time now) const {
   return best;
 }
 
-absl::Status ReplicaRouter::SendTo(int route, const LinkMessage& message) {
+absl::Status ReplicaRouter::SendTo(int route, LinkMessage message) {
   MessageSink* sink;
   {
     absl::MutexLock lock(&mu_);
     sink = routes_[route].route.sink;
   }
-  absl::Status sent = sink->Send(message);
+  absl::Status sent = sink->Send(std::move(message));
   if (!sent.ok()) {
     absl::MutexLock lock(&mu_);
     failed_peer_ = routes_[route].route.peer_id;
@@ -67,7 +67,7 @@ absl::Status ReplicaRouter::SendTo(int route, const LinkMessage& message) {
   return sent;
 }
 
-absl::Status ReplicaRouter::Send(const LinkMessage& message) {
+absl::Status ReplicaRouter::Send(LinkMessage message) {
   int route = 0;
   switch (message.header.kind()) {
     case v1::MESSAGE_KIND_ACTIVATION: {
@@ -99,7 +99,7 @@ absl::Status ReplicaRouter::Send(const LinkMessage& message) {
         count = routes_.size();
       }
       for (size_t r = 0; r < count; ++r) {
-        absl::Status sent = SendTo(static_cast<int>(r), message);
+        absl::Status sent = SendTo(static_cast<int>(r), message);  // a copy: DONE has no payload
         if (!sent.ok()) return sent;
       }
       return absl::OkStatus();
@@ -108,7 +108,7 @@ absl::Status ReplicaRouter::Send(const LinkMessage& message) {
       return absl::InternalError(absl::StrCat("the router sends nothing of kind ",
                                               v1::MessageKind_Name(message.header.kind())));
   }
-  return SendTo(route, message);
+  return SendTo(route, std::move(message));
 }
 
 void ReplicaRouter::OnReply(uint64_t microbatch) {

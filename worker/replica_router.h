@@ -46,7 +46,7 @@ class ReplicaRouter final : public MessageSink {
   explicit ReplicaRouter(std::vector<Route> routes,
                          std::function<absl::Time()> now = [] { return absl::Now(); });
 
-  absl::Status Send(const LinkMessage& message) override;
+  absl::Status Send(LinkMessage message) override;
   // The gradient of `microbatch` came back: updates its route's latency.
   // Unknown ids (dropped, or sent before a re-plan) are ignored.
   void OnReply(uint64_t microbatch) override;
@@ -64,7 +64,7 @@ class ReplicaRouter final : public MessageSink {
   };
   // The route expected to finish one more microbatch first.
   int ChooseLocked(absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status SendTo(int route, const LinkMessage& message);
+  absl::Status SendTo(int route, LinkMessage message);
 
   const std::function<absl::Time()> now_;
   mutable absl::Mutex mu_;

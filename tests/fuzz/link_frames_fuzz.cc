@@ -1,11 +1,15 @@
-// The frame assembler and the link-message validator, as a stage receives
-// them: pieces of the input are LinkFrames (serialized protos) fed in order
-// to a FrameAssembler whose header check is the validator's; every
-// completed message is validated from both directions.
+// The frame parser, the frame assembler and the link-message validator, as
+// a stage receives them: pieces of the input are encoded LinkFrames, each
+// parsed by ParseFrame (split in three buffers, as gRPC's slices would
+// split it) and fed in order to a FrameAssembler whose header check is the
+// validator's; every completed message is validated from both directions.
+// Where protobuf also parses a piece, both must read the same frame.
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 
 #include "common/job_spec.h"
+#include "common/link_frame_wire.h"
 #include "common/link_message.h"
 #include "tests/fuzz/fuzz_input.h"
 #include "worker/link_validator.h"
@@ -30,17 +34,32 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     return validator->CheckHeaderFromDownstream(header);
   });
   for (const std::string& piece : geotrain::SplitFuzzInput(data, size)) {
-    geotrain::v1::LinkFrame frame;
-    if (!frame.ParseFromString(piece)) continue;
-    if (frame.has_header()) {
-      (void)validator->CheckHello(frame.header());
-      for (const geotrain::v1::TensorHeader& t : frame.header().tensors()) {
+    const absl::string_view whole(piece);
+    const size_t a = whole.size() / 3, b = whole.size() - whole.size() / 5;
+    const absl::string_view buffers[3] = {whole.substr(0, a), whole.substr(a, b - a),
+                                          whole.substr(b)};
+    absl::StatusOr<geotrain::FrameParts> parts = geotrain::ParseFrame(buffers);
+    geotrain::v1::LinkFrame proto;
+    if (parts.ok() && proto.ParseFromString(piece)) {
+      std::string data;
+      for (absl::string_view v : parts->data) data.append(v.data(), v.size());
+      if (data != proto.data() || parts->last != proto.last() ||
+          parts->header.has_value() != proto.has_header() ||
+          (proto.has_header() &&
+           parts->header->SerializeAsString() != proto.header().SerializeAsString())) {
+        std::abort();  // ParseFrame and protobuf read different frames
+      }
+    }
+    if (!parts.ok()) continue;
+    if (parts->header.has_value()) {
+      (void)validator->CheckHello(*parts->header);
+      for (const geotrain::v1::TensorHeader& t : parts->header->tensors()) {
         (void)geotrain::CheckTensorHeader(t);
       }
     }
-    auto down = from_downstream.Add(frame);
+    auto down = from_downstream.Add(*parts);
     if (down.ok() && down->has_value()) (void)validator->CheckFromDownstream(**down);
-    auto up = assembler.Add(std::move(frame));
+    auto up = assembler.Add(*std::move(parts));
     if (up.ok() && up->has_value()) (void)validator->CheckFromUpstream(**up);
   }
   return 0;

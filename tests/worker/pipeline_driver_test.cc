@@ -23,8 +23,8 @@ namespace {
 class InboxSink : public MessageSink {
  public:
   InboxSink(Inbox* inbox, bool from_upstream) : inbox_(inbox), from_upstream_(from_upstream) {}
-  absl::Status Send(const LinkMessage& message) override {
-    if (!inbox_->Push({from_upstream_, message, absl::OkStatus()})) {
+  absl::Status Send(LinkMessage message) override {
+    if (!inbox_->Push({from_upstream_, std::move(message), absl::OkStatus()})) {
       return absl::UnavailableError("closed");
     }
     return absl::OkStatus();
@@ -292,12 +292,12 @@ namespace {
 class RecordingSink : public MessageSink {
  public:
   explicit RecordingSink(MessageSink* next) : next_(next) {}
-  absl::Status Send(const LinkMessage& message) override {
+  absl::Status Send(LinkMessage message) override {
     if (message.header.kind() == v1::MESSAGE_KIND_ACTIVATION) {
       absl::MutexLock lock(&mu_);
       ids_.push_back(message.header.microbatch());
     }
-    return next_->Send(message);
+    return next_->Send(std::move(message));
   }
   std::vector<uint64_t> ids() {
     absl::MutexLock lock(&mu_);
@@ -315,9 +315,9 @@ class RecordingSink : public MessageSink {
 class ShareRoutingSink : public MessageSink {
  public:
   explicit ShareRoutingSink(std::vector<Inbox*> replicas) : replicas_(std::move(replicas)) {}
-  absl::Status Send(const LinkMessage& message) override {
+  absl::Status Send(LinkMessage message) override {
     Inbox* to = replicas_[message.header.microbatch() % replicas_.size()];
-    if (!to->Push({false, message, absl::OkStatus()})) return absl::UnavailableError("closed");
+    if (!to->Push({false, std::move(message), absl::OkStatus()})) return absl::UnavailableError("closed");
     return absl::OkStatus();
   }
 

@@ -11,7 +11,7 @@ namespace {
 
 class RecordingSink : public MessageSink {
  public:
-  absl::Status Send(const LinkMessage& message) override {
+  absl::Status Send(LinkMessage message) override {
     if (fail) return absl::UnavailableError("broken");
     kinds.push_back(message.header.kind());
     microbatches.push_back(message.header.microbatch());
