@@ -436,7 +436,9 @@ absl::Status LinkService::ReadHello(LinkTransport* transport, const std::string&
   }
   if (!read) return absl::CancelledError("link ended before its HELLO");
   absl::StatusOr<FrameParts> parts = ParseFrame(frame.pieces);
-  if (!parts.ok()) return Refusal(absl::StatusCode::kInvalidArgument, peer_name, parts.status().message());
+  if (!parts.ok()) {
+    return Refusal(absl::StatusCode::kInvalidArgument, peer_name, parts.status().message());
+  }
   hello->header = std::move(parts->header);
   hello->data_bytes = parts->data_bytes;  // (its views die with `frame`)
   hello->last = parts->last;
