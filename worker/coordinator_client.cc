@@ -14,9 +14,10 @@
 
 namespace geotrain {
 
-CoordinatorClient::CoordinatorClient(std::string address)
+CoordinatorClient::CoordinatorClient(std::string address, CheckpointPacingOptions pacing)
     : address_(std::move(address)),
-      stub_(v1::Coordinator::NewStub(MakeChannel(address_))) {}
+      stub_(v1::Coordinator::NewStub(MakeChannel(address_))),
+      pacer_(pacing, &clock_) {}
 
 void CoordinatorClient::UseSecurity(const TransportSecurity& security,
                                     const std::string& server_name) {
@@ -81,29 +82,63 @@ std::chrono::seconds StateDeadline(uint64_t payload_bytes) {
   return std::chrono::seconds(30 + static_cast<int64_t>(payload_bytes >> 20));
 }
 
+// A paced upload's deadline: 30 s plus twice its time at the pace.
+std::chrono::seconds PacedDeadline(uint64_t payload_bytes, double bytes_per_s) {
+  if (bytes_per_s <= 0) return StateDeadline(payload_bytes);
+  const double paced_s = static_cast<double>(payload_bytes) / bytes_per_s;
+  return std::max(StateDeadline(payload_bytes),
+                  std::chrono::seconds(30 + static_cast<int64_t>(2 * paced_s)));
+}
+
 }  // namespace
+
+bool CoordinatorClient::AwaitPace(uint64_t bytes) {
+  const absl::Duration wait = pacer_.Reserve(bytes);
+  absl::MutexLock lock(&mu_);
+  if (wait > absl::ZeroDuration()) {
+    mu_.AwaitWithTimeout(absl::Condition(&uploader_stop_), wait);
+  }
+  return !uploader_stop_;
+}
 
 absl::Status CoordinatorClient::SaveCheckpoint(std::vector<v1::LayerCheckpoint> layers) {
   absl::Status status;
   {
     uint64_t total = 0;
     for (const v1::LayerCheckpoint& layer : layers) total += layer.payload().size();
+    const double pace = pacer_.bytes_per_s();
+    const absl::Time started = absl::Now();
     grpc::ClientContext context;
-    context.set_deadline(DeadlineFromNow(StateDeadline(total)));
+    context.set_deadline(DeadlineFromNow(PacedDeadline(total, pace)));
     v1::SaveCheckpointResponse response;
     auto writer = stub_->SaveCheckpoint(&context, &response);
     const std::string id = worker_id();
+    bool stopped = false;
     for (v1::LayerCheckpoint& layer : layers) {
       layer.set_worker_id(id);
       const bool sent = ForEachLayerStateChunk(
-          layer, kLayerStateChunkBytes,
-          [&writer](const v1::LayerStateChunk& chunk) { return writer->Write(chunk); });
+          layer, kLayerStateChunkBytes, [&](const v1::LayerStateChunk& chunk) {
+            if (!AwaitPace(chunk.ByteSizeLong())) {
+              stopped = true;
+              return false;
+            }
+            return writer->Write(chunk);
+          });
       if (!sent) break;
       // Sent: its megabytes are not needed any more.
       std::string().swap(*layer.mutable_payload());
     }
+    if (stopped) context.TryCancel();
     writer->WritesDone();
-    status = FromGrpcStatus(writer->Finish());
+    const grpc::Status finished = writer->Finish();
+    status = stopped ? absl::CancelledError("the worker is stopping") : FromGrpcStatus(finished);
+    if (status.ok() && !layers.empty()) {
+      GT_LOG(Info) << "checkpoint of step " << layers[0].step() << " uploaded: "
+                   << absl::StrFormat("%.1f MB in %.1f s", total / 1e6,
+                                      absl::ToDoubleSeconds(absl::Now() - started))
+                   << (pace > 0 ? absl::StrFormat(", paced at %.1f Mb/s", pace * 8 / 1e6)
+                                : std::string(", not paced"));
+    }
   }
   layers.clear();
   // A checkpoint is megabytes of short-lived buffers, freed on this thread;
@@ -218,6 +253,7 @@ absl::StatusOr<bool> CoordinatorClient::Heartbeat(uint64_t rss_bytes,
   request.set_step(step_);
   request.set_epoch(epoch_);
   *request.mutable_stats() = stats;
+  pacer_.Observe(stats);
   {
     absl::MutexLock lock(&mu_);
     for (const auto& [kind, seconds] : layer_timings_) {

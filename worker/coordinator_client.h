@@ -17,7 +17,9 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "geotrain/v1/coordinator.grpc.pb.h"
+#include "common/clock.h"
 #include "common/transport_security.h"
+#include "worker/checkpoint_pacer.h"
 #include "worker/peer_prober.h"
 #include "worker/pipeline_driver.h"
 #include "worker/report_queue.h"
@@ -32,7 +34,8 @@ absl::StatusOr<std::vector<v1::LayerCheckpoint>> ReceiveLayerStates(
 
 class CoordinatorClient final : public ProgressSink {
  public:
-  explicit CoordinatorClient(std::string address);
+  // `pacing`: how background checkpoint uploads share the uplink.
+  explicit CoordinatorClient(std::string address, CheckpointPacingOptions pacing = {});
   // TLS towards the coordinator (whose certificate must name
   // `server_name`). REQUIRES: called before any other method.
   void UseSecurity(const TransportSecurity& security, const std::string& server_name);
@@ -61,10 +64,14 @@ class CoordinatorClient final : public ProgressSink {
   absl::Status ReportDone(int step);
   void Leave();
 
-  // Stage checkpoints: SaveCheckpoint uploads now (30 s deadline);
-  // CheckpointReady (from the pipeline driver) hands them to a background
-  // uploader that keeps only the newest pending one, so a slow coordinator
-  // never stalls training. LoadCheckpoint: NOT_FOUND when there is none.
+  // Stage checkpoints: SaveCheckpoint uploads now (deadline: 30 s plus the
+  // time at the pace); CheckpointReady (from the pipeline driver) hands them
+  // to a background uploader that keeps only the newest pending one, so a
+  // slow coordinator never stalls training, and paces it (CheckpointPacer,
+  // following the links each heartbeat reports), so an upload never takes
+  // the bandwidth of the pipeline's links. UploadCheckpointNow is not
+  // paced: the pipeline waits for it (between updates, or a drain).
+  // LoadCheckpoint: NOT_FOUND when there is none.
   absl::Status SaveCheckpoint(std::vector<v1::LayerCheckpoint> layers);
   // `probe`: only to compare steps (the coordinator records no restore).
   // The layer arrives in chunks (common/layer_state.h); one declaring more
@@ -91,6 +98,8 @@ class CoordinatorClient final : public ProgressSink {
 
  private:
   void UploadLoop();
+  // Waits for the pace to allow `bytes`; false if the uploader is stopping.
+  bool AwaitPace(uint64_t bytes);
 
   const std::string address_;
   std::unique_ptr<v1::Coordinator::Stub> stub_;
@@ -101,6 +110,8 @@ class CoordinatorClient final : public ProgressSink {
   bool uploader_stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread uploader_;
   PeerProber* prober_ = nullptr;
+  SteadyClock clock_;
+  CheckpointPacer pacer_;
   std::atomic<uint64_t> epoch_{0};
   std::atomic<int> step_{0};
   static constexpr absl::Duration kFlushBeforeDone = absl::Seconds(10);

@@ -36,6 +36,9 @@ ABSL_FLAG(std::string, state_dir, "",
 ABSL_FLAG(bool, insecure, false,
           "plaintext and no identities, for a coordinator started with --insecure "
           "(loopback demos and tests only)");
+ABSL_FLAG(double, checkpoint_upload_mbit, 0,
+          "pace of background checkpoint uploads in Mb/s; 0: from the links (half of what "
+          "their microbatches leave unused, at least 5% of the slowest), -1: not paced");
 ABSL_FLAG(std::string, tls_server_name, "geotrain-coordinator",
           "the name the coordinator's certificate must carry");
 
@@ -75,6 +78,11 @@ int main(int argc, char** argv) {
     return Fail("--threads must be in [0, 4096] (0: a fair share of this host's CPUs)");
   }
   if (absl::GetFlag(FLAGS_join_timeout_s) < 0) return Fail("--join_timeout_s must be >= 0");
+  const double upload_mbit = absl::GetFlag(FLAGS_checkpoint_upload_mbit);
+  if (!(upload_mbit == -1 || (upload_mbit >= 0 && upload_mbit <= 1e6))) {
+    return Fail("--checkpoint_upload_mbit must be -1 (not paced), 0 (from the links) or a rate "
+                "in (0, 1e6] Mb/s");
+  }
   if (absl::GetFlag(FLAGS_name).size() > 128) return Fail("--name: at most 128 bytes");
   if (absl::GetFlag(FLAGS_insecure) && !absl::GetFlag(FLAGS_token).empty()) {
     return Fail("--token and --insecure contradict each other");
@@ -90,6 +98,7 @@ int main(int argc, char** argv) {
   options.device = absl::GetFlag(FLAGS_device);
   options.threads = absl::GetFlag(FLAGS_threads);
   options.name = absl::GetFlag(FLAGS_name);
+  options.checkpoint_pacing.fixed_bytes_per_s = upload_mbit < 0 ? -1 : upload_mbit * 1e6 / 8;
   auto routes = geotrain::ParseLinkRoutes(absl::GetFlag(FLAGS_route));
   if (!routes.ok()) {
     return Fail("--route: " + std::string(routes.status().message()));

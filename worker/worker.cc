@@ -59,7 +59,8 @@ absl::StatusOr<std::map<std::string, std::string>> ParseLinkRoutes(const std::st
 }
 
 Worker::Worker(WorkerOptions options)
-    : options_(std::move(options)), coordinator_(options_.coordinator) {}
+    : options_(std::move(options)),
+      coordinator_(options_.coordinator, options_.checkpoint_pacing) {}
 
 Worker::~Worker() {
   Stop();

@@ -70,6 +70,8 @@ struct WorkerOptions {
   std::string token;      // join token (first join; see worker_credentials.h)
   std::string state_dir;  // keeps this worker's key and certificate; empty: none
   std::string tls_server_name = kCoordinatorServerName;
+  // How background checkpoint uploads share the uplink with the links.
+  CheckpointPacingOptions checkpoint_pacing;
 };
 
 // Parses "PEER=VIA[,PEER=VIA...]" (each a HOST:PORT) into WorkerOptions::routes.

@@ -6,7 +6,8 @@ import tempfile
 import time
 import unittest
 
-from cluster import BIN_DIR, SOURCE_DIR, Cluster, Process, binary, free_port, job_path, wait_for
+from cluster import (BIN_DIR, SOURCE_DIR, Cluster, Process, binary, free_ports, job_path,
+                     wait_for)
 
 sys.path.insert(0, os.path.join(SOURCE_DIR, "deploy", "wan-lab"))
 import wan_job  # noqa: E402
@@ -125,7 +126,9 @@ class PlannedCodecTest(unittest.TestCase):
         # with int8 allowed, the plan compresses the slow one only. The demo
         # GPT with 7 blocks (9 layers), so that 3 stages beat 2 clearly
         # (6 layers split 2-2-2 against 3-3 would gain little).
-        ports = {f"w{i}": free_port() for i in range(3)}
+        # Workers' and relays' ports all distinct (3 + 4 relays).
+        spare_ports = free_ports(3 + 4)
+        ports = {f"w{i}": spare_ports.pop() for i in range(3)}
         relays = {}
         with open(job_path("gpt-tiny.textproto")) as f:
             job = f.read().replace("blocks: 4", "blocks: 7")
@@ -139,22 +142,13 @@ class PlannedCodecTest(unittest.TestCase):
             for a in ports:
                 for b in ports:
                     if a != b and "w2" in (a, b):
-                        relays[(a, b)] = free_port()
+                        relays[(a, b)] = spare_ports.pop()
                         c.workers.append(Process(
                             [binary("geotrain-linkem"), f"--listen=127.0.0.1:{relays[(a, b)]}",
                              f"--target=127.0.0.1:{ports[b]}", "--delay_ms=5",
                              "--rate_mbit=20"],
                             os.path.join(c.dir, f"relay-{a}-{b}.log")))
             c.start_coordinator()
-            for name, port in ports.items():
-                routes = ",".join(f"127.0.0.1:{ports[b]}=127.0.0.1:{relays[(name, b)]}"
-                                  for b in ports if (name, b) in relays)
-                worker = c.start_worker(name, [f"--listen=127.0.0.1:{port}", f"--route={routes}"])
-                # One at a time: layer timings taken by three workers at once
-                # on 2 cores measure contention (a run timed blocks from 2.3
-                # to 4.0 ms and the planner rightly chose 2 stages).
-                wait_for(lambda: "layer timings per sample" in worker.log(), 60,
-                         f"{name}'s layer timings")
 
             def links_with_codecs():
                 status = c.status()
@@ -165,6 +159,21 @@ class PlannedCodecTest(unittest.TestCase):
                 return (status, links) if len(links) >= 4 else None
 
             try:
+                for name, port in ports.items():
+                    routes = ",".join(f"127.0.0.1:{ports[b]}=127.0.0.1:{relays[(name, b)]}"
+                                      for b in ports if (name, b) in relays)
+                    worker = c.start_worker(name,
+                                            [f"--listen=127.0.0.1:{port}", f"--route={routes}"])
+                    # One at a time: layer timings taken by three workers at
+                    # once on 2 cores measure contention (a run timed blocks
+                    # from 2.3 to 4.0 ms and the planner rightly chose 2
+                    # stages). A liveness bound, generous for a loaded CI
+                    # machine (one CI run took over 60 s for w2).
+                    def timed(worker=worker, name=name):
+                        if not worker.alive():
+                            raise RuntimeError(f"{name} exited with {worker.popen.returncode}")
+                        return "layer timings per sample" in worker.log()
+                    wait_for(timed, 120, f"{name}'s layer timings")
                 status, links = wait_for(links_with_codecs, 120, "training on all links")
             except Exception:
                 print(c.dump_logs())

@@ -1,0 +1,52 @@
+#include "worker/checkpoint_pacer.h"
+
+#include <algorithm>
+
+namespace geotrain {
+
+double UploadPaceFromLinks(const v1::StageStats& stats, double spare_share, double min_share) {
+  double pace = 0;
+  for (const v1::LinkStats& link : stats.links()) {
+    const double rate = link.link_rate_bps() / 8;  // bytes/s
+    if (rate <= 0) continue;
+    double busy = 0;  // the share of the link its microbatches use
+    if (link.compute_s_per_microbatch() > 0) {
+      busy = std::clamp(link.link_s_per_microbatch() / link.compute_s_per_microbatch(), 0.0, 1.0);
+    }
+    const double allowed = rate * std::max(min_share, spare_share * (1 - busy));
+    pace = pace == 0 ? allowed : std::min(pace, allowed);
+  }
+  return pace;
+}
+
+CheckpointPacer::CheckpointPacer(CheckpointPacingOptions options, const Clock* clock)
+    : options_(options), clock_(clock) {}
+
+void CheckpointPacer::Observe(const v1::StageStats& stats) {
+  const double pace = UploadPaceFromLinks(stats, options_.spare_share, options_.min_share);
+  absl::MutexLock lock(&mu_);
+  // A stage between plans reports no links: keep the last pace it had.
+  if (pace > 0) from_links_bytes_per_s_ = pace;
+}
+
+double CheckpointPacer::bytes_per_s() const {
+  if (options_.fixed_bytes_per_s < 0) return 0;
+  if (options_.fixed_bytes_per_s > 0) return options_.fixed_bytes_per_s;
+  absl::MutexLock lock(&mu_);
+  return from_links_bytes_per_s_;
+}
+
+absl::Duration CheckpointPacer::Reserve(uint64_t bytes) {
+  const double rate = bytes_per_s();
+  if (rate <= 0) return absl::ZeroDuration();
+  const double now_ms = static_cast<double>(clock_->NowMs());
+  absl::MutexLock lock(&mu_);
+  // A token bucket of burst_bytes: what was reserved goes out at `rate`
+  // from free_at_ms_ on; a reservation waits only for what exceeds a burst.
+  free_at_ms_ = std::max(free_at_ms_, now_ms) + 1e3 * static_cast<double>(bytes) / rate;
+  const double burst_ms = 1e3 * static_cast<double>(options_.burst_bytes) / rate;
+  const double wait_ms = free_at_ms_ - now_ms - burst_ms;
+  return wait_ms > 0 ? absl::Milliseconds(wait_ms) : absl::ZeroDuration();
+}
+
+}  // namespace geotrain

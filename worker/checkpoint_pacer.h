@@ -1,0 +1,68 @@
+// Paces a worker's background checkpoint uploads so that they never take
+// the bandwidth its pipeline links need. A home uplink carries both the
+// stage's links and the upload to the coordinator; an unpaced upload of a
+// few hundred megabytes would delay every activation and gradient behind it.
+//
+// The pace follows the links as the stage measures them (LinkStats, each
+// heartbeat): of each link with a known rate, the share its microbatches do
+// not use (1 - link time / compute time per microbatch), times
+// `spare_share`, but never below `min_share` of the link's rate, so that a
+// checkpoint of a link-bound stage still completes; the slowest link sets
+// the pace. With no rate known yet (no link, nothing measured) uploads are
+// not paced. A fixed rate (`fixed_bytes_per_s`, the worker's
+// --checkpoint_upload_mbit) overrides all of that.
+//
+// The pacer is a token bucket of one part's burst: Reserve(bytes) says how
+// long to wait before sending `bytes`. Time comes from a Clock, so tests
+// drive it by hand. Thread-safe (the heartbeat thread observes, the
+// uploader reserves).
+#ifndef GEOTRAIN_WORKER_CHECKPOINT_PACER_H_
+#define GEOTRAIN_WORKER_CHECKPOINT_PACER_H_
+
+#include <cstdint>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/clock.h"
+#include "geotrain/v1/coordinator.pb.h"
+
+namespace geotrain {
+
+struct CheckpointPacingOptions {
+  // Bytes per second for every upload; 0: from the links, < 0: unpaced.
+  double fixed_bytes_per_s = 0;
+  double spare_share = 0.5;  // of what the links leave unused
+  double min_share = 0.05;   // of the slowest link's rate, at the least
+  // What may go out at once after an idle period (one stream part).
+  uint64_t burst_bytes = uint64_t{1} << 20;
+};
+
+class CheckpointPacer {
+ public:
+  // `clock` is not owned and must outlive the pacer.
+  CheckpointPacer(CheckpointPacingOptions options, const Clock* clock);
+
+  // Takes the stage's link figures (a heartbeat's StageStats).
+  void Observe(const v1::StageStats& stats);
+  // Bytes per second uploads may use now; 0: unpaced.
+  double bytes_per_s() const;
+  // How long to wait before sending `bytes`; reserves them (the next
+  // reservation queues behind this one). Zero when unpaced.
+  absl::Duration Reserve(uint64_t bytes);
+
+ private:
+  const CheckpointPacingOptions options_;
+  const Clock* const clock_;
+  mutable absl::Mutex mu_;
+  double from_links_bytes_per_s_ ABSL_GUARDED_BY(mu_) = 0;
+  // When the bytes reserved so far will have gone out at the pace (ms on
+  // clock_'s scale, fractional so small parts add up).
+  double free_at_ms_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// The pace the links of `stats` leave for uploads (bytes/s; 0: unknown).
+double UploadPaceFromLinks(const v1::StageStats& stats, double spare_share, double min_share);
+
+}  // namespace geotrain
+
+#endif  // GEOTRAIN_WORKER_CHECKPOINT_PACER_H_
