@@ -104,9 +104,9 @@ LinkEnd::~LinkEnd() {
   if (!served_.HasBeenNotified()) EndOnPurpose();
 }
 
-void LinkEnd::SetHooks(std::function<void(uint64_t)> on_activation,
+void LinkEnd::SetHooks(std::function<void(const v1::LinkHeader&)> on_forward,
                        std::function<void()> on_end) {
-  on_activation_ = std::move(on_activation);
+  on_forward_ = std::move(on_forward);
   on_end_ = std::move(on_end);
 }
 
@@ -170,9 +170,10 @@ absl::Status LinkEnd::Serve() {
     failure = from_upstream ? validator->CheckFromUpstream(message)
                             : validator->CheckFromDownstream(message);
     if (!failure.ok()) break;
-    if (from_upstream && message.header.kind() == v1::MESSAGE_KIND_ACTIVATION &&
-        on_activation_) {
-      on_activation_(message.header.microbatch());
+    if (from_upstream && on_forward_ &&
+        (message.header.kind() == v1::MESSAGE_KIND_ACTIVATION ||
+         message.header.kind() == v1::MESSAGE_KIND_EVAL)) {
+      on_forward_(message.header);
     }
     const absl::Time pushing = absl::Now();
     InboundMessage in{from_upstream, std::move(message), absl::OkStatus(), trailing, dispersion,
@@ -298,28 +299,44 @@ void UpstreamLinks::Unregister(const LinkEnd* end) {
   }
 }
 
-void UpstreamLinks::NoteOrigin(uint64_t microbatch, const std::string& worker) {
+void UpstreamLinks::NoteOrigin(const v1::LinkHeader& forward, const std::string& worker) {
   absl::MutexLock lock(&mu_);
-  origin_[microbatch] = worker;
+  if (forward.kind() != v1::MESSAGE_KIND_EVAL) {
+    origin_[forward.microbatch()] = worker;
+    return;
+  }
+  eval_origin_[forward.step()] = worker;
+  if (eval_origin_.size() > kMaxEvalOrigins) eval_origin_.erase(eval_origin_.begin());
 }
 
 void UpstreamLinks::EndAll() {
   absl::MutexLock lock(&mu_);
   for (auto& [worker, end] : links_) end->EndOnPurpose();
   origin_.clear();
+  eval_origin_.clear();
 }
 
 absl::Status UpstreamLinks::Send(LinkMessage message) {
   std::shared_ptr<LinkEnd> end;
   {
     absl::MutexLock lock(&mu_);
-    auto origin = origin_.find(message.header.microbatch());
-    if (origin == origin_.end()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "no upstream link delivered microbatch ", message.header.microbatch()));
+    std::string worker;
+    if (message.header.kind() == v1::MESSAGE_KIND_EVAL_ACK) {
+      auto origin = eval_origin_.find(message.header.step());
+      if (origin == eval_origin_.end()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "no upstream link delivered the evaluation of step ", message.header.step()));
+      }
+      worker = origin->second;
+    } else {
+      auto origin = origin_.find(message.header.microbatch());
+      if (origin == origin_.end()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "no upstream link delivered microbatch ", message.header.microbatch()));
+      }
+      worker = origin->second;
+      origin_.erase(origin);
     }
-    const std::string worker = origin->second;
-    origin_.erase(origin);
     auto ready = [this, &worker]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       return links_.count(worker) > 0;
     };
@@ -506,7 +523,9 @@ absl::StatusOr<std::shared_ptr<LinkEnd>> LinkService::Answer(
   LinkEnd* raw = end.get();
   if (side == PeerSide::kUpstream) {
     end->SetHooks(
-        [this, worker = end->peer().id](uint64_t mb) { upstream_links_.NoteOrigin(mb, worker); },
+        [this, worker = end->peer().id](const v1::LinkHeader& forward) {
+          upstream_links_.NoteOrigin(forward, worker);
+        },
         [this, raw] { upstream_links_.Unregister(raw); });
     if (absl::Status registered = upstream_links_.Register(end); !registered.ok()) {
       end->EndOnPurpose();
@@ -810,7 +829,9 @@ absl::StatusOr<std::shared_ptr<LinkEnd>> OpenLink(
     RETURN_IF_ERROR(upstream->Register(end));
     LinkEnd* raw = end.get();
     end->SetHooks(
-        [upstream, worker = target.peer.id](uint64_t mb) { upstream->NoteOrigin(mb, worker); },
+        [upstream, worker = target.peer.id](const v1::LinkHeader& forward) {
+          upstream->NoteOrigin(forward, worker);
+        },
         [upstream, raw] { upstream->Unregister(raw); });
   }
   GT_LOG(Info) << "opened " << PeerSideName(target.peer.side) << " link to '" << target.peer.id

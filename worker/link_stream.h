@@ -125,9 +125,11 @@ class LinkEnd final : public MessageSink, public std::enable_shared_from_this<Li
   absl::Status Send(LinkMessage message) override;
   std::string failed_peer() const override { return peer_.id; }
 
-  // Before serving: `on_activation` sees each training activation's
-  // microbatch before it is delivered; `on_end` runs when Serve() ends.
-  void SetHooks(std::function<void(uint64_t)> on_activation, std::function<void()> on_end);
+  // Before serving: `on_forward` sees the header of each training or
+  // evaluation activation before it is delivered; `on_end` runs when
+  // Serve() ends.
+  void SetHooks(std::function<void(const v1::LinkHeader&)> on_forward,
+                std::function<void()> on_end);
   // Reads until the link ends, in the calling thread, delivering to the
   // inbox. A link that breaks (not ended by this side or cleanly closed by
   // the peer) pushes an error for the driver. After it returns nothing
@@ -160,7 +162,7 @@ class LinkEnd final : public MessageSink, public std::enable_shared_from_this<Li
   const std::shared_ptr<const LinkValidator> validator_;
   const std::shared_ptr<Inbox> inbox_;
   const absl::Duration write_stall_timeout_;
-  std::function<void(uint64_t)> on_activation_;
+  std::function<void(const v1::LinkHeader&)> on_forward_;
   std::function<void()> on_end_;
   std::atomic<bool> serving_{false};
   std::atomic<bool> on_purpose_{false};
@@ -189,14 +191,18 @@ class UpstreamLinks final : public MessageSink {
   absl::Status Register(std::shared_ptr<LinkEnd> end);
   // After `end`'s Serve() returned.
   void Unregister(const LinkEnd* end);
-  void NoteOrigin(uint64_t microbatch, const std::string& worker);
+  // `worker` delivered the activation of `forward` (a training microbatch,
+  // or an evaluation pass's microbatch): its gradient (or EVAL_ACK) goes
+  // back there.
+  void NoteOrigin(const v1::LinkHeader& forward, const std::string& worker);
   // Ends every link on purpose and forgets the origins.
   void EndAll();
 
-  // Sends a gradient to the upstream worker that delivered its microbatch,
-  // waiting up to `connect_wait` for that worker's link when it is
-  // reconnecting. UNAVAILABLE when there is none or it broke;
-  // FAILED_PRECONDITION for a microbatch no upstream delivered.
+  // Sends a gradient to the upstream worker that delivered its microbatch
+  // (an EVAL_ACK to the one that delivered its pass), waiting up to
+  // `connect_wait` for that worker's link when it is reconnecting.
+  // UNAVAILABLE when there is none or it broke; FAILED_PRECONDITION for a
+  // microbatch (or pass) no upstream delivered.
   absl::Status Send(LinkMessage message) override;
   std::string failed_peer() const override;
 
@@ -204,6 +210,11 @@ class UpstreamLinks final : public MessageSink {
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<LinkEnd>> links_ ABSL_GUARDED_BY(mu_);
   std::map<uint64_t, std::string> origin_ ABSL_GUARDED_BY(mu_);
+  // Evaluation passes (by step) -> the worker that sent them; one worker
+  // sends a whole pass. The newest kMaxEvalOrigins are kept: a pass's last
+  // acknowledgements may come after the next pass began.
+  static constexpr size_t kMaxEvalOrigins = 4;
+  std::map<int, std::string> eval_origin_ ABSL_GUARDED_BY(mu_);
   std::string failed_peer_ ABSL_GUARDED_BY(mu_);
   absl::Duration connect_wait_ = absl::Seconds(2);
 };

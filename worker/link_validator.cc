@@ -114,6 +114,12 @@ absl::Status LinkValidator::CheckHeaderFromUpstream(const v1::LinkHeader& h) con
 
 absl::Status LinkValidator::CheckHeaderFromDownstream(const v1::LinkHeader& h) const {
   RETURN_IF_ERROR(CheckEpoch(h));
+  if (h.kind() == v1::MESSAGE_KIND_EVAL_ACK) {
+    if (h.tensors_size() != 0) {
+      return absl::InvalidArgumentError("an evaluation acknowledgement carries no tensor");
+    }
+    return absl::OkStatus();
+  }
   if (h.kind() != v1::MESSAGE_KIND_GRADIENT) {
     return absl::InvalidArgumentError(absl::StrCat(
         "message kind ", v1::MessageKind_Name(h.kind()), " may not flow upstream"));
@@ -165,6 +171,12 @@ absl::Status LinkValidator::CheckFromUpstream(const LinkMessage& message) const 
 
 absl::Status LinkValidator::CheckFromDownstream(const LinkMessage& message) const {
   RETURN_IF_ERROR(CheckHeaderFromDownstream(message.header));
+  if (message.header.kind() == v1::MESSAGE_KIND_EVAL_ACK) {
+    if (!message.payload.empty()) {
+      return absl::InvalidArgumentError("an evaluation acknowledgement carries no payload");
+    }
+    return absl::OkStatus();
+  }
   return CheckFinite(message.header.tensors(0), message.payload, 0);
 }
 

@@ -282,7 +282,7 @@ absl::Status PipelineDriver::AtStep(int step) {
   }
   if (options_.stage == 0 && options_.primary &&
       (step == job_.steps() || (job_.eval_every() > 0 && step % job_.eval_every() == 0))) {
-    eval_due_ = step;  // RunFirstStage runs it once the pipeline has drained
+    eval_due_ = step;  // RunFirstStage starts the pass
   }
   return absl::OkStatus();
 }
@@ -322,14 +322,26 @@ absl::Status PipelineDriver::RunFirstStage() {
   int64_t next = OwnIdFrom(backwards_);
   int in_flight = 0;
   while (true) {
-    // An evaluation waits for the microbatches in flight to return: no
-    // gradient is then on the way while its burst of forwards fills the
-    // queues, so the burst cannot close a cycle of full queues.
-    if (eval_due_ > 0 && in_flight == 0) {
+    if (eval_due_ > 0 && runtime_->is_last()) {  // a single-stage pipeline
       RETURN_IF_ERROR(RunEvaluation(eval_due_));
       eval_due_ = 0;
     }
-    if (next >= end && in_flight == 0) {
+    // A pass starts at once under an async schedule; with a flush, once
+    // the step's microbatches have returned (they have at its boundary).
+    if (eval_due_ > 0 && eval_pass_ == 0 && (!schedule.flush || in_flight == 0)) {
+      eval_pass_ = eval_due_;
+      eval_next_ = 0;
+      eval_due_ = 0;
+    }
+    // Its microbatches take the window's free places, each counted until
+    // acknowledged: the window bounds every queue, with or without an
+    // evaluation, so its forwards cannot close a cycle of full queues.
+    while (eval_pass_ > 0 && in_flight < window) {
+      const bool microbatch = eval_next_ < runtime_->num_eval_microbatches();
+      RETURN_IF_ERROR(SendNextEvalMicrobatch());
+      if (microbatch) ++in_flight;
+    }
+    if (next >= end && in_flight == 0 && eval_pass_ == 0) {
       // A replica's last id need not be the run's: once its share is done,
       // the steps after its newest id are over too as far as it can tell,
       // so their boundaries (the primary's final evaluation) pass here.
@@ -340,14 +352,14 @@ absl::Status PipelineDriver::RunFirstStage() {
           RETURN_IF_ERROR(AtStep(static_cast<int>(step)));
         }
       }
-      if (eval_due_ > 0) continue;
+      if (eval_due_ > 0 || eval_pass_ > 0) continue;
       break;
     }
     // With a flush, step s+1 starts only after step s has fully returned
     // (sync, which has no replicas).
     const int64_t issue_limit =
         schedule.flush ? std::min(end, (backwards_ / microbatches + 1) * microbatches) : end;
-    while (eval_due_ == 0 && next < issue_limit && in_flight < window) {
+    while (eval_due_ == 0 && eval_pass_ == 0 && next < issue_limit && in_flight < window) {
       const int step = static_cast<int>(next / microbatches);
       ASSIGN_OR_RETURN(LinkMessage input,
                        runtime_->LoadTrainMicrobatch(step, static_cast<int>(next % microbatches)));
@@ -365,6 +377,10 @@ absl::Status PipelineDriver::RunFirstStage() {
     ASSIGN_OR_RETURN(InboundMessage in, NextMessage());
     if (in.from_upstream) {
       return absl::InternalError("stage 0 received a message from upstream");
+    }
+    if (in.message.header.kind() == v1::MESSAGE_KIND_EVAL_ACK) {
+      --in_flight;
+      continue;
     }
     downstream_->OnReply(in.message.header.microbatch());
     ASSIGN_OR_RETURN(std::optional<LinkMessage> up, runtime_->Backward(in.message));
@@ -384,22 +400,25 @@ absl::Status PipelineDriver::RunEvaluation(int step) {
   const int batches = runtime_->num_eval_microbatches();
   for (int i = 0; i < batches; ++i) {
     ASSIGN_OR_RETURN(LinkMessage input, runtime_->LoadEvalMicrobatch(i));
-    input.header.set_step(step);  // which pass, for the last stage
-    if (runtime_->is_last()) {
-      RETURN_IF_ERROR(runtime_->EvalForward(input));
-    } else {
-      ASSIGN_OR_RETURN(LinkMessage activation, runtime_->Forward(input));
-      RETURN_IF_ERROR(SendDown(std::move(activation)));
-    }
+    input.header.set_step(step);  // which pass
+    RETURN_IF_ERROR(runtime_->EvalForward(input));
   }
-  if (runtime_->is_last()) {
-    progress_->EvalFinished(step, runtime_->TakeEvalResult(step));
-    return absl::OkStatus();
+  progress_->EvalFinished(step, runtime_->TakeEvalResult(step));
+  return absl::OkStatus();
+}
+
+absl::Status PipelineDriver::SendNextEvalMicrobatch() {
+  if (eval_next_ >= runtime_->num_eval_microbatches()) {
+    LinkMessage end;
+    end.header.set_kind(v1::MESSAGE_KIND_EVAL_END);
+    end.header.set_step(eval_pass_);
+    eval_pass_ = 0;
+    return SendDown(std::move(end));
   }
-  LinkMessage end;
-  end.header.set_kind(v1::MESSAGE_KIND_EVAL_END);
-  end.header.set_step(step);
-  return SendDown(std::move(end));
+  ASSIGN_OR_RETURN(LinkMessage input, runtime_->LoadEvalMicrobatch(eval_next_++));
+  input.header.set_step(eval_pass_);  // which pass, for the last stage
+  ASSIGN_OR_RETURN(LinkMessage activation, runtime_->Forward(input));
+  return SendDown(std::move(activation));
 }
 
 absl::Status PipelineDriver::RunLaterStage() {
@@ -427,10 +446,18 @@ absl::Status PipelineDriver::RunLaterStage() {
       case v1::MESSAGE_KIND_EVAL:
         if (runtime_->is_last()) {
           RETURN_IF_ERROR(runtime_->EvalForward(in.message));
+          LinkMessage ack;  // frees its place in stage 0's window
+          ack.header.set_kind(v1::MESSAGE_KIND_EVAL_ACK);
+          ack.header.set_step(header.step());
+          ack.header.set_microbatch(header.microbatch());
+          RETURN_IF_ERROR(SendUp(std::move(ack)));
         } else {
           ASSIGN_OR_RETURN(LinkMessage activation, runtime_->Forward(in.message));
           RETURN_IF_ERROR(SendDown(std::move(activation)));
         }
+        break;
+      case v1::MESSAGE_KIND_EVAL_ACK:  // from downstream, on its way to stage 0
+        RETURN_IF_ERROR(SendUp(in.message));
         break;
       case v1::MESSAGE_KIND_EVAL_END:
         if (runtime_->is_last()) {

@@ -10,10 +10,15 @@
 // `async-stash` is (W, k, no flush) with weight stashing in StageRuntime;
 // `async-2bw` is (min(W, M), M, no flush), which keeps at most two weight
 // versions alive. Middle and last stages only react to what arrives; the
-// window bounds every queue. Stage 0 evaluates (every eval_every steps and
-// at the end) once its microbatches in flight have returned; a replicated
-// stage 0 splits the microbatch ids among its workers (see
-// PipelineDriverOptions::stage_replicas). Torch-free; runs on one thread, except
+// window bounds every queue. Stage 0 evaluates every eval_every steps and
+// at the end: it sends the pass's microbatches through the same window as
+// training ones, each counted until the last stage acknowledges it
+// (EVAL_ACK), so an async schedule evaluates without draining its
+// pipeline (the microbatches in flight go on; new ones wait for the pass
+// to be sent), and a flushed one (sync) at its step boundary, before the
+// next step's updates, as one process would. A replicated stage 0 splits
+// the microbatch ids among its workers (see
+// PipelineDriverOptions::stage_replicas); only the primary evaluates. Torch-free; runs on one thread, except
 // StatsBoard, which other threads read.
 #ifndef GEOTRAIN_WORKER_PIPELINE_DRIVER_H_
 #define GEOTRAIN_WORKER_PIPELINE_DRIVER_H_
@@ -178,7 +183,11 @@ class PipelineDriver {
   // Stage 0: the first id at or after `id` in this replica's shard.
   int64_t OwnIdFrom(int64_t id) const;
   absl::Status RunLaterStage();
+  // A single-stage pipeline evaluates in one go.
   absl::Status RunEvaluation(int step);
+  // Stage 0 of several: sends the pass's next evaluation microbatch, or
+  // after the last its EVAL_END (then the pass is over).
+  absl::Status SendNextEvalMicrobatch();
   // Bookkeeping after one microbatch's backward on this stage: updates,
   // step boundaries, evaluation (stage 0), reports and statistics.
   // `microbatch`: its global id (step * M + index).
@@ -213,6 +222,11 @@ class PipelineDriver {
   int dones_ = 0;                       // DONE messages received
   int backwards_since_update_ = 0;
   int eval_due_ = 0;                    // stage 0: step to evaluate at, or 0
+  // Stage 0: the evaluation pass being sent (its step, 0: none) and its
+  // next microbatch. Its microbatches count in the window until the last
+  // stage acknowledges them (EVAL_ACK).
+  int eval_pass_ = 0;
+  int eval_next_ = 0;
   double step_loss_sum_ = 0;            // last stage: losses of this step
   int step_losses_ = 0;
 

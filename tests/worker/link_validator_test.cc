@@ -113,6 +113,25 @@ TEST(LinkValidatorTest, RefusesWrongShapeDtypeEpochKindAndValues) {
   EXPECT_EQ(v.CheckFromUpstream(missing_targets).code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST(LinkValidatorTest, EvaluationAcknowledgementsFlowUpstreamOnlyAndCarryNothing) {
+  LinkValidator v(Job(), 5, 1, 1, 3);
+  LinkMessage ack;
+  ack.header.set_kind(v1::MESSAGE_KIND_EVAL_ACK);
+  ack.header.set_epoch(5);
+  ack.header.set_step(10);
+  EXPECT_TRUE(v.CheckFromDownstream(ack).ok());
+  EXPECT_EQ(v.CheckFromUpstream(ack).code(), absl::StatusCode::kInvalidArgument);
+  LinkMessage old_epoch = ack;
+  old_epoch.header.set_epoch(4);
+  EXPECT_EQ(v.CheckFromDownstream(old_epoch).code(), absl::StatusCode::kInvalidArgument);
+  LinkMessage with_tensor = ack;
+  AddTensor(&with_tensor, {2, 4, 8}, v1::DTYPE_FLOAT32);
+  EXPECT_EQ(v.CheckFromDownstream(with_tensor).code(), absl::StatusCode::kInvalidArgument);
+  LinkMessage with_payload = ack;
+  with_payload.payload = "unexpected";
+  EXPECT_EQ(v.CheckFromDownstream(with_payload).code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(LinkValidatorTest, StageZeroAcceptsNoLinks) {
   LinkValidator v(Job(), 5, 0, 0, 1);
   EXPECT_EQ(v.CheckHello(Hello(5, -1)).code(), absl::StatusCode::kInvalidArgument);

@@ -72,6 +72,7 @@ struct PipelineRun {
   std::vector<v1::StageStats> stats;
   std::vector<double> losses;
   std::vector<int> steps;
+  std::vector<double> evals;
 };
 
 v1::JobSpec MakeJob(const std::string& corpus, v1::Schedule schedule) {
@@ -144,6 +145,7 @@ PipelineRun RunPipeline(const v1::JobSpec& job, int stages, size_t inbox_capacit
   }
   run.losses = progress.losses();
   run.steps = progress.steps();
+  run.evals = progress.evals();
   return run;
 }
 
@@ -226,13 +228,17 @@ TEST_F(PipelineDriverTest, SyncOverThreeStagesMatchesOneStage) {
   for (size_t i = 0; i < one.losses.size(); ++i) {
     EXPECT_NEAR(three.losses[i], one.losses[i], 1e-4 * std::abs(one.losses[i])) << "step " << i;
   }
+  // The final evaluation (its microbatches through the window) too.
+  ASSERT_EQ(one.evals.size(), 1u);
+  ASSERT_EQ(three.evals.size(), 1u);
+  EXPECT_NEAR(three.evals[0], one.evals[0], 1e-4 * std::abs(one.evals[0]));
 }
 
 // An evaluation pass far larger than the queues, in the middle of async
-// training over 3 stages, completes. Without the drain before evaluation a
-// cycle of full queues was possible (stage 1 blocked sending forwards to
-// stage 2, stage 2 blocked sending a gradient back); whether it formed
-// depended on timing, so this guards the path rather than reproducing it.
+// training over 3 stages, completes. Sent as a burst, its forwards could
+// close a cycle of full queues (stage 1 blocked sending forwards to stage
+// 2, stage 2 blocked sending a gradient back); counted in the window until
+// acknowledged, they never hold more places than training would.
 TEST_F(PipelineDriverTest, EvaluationBurstLargerThanTheQueuesDoesNotDeadlock) {
   v1::JobSpec job = MakeJob(*corpus_, v1::SCHEDULE_ASYNC_STASH);
   job.set_steps(12);
@@ -241,6 +247,110 @@ TEST_F(PipelineDriverTest, EvaluationBurstLargerThanTheQueuesDoesNotDeadlock) {
   const PipelineRun run = RunPipeline(job, 3, /*inbox_capacity=*/4);
   EXPECT_EQ(run.steps.size(), 12u);
   for (const StashStats& s : run.stash) EXPECT_EQ(s.references, 0);
+}
+
+// Holds the gradients its stage sends upstream from microbatch `from` on,
+// until an evaluation microbatch has gone down the pipeline (or 20 s
+// passed, which the test counts as a failure).
+class EvalGate {
+ public:
+  explicit EvalGate(uint64_t from) : from_(from) {}
+  void SawEval() {
+    absl::MutexLock lock(&mu_);
+    open_ = true;
+  }
+  // False if the gate had to open by itself.
+  bool Pass(const LinkMessage& message) {
+    if (message.header.kind() != v1::MESSAGE_KIND_GRADIENT || message.header.microbatch() < from_) {
+      return true;
+    }
+    absl::MutexLock lock(&mu_);
+    if (mu_.AwaitWithTimeout(absl::Condition(&open_), absl::Seconds(20))) return true;
+    open_ = true;
+    timed_out_ = true;
+    return false;
+  }
+  bool timed_out() {
+    absl::MutexLock lock(&mu_);
+    return timed_out_;
+  }
+
+ private:
+  const uint64_t from_;
+  absl::Mutex mu_;
+  bool open_ ABSL_GUARDED_BY(mu_) = false;
+  bool timed_out_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+class GatedSink : public MessageSink {
+ public:
+  GatedSink(MessageSink* next, EvalGate* gate, bool watches_evals)
+      : next_(next), gate_(gate), watches_evals_(watches_evals) {}
+  absl::Status Send(LinkMessage message) override {
+    if (watches_evals_ && message.header.kind() == v1::MESSAGE_KIND_EVAL) gate_->SawEval();
+    if (!watches_evals_) gate_->Pass(message);
+    return next_->Send(std::move(message));
+  }
+
+ private:
+  MessageSink* next_;
+  EvalGate* gate_;
+  const bool watches_evals_;
+};
+
+// Under async-stash, stage 0 evaluates without draining: the gradient of
+// the first microbatch after the evaluation's step boundary is held back
+// until an evaluation microbatch went down. A driver that waited for its
+// microbatches in flight before evaluating would wait for that gradient
+// (the gate then opens by itself after 20 s, and the test fails).
+TEST_F(PipelineDriverTest, AsyncEvaluationStartsWithMicrobatchesInFlight) {
+  v1::JobSpec job = MakeJob(*corpus_, v1::SCHEDULE_ASYNC_STASH);
+  job.set_steps(6);
+  job.set_eval_every(3);
+  const ScheduleConfig schedule = ConfigureSchedule(job, 2);
+  ASSERT_GE(schedule.window, 2);
+  std::vector<std::unique_ptr<StageRuntime>> runtimes;
+  std::vector<std::unique_ptr<Inbox>> inboxes;
+  for (int s = 0; s < 2; ++s) {
+    RuntimeOptions options;
+    options.max_weight_versions = schedule.max_weight_versions;
+    auto runtime = StageRuntime::Create(job, {s, 2, Split(2)[s].first, Split(2)[s].second},
+                                        options);
+    ASSERT_TRUE(runtime.ok()) << runtime.status();
+    runtimes.push_back(std::move(*runtime));
+    inboxes.push_back(std::make_unique<Inbox>(64));
+  }
+  EvalGate gate(/*from=*/uint64_t{3} * job.microbatches());
+  InboxSink to_last(inboxes[1].get(), /*from_upstream=*/true);
+  InboxSink to_first(inboxes[0].get(), /*from_upstream=*/false);
+  GatedSink down(&to_last, &gate, /*watches_evals=*/true);
+  GatedSink up(&to_first, &gate, /*watches_evals=*/false);
+  RecordingProgress progress;
+  std::vector<StatsBoard> boards(2);
+  std::vector<absl::Status> results(2);
+  std::vector<std::thread> threads;
+  for (int s = 0; s < 2; ++s) {
+    PipelineDriverOptions options;
+    options.stage = s;
+    options.num_stages = 2;
+    options.schedule = schedule;
+    threads.emplace_back([&, s, options] {
+      PipelineDriver driver(job, options, runtimes[s].get(), s == 1 ? &up : nullptr,
+                            s == 0 ? &down : nullptr, inboxes[s].get(), &progress, &boards[s]);
+      results[s] = driver.Run();
+      if (!results[s].ok()) {
+        for (auto& inbox : inboxes) inbox->Close();
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int s = 0; s < 2; ++s) ASSERT_TRUE(results[s].ok()) << s << ": " << results[s];
+  EXPECT_FALSE(gate.timed_out()) << "stage 0 waited for its microbatches in flight";
+  EXPECT_EQ(progress.steps().size(), 6u);
+  const std::vector<double> evals = progress.evals();
+  ASSERT_EQ(evals.size(), 2u);  // steps 3 and 6
+  for (double loss : evals) EXPECT_GT(loss, 0);
+  for (int s = 0; s < 2; ++s) EXPECT_EQ(runtimes[s]->stash_stats().references, 0);
 }
 
 TEST(ConfigureScheduleTest, KnobsFollowTheJob) {
@@ -311,12 +421,15 @@ class RecordingSink : public MessageSink {
 };
 
 // The last stage's way back: each gradient to the replica whose share its
-// microbatch id is in (what UpstreamLinks does by the sending link).
+// microbatch id is in, each evaluation acknowledgement to the primary, which
+// alone evaluates (what UpstreamLinks does by the sending link).
 class ShareRoutingSink : public MessageSink {
  public:
   explicit ShareRoutingSink(std::vector<Inbox*> replicas) : replicas_(std::move(replicas)) {}
   absl::Status Send(LinkMessage message) override {
-    Inbox* to = replicas_[message.header.microbatch() % replicas_.size()];
+    Inbox* to = message.header.kind() == v1::MESSAGE_KIND_EVAL_ACK
+                    ? replicas_[0]
+                    : replicas_[message.header.microbatch() % replicas_.size()];
     if (!to->Push({false, std::move(message), absl::OkStatus()})) return absl::UnavailableError("closed");
     return absl::OkStatus();
   }
