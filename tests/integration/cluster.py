@@ -37,20 +37,6 @@ def free_port():
         return s.getsockname()[1]
 
 
-def free_ports(count):
-    """`count` distinct free ports: each is held until all are chosen, so
-    the kernel cannot hand the same one out twice (free_port() called
-    repeatedly may)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 def wait_for(condition, timeout, what, interval=0.05):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

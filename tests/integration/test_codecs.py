@@ -6,8 +6,7 @@ import tempfile
 import time
 import unittest
 
-from cluster import (BIN_DIR, SOURCE_DIR, Cluster, Process, binary, free_ports, job_path,
-                     wait_for)
+from cluster import BIN_DIR, SOURCE_DIR, Cluster, Process, binary, job_path, wait_for
 
 sys.path.insert(0, os.path.join(SOURCE_DIR, "deploy", "wan-lab"))
 import wan_job  # noqa: E402
@@ -126,8 +125,9 @@ class PlannedCodecTest(unittest.TestCase):
         # with int8 allowed, the plan compresses the slow one only. The demo
         # GPT with 7 blocks (9 layers), so that 3 stages beat 2 clearly
         # (6 layers split 2-2-2 against 3-3 would gain little).
-        # Workers' and relays' ports all distinct (3 + 4 relays).
-        spare_ports = free_ports(3 + 4)
+        # Workers' and relays' ports all distinct (3 + 4 relays): ports
+        # taken one at a time may come back twice.
+        spare_ports = wan_job.free_ports(3 + 4)
         ports = {f"w{i}": spare_ports.pop() for i in range(3)}
         relays = {}
         with open(job_path("gpt-tiny.textproto")) as f:
