@@ -30,7 +30,8 @@ absl::Status Refusal(absl::StatusCode code, const std::string& peer, absl::strin
 }
 
 // Frames go back to back; a message of kMinTimedMessageBytes or more is
-// split in at least two, so the receiver can time its dispersion. A frame
+// split in at least kTimedMessageFrames, so the receiver can time its
+// dispersion. A frame
 // that cannot be written within `stall_limit` (the peer stopped reading)
 // cancels the transport.
 // The frames are ranges of the payload, written without copying it.
@@ -38,7 +39,9 @@ bool WriteMessage(LinkTransport* transport, std::shared_ptr<const LinkMessage> m
                   absl::Duration stall_limit) {
   const size_t size = message->payload.size();
   const size_t frame_bytes =
-      size >= kMinTimedMessageBytes ? std::min(kFrameBytes, (size + 1) / 2) : kFrameBytes;
+      size >= kMinTimedMessageBytes
+          ? std::min(kFrameBytes, (size + kTimedMessageFrames - 1) / kTimedMessageFrames)
+          : kFrameBytes;
   for (const FrameRange& range : FrameRanges(size, frame_bytes)) {
     StallWatchdog::Guard guard =
         StallWatchdog::Shared().Watch(stall_limit, [transport] { transport->Cancel(); });

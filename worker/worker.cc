@@ -716,11 +716,14 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
                         inbox.get(), &coordinator_, &stats_);
   absl::Status ran = driver.Run();
   if (!ran.ok()) {
-    link_service_->Deactivate();
-    for (const std::shared_ptr<LinkEnd>& link : links) link->EndOnPurpose();
     // A broken link (not one this worker ended itself) is reported with the
     // neighbour at its other end, so the coordinator can route around it
     // without waiting for a lease: a blackholed link never ends a lease.
+    // The report goes before this worker ends its other links: ending them
+    // breaks its healthy neighbours' links too, and their reports (naming
+    // this worker) must not reach the coordinator first, or it would take
+    // out this worker instead of the peer that failed. The coordinator acts
+    // on an epoch's first report only.
     const PipelineDriver::FailedLink failed = driver.failed_link();
     if (failed != PipelineDriver::FailedLink::kNone && !abort_) {
       const bool up = failed == PipelineDriver::FailedLink::kUpstream;
@@ -741,6 +744,8 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
                                             ": ", ran.message()),
                                relayed ? planned->relay_worker() : peer.id);
     }
+    link_service_->Deactivate();
+    for (const std::shared_ptr<LinkEnd>& link : links) link->EndOnPurpose();
     return ran;
   }
   // Downstream links first (see above), then the upstream ones this worker

@@ -88,7 +88,8 @@ class AdaptiveCodecTest(unittest.TestCase):
                 print(job.status())
                 raise
         for link in links:
-            print(f"{link['direction']:>10} {link['codec']:>5}: {link['codec_reason']}")
+            print(f"{link['direction']:>10} {link['codec']:>5}, measured "
+                  f"{link.get('link_rate_bps', 0) / 1e6:.1f} Mb/s: {link['codec_reason']}")
             self.assertTrue(link["adaptive"])
             self.assertIn("codec_reason", link)
         stepped = [l for l in links if l["codec"] != "none"]
