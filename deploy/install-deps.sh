@@ -16,6 +16,7 @@ PACKAGES=(
   fortunes                  # text corpus for the byte-level GPT and the token files
   python3-sentencepiece     # deploy/tokenize.py: a real tokenizer for token-file datasets
   dataset-fashion-mnist     # idx files for the MLP
+  linux-perf                # bench/vs_ddp --profile: where each worker's CPU time goes
   procps iproute2 python3 python3-venv
 )
 
