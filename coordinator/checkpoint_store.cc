@@ -284,6 +284,12 @@ void CheckpointStore::ScanLocked() {
   closedir(dir);
 }
 
+std::optional<absl::Time> CheckpointStore::WrittenAt(int layer, int step) const {
+  struct stat st;
+  if (stat(PathOf(layer, step).c_str(), &st) != 0) return std::nullopt;
+  return absl::TimeFromTimespec(st.st_mtim);
+}
+
 std::string CheckpointStore::PathOf(int layer, int step) const {
   return absl::StrFormat("%s/step-%08d.ckpt", LayerDir(layer), step);
 }

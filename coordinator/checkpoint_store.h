@@ -19,6 +19,7 @@
 #define GEOTRAIN_COORDINATOR_CHECKPOINT_STORE_H_
 
 #include <map>
+#include <optional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -26,6 +27,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "geotrain/v1/coordinator.pb.h"
 #include "geotrain/v1/job.pb.h"
 
@@ -143,6 +145,9 @@ class CheckpointStore {
   // Layer -> steps on disk, oldest first. In memory: cheap enough for
   // every status query.
   std::map<int, std::vector<int>> Index() const;
+
+  // When the file of (`layer`, `step`) was written; nullopt without one.
+  std::optional<absl::Time> WrittenAt(int layer, int step) const;
 
   const std::string& dir() const { return dir_; }
 

@@ -4,6 +4,7 @@
 //   geotrain-ctl token list
 //   geotrain-ctl token revoke ID_OR_TOKEN
 //   geotrain-ctl worker revoke ID
+//   geotrain-ctl health [--target=HOST:PORT] [--service=NAME] [--live]
 // Credentials: --admin_credential=FILE (<state_dir>/tls/admin.credential,
 // or a worker's credential for status), --token=TOKEN (status with a
 // viewer token), or --insecure for a coordinator started with --insecure.
@@ -30,6 +31,7 @@
 #include "common/x509.h"
 #include "geotrain/v1/coordinator.grpc.pb.h"
 #include "geotrain/v1/status.grpc.pb.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 
 ABSL_FLAG(std::string, coordinator, "127.0.0.1:7070", "coordinator HOST:PORT");
 ABSL_FLAG(bool, json, false, "print the status as JSON");
@@ -49,6 +51,15 @@ ABSL_FLAG(std::string, name, "", "token create: a label shown by token list");
 ABSL_FLAG(std::string, role, "worker", "token create: worker or viewer (status only)");
 ABSL_FLAG(std::string, out, "", "export: the directory to write the model into");
 ABSL_FLAG(int, export_timeout_s, 600, "export: deadline of the whole transfer");
+ABSL_FLAG(std::string, target, "",
+          "health: the daemon to ask, coordinator or worker (default: --coordinator)");
+ABSL_FLAG(std::string, service, "", "health: a service's full name (default: the whole server)");
+ABSL_FLAG(bool, live, false,
+          "health: exit 0 on any answer, SERVING or not (a liveness probe)");
+ABSL_FLAG(bool, watch, false,
+          "health: print each status change (grpc.health.v1 Watch) until --watch_for, "
+          "Ctrl-C or the daemon ends");
+ABSL_FLAG(absl::Duration, watch_for, absl::InfiniteDuration(), "health --watch: how long");
 
 namespace {
 
@@ -204,7 +215,10 @@ constexpr char kUsage[] =
     "  token list\n"
     "  token revoke ID_OR_TOKEN\n"
     "  worker revoke ID\n"
-    "  export --out=DIR [--export_timeout_s=600]\n";
+    "  export --out=DIR [--export_timeout_s=600]\n"
+    "  health [--target=HOST:PORT] [--service=NAME] [--live] [--watch [--watch_for=D]]:\n"
+    "      the standard gRPC health status of a coordinator or worker; exit 0 if SERVING,\n"
+    "      1 if not, 3 if no answer (--live: 0 on any answer)\n";
 
 int Fail(const std::string& message) {
   std::fprintf(stderr, "geotrain-ctl: %s\n", message.c_str());
@@ -418,6 +432,55 @@ int ExportCommand(const Connection& connection, const std::string& address) {
   return 0;
 }
 
+// `health`: grpc.health.v1.Health/Check on --target. Exit 0 when SERVING
+// (or, with --live, on any answer), 1 when not, 3 without an answer.
+int HealthCommand(const Connection& connection, const std::string& address) {
+  auto stub = grpc::health::v1::Health::NewStub(connection.channel);
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(absl::GetFlag(FLAGS_service));
+  grpc::health::v1::HealthCheckResponse response;
+  if (absl::GetFlag(FLAGS_watch)) {
+    if (absl::GetFlag(FLAGS_watch_for) <= absl::ZeroDuration()) {
+      return UsageError("--watch_for must be positive");
+    }
+    grpc::ClientContext context;
+    if (absl::GetFlag(FLAGS_watch_for) != absl::InfiniteDuration()) {
+      context.set_deadline(absl::ToChronoTime(absl::Now() + absl::GetFlag(FLAGS_watch_for)));
+    }
+    if (!connection.token.empty()) context.AddMetadata(geotrain::kTokenMetadataKey, connection.token);
+    std::unique_ptr<grpc::ClientReader<grpc::health::v1::HealthCheckResponse>> reader =
+        stub->Watch(&context, request);
+    int changes = 0;
+    while (reader->Read(&response)) {
+      ++changes;
+      std::printf("%s %s: %s\n", absl::FormatTime("%H:%M:%E3S", absl::Now(), absl::UTCTimeZone()).c_str(),
+                  address.c_str(),
+                  grpc::health::v1::HealthCheckResponse::ServingStatus_Name(response.status())
+                      .c_str());
+      std::fflush(stdout);
+    }
+    const grpc::Status ended = reader->Finish();
+    if (ended.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED && changes > 0) return 0;
+    RpcFailed("health watch", address, ended);
+    return 3;
+  }
+  const grpc::Status rpc = stub->Check(NewContext(connection).get(), request, &response);
+  if (!rpc.ok()) {
+    if (rpc.error_code() == grpc::StatusCode::NOT_FOUND) {
+      Fail(absl::StrCat(address, " does not know the service '", request.service(), "'"));
+      return absl::GetFlag(FLAGS_live) ? 0 : 1;
+    }
+    RpcFailed("health", address, rpc);
+    return 3;
+  }
+  const std::string status =
+      grpc::health::v1::HealthCheckResponse::ServingStatus_Name(response.status());
+  std::printf("%s%s%s: %s\n", address.c_str(), request.service().empty() ? "" : " ",
+              request.service().c_str(), status.c_str());
+  if (absl::GetFlag(FLAGS_live)) return 0;
+  return response.status() == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
+}
+
 // `plan`: the planner's prediction for the current plan; with --explain,
 // per stage: compute, link, bound and why each worker is where it is.
 int PrintPlan(const geotrain::v1::ClusterStatus& status) {
@@ -473,19 +536,29 @@ int main(int argc, char** argv) {
   const std::vector<std::string> args(raw_args.begin(), raw_args.end());
   const bool known =
       (args.size() == 2 && (args[1] == "status" || args[1] == "plan" || args[1] == "network" ||
-                            args[1] == "export")) ||
+                            args[1] == "export" || args[1] == "health")) ||
                      (args.size() >= 3 && (args[1] == "token" || args[1] == "worker"));
   if (!known) {
     std::fprintf(stderr, "%s", kUsage);
     return 2;
   }
   if (absl::GetFlag(FLAGS_timeout_ms) <= 0) return UsageError("--timeout_ms must be > 0");
-  const std::string address = absl::GetFlag(FLAGS_coordinator);
-  if (absl::Status valid = geotrain::ValidateHostPort("coordinator", address, false); !valid.ok()) {
+  const bool health = args[1] == "health";
+  const std::string address = health && !absl::GetFlag(FLAGS_target).empty()
+                                  ? absl::GetFlag(FLAGS_target)
+                                  : absl::GetFlag(FLAGS_coordinator);
+  if (absl::Status valid = geotrain::ValidateHostPort(
+          health && !absl::GetFlag(FLAGS_target).empty() ? "target" : "coordinator", address,
+          false);
+      !valid.ok()) {
     return UsageError(std::string(valid.message()));
   }
   absl::StatusOr<Connection> connection = Connect(address);
-  if (!connection.ok()) return Fail(std::string(connection.status().message()));
+  if (!connection.ok()) {
+    Fail(std::string(connection.status().message()));
+    return health ? 3 : 1;
+  }
+  if (health) return HealthCommand(*connection, address);
   if (args[1] == "token") return TokenCommand(args, *connection, address);
   if (args[1] == "worker") return WorkerCommand(args, *connection, address);
   if (args[1] == "export") return ExportCommand(*connection, address);

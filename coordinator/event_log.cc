@@ -39,7 +39,17 @@ v1::Event EventLog::Add(std::string_view kind, std::string_view worker,
   absl::MutexLock lock(&mu_);
   recent_.push_back(event);
   while (recent_.size() > options_.keep) recent_.pop_front();
+  if (counts_.count(event.kind()) > 0 || counts_.size() < options_.max_counted_kinds) {
+    ++counts_[event.kind()];
+  } else {
+    ++counts_["other"];
+  }
   return event;
+}
+
+std::map<std::string, int64_t> EventLog::Counts() const {
+  absl::MutexLock lock(&mu_);
+  return counts_;
 }
 
 std::vector<v1::Event> EventLog::Recent() const {

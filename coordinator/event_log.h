@@ -9,7 +9,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <memory>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -28,6 +30,10 @@ struct EventLogOptions {
   size_t max_kind_bytes = 64;
   size_t max_worker_bytes = 128;
   size_t max_detail_bytes = 512;  // longer details are cut, with "..."
+  // Distinct kinds counted by Counts(); kinds past these (a worker names
+  // the kinds of its reports) count as "other", so that a stranger cannot
+  // grow the metrics without bound.
+  size_t max_counted_kinds = 48;
 };
 
 class EventLog {
@@ -38,6 +44,8 @@ class EventLog {
   v1::Event Add(std::string_view kind, std::string_view worker, std::string_view detail);
   // The newest events, oldest first.
   std::vector<v1::Event> Recent() const;
+  // Events added since this log was made, by kind (see max_counted_kinds).
+  std::map<std::string, int64_t> Counts() const;
   // Waits until the events added so far are in the file.
   void Flush();
 
@@ -45,6 +53,7 @@ class EventLog {
   const EventLogOptions options_;
   mutable absl::Mutex mu_;
   std::deque<v1::Event> recent_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, int64_t> counts_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace geotrain

@@ -1271,10 +1271,25 @@ v1::ClusterStatus JobController::Status() const {
     }
   }
   const std::map<int, std::vector<int>> index = checkpoints_->Index();
+  std::optional<absl::Time> oldest_newest;  // of the layers' newest checkpoints
+  bool every_layer = true;
   for (int layer = 0; layer < NumLayers(options_.job); ++layer) {
     auto it = index.find(layer);
-    status.add_checkpoint_steps(it == index.end() || it->second.empty() ? -1 : it->second.back());
+    const bool has = it != index.end() && !it->second.empty();
+    status.add_checkpoint_steps(has ? it->second.back() : -1);
+    std::optional<absl::Time> written =
+        has ? checkpoints_->WrittenAt(layer, it->second.back()) : std::nullopt;
+    if (!written.has_value()) {
+      every_layer = false;
+    } else if (!oldest_newest.has_value() || *written < *oldest_newest) {
+      oldest_newest = written;
+    }
   }
+  status.set_checkpoint_age_s(every_layer && oldest_newest.has_value()
+                                  ? std::max(0.0, absl::ToDoubleSeconds(absl::Now() -
+                                                                        *oldest_newest))
+                                  : -1.0);
+  for (const auto& [kind, count] : events_.Counts()) (*status.mutable_event_counts())[kind] = count;
   v1::StateTraffic* traffic = status.mutable_state_traffic();
   traffic->set_checkpoint_bytes_received(state_bytes_received_);
   traffic->set_checkpoint_bytes_sent(state_bytes_sent_);

@@ -18,11 +18,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/codec.h"
+#include "common/health_reporter.h"
 #include "common/job_spec.h"
 #include "common/logging.h"
+#include "common/metrics_exporter.h"
 #include "common/rpc_options.h"
 #include "common/transport_security.h"
 #include "coordinator/access_store.h"
+#include "coordinator/cluster_metrics.h"
 #include "coordinator/cluster_authority.h"
 #include "coordinator/coordinator_service.h"
 #include "coordinator/job_controller.h"
@@ -43,6 +46,12 @@ ABSL_FLAG(bool, adaptive, false,
           "adaptive compression: each link steps between none and its direction's codec "
           "(the strongest allowed) as the link or the compute limits it");
 ABSL_FLAG(std::string, port_file, "", "write the bound port here once serving");
+ABSL_FLAG(std::string, health_listen, "",
+          "HOST:PORT serving only the gRPC health service (and reflection) in plaintext, for "
+          "probes without TLS (Kubernetes grpc probes); empty: off");
+ABSL_FLAG(std::string, metrics_listen, "",
+          "HOST:PORT serving Prometheus /metrics over plain HTTP without credentials "
+          "(keep it on a private address); empty: off");
 ABSL_FLAG(bool, exit_when_done, false, "exit once the job has finished");
 ABSL_FLAG(absl::Duration, probe_timeout, absl::Seconds(2),
           "how long the coordinator tries to dial a joiner's advertised address back "
@@ -207,6 +216,20 @@ int main(int argc, char** argv) {
     (*controller)->RecordAdminEvent("imported", detail);
   }
 
+  std::unique_ptr<geotrain::MetricsExporter> metrics;
+  if (const std::string listen = absl::GetFlag(FLAGS_metrics_listen); !listen.empty()) {
+    if (absl::Status valid = geotrain::ValidateHostPort("metrics_listen", listen, true);
+        !valid.ok()) {
+      return Fail(std::string(valid.message()));
+    }
+    geotrain::JobController* job_controller = controller->get();
+    absl::StatusOr<std::unique_ptr<geotrain::MetricsExporter>> started =
+        geotrain::MetricsExporter::Start(
+            listen, [job_controller] { return geotrain::ClusterMetrics(job_controller->Status()); });
+    if (!started.ok()) return Fail(std::string(started.status().message()));
+    metrics = *std::move(started);
+  }
+
   geotrain::CoordinatorServiceOptions service_options;
   service_options.controller = controller->get();
   service_options.authority = authority.get();
@@ -225,6 +248,10 @@ int main(int argc, char** argv) {
   geotrain::CoordinatorService coordinator_service(service_options);
   geotrain::AdminService admin_service(service_options);
   geotrain::StatusService status_service(service_options);
+  // Its state is recovered (JobController::Create) before the port opens;
+  // health goes SERVING once the server is up and NOT_SERVING at shutdown.
+  geotrain::HealthReporter health("geotrain.v1.Coordinator", "starting");
+  geotrain::EnableStandardServices();
   grpc::ServerBuilder builder;
   geotrain::ConfigureServerBuilder(&builder);
   int port = 0;
@@ -239,6 +266,19 @@ int main(int argc, char** argv) {
   if (server == nullptr || port == 0) {
     return Fail(absl::StrCat("cannot listen on ", absl::GetFlag(FLAGS_listen)));
   }
+  health.Attach(server.get());
+  std::unique_ptr<grpc::Server> health_server;
+  if (const std::string listen = absl::GetFlag(FLAGS_health_listen); !listen.empty()) {
+    if (absl::Status valid = geotrain::ValidateHostPort("health_listen", listen, true);
+        !valid.ok()) {
+      return Fail(std::string(valid.message()));
+    }
+    absl::StatusOr<std::unique_ptr<grpc::Server>> started = geotrain::StartHealthServer(listen);
+    if (!started.ok()) return Fail(std::string(started.status().message()));
+    health_server = *std::move(started);
+    health.Attach(health_server.get());
+  }
+  health.Set(true, "state recovered, serving");
   GT_LOG(Info) << "listening on port " << port << " (" << absl::GetFlag(FLAGS_listen)
                << "), job " << job->name() << ", waiting for "
                << job->min_workers() << " worker(s)";
@@ -263,7 +303,10 @@ int main(int argc, char** argv) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   GT_LOG(Info) << "shutting down";
+  health.ShutDown("shutting down");
   (*controller)->Shutdown();
   server->Shutdown(geotrain::DeadlineFromNow(std::chrono::milliseconds(2000)));
+  health.DetachAll();
+  if (health_server) health_server->Shutdown(geotrain::DeadlineFromNow(std::chrono::milliseconds(500)));
   return 0;
 }

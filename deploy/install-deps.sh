@@ -11,6 +11,8 @@ PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev libzstd-dev zlib1g-dev
   libssl-dev                # keys, CSRs and certificates of the cluster CA
+  prometheus-cpp-dev        # the daemons' /metrics endpoints
+  prometheus                # tests/integration/test_operations.py scrapes a live run
   nftables                  # the network lab (deploy/net-lab): namespaces, veth, tbf, NAT
   clang-14 libclang-rt-14-dev  # libFuzzer (tests/fuzz)
   fortunes                  # text corpus for the byte-level GPT and the token files

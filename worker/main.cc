@@ -4,6 +4,8 @@
 #include <signal.h>
 
 #include <cstdio>
+#include <fstream>
+#include <sstream>
 #include <thread>
 #include <tuple>
 #include <vector>
@@ -11,6 +13,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/ascii.h"
 #include "common/logging.h"
 #include "common/rpc_options.h"
 #include "common/stop_signals.h"
@@ -31,6 +34,9 @@ ABSL_FLAG(int, join_timeout_s, 0, "give up joining after this long (0: keep tryi
 ABSL_FLAG(std::string, token, "",
           "join token from `geotrain-ctl token create` (first join; it also pins the "
           "coordinator's CA)");
+ABSL_FLAG(std::string, token_file, "",
+          "read the join token from this file instead (a secret mount, systemd's "
+          "LoadCredential): a token on the command line shows in the process list");
 ABSL_FLAG(std::string, state_dir, "",
           "keep this worker's key and certificate here, to rejoin as itself after a restart");
 ABSL_FLAG(bool, insecure, false,
@@ -39,6 +45,12 @@ ABSL_FLAG(bool, insecure, false,
 ABSL_FLAG(double, checkpoint_upload_mbit, 0,
           "pace of background checkpoint uploads in Mb/s; 0: from the links (half of what "
           "their microbatches leave unused, at least 5% of the slowest), -1: not paced");
+ABSL_FLAG(std::string, health_listen, "",
+          "HOST:PORT serving only the gRPC health service (and reflection) in plaintext, for "
+          "probes without TLS (Kubernetes grpc probes); empty: off");
+ABSL_FLAG(std::string, metrics_listen, "",
+          "HOST:PORT serving Prometheus /metrics over plain HTTP without credentials "
+          "(keep it on a private address); empty: off");
 ABSL_FLAG(std::string, tls_server_name, "geotrain-coordinator",
           "the name the coordinator's certificate must carry");
 
@@ -69,7 +81,12 @@ int main(int argc, char** argv) {
   }
   for (auto [flag, value, any_port] :
        {std::tuple{"coordinator", absl::GetFlag(FLAGS_coordinator), false},
-        std::tuple{"listen", absl::GetFlag(FLAGS_listen), true}}) {
+        std::tuple{"listen", absl::GetFlag(FLAGS_listen), true},
+        std::tuple{"metrics_listen", absl::GetFlag(FLAGS_metrics_listen), true},
+        std::tuple{"health_listen", absl::GetFlag(FLAGS_health_listen), true}}) {
+    const bool optional =
+        std::string(flag) == "metrics_listen" || std::string(flag) == "health_listen";
+    if (value.empty() && optional) continue;
     if (absl::Status valid = geotrain::ValidateHostPort(flag, value, any_port); !valid.ok()) {
       return Fail(std::string(valid.message()));
     }
@@ -84,12 +101,23 @@ int main(int argc, char** argv) {
                 "in (0, 1e6] Mb/s");
   }
   if (absl::GetFlag(FLAGS_name).size() > 128) return Fail("--name: at most 128 bytes");
-  if (absl::GetFlag(FLAGS_insecure) && !absl::GetFlag(FLAGS_token).empty()) {
+  std::string token = absl::GetFlag(FLAGS_token);
+  if (const std::string path = absl::GetFlag(FLAGS_token_file); !path.empty()) {
+    if (!token.empty()) return Fail("--token and --token_file: pass one");
+    std::ifstream file(path);
+    std::stringstream text;
+    text << file.rdbuf();
+    if (!file) return Fail("--token_file: cannot read " + path);
+    token = std::string(absl::StripAsciiWhitespace(text.str()));
+    if (token.empty()) return Fail("--token_file: " + path + " is empty");
+    if (token.size() > 4096) return Fail("--token_file: " + path + " holds no token (too long)");
+  }
+  if (absl::GetFlag(FLAGS_insecure) && !token.empty()) {
     return Fail("--token and --insecure contradict each other");
   }
   geotrain::WorkerOptions options;
   options.insecure = absl::GetFlag(FLAGS_insecure);
-  options.token = absl::GetFlag(FLAGS_token);
+  options.token = token;
   options.state_dir = absl::GetFlag(FLAGS_state_dir);
   options.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
   options.coordinator = absl::GetFlag(FLAGS_coordinator);
@@ -98,6 +126,8 @@ int main(int argc, char** argv) {
   options.device = absl::GetFlag(FLAGS_device);
   options.threads = absl::GetFlag(FLAGS_threads);
   options.name = absl::GetFlag(FLAGS_name);
+  options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  options.health_listen = absl::GetFlag(FLAGS_health_listen);
   options.checkpoint_pacing.fixed_bytes_per_s = upload_mbit < 0 ? -1 : upload_mbit * 1e6 / 8;
   auto routes = geotrain::ParseLinkRoutes(absl::GetFlag(FLAGS_route));
   if (!routes.ok()) {

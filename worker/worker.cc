@@ -19,6 +19,7 @@
 #include "common/plan_util.h"
 #include "common/process_stats.h"
 #include "common/rpc_options.h"
+#include "common/stage_metrics.h"
 #include "common/status_macros.h"
 #include "worker/device_probe.h"
 #include "worker/layer_benchmark.h"
@@ -66,11 +67,14 @@ Worker::~Worker() {
   Stop();
   if (heartbeat_thread_.joinable()) heartbeat_thread_.join();
   if (watch_thread_.joinable()) watch_thread_.join();
+  health_.DetachAll();
+  if (health_server_) health_server_->Shutdown(DeadlineFromNow(std::chrono::milliseconds(500)));
   if (server_) server_->Shutdown(DeadlineFromNow(std::chrono::milliseconds(1000)));
 }
 
 void Worker::Stop() {
   stop_ = true;
+  health_.ShutDown("stopping");
   if (link_service_ != nullptr) link_service_->Shutdown();
   absl::MutexLock lock(&mu_);
   AbortTrainingLocked();
@@ -105,7 +109,20 @@ void Worker::AbortTrainingLocked() {
   tied_.Deactivate();  // ends an exchange that waits for a peer of the old plan
 }
 
+MetricsSnapshot Worker::Metrics() const {
+  MetricsSnapshot out;
+  const std::string name = options_.name.empty() ? worker_id_ : options_.name;
+  const int stage = current_stage_;
+  const MetricLabels labels = {{"worker", name}, {"stage", std::to_string(stage)}};
+  out.Gauge("geotrain_worker_serving",
+            "1 while the worker trains a stage with its links open (its gRPC health).",
+            {{"worker", name}}, health_.serving() ? 1 : 0);
+  if (stage >= 0) AppendStageMetrics(stats_.Get(), labels, &out);
+  return out;
+}
+
 absl::Status Worker::StartServer() {
+  EnableStandardServices();
   grpc::ServerBuilder builder;
   ConfigureServerBuilder(&builder);
   int port = 0;
@@ -122,6 +139,11 @@ absl::Status Worker::StartServer() {
   server_ = builder.BuildAndStart();
   if (server_ == nullptr || port == 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", options_.listen));
+  }
+  health_.Attach(server_.get());
+  if (!options_.health_listen.empty()) {
+    ASSIGN_OR_RETURN(health_server_, StartHealthServer(options_.health_listen));
+    health_.Attach(health_server_.get());
   }
   std::string host = SplitHostPort(options_.listen).first;
   std::string advertised_port = std::to_string(port);
@@ -217,6 +239,10 @@ absl::Status Worker::Run() {
   prober_.UseRoutes(options_.routes);
   coordinator_.UsePeerProber(&prober_);
   RETURN_IF_ERROR(StartServer());
+  if (!options_.metrics_listen.empty()) {
+    ASSIGN_OR_RETURN(metrics_,
+                     MetricsExporter::Start(options_.metrics_listen, [this] { return Metrics(); }));
+  }
   RETURN_IF_ERROR(JoinCoordinator());
   heartbeat_thread_ = std::thread([this] { HeartbeatLoop(heartbeat_ms_); });
   watch_thread_ = std::thread([this] { WatchLoop(); });
@@ -714,7 +740,14 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
                         mine.stage() > 0 ? link_service_->upstream_links() : nullptr,
                         router ? &*router : nullptr,
                         inbox.get(), &coordinator_, &stats_);
+  health_.Set(true, absl::StrCat("stage ", mine.stage(), " of plan epoch ", plan.epoch(),
+                                 ": links open, training"));
+  current_stage_ = mine.stage();
   absl::Status ran = driver.Run();
+  current_stage_ = -1;
+  health_.Set(false, ran.ok() ? std::string("the job is finished")
+                              : absl::StrCat("stage ", mine.stage(), " of plan epoch ",
+                                             plan.epoch(), " ended: ", ran.message()));
   if (!ran.ok()) {
     // A broken link (not one this worker ended itself) is reported with the
     // neighbour at its other end, so the coordinator can route around it

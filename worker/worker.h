@@ -42,6 +42,8 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/health_reporter.h"
+#include "common/metrics_exporter.h"
 #include "geotrain/v1/coordinator.pb.h"
 #include "worker/coordinator_client.h"
 #include "worker/link_stream.h"
@@ -72,6 +74,12 @@ struct WorkerOptions {
   std::string tls_server_name = kCoordinatorServerName;
   // How background checkpoint uploads share the uplink with the links.
   CheckpointPacingOptions checkpoint_pacing;
+  // HOST:PORT serving only the gRPC health service (and reflection) in
+  // plaintext, for probes without TLS; empty: none.
+  std::string health_listen;
+  // HOST:PORT serving Prometheus /metrics (plain HTTP, no credentials);
+  // empty: none.
+  std::string metrics_listen;
 };
 
 // Parses "PEER=VIA[,PEER=VIA...]" (each a HOST:PORT) into WorkerOptions::routes.
@@ -126,7 +134,15 @@ class Worker {
   TiedGradientExchange tied_;  // llama.tie_embeddings: the first and last stage's exchange
   StageStateServer state_server_;
   TransportSecurity peer_security_ = TransportSecurity::Insecure();
+  // SERVING while this worker trains a stage with its links open;
+  // NOT_SERVING before a plan, as a standby, and between plans.
+  HealthReporter health_{"geotrain.v1.Stage", "no plan yet"};
+  std::atomic<int> current_stage_{-1};  // while training; for the metrics' labels
+  std::unique_ptr<MetricsExporter> metrics_;  // with options_.metrics_listen
+  // This worker's /metrics: its health, and its stage's and links' figures.
+  MetricsSnapshot Metrics() const;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<grpc::Server> health_server_;  // with options_.health_listen
   std::string advertise_;
   std::string device_name_;  // resolved, e.g. "cpu" or "cuda:0"
   std::string worker_id_;

@@ -27,6 +27,27 @@ TEST(EventLogTest, KeepsTheNewestAndTimesThemByTheClock) {
   EXPECT_DOUBLE_EQ(recent[0].time_s(), 5.0);  // (5000 + 2 x 500 - 1000) ms
 }
 
+TEST(EventLogTest, CountsEveryKindAndBoundsHowManyKinds) {
+  FakeClock clock(0);
+  EventLogOptions options;
+  options.clock = &clock;
+  options.keep = 2;  // counts outlive the events kept
+  options.max_counted_kinds = 3;
+  EventLog log(std::move(options));
+  for (int i = 0; i < 4; ++i) log.Add("replanned", "", "");
+  log.Add("lost", "w1", "");
+  log.Add("kind-from-a-stranger-1", "w2", "");
+  log.Add("kind-from-a-stranger-2", "w2", "");
+  log.Add("kind-from-a-stranger-3", "w2", "");
+  log.Add("lost", "w2", "");  // already counted: still its own
+  const std::map<std::string, int64_t> counts = log.Counts();
+  EXPECT_EQ(counts.at("replanned"), 4);
+  EXPECT_EQ(counts.at("lost"), 2);
+  EXPECT_EQ(counts.at("kind-from-a-stranger-1"), 1);
+  EXPECT_EQ(counts.at("other"), 2);
+  EXPECT_EQ(counts.size(), 4u);
+}
+
 TEST(EventLogTest, BoundsFieldsAndWritesJsonLines) {
   FakeClock clock(0);
   const std::string path = testing::TempDir() + "/event_log_test.log";

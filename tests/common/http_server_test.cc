@@ -1,0 +1,82 @@
+#include "common/http_server.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "absl/strings/match.h"
+#include "absl/time/clock.h"
+
+namespace geotrain {
+namespace {
+
+std::map<std::string, HttpServer::Handler> Pages() {
+  return {{"/metrics", [] {
+             HttpResponse r;
+             r.body = "geotrain_job_step 7\n";
+             return r;
+           }}};
+}
+
+TEST(HttpServerTest, AnswersGetAndHeadOnKnownPathsOnly) {
+  EXPECT_EQ(HttpServer::Answer("GET /metrics HTTP/1.1", Pages()).body, "geotrain_job_step 7\n");
+  EXPECT_EQ(HttpServer::Answer("GET /metrics?x=1 HTTP/1.0", Pages()).status, 200);
+  const HttpResponse head = HttpServer::Answer("HEAD /metrics HTTP/1.1", Pages());
+  EXPECT_EQ(head.status, 200);
+  EXPECT_TRUE(head.body.empty());
+  EXPECT_EQ(HttpServer::Answer("GET /other HTTP/1.1", Pages()).status, 404);
+  EXPECT_TRUE(absl::StrContains(HttpServer::Answer("GET /x HTTP/1.1", Pages()).body, "/metrics"));
+  EXPECT_EQ(HttpServer::Answer("POST /metrics HTTP/1.1", Pages()).status, 405);
+  for (const char* bad : {"", "GET", "GET /metrics", "GET metrics HTTP/1.1",
+                          "GET /metrics SPDY/3", "GET  /metrics HTTP/1.1"}) {
+    EXPECT_EQ(HttpServer::Answer(bad, Pages()).status, 400) << bad;
+  }
+}
+
+std::string Fetch(int port, const std::string& request) {
+  absl::StatusOr<TcpSocket> socket =
+      TcpSocket::Connect("127.0.0.1:" + std::to_string(port), absl::Seconds(2));
+  EXPECT_TRUE(socket.ok()) << socket.status();
+  if (!socket.ok()) return "";
+  socket->SetTimeouts(absl::Seconds(5), absl::Seconds(5));
+  if (!request.empty()) socket->WriteAll(request.data(), request.size());
+  std::string reply;
+  char buffer[4096];
+  long got;
+  while ((got = socket->ReadSome(buffer, sizeof(buffer))) > 0) reply.append(buffer, got);
+  return reply;
+}
+
+TEST(HttpServerTest, ServesOverTcpAndClosesSilentOrOversizedRequests) {
+  HttpServerOptions options;
+  options.listen = "127.0.0.1:0";
+  options.request_timeout = absl::Milliseconds(300);
+  absl::StatusOr<std::unique_ptr<HttpServer>> server = HttpServer::Start(options, Pages());
+  ASSERT_TRUE(server.ok()) << server.status();
+  const int port = (*server)->port();
+  const std::string ok = Fetch(port, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+  EXPECT_TRUE(absl::StartsWith(ok, "HTTP/1.1 200 OK\r\n")) << ok;
+  EXPECT_TRUE(absl::StrContains(ok, "Content-Length: 20\r\n")) << ok;
+  EXPECT_TRUE(absl::EndsWith(ok, "\r\n\r\ngeotrain_job_step 7\n")) << ok;
+  EXPECT_TRUE(absl::StartsWith(Fetch(port, "GET /nope HTTP/1.1\r\n\r\n"), "HTTP/1.1 404"));
+  // A stranger who sends nothing, or a line past 2 KiB, is cut off without
+  // an answer once the request timeout passes.
+  const absl::Time start = absl::Now();
+  EXPECT_EQ(Fetch(port, ""), "");
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+  EXPECT_EQ(Fetch(port, std::string(4096, 'A')), "");
+  // The server still answers afterwards.
+  EXPECT_TRUE(absl::StartsWith(Fetch(port, "GET /metrics HTTP/1.0\r\n\r\n"), "HTTP/1.1 200"));
+}
+
+TEST(HttpServerTest, RefusesAnAddressItCannotListenOn) {
+  HttpServerOptions options;
+  options.listen = "203.0.113.1:0";  // TEST-NET-3: not an address of this host
+  absl::StatusOr<std::unique_ptr<HttpServer>> server = HttpServer::Start(options, Pages());
+  ASSERT_FALSE(server.ok());
+  EXPECT_TRUE(absl::StrContains(server.status().message(), "cannot listen on 203.0.113.1:0"))
+      << server.status();
+}
+
+}  // namespace
+}  // namespace geotrain

@@ -1,0 +1,97 @@
+#include "coordinator/cluster_metrics.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "absl/strings/match.h"
+
+namespace geotrain {
+namespace {
+
+v1::ClusterStatus TrainingStatus() {
+  v1::ClusterStatus s;
+  s.set_job("demo");
+  s.set_state("training");
+  s.set_schedule("async-stash");
+  s.set_step(42);
+  s.set_steps(300);
+  s.set_samples(2688);
+  s.set_loss(2.5);
+  s.set_val_loss(2.6);
+  s.set_checkpoint_age_s(3.5);
+  (*s.mutable_event_counts())["replanned"] = 2;
+  (*s.mutable_event_counts())["lost"] = 1;
+  v1::WorkerStatus* w = s.add_workers();
+  w->set_name("w0");
+  w->set_stage(0);
+  w->set_state(v1::WORKER_STATE_TRAINING);
+  w->set_bubble_fraction(0.25);
+  w->set_compute_s_per_microbatch(0.012);
+  v1::LinkStats* link = w->add_links();
+  link->set_peer("10.0.0.2:7001");
+  link->set_direction("downstream");
+  link->set_codec("int8");
+  link->set_bytes_sent(1000);
+  link->set_raw_bytes_sent(3900);
+  link->set_link_rate_bps(100e6);
+  v1::WorkerStatus* standby = s.add_workers();
+  standby->set_name("w1");
+  standby->set_stage(-1);
+  standby->set_state(v1::WORKER_STATE_STANDBY);
+  return s;
+}
+
+TEST(ClusterMetricsTest, NamesFollowPrometheusConventions) {
+  const std::string text = ExpositionText(ClusterMetrics(TrainingStatus()).Take());
+  for (const char* line : {
+           "# TYPE geotrain_job_step gauge", "geotrain_job_step 42",
+           "# TYPE geotrain_job_samples_total counter", "geotrain_job_samples_total 2688",
+           "geotrain_job_validation_loss 2.6", "geotrain_checkpoint_age_seconds 3.5",
+           "geotrain_replans_total 2", "geotrain_failures_total{reason=\"lease_expired\"} 1",
+           "geotrain_failures_total{reason=\"link_lost\"} 0",
+           "geotrain_workers{state=\"training\"} 1", "geotrain_workers{state=\"standby\"} 1",
+           "geotrain_workers{state=\"dead\"} 0",
+           "geotrain_stage_bubble_ratio{worker=\"w0\",stage=\"0\"} 0.25",
+           "geotrain_link_sent_bytes_total{worker=\"w0\",stage=\"0\",peer=\"10.0.0.2:7001\","
+           "direction=\"downstream\",encoding=\"wire\"} 1000",
+           "geotrain_link_sent_bytes_total{worker=\"w0\",stage=\"0\",peer=\"10.0.0.2:7001\","
+           "direction=\"downstream\",encoding=\"raw\"} 3900",
+           "geotrain_link_rate_bytes_per_second{worker=\"w0\",stage=\"0\",peer=\"10.0.0.2:7001\","
+           "direction=\"downstream\"} 12500000",
+           "geotrain_link_codec_info{worker=\"w0\",stage=\"0\",peer=\"10.0.0.2:7001\","
+           "direction=\"downstream\",codec=\"int8\"} 1",
+           "geotrain_job_info{training_job=\"demo\",schedule=\"async-stash\",state=\"training\"} 1",
+       }) {
+    EXPECT_TRUE(absl::StrContains(text, line)) << line << "\nin:\n" << text;
+  }
+  // A standby has no stage series; a family appears once with its type.
+  EXPECT_FALSE(absl::StrContains(text, "worker=\"w1\",stage=\"-1\"} 0.25"));
+  EXPECT_EQ(text.find("# TYPE geotrain_link_sent_bytes_total counter"),
+            text.rfind("# TYPE geotrain_link_sent_bytes_total counter"));
+  // Every counter ends in _total; no series is labelled "job" (the scrape's).
+  size_t at = 0;
+  while ((at = text.find("# TYPE ", at)) != std::string::npos) {
+    const size_t end = text.find('\n', at);
+    const std::string type_line = text.substr(at, end - at);
+    if (absl::EndsWith(type_line, " counter")) {
+      EXPECT_TRUE(absl::StrContains(type_line, "_total ")) << type_line;
+    }
+    at = end;
+  }
+  EXPECT_FALSE(absl::StrContains(text, "{job=")) << text;
+}
+
+TEST(ClusterMetricsTest, WithoutCheckpointsOrEvaluationsThoseSeriesAreAbsent) {
+  v1::ClusterStatus s;
+  s.set_job("demo");
+  s.set_state("waiting");
+  s.set_checkpoint_age_s(-1);
+  const std::string text = ExpositionText(ClusterMetrics(s).Take());
+  EXPECT_FALSE(absl::StrContains(text, "geotrain_checkpoint_age_seconds"));
+  EXPECT_FALSE(absl::StrContains(text, "geotrain_job_validation_loss"));
+  EXPECT_TRUE(absl::StrContains(text, "geotrain_replans_total 0"));
+}
+
+}  // namespace
+}  // namespace geotrain

@@ -1,0 +1,308 @@
+"""Operating geotrain as a service: the standard gRPC health service on the
+coordinator and on every worker (geotrain-ctl health, its C++ client), and
+server reflection.
+
+The job is a small GPT over 3 stages with a fourth worker as a standby, so
+that a killed stage is taken over by a standby and its neighbours train
+again after the re-plan.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+import urllib.parse
+import urllib.request
+
+from cluster import BIN_DIR, SOURCE_DIR, Cluster, Process, binary, wait_for
+
+sys.path.insert(0, os.path.join(SOURCE_DIR, "deploy", "wan-lab"))
+from wan_job import free_ports  # noqa: E402
+
+JOB = """
+name: "ops-gpt"
+gpt { context: 32 d_model: 64 heads: 4 blocks: 3 mlp_ratio: 4 }
+text { paths: "/usr/share/games/fortunes" validation_fraction: 0.05 }
+optimizer { kind: KIND_ADAMW lr: 0.002 weight_decay: 0.01 }
+schedule: SCHEDULE_SYNC
+steps: 100000
+microbatches: 4
+microbatch_size: 16
+seed: 3
+min_workers: 3
+max_stages: 3
+eval_every: 0
+eval_batches: 2
+checkpoint_every: 5
+"""
+
+
+def health(target, *flags):
+    """geotrain-ctl health on `target`: (exit code, stdout + stderr)."""
+    out = subprocess.run([binary("geotrain-ctl"), "health", f"--target={target}", "--insecure",
+                          "--timeout_ms=2000", *flags], capture_output=True, text=True,
+                         timeout=30, stdin=subprocess.DEVNULL)
+    return out.returncode, out.stdout + out.stderr
+
+
+class HealthWatch:
+    """geotrain-ctl health --watch on `target`: every status the stream
+    delivered, in order, with this process's monotonic time of arrival."""
+
+    def __init__(self, target):
+        self.changes = []
+        self.process = subprocess.Popen(
+            [binary("geotrain-ctl"), "health", f"--target={target}", "--insecure", "--watch"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            stdin=subprocess.DEVNULL)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.process.stdout:
+            match = re.search(r": (SERVING|NOT_SERVING|UNKNOWN|SERVICE_UNKNOWN)$", line.strip())
+            if match:
+                self.changes.append((time.monotonic(), match.group(1)))
+
+    def statuses(self):
+        return [s for _, s in self.changes]
+
+    def close(self):
+        self.process.terminate()
+        self.process.wait(timeout=10)
+
+
+class HealthTest(unittest.TestCase):
+    def test_transitions_follow_the_plan_and_the_links(self):
+        """A worker is NOT_SERVING before a plan, SERVING while it trains,
+        NOT_SERVING once a neighbour dies and until the re-plan, then
+        SERVING again; the coordinator is SERVING once its state is
+        recovered; both list their services through reflection."""
+        workdir = tempfile.mkdtemp(prefix="geotrain-health-")
+        job = os.path.join(workdir, "job.textproto")
+        with open(job, "w") as f:
+            f.write(JOB)
+        with Cluster(job, workdir=workdir) as c:
+            c.start_coordinator()
+            code, out = health(c.address)
+            self.assertEqual(code, 0, out)
+            self.assertIn("SERVING", out)
+            code, out = health(c.address, "--service=geotrain.v1.Coordinator")
+            self.assertEqual(code, 0, out)
+
+            # Two of the three workers the job needs: no plan yet.
+            for name in ("w0", "w1"):
+                c.start_worker(name)
+            addresses = wait_for(lambda: len(c.status()["workers"]) == 2 and {
+                w["name"]: w["address"] for w in c.status()["workers"]}, 60, "two joined")
+            for name, address in addresses.items():
+                code, out = health(address)
+                self.assertEqual(code, 1, f"{name} before a plan: {out}")
+                self.assertIn("NOT_SERVING", out)
+                code, out = health(address, "--live")
+                self.assertEqual(code, 0, f"{name} --live: {out}")
+            watches = {name: HealthWatch(address) for name, address in addresses.items()}
+            try:
+                c.start_worker("w2")
+                wait_for(lambda: c.status()["state"] == "training" and c.status()["step"] > 3,
+                         120, "training")
+                c.start_worker("w3")  # the standby
+                status = wait_for(lambda: len(c.status()["workers"]) == 4 and c.status(), 60,
+                                  "the standby")
+                stage_of = {w["name"]: w["stage"] for w in status["workers"]
+                            if w.get("stage", -1) >= 0}
+                self.assertEqual(sorted(stage_of.values()), [0, 1, 2], status["workers"])
+                for name, address in {w["name"]: w["address"]
+                                      for w in status["workers"]}.items():
+                    code, out = health(address)
+                    self.assertEqual(code, 0 if name in stage_of else 1, f"{name}: {out}")
+                # Kill stage 1; its neighbours stop serving until the re-plan.
+                middle = next(n for n, k in stage_of.items() if k == 1)
+                neighbours = [n for n, k in stage_of.items() if k != 1 and n in watches]
+                self.assertTrue(neighbours, stage_of)
+                epoch = int(status["epoch"])
+                for n in neighbours:
+                    wait_for(lambda: watches[n].statuses()[-1:] == ["SERVING"], 30,
+                             f"{n} SERVING on its watch")
+                before_kill = {n: len(watches[n].statuses()) for n in neighbours}
+                victim = next(p for p in c.workers if p.name == middle)
+                victim.popen.kill()
+
+                def served_again(n):
+                    since = watches[n].statuses()[before_kill[n]:]
+                    return "NOT_SERVING" in since and since[-1] == "SERVING"
+                for n in neighbours:
+                    wait_for(lambda: served_again(n), 90, f"{n} to stop serving and serve again")
+                after = c.status()
+                self.assertGreater(int(after["epoch"]), epoch)
+                for n in neighbours:
+                    seen = watches[n].statuses()
+                    print(f"{n} (stage {stage_of[n]}) watched: {' -> '.join(seen)}", flush=True)
+                    self.assertEqual(seen[0], "NOT_SERVING", seen)
+                    self.assertIn("SERVING", seen)
+                    # The worker says why at each change: it served again
+                    # only under a newer plan than the one the kill ended.
+                    log = next(p for p in c.workers if p.name == n).log()
+                    lines = [l for l in log.splitlines() if "health: " in l]
+                    print("  " + "\n  ".join(l.split("] ", 1)[-1] for l in lines), flush=True)
+                    ended = [i for i, l in enumerate(lines)
+                             if "NOT_SERVING" in l and f"epoch {epoch} ended" in l]
+                    self.assertTrue(ended, lines)
+                    later = [l for l in lines[ended[-1] + 1:] if "health: SERVING" in l]
+                    self.assertTrue(later, lines)
+                    served_epoch = int(re.search(r"plan epoch (\d+)", later[0]).group(1))
+                    self.assertGreater(served_epoch, epoch, later[0])
+            finally:
+                for w in watches.values():
+                    w.close()
+
+    def test_reflection_lists_the_services(self):
+        """Both daemons serve gRPC server reflection, and their health
+        through PyPI's stock clients (grpcio-reflection,
+        grpcio-health-checking) agrees with geotrain-ctl's."""
+        workdir = tempfile.mkdtemp(prefix="geotrain-reflect-")
+        job = os.path.join(workdir, "job.textproto")
+        with open(job, "w") as f:
+            f.write(JOB)
+        with Cluster(job, workdir=workdir) as c:
+            c.start_coordinator()
+            listed = reflection_services(c.address)
+            for service in ("geotrain.v1.Coordinator", "geotrain.v1.Status", "geotrain.v1.Admin",
+                            "grpc.health.v1.Health"):
+                self.assertIn(service, listed)
+            c.start_worker("w0")
+            address = wait_for(lambda: c.status()["workers"] and
+                               c.status()["workers"][0]["address"], 60, "w0")
+            listed = reflection_services(address)
+            for service in ("geotrain.v1.Stage", "grpc.health.v1.Health"):
+                self.assertIn(service, listed)
+            self.assertEqual(grpc_client("health", c.address), ["SERVING"])
+            self.assertEqual(grpc_client("health", address), ["NOT_SERVING"])  # no plan
+            self.assertEqual(grpc_client("health", address, "geotrain.v1.Stage"),
+                             ["NOT_SERVING"])
+
+
+class PrometheusTest(unittest.TestCase):
+    def test_a_real_prometheus_scrapes_the_coordinator_and_every_worker(self):
+        """Debian's prometheus server scrapes the coordinator and the 3
+        workers of a live run; its HTTP API shows geotrain_job_step rising
+        and each worker's per-link byte counters for every link it has."""
+        workdir = tempfile.mkdtemp(prefix="geotrain-prom-")
+        job = os.path.join(workdir, "job.textproto")
+        with open(job, "w") as f:
+            f.write(JOB)  # checkpoints every 5 steps: the checkpoint age is there
+        # Port 0 everywhere (a port picked in advance may be taken by an
+        # outgoing connection meanwhile); each daemon logs where it serves.
+        web = f"127.0.0.1:{free_ports(1)[0]}"
+        with Cluster(job, coordinator_flags=["--metrics_listen=127.0.0.1:0"],
+                     workdir=workdir) as c:
+            c.start_coordinator()
+            workers = [c.start_worker(f"w{k}", ["--metrics_listen=127.0.0.1:0"])
+                       for k in range(3)]
+
+            def served_at(process):
+                if not process.alive():
+                    raise RuntimeError(f"{process.name} exited:\n{process.log()[-2000:]}")
+                match = re.search(r"metrics: http://(\S+)/metrics", process.log())
+                return match and match.group(1)
+            metrics = {"coordinator": wait_for(lambda: served_at(c.coordinator), 30,
+                                               "the coordinator's metrics port")}
+            for k, worker in enumerate(workers):
+                metrics[f"w{k}"] = wait_for(lambda: served_at(worker), 60,
+                                            f"w{k}'s metrics port")
+            config = os.path.join(workdir, "prometheus.yml")
+            with open(config, "w") as f:
+                f.write("global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
+                        "scrape_configs:\n"
+                        "  - job_name: geotrain-coordinator\n"
+                        f"    static_configs: [{{targets: ['{metrics['coordinator']}']}}]\n"
+                        "  - job_name: geotrain-worker\n"
+                        "    static_configs: [{targets: [" +
+                        ", ".join(f"'{metrics[f'w{k}']}'" for k in range(3)) + "]}]\n")
+            server = Process(["prometheus", f"--config.file={config}",
+                              f"--storage.tsdb.path={os.path.join(workdir, 'tsdb')}",
+                              f"--web.listen-address={web}"],
+                             os.path.join(workdir, "prometheus.log"), name="prometheus")
+            try:
+                def query(expression):
+                    url = f"http://{web}/api/v1/query?" + urllib.parse.urlencode(
+                        {"query": expression})
+                    try:
+                        with urllib.request.urlopen(url, timeout=5) as response:
+                            body = json.load(response)
+                    except OSError:
+                        if not server.alive():
+                            raise RuntimeError("prometheus exited:\n" + server.log()[-2000:])
+                        return None
+                    return body["data"]["result"] if body.get("status") == "success" else None
+
+                def step():
+                    for p in workers:
+                        if not p.alive():
+                            raise RuntimeError(f"{p.name} exited:\n{p.log()[-2000:]}")
+                    result = query('geotrain_job_step{job="geotrain-coordinator"}')
+                    return int(float(result[0]["value"][1])) if result else None
+                first = wait_for(lambda: (step() or 0) > 0 and step(), 120,
+                                 "prometheus to hold geotrain_job_step")
+                later = wait_for(lambda: (step() or 0) > first + 2 and step(), 120,
+                                 "geotrain_job_step to rise")
+                print(f"prometheus: geotrain_job_step {first} -> {later}", flush=True)
+                status = c.status()
+                wanted = {(w["name"], l["peer"], l["direction"])
+                          for w in status["workers"] for l in w["links"]}
+                self.assertEqual(len(wanted), 4, status["workers"])  # 2 links x 2 directions
+
+                def links_seen():
+                    result = query('geotrain_link_sent_bytes_total{job="geotrain-worker",'
+                                   'encoding="wire"}') or []
+                    return {(r["metric"]["worker"], r["metric"]["peer"],
+                             r["metric"]["direction"]) for r in result
+                            if float(r["value"][1]) > 0}
+                seen = wait_for(lambda: wanted <= links_seen() and links_seen(), 60,
+                                "per-link byte counters for every link")
+                print(f"prometheus: per-link wire byte counters for {len(seen)} link ends",
+                      flush=True)
+                for name in ("geotrain_link_received_bytes_total",
+                             "geotrain_stage_compute_seconds_per_microbatch",
+                             "geotrain_stage_bubble_ratio", "geotrain_link_rate_bytes_per_second",
+                             "geotrain_link_codec_info", "geotrain_workers",
+                             "geotrain_replans_total", "geotrain_failures_total",
+                             "geotrain_job_samples_per_second", "geotrain_checkpoint_age_seconds"):
+                    self.assertTrue(query(name), f"prometheus holds no {name}")
+                up = query("up")
+                self.assertEqual(len(up), 4, up)
+                self.assertTrue(all(r["value"][1] == "1" for r in up), up)
+            finally:
+                server.stop()
+
+
+def test_python():
+    """The test tools' venv (deploy/install-test-tools.sh), made on first use."""
+    venv = os.path.join(os.path.dirname(BIN_DIR), "test-venv")
+    out = subprocess.run([os.path.join(SOURCE_DIR, "deploy", "install-test-tools.sh"), venv],
+                         capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        raise RuntimeError(f"deploy/install-test-tools.sh failed:\n{out.stderr[-2000:]}")
+    return out.stdout.strip().splitlines()[-1]
+
+
+def grpc_client(*args):
+    """tests/integration/grpc_client.py ARGS under the test tools' venv."""
+    out = subprocess.run([test_python(), os.path.join(os.path.dirname(__file__), "grpc_client.py"),
+                          *args], capture_output=True, text=True, timeout=60,
+                         stdin=subprocess.DEVNULL)
+    if out.returncode != 0:
+        raise AssertionError(f"grpc_client.py {' '.join(args)} failed:\n{out.stderr[-2000:]}")
+    return out.stdout.split()
+
+
+def reflection_services(target):
+    return grpc_client("reflection", target)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
