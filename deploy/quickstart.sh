@@ -46,7 +46,7 @@ trap 'echo; echo "interrupted"; exit 130' INT TERM
 echo "== starting the coordinator ($JOB, $WORKERS workers); logs in $RUN_DIR"
 "$BIN/geotrain-coordinator" --listen=127.0.0.1:0 --port_file="$RUN_DIR/port" \
   --job="$JOB" --min_workers="$WORKERS" --state_dir="$RUN_DIR/state" \
-  >"$RUN_DIR/coordinator.log" 2>&1 &
+  --metrics_listen=127.0.0.1:0 >"$RUN_DIR/coordinator.log" 2>&1 &
 PIDS+=($!)
 for _ in $(seq 1 100); do [ -s "$RUN_DIR/port" ] && break; sleep 0.1; done
 if [ ! -s "$RUN_DIR/port" ]; then
@@ -54,6 +54,9 @@ if [ ! -s "$RUN_DIR/port" ]; then
 fi
 COORDINATOR="127.0.0.1:$(cat "$RUN_DIR/port")"
 echo "   coordinator at $COORDINATOR (TLS; its CA and admin credential in $RUN_DIR/state/tls)"
+METRICS_URL=$(grep -o -m1 'metrics: http://[^ ]*' "$RUN_DIR/coordinator.log" | cut -d' ' -f2)
+echo "   Prometheus metrics: $METRICS_URL (every worker's too, from its heartbeats)"
+echo "   health: $BIN/geotrain-ctl health --target=$COORDINATOR --admin_credential=$RUN_DIR/state/tls/admin.credential"
 ADMIN="--admin_credential=$RUN_DIR/state/tls/admin.credential"
 
 # A token for exactly these workers, valid for an hour. It carries the CA's
@@ -90,4 +93,4 @@ first=$(grep -m1 '"loss"' "$METRICS" | sed 's/.*"loss":\([0-9.eE+-]*\).*/\1/')
 last=$(grep -v '"eval"' "$METRICS" | tail -n 1 | sed 's/.*"loss":\([0-9.eE+-]*\).*/\1/')
 echo
 awk -v a="$first" -v b="$last" -v t="$(( $(date +%s) - START ))" \
-  'BEGIN { printf "loss %.3f -> %.3f (%.0f%% lower) in %d s; metrics: '"$METRICS"'\n", a, b, 100 * (1 - b / a), t }'
+  'BEGIN { printf "loss %.3f -> %.3f (%.0f%% lower) in %d s; metrics log: '"$METRICS"'\n", a, b, 100 * (1 - b / a), t }'
