@@ -22,23 +22,11 @@ from cluster import BIN_DIR, SOURCE_DIR, Cluster, Process, binary, wait_for
 
 sys.path.insert(0, os.path.join(SOURCE_DIR, "deploy", "wan-lab"))
 from wan_job import free_ports  # noqa: E402
+from test_fault_tolerance import JOB as FAULT_JOB  # noqa: E402
 
-JOB = """
-name: "ops-gpt"
-gpt { context: 32 d_model: 64 heads: 4 blocks: 3 mlp_ratio: 4 }
-text { paths: "/usr/share/games/fortunes" validation_fraction: 0.05 }
-optimizer { kind: KIND_ADAMW lr: 0.002 weight_decay: 0.01 }
-schedule: SCHEDULE_SYNC
-steps: 100000
-microbatches: 4
-microbatch_size: 16
-seed: 3
-min_workers: 3
-max_stages: 3
-eval_every: 0
-eval_batches: 2
-checkpoint_every: 5
-"""
+# The fault-tolerance suite's job (a small GPT over 3 stages, a checkpoint
+# every 5 steps), long enough never to end during a test.
+JOB = FAULT_JOB % {"steps": 100000}
 
 
 def health(target, *flags):
