@@ -9,6 +9,27 @@ namespace {
 constexpr absl::Duration kMinDispersion = absl::Microseconds(100);
 }  // namespace
 
+TrainTiming TimeTrain(const std::vector<FrameArrival>& frames) {
+  TrainTiming best;
+  if (frames.size() < 2) return best;
+  const absl::Time last = frames.back().at;
+  uint64_t trailing = 0;
+  for (size_t j = 1; j < frames.size(); ++j) trailing += frames[j].bytes;
+  double best_rate = 0;
+  for (size_t j = 0; j == 0 || 2 * j < frames.size(); ++j) {
+    if (j > 0) trailing -= frames[j].bytes;
+    const absl::Duration dispersion = last - frames[j].at;
+    if (j > 0 && dispersion < kMinDispersion) break;  // later spans are shorter still
+    const double rate =
+        static_cast<double>(trailing) / std::max(absl::ToDoubleSeconds(dispersion), 1e-12);
+    if (j == 0 || rate < best_rate) {
+      best = {trailing, dispersion};
+      best_rate = rate;
+    }
+  }
+  return best;
+}
+
 void LinkRateMeter::OnMessage(uint64_t trailing_bytes, absl::Duration dispersion,
                               bool after_stall) {
   if (after_stall || trailing_bytes == 0 || dispersion < kMinDispersion) return;

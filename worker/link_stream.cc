@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -148,8 +149,7 @@ absl::Status LinkEnd::Serve() {
   IncomingFrame frame;
   absl::Status failure;
   bool after_stall = false, stopping = false;
-  absl::Time first_at;
-  uint64_t first_bytes = 0;
+  std::vector<FrameArrival> arrivals;  // of the message being assembled
   int64_t delivered = 0;
   while (transport_->Read(&frame)) {
     absl::StatusOr<FrameParts> parts = ParseFrame(frame.pieces);
@@ -157,10 +157,8 @@ absl::Status LinkEnd::Serve() {
       failure = parts.status();
       break;
     }
-    if (parts->header.has_value()) {
-      first_at = absl::Now();
-      first_bytes = parts->data_bytes;
-    }
+    if (parts->header.has_value()) arrivals.clear();
+    arrivals.push_back({absl::Now(), parts->data_bytes});
     absl::StatusOr<std::optional<LinkMessage>> added = assembler.Add(*std::move(parts));
     if (!added.ok()) {
       failure = added.status();
@@ -168,8 +166,7 @@ absl::Status LinkEnd::Serve() {
     }
     if (!added->has_value()) continue;
     LinkMessage& message = **added;
-    const absl::Duration dispersion = absl::Now() - first_at;
-    const uint64_t trailing = message.payload.size() - first_bytes;
+    const TrainTiming train = TimeTrain(arrivals);
     failure = from_upstream ? validator->CheckFromUpstream(message)
                             : validator->CheckFromDownstream(message);
     if (!failure.ok()) break;
@@ -179,8 +176,8 @@ absl::Status LinkEnd::Serve() {
       on_forward_(message.header);
     }
     const absl::Time pushing = absl::Now();
-    InboundMessage in{from_upstream, std::move(message), absl::OkStatus(), trailing, dispersion,
-                      after_stall};
+    InboundMessage in{from_upstream, std::move(message), absl::OkStatus(),
+                      train.trailing_bytes, train.dispersion, after_stall};
     in.peer = peer_.id;
     if (!inbox_->Push(std::move(in))) {
       stopping = true;  // the worker is ending this attempt

@@ -95,6 +95,55 @@ TEST(LinkRateMeterTest, SkipsStallsSingleFramesAndNoise) {
   EXPECT_EQ(meter.rate_bps(), 0);
 }
 
+// 8 frames of 12.5 kB each, the first at t0 and the others `gaps_us` apart.
+std::vector<FrameArrival> Train(const std::vector<int>& gaps_us) {
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  std::vector<FrameArrival> frames{{t0, 12500}};
+  for (int gap : gaps_us) frames.push_back({frames.back().at + absl::Microseconds(gap), 12500});
+  return frames;
+}
+
+double RateOf(const TrainTiming& timing) {
+  return 8.0 * timing.trailing_bytes / absl::ToDoubleSeconds(timing.dispersion);
+}
+
+TEST(TimeTrainTest, PacedFramesGiveTheLinkRate) {
+  // 12.5 kB every 1 ms: 100 Mb/s, timed over all 7 frames after the first.
+  const TrainTiming timing = TimeTrain(Train({1000, 1000, 1000, 1000, 1000, 1000, 1000}));
+  EXPECT_EQ(timing.trailing_bytes, 7 * 12500u);
+  EXPECT_EQ(timing.dispersion, absl::Milliseconds(7));
+  EXPECT_NEAR(RateOf(timing), 100e6, 1e3);
+}
+
+TEST(TimeTrainTest, AReaderWokenLateDoesNotOverstateTheRate) {
+  // Frames arrive every 1 ms, but the reader woke 2 ms late: it read frames
+  // 0-2 in one burst, then the rest as they came. Timed from frame 0 this
+  // reads 140 Mb/s; from the burst's last frame on, the true 100 Mb/s.
+  const std::vector<FrameArrival> frames = Train({10, 10, 980, 1000, 1000, 1000, 1000});
+  EXPECT_NEAR(8.0 * 7 * 12500 / absl::ToDoubleSeconds(frames.back().at - frames[0].at), 140e6,
+              1e3);
+  const TrainTiming timing = TimeTrain(frames);
+  EXPECT_EQ(timing.trailing_bytes, 4 * 12500u);
+  EXPECT_EQ(timing.dispersion, absl::Milliseconds(4));
+  EXPECT_NEAR(RateOf(timing), 100e6, 1e3);
+}
+
+TEST(TimeTrainTest, ShortTrainsAndUnlimitedLinks) {
+  EXPECT_EQ(TimeTrain({}).trailing_bytes, 0u);
+  EXPECT_EQ(TimeTrain(Train({})).trailing_bytes, 0u);  // a single frame
+  // Two frames: only the span from the first.
+  const TrainTiming two = TimeTrain(Train({1000}));
+  EXPECT_EQ(two.trailing_bytes, 12500u);
+  EXPECT_EQ(two.dispersion, absl::Milliseconds(1));
+  // Loopback: every span is under the noise floor; the whole train is
+  // reported, and the meter skips it.
+  const TrainTiming fast = TimeTrain(Train({5, 5, 5, 5, 5, 5, 5}));
+  EXPECT_EQ(fast.trailing_bytes, 7 * 12500u);
+  LinkRateMeter meter;
+  meter.OnMessage(fast.trailing_bytes, fast.dispersion, false);
+  EXPECT_EQ(meter.rate_bps(), 0);
+}
+
 TEST(LinkRateMeterTest, OldSamplesAgeOut) {
   LinkRateMeter meter(/*window=*/4);
   for (int i = 0; i < 4; ++i) meter.OnMessage(125000, absl::Milliseconds(1), false);
