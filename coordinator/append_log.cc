@@ -49,7 +49,7 @@ AppendLog::~AppendLog() {
 }
 
 void AppendLog::Append(std::string line) {
-  line += '\n';
+  if (!options_.binary_records) line += '\n';
   absl::MutexLock lock(&mu_);
   pending_.push_back(std::move(line));
   ++appended_;
@@ -97,7 +97,13 @@ void AppendLog::Run() {
       const off_t before = lseek(fd_, 0, SEEK_END);
       status = WriteAll(fd_, data, options_.path);
       torn_line = !status.ok() && before >= 0 && lseek(fd_, 0, SEEK_END) > before;
-      if (status.ok()) torn_line = false;
+      if (torn_line && options_.binary_records) {
+        if (ftruncate(fd_, before) != 0) {
+          GT_LOG(Warning) << options_.path << ": could not cut off a torn record: "
+                          << std::strerror(errno);
+        }
+        torn_line = false;
+      }
     }
     if (!status.ok()) {
       GT_LOG(Warning) << "could not append " << batch.size() << " lines to " << options_.path

@@ -1,5 +1,5 @@
-// An append-only text file written on a thread of its own: the events log
-// and the metrics JSONL. Callers (a step report under the controller's lock
+// An append-only file written on a thread of its own: the events log and
+// the metrics JSONL (lines), TensorBoard's event file (binary records). Callers (a step report under the controller's lock
 // above all) hand a line over and return; the disk is never waited on. A
 // disk slower than the lines that come is absorbed by a bounded queue; past
 // `max_pending_lines` the oldest pending lines are dropped and counted, so
@@ -26,6 +26,10 @@ struct AppendLogOptions {
   std::string path;
   // A new job starts the file afresh; a recovering coordinator continues it.
   bool truncate = false;
+  // Binary records, written as given (no newline). A record that a failed
+  // write tore is cut off the file again (ftruncate), so a reader never
+  // meets half a record before a whole one.
+  bool binary_records = false;
   size_t max_pending_lines = 10000;
   // Runs on the writer's thread before each batch of lines (a fault-
   // injecting wrapper for tests: a slow or failing disk). A non-OK result
@@ -42,7 +46,8 @@ class AppendLog {
   AppendLog(const AppendLog&) = delete;
   AppendLog& operator=(const AppendLog&) = delete;
 
-  // Queues `line` (a newline is added). Never blocks on the disk.
+  // Queues `line` (a newline is added unless options.binary_records).
+  // Never blocks on the disk.
   void Append(std::string line);
   // Waits until every line appended before the call is written (or lost).
   void Flush();

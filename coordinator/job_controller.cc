@@ -8,6 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "common/job_spec.h"
 #include "common/layer_state.h"
+#include "common/learning_rate.h"
 #include "common/logging.h"
 #include "common/model_profile.h"
 #include "common/plan_util.h"
@@ -15,6 +16,7 @@
 #include "coordinator/accusation_ledger.h"
 #include "coordinator/link_assigner.h"
 #include "coordinator/plan_builder.h"
+#include "coordinator/stage_series.h"
 #include "coordinator/state_sources.h"
 
 namespace geotrain {
@@ -93,7 +95,16 @@ absl::StatusOr<std::unique_ptr<JobController>> JobController::Create(
     }
     metrics_file = *std::move(opened);
   }
-  controller->metrics_ = std::make_unique<MetricsSink>(std::move(metrics_file), kThroughputWindow);
+  std::unique_ptr<TensorBoardWriter> curves;
+  if (!controller->options_.tensorboard_dir.empty()) {
+    absl::StatusOr<std::unique_ptr<TensorBoardWriter>> opened =
+        TensorBoardWriter::Open(controller->options_.tensorboard_dir);
+    if (!opened.ok()) return opened.status();
+    curves = *std::move(opened);
+    GT_LOG(Info) << "TensorBoard curves: " << curves->path();
+  }
+  controller->metrics_ = std::make_unique<MetricsSink>(std::move(metrics_file), kThroughputWindow,
+                                                       std::move(curves));
   if (!controller->recovered_) {
     controller->AddEventLocked("started", "",
                                absl::StrCat("job ", controller->options_.job.name()));
@@ -459,9 +470,15 @@ absl::Status JobController::ReportStep(const v1::StepReport& report) {
   figures.loss = loss_;
   figures.samples = samples_;
   figures.training_s = now - training_start_s_;
-  for (const WorkerRecord& w : membership_.Snapshot()) {
+  figures.learning_rate =
+      options_.job.optimizer().lr() *
+      LearningRateScale(options_.job.optimizer(),
+                        static_cast<double>(step_) / std::max(1, options_.job.steps()));
+  const std::vector<WorkerRecord> workers = membership_.Snapshot();
+  for (const WorkerRecord& w : workers) {
     if (w.alive) figures.rss_bytes.emplace_back(w.name, w.rss_bytes);
   }
+  figures.series = StageSeries(*plan_, workers);
   metrics_->RecordStep(now, figures);
   // Every step: a restarted coordinator must not resume a re-plan from a
   // step the workers have already done.

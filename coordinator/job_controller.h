@@ -43,6 +43,9 @@ struct JobControllerOptions {
   v1::JobSpec job;               // validated, defaults applied
   std::string state_dir;         // required
   std::string metrics_log_path;  // one JSON line per step/eval; empty: none
+  // TensorBoard event files of the same figures (TensorBoardWriter);
+  // empty: none.
+  std::string tensorboard_dir;
   const Clock* clock = nullptr;  // not owned; must outlive the controller
   int heartbeat_ms = 1000;
   // Callers' worker ids are certified (TLS): an accuser whose accusations

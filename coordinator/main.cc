@@ -36,6 +36,9 @@ ABSL_FLAG(std::string, listen, "0.0.0.0:7070", "HOST:PORT to serve on (port 0: a
 ABSL_FLAG(std::string, job, "", "job spec (.textproto), required");
 ABSL_FLAG(std::string, state_dir, "geotrain-state", "directory for durable state");
 ABSL_FLAG(std::string, metrics_log, "", "JSON-lines metrics file (default: <state_dir>/metrics.jsonl)");
+ABSL_FLAG(std::string, tensorboard_dir, "",
+          "write TensorBoard event files here (loss, validation, samples/s, learning rate, "
+          "per-stage and per-link curves); empty: none");
 ABSL_FLAG(std::optional<int>, min_workers, std::nullopt, "override the job's min_workers");
 ABSL_FLAG(std::optional<int>, steps, std::nullopt, "override the job's steps");
 ABSL_FLAG(std::string, schedule, "", "override the job's schedule (sync)");
@@ -165,6 +168,7 @@ int main(int argc, char** argv) {
   options.metrics_log_path = absl::GetFlag(FLAGS_metrics_log).empty()
                                  ? options.state_dir + "/metrics.jsonl"
                                  : absl::GetFlag(FLAGS_metrics_log);
+  options.tensorboard_dir = absl::GetFlag(FLAGS_tensorboard_dir);
   options.clock = &clock;
   options.heartbeat_ms = std::max(100, job->lease_ms() / 5);
   const bool insecure = absl::GetFlag(FLAGS_insecure);

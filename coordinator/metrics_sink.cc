@@ -1,28 +1,56 @@
 #include "coordinator/metrics_sink.h"
 
+#include <cmath>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/json.h"
 
 namespace geotrain {
 
-MetricsSink::MetricsSink(std::unique_ptr<AppendLog> log, size_t window_steps)
-    : log_(std::move(log)), window_steps_(window_steps) {}
+MetricsSink::MetricsSink(std::unique_ptr<AppendLog> log, size_t window_steps,
+                         std::unique_ptr<TensorBoardWriter> curves)
+    : log_(std::move(log)), window_steps_(window_steps), curves_(std::move(curves)) {}
 
 void MetricsSink::RecordStep(double now_s, const StepFigures& figures) {
   recent_.emplace_back(now_s, figures.samples);
   while (recent_.size() > window_steps_ + 1) recent_.pop_front();
+  // The first step has no window yet: its rate is the run's average so far.
+  double samples_per_s = SamplesPerSecond();
+  if (recent_.size() < 2 && figures.training_s > 0) {
+    samples_per_s = figures.samples / figures.training_s;
+  }
+  if (curves_ != nullptr) {
+    Scalars scalars = {{"train/loss", figures.loss},
+                       {"train/samples_per_second", samples_per_s},
+                       {"train/learning_rate", figures.learning_rate}};
+    scalars.insert(scalars.end(), figures.series.begin(), figures.series.end());
+    curves_->Write(figures.step, absl::Now(), scalars);
+  }
   if (log_ == nullptr) return;
   std::string rss;
   for (const auto& [name, bytes] : figures.rss_bytes) {
     absl::StrAppend(&rss, rss.empty() ? "" : ",", "\"", JsonEscape(name), "\":", bytes);
   }
+  std::string series;
+  for (const auto& [tag, value] : figures.series) {
+    if (!std::isfinite(value)) continue;
+    absl::StrAppend(&series, series.empty() ? "" : ",",
+                    absl::StrFormat("\"%s\":%.8g", JsonEscape(tag), value));
+  }
   log_->Append(absl::StrFormat(
-      "{\"step\":%d,\"loss\":%.8g,\"samples\":%d,\"time_s\":%.3f,\"rss_bytes\":{%s}}",
-      figures.step, figures.loss, figures.samples, figures.training_s, rss));
+      "{\"step\":%d,\"loss\":%.8g,\"samples\":%d,\"time_s\":%.3f,\"samples_per_s\":%.6g,"
+      "\"lr\":%.8g,\"rss_bytes\":{%s},\"series\":{%s}}",
+      figures.step, figures.loss, figures.samples, figures.training_s, samples_per_s,
+      figures.learning_rate, rss, series));
 }
 
 void MetricsSink::RecordEval(double training_s, const v1::EvalReport& report) {
+  if (curves_ != nullptr) {
+    Scalars scalars = {{"eval/loss", report.val_loss()}};
+    if (report.has_accuracy()) scalars.emplace_back("eval/accuracy", report.accuracy());
+    curves_->Write(report.step(), absl::Now(), scalars);
+  }
   if (log_ == nullptr) return;
   std::string line = absl::StrFormat("{\"eval\":true,\"step\":%d,\"val_loss\":%.8g,\"samples\":%d",
                                      report.step(), report.val_loss(), report.samples());
@@ -47,6 +75,7 @@ double MetricsSink::SecondsPerSample() const {
 
 void MetricsSink::Flush() {
   if (log_ != nullptr) log_->Flush();
+  if (curves_ != nullptr) curves_->Flush();
 }
 
 }  // namespace geotrain

@@ -1,6 +1,11 @@
 // The job's progress figures: one JSON line per step and per evaluation in
-// the metrics log (written off the caller's thread, AppendLog), and the
-// throughput over the last steps. Nothing here waits on the disk, so the
+// the metrics log (written off the caller's thread, AppendLog), the same
+// figures as TensorBoard scalars (TensorBoardWriter), and the throughput
+// over the last steps. Each step line's figures and the event file's points
+// for that step are the same: series "train/loss", "train/samples_per_second"
+// and "train/learning_rate" at every step, "eval/loss" (and "eval/accuracy"
+// for classifiers) at every evaluation, and each of StepFigures::series at
+// the steps whose line carries it. Nothing here waits on the disk, so the
 // controller may call it under its lock on every step report.
 // Thread-compatible, except Flush, which may run on any thread at any time
 // (it touches only the log).
@@ -16,6 +21,7 @@
 #include <vector>
 
 #include "coordinator/append_log.h"
+#include "coordinator/tensorboard_writer.h"
 #include "geotrain/v1/coordinator.pb.h"
 
 namespace geotrain {
@@ -25,14 +31,18 @@ struct StepFigures {
   double loss = 0;
   int64_t samples = 0;    // trained so far in the job
   double training_s = 0;  // since training started (recovery included)
+  double learning_rate = 0;  // of the update that ended the step
   // Resident memory of each live worker, by name.
   std::vector<std::pair<std::string, int64_t>> rss_bytes;
+  // Per-stage and per-link figures known at this step (StageSeries).
+  Scalars series;
 };
 
 class MetricsSink {
  public:
-  // `log`: null for none. `window_steps`: the throughput's window.
-  explicit MetricsSink(std::unique_ptr<AppendLog> log, size_t window_steps = 10);
+  // `log`, `curves`: null for none. `window_steps`: the throughput's window.
+  explicit MetricsSink(std::unique_ptr<AppendLog> log, size_t window_steps = 10,
+                       std::unique_ptr<TensorBoardWriter> curves = nullptr);
 
   // `now_s`: any monotonic time in seconds (the throughput's clock).
   void RecordStep(double now_s, const StepFigures& figures);
@@ -41,12 +51,13 @@ class MetricsSink {
   // time or no sample passed between them).
   double SamplesPerSecond() const;
   double SecondsPerSample() const;
-  // Returns once every line recorded so far is written (or failed).
+  // Returns once every line and point recorded so far is written (or failed).
   void Flush();
 
  private:
   const std::unique_ptr<AppendLog> log_;
   const size_t window_steps_;
+  const std::unique_ptr<TensorBoardWriter> curves_;
   std::deque<std::pair<double, int64_t>> recent_;  // (now_s, samples)
 };
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "common/learning_rate.h"
 #include "geotrain/v1/job.pb.h"
 
 namespace geotrain {
@@ -32,10 +33,6 @@ class OutOfPlaceOptimizer {
   virtual absl::Status Restore(const std::vector<std::vector<torch::Tensor>>& state,
                                int64_t steps) = 0;
 };
-
-// The learning-rate multiplier of `spec`'s schedule once `progress` (the
-// fraction of the run's samples seen, in [0, 1]) has been reached.
-double LearningRateScale(const v1::Optimizer& spec, double progress);
 
 // AdamW (decoupled weight decay) or SGD with momentum, as the job says.
 std::unique_ptr<OutOfPlaceOptimizer> MakeOptimizer(const v1::Optimizer& spec);

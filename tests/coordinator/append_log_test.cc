@@ -149,5 +149,31 @@ TEST(AppendLogTest, ALineTornByAFullDiskDoesNotSwallowTheNextOne) {
   EXPECT_EQ(Contents(path), "first\nseco\nthird\n");
 }
 
+TEST(AppendLogTest, ARecordTornByAFullDiskIsCutOff) {
+  // Binary records have no line to end: a torn one is cut off the file, so
+  // the next record follows the last whole one.
+  const std::string path = TempPath("torn-binary");
+  AppendLogOptions options;
+  options.path = path;
+  options.binary_records = true;
+  auto log = AppendLog::Open(options);
+  ASSERT_TRUE(log.ok());
+  (*log)->Append("first");
+  (*log)->Flush();
+  std::signal(SIGXFSZ, SIG_IGN);
+  rlimit saved;
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &saved), 0);
+  rlimit limited = saved;
+  limited.rlim_cur = 9;  // "first" and 4 bytes more
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &limited), 0);
+  (*log)->Append("second");
+  (*log)->Flush();
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &saved), 0);
+  EXPECT_EQ((*log)->dropped(), 1);
+  (*log)->Append("third");
+  (*log)->Flush();
+  EXPECT_EQ(Contents(path), "firstthird");
+}
+
 }  // namespace
 }  // namespace geotrain

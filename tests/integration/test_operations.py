@@ -268,6 +268,83 @@ class PrometheusTest(unittest.TestCase):
                 server.stop()
 
 
+# A short run with evaluations and a learning-rate schedule, so that every
+# kind of curve has points that move.
+CURVES_JOB = """
+name: "curves-gpt"
+gpt { context: 32 d_model: 64 heads: 4 blocks: 3 mlp_ratio: 4 }
+text { paths: "/usr/share/games/fortunes" validation_fraction: 0.05 }
+optimizer { kind: KIND_ADAMW lr: 0.002 weight_decay: 0.01 warmup_fraction: 0.2
+            decay: DECAY_COSINE min_lr_fraction: 0.1 }
+schedule: SCHEDULE_SYNC
+steps: 40
+microbatches: 4
+microbatch_size: 16
+seed: 3
+min_workers: 3
+max_stages: 3
+eval_every: 10
+eval_batches: 2
+"""
+
+
+class CurvesTest(unittest.TestCase):
+    def test_tensorboard_reads_every_series_of_the_metrics_log(self):
+        """--tensorboard_dir: the stock tensorboard package's
+        EventAccumulator finds the training, evaluation, per-stage and
+        per-link series, each with as many points as the metrics log has
+        lines that carry it (the train/ series: one per step), and the same
+        values."""
+        workdir = tempfile.mkdtemp(prefix="geotrain-curves-")
+        job = os.path.join(workdir, "job.textproto")
+        with open(job, "w") as f:
+            f.write(CURVES_JOB)
+        logdir = os.path.join(workdir, "tensorboard")
+        with Cluster(job, coordinator_flags=[f"--tensorboard_dir={logdir}"],
+                     workdir=workdir) as c:
+            c.train(3, timeout=600)
+            c.coordinator.stop()  # everything written and closed
+            steps, evals = c.steps(), c.evals()
+        out = subprocess.run([test_python(), os.path.join(os.path.dirname(__file__),
+                                                          "tensorboard_scalars.py"), logdir],
+                             capture_output=True, text=True, timeout=120)
+        self.assertEqual(out.returncode, 0, out.stderr[-2000:])
+        series = json.loads(out.stdout)
+        self.assertEqual(len(steps), 40)
+        self.assertEqual(len(evals), 4)
+        expected = {"train/loss": [(m["step"], m["loss"]) for m in steps],
+                    "train/samples_per_second": [(m["step"], m["samples_per_s"]) for m in steps],
+                    "train/learning_rate": [(m["step"], m["lr"]) for m in steps],
+                    "eval/loss": [(m["step"], m["val_loss"]) for m in evals]}
+        for m in steps:
+            for tag, value in m["series"].items():
+                expected.setdefault(tag, []).append((m["step"], value))
+        for tag in sorted(expected):
+            print(f"{tag}: {len(series.get(tag, []))} points, metrics log {len(expected[tag])}")
+        self.assertEqual(set(series), set(expected))
+        for tag, points in expected.items():
+            got = series[tag]
+            self.assertEqual([s for s, _ in got], [s for s, _ in points], tag)
+            for (_, value), (_, logged) in zip(got, points):
+                self.assertAlmostEqual(value, logged, delta=1e-5 * max(1.0, abs(logged)),
+                                       msg=tag)  # a float32 of the logged figure
+        # Every stage and every link of the 3-stage plan has its series.
+        for stage in range(3):
+            self.assertIn(f"stage{stage}/compute_seconds_per_microbatch", series)
+            self.assertIn(f"stage{stage}/bubble_fraction", series)
+            self.assertIn(f"stage{stage}/staleness_mean", series)
+        links = {tag.rsplit("/", 1)[0] for tag in series if tag.startswith("link/")}
+        self.assertEqual(len(links), 4, links)  # 2 links x 2 directions
+        for link in links:
+            self.assertIn(f"{link}/goodput_bits_per_second", series)
+            self.assertIn(f"{link}/compression_ratio", series)
+        # The schedule: warm-up to the peak, cosine down to a tenth.
+        lr = [v for _, v in series["train/learning_rate"]]
+        self.assertAlmostEqual(max(lr), 0.002, delta=1e-6)
+        self.assertAlmostEqual(lr[-1], 0.0002, delta=1e-6)
+        self.assertLess(series["train/loss"][-1][1], series["train/loss"][0][1])
+
+
 def test_python():
     """The test tools' venv (deploy/install-test-tools.sh), made on first use."""
     venv = os.path.join(os.path.dirname(BIN_DIR), "test-venv")
