@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "absl/strings/match.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -18,6 +19,8 @@ std::string StatusText(int status) {
   switch (status) {
     case 200: return "OK";
     case 400: return "Bad Request";
+    case 401: return "Unauthorized";
+    case 403: return "Forbidden";
     case 404: return "Not Found";
     case 405: return "Method Not Allowed";
     case 503: return "Service Unavailable";
@@ -41,7 +44,13 @@ std::string Serialize(const HttpResponse& r) {
 
 }  // namespace
 
+std::string HttpRequest::Header(const std::string& lower_case_name) const {
+  auto it = headers.find(lower_case_name);
+  return it == headers.end() ? "" : it->second;
+}
+
 HttpResponse HttpServer::Answer(const std::string& request_line,
+                                const std::vector<std::string>& header_lines,
                                 const std::map<std::string, Handler>& handlers) {
   std::vector<std::string> parts = absl::StrSplit(request_line, ' ');
   if (parts.size() != 3 || !absl::StartsWith(parts[2], "HTTP/1.") || parts[1].empty() ||
@@ -49,14 +58,25 @@ HttpResponse HttpServer::Answer(const std::string& request_line,
     return Plain(400, "bad request line\n");
   }
   if (parts[0] != "GET" && parts[0] != "HEAD") return Plain(405, "GET only\n");
-  const std::string path = parts[1].substr(0, parts[1].find('?'));
+  HttpRequest request;
+  request.method = parts[0];
+  const size_t query = parts[1].find('?');
+  request.path = parts[1].substr(0, query);
+  if (query != std::string::npos) request.query = parts[1].substr(query + 1);
+  for (const std::string& line : header_lines) {
+    const size_t colon = line.find(':');
+    if (colon == std::string::npos || colon == 0) return Plain(400, "bad header line\n");
+    request.headers[absl::AsciiStrToLower(line.substr(0, colon))] =
+        std::string(absl::StripAsciiWhitespace(line.substr(colon + 1)));
+  }
+  const std::string& path = request.path;
   auto handler = handlers.find(path);
   if (handler == handlers.end()) {
     std::string known;
     for (const auto& [p, h] : handlers) absl::StrAppend(&known, " ", p);
     return Plain(404, absl::StrCat("no page ", path.substr(0, 128), "; pages:", known, "\n"));
   }
-  HttpResponse response = handler->second();
+  HttpResponse response = handler->second(request);
   if (parts[0] == "HEAD") response.body.clear();
   return response;
 }
@@ -114,13 +134,20 @@ void HttpServer::Serve(TcpSocket connection) {
   if (!request_line.ok()) return;  // silent or too long: nothing to answer
   std::string line = *request_line;
   if (!line.empty() && line.back() == '\r') line.pop_back();
-  // The headers are read and ignored (nothing here depends on them).
-  for (int i = 0; i < kMaxHeaderLines; ++i) {
+  std::vector<std::string> headers;
+  for (int i = 0;; ++i) {
     absl::StatusOr<std::string> header = connection.ReadLine(kMaxLineBytes, deadline);
     if (!header.ok()) return;
-    if (header->empty() || *header == "\r") break;
+    if (!header->empty() && header->back() == '\r') header->pop_back();
+    if (header->empty()) break;
+    if (i == kMaxHeaderLines) {
+      const std::string refused = Serialize(Plain(400, "too many header lines\n"));
+      connection.WriteAll(refused.data(), refused.size());
+      return;
+    }
+    headers.push_back(*std::move(header));
   }
-  const std::string response = Serialize(Answer(line, handlers_));
+  const std::string response = Serialize(Answer(line, headers, handlers_));
   connection.WriteAll(response.data(), response.size());
   connection.ShutdownWrites();
 }

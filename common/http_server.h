@@ -1,6 +1,6 @@
-// A small HTTP/1.1 server for the daemons' read-only pages (/metrics; the
-// status page later): GET only, one request per connection, answered from
-// handlers by path. Every port is reachable by a stranger: a request line
+// A small HTTP/1.1 server for the daemons' read-only pages (/metrics, the
+// coordinator's status page): GET only, one request per connection,
+// answered from handlers by path. Every port is reachable by a stranger: a request line
 // and headers are bounded (2 KiB, 64 lines), a connection that does not
 // send them within 2 s is closed, and only `max_connections` are served at
 // once (the rest wait in the backlog).
@@ -33,6 +33,16 @@ struct HttpResponse {
   std::string body;
 };
 
+struct HttpRequest {
+  std::string method;  // GET or HEAD
+  std::string path;    // without the query string
+  std::string query;   // after '?', undecoded
+  std::map<std::string, std::string> headers;  // names lower-cased, values trimmed
+
+  // The header's value, "" when absent.
+  std::string Header(const std::string& lower_case_name) const;
+};
+
 struct HttpServerOptions {
   std::string listen;  // HOST:PORT, port 0: any
   absl::Duration request_timeout = absl::Seconds(2);
@@ -43,7 +53,7 @@ class HttpServer {
  public:
   // Handlers run on the server's threads: they must be thread-safe. The
   // path is matched without its query string.
-  using Handler = std::function<HttpResponse()>;
+  using Handler = std::function<HttpResponse(const HttpRequest&)>;
 
   static absl::StatusOr<std::unique_ptr<HttpServer>> Start(HttpServerOptions options,
                                                            std::map<std::string, Handler> handlers);
@@ -51,9 +61,15 @@ class HttpServer {
 
   int port() const { return port_; }
 
-  // The response to one request read from `connection` (tests, fuzzing).
+  // The response to one request: its request line and header lines
+  // (without line ends), as read from a connection (tests, fuzzing).
   static HttpResponse Answer(const std::string& request_line,
+                             const std::vector<std::string>& header_lines,
                              const std::map<std::string, Handler>& handlers);
+  static HttpResponse Answer(const std::string& request_line,
+                             const std::map<std::string, Handler>& handlers) {
+    return Answer(request_line, {}, handlers);
+  }
 
  private:
   HttpServer(HttpServerOptions options, std::map<std::string, Handler> handlers,

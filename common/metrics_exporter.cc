@@ -91,7 +91,7 @@ absl::StatusOr<std::unique_ptr<MetricsExporter>> MetricsExporter::Start(const st
   HttpServerOptions options;
   options.listen = listen;
   std::map<std::string, HttpServer::Handler> pages;
-  pages["/metrics"] = [source = std::move(source)] {
+  pages["/metrics"] = [source = std::move(source)](const HttpRequest&) {
     HttpResponse response;
     response.content_type = "text/plain; version=0.0.4; charset=utf-8";
     response.body = ExpositionText(source().Take());

@@ -5,12 +5,17 @@
 //   geotrain-ctl token revoke ID_OR_TOKEN
 //   geotrain-ctl worker revoke ID
 //   geotrain-ctl health [--target=HOST:PORT] [--service=NAME] [--live]
+//   geotrain-ctl watch [--interval=1s] [--frames=N]
 // Credentials: --admin_credential=FILE (<state_dir>/tls/admin.credential,
 // or a worker's credential for status), --token=TOKEN (status with a
 // viewer token), or --insecure for a coordinator started with --insecure.
 #include <google/protobuf/util/json_util.h>
 #include <grpcpp/grpcpp.h>
+#include <signal.h>
+#include <sys/ioctl.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -29,6 +34,7 @@
 #include "common/rpc_options.h"
 #include "common/transport_security.h"
 #include "common/x509.h"
+#include "coordinator/watch_view.h"
 #include "geotrain/v1/coordinator.grpc.pb.h"
 #include "geotrain/v1/status.grpc.pb.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -60,6 +66,8 @@ ABSL_FLAG(bool, watch, false,
           "health: print each status change (grpc.health.v1 Watch) until --watch_for, "
           "Ctrl-C or the daemon ends");
 ABSL_FLAG(absl::Duration, watch_for, absl::InfiniteDuration(), "health --watch: how long");
+ABSL_FLAG(absl::Duration, interval, absl::Seconds(1), "watch: time between frames");
+ABSL_FLAG(int, frames, 0, "watch: stop after this many frames (0: at Ctrl-C)");
 
 namespace {
 
@@ -218,7 +226,9 @@ constexpr char kUsage[] =
     "  export --out=DIR [--export_timeout_s=600]\n"
     "  health [--target=HOST:PORT] [--service=NAME] [--live] [--watch [--watch_for=D]]:\n"
     "      the standard gRPC health status of a coordinator or worker; exit 0 if SERVING,\n"
-    "      1 if not, 3 if no answer (--live: 0 on any answer)\n";
+    "      1 if not, 3 if no answer (--live: 0 on any answer)\n"
+    "  watch [--interval=1s] [--frames=N] [--events=8]: workers, stages, links and the last\n"
+    "      events, redrawn every interval until Ctrl-C (in a pipe: one block per interval)\n";
 
 int Fail(const std::string& message) {
   std::fprintf(stderr, "geotrain-ctl: %s\n", message.c_str());
@@ -483,6 +493,49 @@ int HealthCommand(const Connection& connection, const std::string& address) {
 
 // `plan`: the planner's prediction for the current plan; with --explain,
 // per stage: compute, link, bound and why each worker is where it is.
+std::atomic<bool> g_interrupted{false};
+void OnInterrupt(int) { g_interrupted = true; }
+
+// Redraws the status every --interval until Ctrl-C (or --frames). On a
+// terminal each frame replaces the last (cursor home, clear); in a pipe
+// the frames follow one another, separated by a blank line, with no escape
+// codes. A failed call shows its error as the frame and the next one tries
+// again.
+int WatchCommand(const Connection& connection, const std::string& address) {
+  const absl::Duration interval = absl::GetFlag(FLAGS_interval);
+  if (interval < absl::Milliseconds(100)) return UsageError("--interval must be at least 100ms");
+  if (absl::GetFlag(FLAGS_frames) < 0) return UsageError("--frames must be >= 0");
+  signal(SIGINT, OnInterrupt);
+  signal(SIGTERM, OnInterrupt);
+  const bool terminal = isatty(STDOUT_FILENO) == 1;
+  auto stub = geotrain::v1::Status::NewStub(connection.channel);
+  for (int frame = 1; !g_interrupted; ++frame) {
+    const absl::Time started = absl::Now();
+    geotrain::WatchViewOptions view;
+    view.events = absl::GetFlag(FLAGS_events);
+    view.title = absl::StrCat("geotrain watch ", address, "  ",
+                              absl::FormatTime("%H:%M:%S", started, absl::LocalTimeZone()),
+                              terminal ? "  (Ctrl-C to stop)" : "");
+    if (winsize size{}; terminal && ioctl(STDOUT_FILENO, TIOCGWINSZ, &size) == 0) {
+      view.max_width = size.ws_col;
+    }
+    geotrain::v1::ClusterStatus status;
+    grpc::Status rpc = stub->GetClusterStatus(NewContext(connection).get(),
+                                              geotrain::v1::ClusterStatusRequest(), &status);
+    const std::string text =
+        rpc.ok() ? geotrain::RenderWatchFrame(status, view)
+                 : absl::StrCat(view.title, "\nstatus at ", address,
+                                " failed: ", rpc.error_message(), " (trying again)\n");
+    std::fputs(terminal ? "\x1b[H\x1b[2J" : (frame > 1 ? "\n" : ""), stdout);
+    std::fputs(text.c_str(), stdout);
+    std::fflush(stdout);
+    if (absl::GetFlag(FLAGS_frames) > 0 && frame >= absl::GetFlag(FLAGS_frames)) break;
+    const absl::Time next = started + interval;
+    while (!g_interrupted && absl::Now() < next) absl::SleepFor(absl::Milliseconds(50));
+  }
+  return 0;
+}
+
 int PrintPlan(const geotrain::v1::ClusterStatus& status) {
   if (status.state() == "waiting" || !status.has_prediction()) {
     std::printf("no plan yet (%s)\n", status.state().c_str());
@@ -536,7 +589,8 @@ int main(int argc, char** argv) {
   const std::vector<std::string> args(raw_args.begin(), raw_args.end());
   const bool known =
       (args.size() == 2 && (args[1] == "status" || args[1] == "plan" || args[1] == "network" ||
-                            args[1] == "export" || args[1] == "health")) ||
+                            args[1] == "export" || args[1] == "health" ||
+                            args[1] == "watch")) ||
                      (args.size() >= 3 && (args[1] == "token" || args[1] == "worker"));
   if (!known) {
     std::fprintf(stderr, "%s", kUsage);
@@ -562,6 +616,7 @@ int main(int argc, char** argv) {
   if (args[1] == "token") return TokenCommand(args, *connection, address);
   if (args[1] == "worker") return WorkerCommand(args, *connection, address);
   if (args[1] == "export") return ExportCommand(*connection, address);
+  if (args[1] == "watch") return WatchCommand(*connection, address);
   auto stub = geotrain::v1::Status::NewStub(connection->channel);
   geotrain::v1::ClusterStatus status;
   grpc::Status rpc = stub->GetClusterStatus(NewContext(*connection).get(),

@@ -1177,6 +1177,11 @@ void JobController::PublishLocked(v1::Plan plan) {
   plan_ = std::move(plan);
 }
 
+ProgressHistory JobController::History() const {
+  absl::MutexLock lock(&mu_);
+  return metrics_->history();
+}
+
 v1::ClusterStatus JobController::Status() const {
   v1::ClusterStatus status;
   const int64_t now_ms = options_.clock->NowMs();

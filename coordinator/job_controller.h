@@ -153,6 +153,8 @@ class JobController {
   void Tick();
 
   v1::ClusterStatus Status() const;
+  // The steps' losses and throughput and the evaluations so far (bounded).
+  ProgressHistory History() const;
   bool done() const;
   bool shutting_down() const;
   // Wakes every WaitForPlan caller; later calls return at once.

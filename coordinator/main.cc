@@ -19,6 +19,7 @@
 #include "absl/strings/str_join.h"
 #include "common/codec.h"
 #include "common/health_reporter.h"
+#include "common/http_server.h"
 #include "common/job_spec.h"
 #include "common/logging.h"
 #include "common/metrics_exporter.h"
@@ -31,6 +32,7 @@
 #include "coordinator/job_controller.h"
 #include "coordinator/model_export.h"
 #include "coordinator/plan_builder.h"
+#include "coordinator/status_page.h"
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:7070", "HOST:PORT to serve on (port 0: any)");
 ABSL_FLAG(std::string, job, "", "job spec (.textproto), required");
@@ -55,6 +57,10 @@ ABSL_FLAG(std::string, health_listen, "",
 ABSL_FLAG(std::string, metrics_listen, "",
           "HOST:PORT serving Prometheus /metrics over plain HTTP without credentials "
           "(keep it on a private address); empty: off");
+ABSL_FLAG(std::string, http_listen, "",
+          "HOST:PORT serving the live status page at / (and its JSON at /status.json, and "
+          "/metrics) over plain HTTP; with TLS on, all but the page itself need a viewer "
+          "token (the page takes it from #token=...); empty: off");
 ABSL_FLAG(bool, exit_when_done, false, "exit once the job has finished");
 ABSL_FLAG(absl::Duration, probe_timeout, absl::Seconds(2),
           "how long the coordinator tries to dial a joiner's advertised address back "
@@ -283,6 +289,29 @@ int main(int argc, char** argv) {
     health.Attach(health_server.get());
   }
   health.Set(true, "state recovered, serving");
+  std::unique_ptr<geotrain::HttpServer> status_page;
+  if (const std::string listen = absl::GetFlag(FLAGS_http_listen); !listen.empty()) {
+    if (absl::Status valid = geotrain::ValidateHostPort("http_listen", listen, true);
+        !valid.ok()) {
+      return Fail(std::string(valid.message()));
+    }
+    geotrain::StatusPageOptions page;
+    page.listen = listen;
+    page.controller = controller->get();
+    page.access = access.get();
+    page.security = access ? absl::StrCat("tls, CA ", authority->serving_ca_fingerprint())
+                           : "insecure (plaintext, no authentication)";
+    page.serving = [&health] { return health.serving(); };
+    absl::StatusOr<std::unique_ptr<geotrain::HttpServer>> started =
+        geotrain::StartStatusPage(page);
+    if (!started.ok()) return Fail(std::string(started.status().message()));
+    status_page = *std::move(started);
+    const std::string host = listen.substr(0, listen.rfind(':'));
+    GT_LOG(Info) << "status page: http://" << host << ":" << status_page->port() << "/"
+                 << (access ? " (open it as /#token=<viewer token>; make one with "
+                              "geotrain-ctl token create --role=viewer)"
+                            : "");
+  }
   GT_LOG(Info) << "listening on port " << port << " (" << absl::GetFlag(FLAGS_listen)
                << "), job " << job->name() << ", waiting for "
                << job->min_workers() << " worker(s)";

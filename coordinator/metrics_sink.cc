@@ -20,6 +20,7 @@ void MetricsSink::RecordStep(double now_s, const StepFigures& figures) {
   if (recent_.size() < 2 && figures.training_s > 0) {
     samples_per_s = figures.samples / figures.training_s;
   }
+  history_.AddStep({figures.step, figures.loss, samples_per_s, figures.training_s});
   if (curves_ != nullptr) {
     Scalars scalars = {{"train/loss", figures.loss},
                        {"train/samples_per_second", samples_per_s},
@@ -46,6 +47,8 @@ void MetricsSink::RecordStep(double now_s, const StepFigures& figures) {
 }
 
 void MetricsSink::RecordEval(double training_s, const v1::EvalReport& report) {
+  history_.AddEval({report.step(), report.val_loss(), report.accuracy(), report.has_accuracy(),
+                    training_s});
   if (curves_ != nullptr) {
     Scalars scalars = {{"eval/loss", report.val_loss()}};
     if (report.has_accuracy()) scalars.emplace_back("eval/accuracy", report.accuracy());

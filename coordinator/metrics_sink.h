@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "coordinator/append_log.h"
+#include "coordinator/progress_history.h"
 #include "coordinator/tensorboard_writer.h"
 #include "geotrain/v1/coordinator.pb.h"
 
@@ -51,6 +52,8 @@ class MetricsSink {
   // time or no sample passed between them).
   double SamplesPerSecond() const;
   double SecondsPerSample() const;
+  // The steps and evaluations recorded so far (bounded; the status page).
+  const ProgressHistory& history() const { return history_; }
   // Returns once every line and point recorded so far is written (or failed).
   void Flush();
 
@@ -59,6 +62,7 @@ class MetricsSink {
   const size_t window_steps_;
   const std::unique_ptr<TensorBoardWriter> curves_;
   std::deque<std::pair<double, int64_t>> recent_;  // (now_s, samples)
+  ProgressHistory history_;
 };
 
 }  // namespace geotrain

@@ -13,6 +13,7 @@ PACKAGES=(
   libssl-dev                # keys, CSRs and certificates of the cluster CA
   prometheus-cpp-dev        # the daemons' /metrics endpoints
   prometheus                # tests/integration/test_operations.py scrapes a live run
+  chromium                  # the same suite loads the coordinator's status page headless
   nftables                  # the network lab (deploy/net-lab): namespaces, veth, tbf, NAT
   clang-14 libclang-rt-14-dev  # libFuzzer (tests/fuzz)
   fortunes                  # text corpus for the byte-level GPT and the token files

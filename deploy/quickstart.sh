@@ -46,7 +46,8 @@ trap 'echo; echo "interrupted"; exit 130' INT TERM
 echo "== starting the coordinator ($JOB, $WORKERS workers); logs in $RUN_DIR"
 "$BIN/geotrain-coordinator" --listen=127.0.0.1:0 --port_file="$RUN_DIR/port" \
   --job="$JOB" --min_workers="$WORKERS" --state_dir="$RUN_DIR/state" \
-  --metrics_listen=127.0.0.1:0 >"$RUN_DIR/coordinator.log" 2>&1 &
+  --metrics_listen=127.0.0.1:0 --http_listen=127.0.0.1:0 \
+  --tensorboard_dir="$RUN_DIR/tensorboard" >"$RUN_DIR/coordinator.log" 2>&1 &
 PIDS+=($!)
 for _ in $(seq 1 100); do [ -s "$RUN_DIR/port" ] && break; sleep 0.1; done
 if [ ! -s "$RUN_DIR/port" ]; then
@@ -58,6 +59,14 @@ METRICS_URL=$(grep -o -m1 'metrics: http://[^ ]*' "$RUN_DIR/coordinator.log" | c
 echo "   Prometheus metrics: $METRICS_URL (every worker's too, from its heartbeats)"
 echo "   health: $BIN/geotrain-ctl health --target=$COORDINATOR --admin_credential=$RUN_DIR/state/tls/admin.credential"
 ADMIN="--admin_credential=$RUN_DIR/state/tls/admin.credential"
+# The status page asks for a viewer token (TLS is on); it reads it from the
+# URL's fragment, which the browser never sends.
+PAGE_URL=$(grep -o -m1 'status page: http://[^ ]*' "$RUN_DIR/coordinator.log" | cut -d' ' -f3)
+VIEWER=$("$BIN/geotrain-ctl" token create --coordinator="$COORDINATOR" "$ADMIN" \
+  --role=viewer --ttl=24h --name=quickstart-viewer)
+echo "   status page: ${PAGE_URL}#token=$VIEWER"
+echo "   live view in a terminal: $BIN/geotrain-ctl watch --coordinator=$COORDINATOR $ADMIN"
+echo "   TensorBoard curves: tensorboard --logdir $RUN_DIR/tensorboard"
 
 # A token for exactly these workers, valid for an hour. It carries the CA's
 # fingerprint, so a worker needs nothing else to trust the coordinator.

@@ -11,9 +11,16 @@ namespace geotrain {
 namespace {
 
 std::map<std::string, HttpServer::Handler> Pages() {
-  return {{"/metrics", [] {
+  return {{"/metrics",
+           [](const HttpRequest&) {
              HttpResponse r;
              r.body = "geotrain_job_step 7\n";
+             return r;
+           }},
+          {"/echo", [](const HttpRequest& request) {
+             HttpResponse r;
+             r.body = request.method + " " + request.path + " ?" + request.query + " auth=" +
+                      request.Header("authorization") + " host=" + request.Header("host");
              return r;
            }}};
 }
@@ -45,6 +52,15 @@ std::string Fetch(int port, const std::string& request) {
   long got;
   while ((got = socket->ReadSome(buffer, sizeof(buffer))) > 0) reply.append(buffer, got);
   return reply;
+}
+
+TEST(HttpServerTest, HandlersSeeTheQueryAndTheHeaders) {
+  EXPECT_EQ(HttpServer::Answer("GET /echo?a=1&b HTTP/1.1",
+                               {"Host: example", "AUTHORIZATION:   Bearer x.y  "}, Pages())
+                .body,
+            "GET /echo ?a=1&b auth=Bearer x.y host=example");
+  EXPECT_EQ(HttpServer::Answer("GET /echo HTTP/1.1", {"no colon here"}, Pages()).status, 400);
+  EXPECT_EQ(HttpServer::Answer("GET /echo HTTP/1.1", {": no name"}, Pages()).status, 400);
 }
 
 TEST(HttpServerTest, ServesOverTcpAndClosesSilentOrOversizedRequests) {

@@ -15,6 +15,7 @@ import tempfile
 import threading
 import time
 import unittest
+import urllib.error
 import urllib.parse
 import urllib.request
 
@@ -343,6 +344,156 @@ class CurvesTest(unittest.TestCase):
         self.assertAlmostEqual(max(lr), 0.002, delta=1e-6)
         self.assertAlmostEqual(lr[-1], 0.0002, delta=1e-6)
         self.assertLess(series["train/loss"][-1][1], series["train/loss"][0][1])
+
+
+class StatusPageTest(unittest.TestCase):
+    def test_headless_chromium_draws_a_live_run(self):
+        """--http_listen with TLS on: the page loads in Debian's headless
+        Chromium with a viewer token and draws one node per stage and a
+        loss curve of more than one point from a live run; status.json and
+        /metrics refuse requests without a valid viewer token."""
+        import check_status_page_static as page_check
+        browser = page_check.find_chromium(None)
+        self.assertTrue(browser, "chromium not found (deploy/install-deps.sh installs it)")
+        workdir = tempfile.mkdtemp(prefix="geotrain-page-")
+        job = os.path.join(workdir, "job.textproto")
+        with open(job, "w") as f:
+            f.write(JOB)
+        with Cluster(job, coordinator_flags=["--http_listen=127.0.0.1:0"], workdir=workdir,
+                     secure=True) as c:
+            c.start_coordinator()
+            match = wait_for(lambda: re.search(r"status page: (http://\S+/)", c.coordinator.log()),
+                             30, "the status page's address")
+            url = match.group(1)
+            worker_token = c.create_token("--uses=4", "--name=page-workers")
+            viewer = c.create_token("--role=viewer", "--name=page-viewer")
+            for k in range(4):  # 3 stages and a standby
+                c.start_worker(f"w{k}", extra=[f"--token={worker_token}"])
+            status = wait_for(lambda: (lambda s: s if s["step"] >= 5 else None)(c.status()),
+                              180, "5 steps")
+
+            def get(path, token=None):
+                request = urllib.request.Request(url.rstrip("/") + path)
+                if token:
+                    request.add_header("Authorization", f"Bearer {token}")
+                try:
+                    with urllib.request.urlopen(request, timeout=10) as response:
+                        return response.status, response.read().decode()
+                except urllib.error.HTTPError as e:
+                    return e.code, e.read().decode()
+
+            code, body = get("/")
+            self.assertEqual(code, 200)
+            self.assertIn("<!DOCTYPE html>", body)
+            code, body = get("/status.json")
+            self.assertEqual(code, 401, body)
+            self.assertIn("viewer token", body)
+            for wrong in ("not-a-token", worker_token):  # malformed; another role
+                code, body = get("/status.json", wrong)
+                self.assertEqual(code, 403, body)
+            self.assertEqual(get("/metrics")[0], 401)
+            code, body = get("/status.json", viewer)
+            self.assertEqual(code, 200, body)
+            view = json.loads(body)
+            self.assertEqual(view["health"]["coordinator"], "SERVING")
+            self.assertGreaterEqual(len(view["history"]["steps"]), 5)
+            code, body = get("/metrics", viewer)
+            self.assertEqual(code, 200)
+            self.assertIn("geotrain_job_step", body)
+
+            dom = page_check.Dom(page_check.chromium(browser, f"{url}#token={viewer}",
+                                                     ["--dump-dom"]))
+            stages = sorted({w["stage"] for w in c.status()["workers"] if w["stage"] >= 0})
+            nodes = sorted(int(e["attrs"]["data-stage"]) for e in dom.by_class("stage"))
+            loss_points = page_check.path_points(dom.by_id("loss-path"))
+            throughput_points = page_check.path_points(dom.by_id("throughput-path"))
+            workers_shown = [page_check.Dom.text(e) for e in dom.by_class("worker-row")]
+            events_shown = len(dom.by_class("event"))
+            print(f"status page {url}: stage nodes {nodes}, loss path {loss_points} points, "
+                  f"throughput path {throughput_points} points, {len(workers_shown)} worker "
+                  f"rows, {events_shown} events, health "
+                  f"{page_check.Dom.text(dom.by_id('health'))}", flush=True)
+            self.assertEqual(nodes, stages)
+            self.assertEqual(len(nodes), 3)
+            self.assertGreater(loss_points, 1)
+            self.assertGreater(throughput_points, 1)
+            self.assertEqual(len(workers_shown), 4)
+            self.assertGreater(events_shown, 0)
+            self.assertEqual(page_check.Dom.text(dom.by_id("health")), "SERVING")
+            self.assertIn("hidden", dom.by_id("banner")["attrs"])  # no error shown
+            screenshot = os.path.join(workdir, "status_page.png")
+            page_check.chromium(browser, f"{url}#token={viewer}",
+                                [f"--screenshot={screenshot}", "--window-size=1280,1400",
+                                 "--hide-scrollbars"])
+            self.assertGreater(os.path.getsize(screenshot), 10000)
+            print(f"screenshot: {screenshot}", flush=True)
+
+
+class WatchTest(unittest.TestCase):
+    def test_redraws_on_a_terminal_and_prints_plain_blocks_in_a_pipe(self):
+        """geotrain-ctl watch: in a pipe, one block per interval with no
+        escape codes, until Ctrl-C (exit 0); on a terminal (a pty), each
+        frame clears the screen first."""
+        import pty
+        import signal
+        workdir = tempfile.mkdtemp(prefix="geotrain-watch-")
+        job = os.path.join(workdir, "job.textproto")
+        with open(job, "w") as f:
+            f.write(JOB)
+        with Cluster(job, workdir=workdir) as c:
+            c.start_coordinator()
+            for k in range(3):
+                c.start_worker(f"w{k}")
+            wait_for(lambda: c.status()["step"] >= 2, 180, "2 steps")
+            watch = [binary("geotrain-ctl"), "watch", f"--coordinator={c.address}", "--insecure"]
+            started = time.monotonic()
+            piped = subprocess.Popen(watch, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, stdin=subprocess.DEVNULL)
+            time.sleep(3.5)
+            piped.send_signal(signal.SIGINT)  # what Ctrl-C sends
+            out, err = piped.communicate(timeout=10)
+            took = time.monotonic() - started
+            self.assertEqual(piped.returncode, 0, err)
+            self.assertNotIn("\x1b", out)
+            blocks = [b for b in out.split("\n\n") if b.startswith("geotrain watch ")]
+            print(f"watch in a pipe: {len(blocks)} blocks in {took:.1f} s; the last:\n"
+                  f"{out[out.rfind('geotrain watch '):]}", flush=True)
+            self.assertGreaterEqual(len(blocks), 3)
+            self.assertLessEqual(len(blocks), 5)
+            last = out[out.rfind("geotrain watch "):]
+            for stage in range(3):
+                self.assertRegex(last, rf"\n{stage} +\[\d+,\d+\) +w\d +training")
+            self.assertIn("downstream", last)
+            self.assertIn("last events:", last)
+            steps = [int(m) for m in re.findall(r"step (\d+)/", out)]
+            self.assertGreater(steps[-1], steps[0])  # it is live, not one snapshot
+
+            # A terminal: --frames ends it; each frame starts by clearing.
+            leader, follower = pty.openpty()
+            tty = subprocess.Popen(watch + ["--frames=2", "--interval=200ms"], stdout=follower,
+                                   stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+            os.close(follower)
+            screen = b""
+            while True:
+                try:
+                    chunk = os.read(leader, 65536)
+                except OSError:  # the pty closed: the process ended
+                    break
+                if not chunk:
+                    break
+                screen += chunk
+            os.close(leader)
+            self.assertEqual(tty.wait(timeout=10), 0)
+            self.assertEqual(screen.count(b"\x1b[H\x1b[2J"), 2, screen[:200])
+            self.assertIn(b"(Ctrl-C to stop)", screen)
+
+            # An unreachable coordinator: a clear error each frame, not a crash.
+            out = subprocess.run([binary("geotrain-ctl"), "watch", "--coordinator=127.0.0.1:1",
+                                  "--insecure", "--frames=2", "--interval=100ms",
+                                  "--timeout_ms=500"], capture_output=True, text=True, timeout=30,
+                                 stdin=subprocess.DEVNULL)
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertEqual(out.stdout.count("status at 127.0.0.1:1 failed"), 2, out.stdout)
 
 
 def test_python():

@@ -1,0 +1,120 @@
+#include "coordinator/status_page.h"
+
+#include <google/protobuf/util/json_util.h>
+
+#include <cmath>
+#include <optional>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/metrics_exporter.h"
+#include "coordinator/cluster_metrics.h"
+
+namespace geotrain {
+namespace {
+
+// A JSON number (JSON has no NaN or infinity).
+std::string Number(double value) {
+  return std::isfinite(value) ? absl::StrFormat("%.8g", value) : "0";
+}
+
+HttpResponse Text(int status, std::string body) {
+  HttpResponse response;
+  response.status = status;
+  response.body = std::move(body);
+  return response;
+}
+
+// OK, or the refusal to send when the request carries no valid viewer token.
+std::optional<HttpResponse> Refusal(const AccessStore* access, const HttpRequest& request) {
+  if (access == nullptr) return std::nullopt;
+  const std::string authorization = request.Header("authorization");
+  constexpr absl::string_view kBearer = "Bearer ";
+  if (!absl::StartsWith(authorization, kBearer)) {
+    return Text(401,
+                "this coordinator needs a viewer token: open the page as "
+                "http://HOST:PORT/#token=<viewer token> (make one with geotrain-ctl token "
+                "create --role=viewer), or send \"Authorization: Bearer <viewer token>\"\n");
+  }
+  absl::StatusOr<std::string> checked = access->CheckToken(
+      authorization.substr(kBearer.size()), v1::TOKEN_ROLE_VIEWER);
+  if (!checked.ok()) {
+    return Text(403, absl::StrCat("viewer token refused: ", checked.status().message(), "\n"));
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::string StatusJson(const v1::ClusterStatus& status, const ProgressHistory& history,
+                       bool serving) {
+  std::string status_json;
+  google::protobuf::util::JsonPrintOptions options;
+  options.preserve_proto_field_names = true;
+  options.always_print_primitive_fields = true;
+  if (!google::protobuf::util::MessageToJsonString(status, &status_json, options).ok()) {
+    status_json = "{}";
+  }
+  std::string json = absl::StrCat("{\"status\":", status_json, ",\"history\":{\"steps\":[");
+  bool first = true;
+  for (const StepPoint& p : history.steps()) {
+    absl::StrAppend(&json, first ? "" : ",", "{\"step\":", p.step, ",\"loss\":", Number(p.loss),
+                    ",\"samples_per_s\":", Number(p.samples_per_s),
+                    ",\"time_s\":", Number(p.time_s), "}");
+    first = false;
+  }
+  absl::StrAppend(&json, "],\"evals\":[");
+  first = true;
+  for (const EvalPoint& p : history.evals()) {
+    absl::StrAppend(&json, first ? "" : ",", "{\"step\":", p.step,
+                    ",\"val_loss\":", Number(p.val_loss));
+    if (p.has_accuracy) absl::StrAppend(&json, ",\"accuracy\":", Number(p.accuracy));
+    absl::StrAppend(&json, ",\"time_s\":", Number(p.time_s), "}");
+    first = false;
+  }
+  absl::StrAppend(&json, "]},\"health\":{\"coordinator\":\"",
+                  serving ? "SERVING" : "NOT_SERVING", "\"}}");
+  return json;
+}
+
+std::map<std::string, HttpServer::Handler> StatusPageHandlers(const StatusPageOptions& options) {
+  std::map<std::string, HttpServer::Handler> pages;
+  pages["/"] = [](const HttpRequest&) {
+    HttpResponse page;
+    page.content_type = "text/html; charset=utf-8";
+    page.body = kStatusPageHtml;
+    return page;
+  };
+  JobController* controller = options.controller;
+  const AccessStore* access = options.access;
+  std::function<bool()> serving = options.serving;
+  const std::string security = options.security;
+  pages["/status.json"] = [controller, access, serving, security](const HttpRequest& request) {
+    if (std::optional<HttpResponse> refused = Refusal(access, request)) return *refused;
+    HttpResponse response;
+    response.content_type = "application/json";
+    v1::ClusterStatus status = controller->Status();
+    status.set_security(security);
+    response.body = StatusJson(status, controller->History(), serving ? serving() : true);
+    return response;
+  };
+  pages["/metrics"] = [controller, access](const HttpRequest& request) {
+    if (std::optional<HttpResponse> refused = Refusal(access, request)) return *refused;
+    HttpResponse response;
+    response.content_type = "text/plain; version=0.0.4; charset=utf-8";
+    response.body = ExpositionText(ClusterMetrics(controller->Status()).Take());
+    return response;
+  };
+  return pages;
+}
+
+absl::StatusOr<std::unique_ptr<HttpServer>> StartStatusPage(const StatusPageOptions& options) {
+  HttpServerOptions server;
+  server.listen = options.listen;
+  server.max_connections = options.max_connections;
+  return HttpServer::Start(server, StatusPageHandlers(options));
+}
+
+}  // namespace geotrain
