@@ -105,6 +105,7 @@ absl::StatusOr<std::unique_ptr<JobController>> JobController::Create(
   }
   controller->metrics_ = std::make_unique<MetricsSink>(std::move(metrics_file), kThroughputWindow,
                                                        std::move(curves));
+  controller->curves_step_ = controller->step_;  // a recovered job's earlier steps have theirs
   if (!controller->recovered_) {
     controller->AddEventLocked("started", "",
                                absl::StrCat("job ", controller->options_.job.name()));
@@ -474,11 +475,9 @@ absl::Status JobController::ReportStep(const v1::StepReport& report) {
       options_.job.optimizer().lr() *
       LearningRateScale(options_.job.optimizer(),
                         static_cast<double>(step_) / std::max(1, options_.job.steps()));
-  const std::vector<WorkerRecord> workers = membership_.Snapshot();
-  for (const WorkerRecord& w : workers) {
+  for (const WorkerRecord& w : membership_.Snapshot()) {
     if (w.alive) figures.rss_bytes.emplace_back(w.name, w.rss_bytes);
   }
-  figures.series = StageSeries(*plan_, workers);
   metrics_->RecordStep(now, figures);
   // Every step: a restarted coordinator must not resume a re-plan from a
   // step the workers have already done.
@@ -535,6 +534,7 @@ absl::Status JobController::ReportDone(const v1::DoneReport& report) {
   for (const std::string& id : done_workers_) done_in_plan += StageOf(*plan_, id) != nullptr;
   if (!done_ && done_in_plan == WorkersInPlan(*plan_)) {
     done_ = true;
+    WriteStageCurvesLocked(/*job_done=*/true);
     PersistLocked();
     v1::Plan final_plan = *plan_;
     final_plan.set_epoch(plan_->epoch() + 1);
@@ -577,6 +577,7 @@ void JobController::Tick() {
   MaybePlanLocked();
   CheckStragglersLocked();
   MaybeVoluntaryReplanLocked();
+  WriteStageCurvesLocked(/*job_done=*/false);
   if (!expired.empty()) {
     membership_.PruneDead(kMaxDeadMembers);
     PersistLocked();
@@ -938,6 +939,30 @@ bool JobController::ReplaceLocked(const std::string& worker_id, const std::strin
                       absl::StrCat("stage ", stage, ": ", NameOf(worker_id), " -> ",
                                    standbys[0].name, " (standby), because ", why));
   return true;
+}
+
+void JobController::WriteStageCurvesLocked(bool job_done) {
+  if (!metrics_->has_curves() || !plan_.has_value() || curves_step_ >= step_) return;
+  const std::vector<WorkerRecord> workers = membership_.Snapshot();
+  int covered = step_;
+  if (!job_done) {
+    for (const v1::StageAssignment& stage : plan_->stages()) {
+      const auto primary =
+          std::find_if(workers.begin(), workers.end(),
+                       [&](const WorkerRecord& w) { return w.id == stage.worker_id(); });
+      if (primary == workers.end() || !primary->alive ||
+          primary->stats.compute_s_per_microbatch() <= 0) {
+        return;  // its figures are still to come
+      }
+      covered = std::min(covered, primary->step);
+    }
+  }
+  if (covered <= curves_step_) return;
+  const Scalars series = StageSeries(*plan_, workers);
+  for (int step = curves_step_ + 1; step <= covered; ++step) {
+    metrics_->RecordStageCurves(step, series);
+  }
+  curves_step_ = covered;
 }
 
 void JobController::CheckStragglersLocked() {

@@ -190,6 +190,13 @@ class JobController {
   // to a standby when there is one; a replica far slower than its fastest
   // sibling is reported and demoted to standby.
   void CheckStragglersLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // TensorBoard's per-stage and per-link curves get one point per step:
+  // step s's are the figures of the first heartbeats that came after every
+  // stage's primary had finished s (its heartbeat's step >= s), so each
+  // point is a measurement that covers its step; once the job is done
+  // (`job_done`), the last figures cover the steps still open. Nothing
+  // without --tensorboard_dir.
+  void WriteStageCurvesLocked(bool job_done) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool EligibleStandbyLocked(const WorkerRecord& worker) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Live workers outside `plan` that may take a stage, fastest first.
   std::vector<WorkerRecord> StandbysLocked(const v1::Plan& plan) const
@@ -296,6 +303,7 @@ class JobController {
   bool done_ ABSL_GUARDED_BY(mu_) = false;
   std::set<std::string> done_workers_ ABSL_GUARDED_BY(mu_);
   int step_ ABSL_GUARDED_BY(mu_) = 0;
+  int curves_step_ ABSL_GUARDED_BY(mu_) = 0;  // the last step with stage curves
   double loss_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t samples_ ABSL_GUARDED_BY(mu_) = 0;
   double training_start_s_ ABSL_GUARDED_BY(mu_) = -1;

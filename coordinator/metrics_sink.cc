@@ -1,7 +1,5 @@
 #include "coordinator/metrics_sink.h"
 
-#include <cmath>
-
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/json.h"
@@ -25,7 +23,6 @@ void MetricsSink::RecordStep(double now_s, const StepFigures& figures) {
     Scalars scalars = {{"train/loss", figures.loss},
                        {"train/samples_per_second", samples_per_s},
                        {"train/learning_rate", figures.learning_rate}};
-    scalars.insert(scalars.end(), figures.series.begin(), figures.series.end());
     curves_->Write(figures.step, absl::Now(), scalars);
   }
   if (log_ == nullptr) return;
@@ -33,17 +30,11 @@ void MetricsSink::RecordStep(double now_s, const StepFigures& figures) {
   for (const auto& [name, bytes] : figures.rss_bytes) {
     absl::StrAppend(&rss, rss.empty() ? "" : ",", "\"", JsonEscape(name), "\":", bytes);
   }
-  std::string series;
-  for (const auto& [tag, value] : figures.series) {
-    if (!std::isfinite(value)) continue;
-    absl::StrAppend(&series, series.empty() ? "" : ",",
-                    absl::StrFormat("\"%s\":%.8g", JsonEscape(tag), value));
-  }
   log_->Append(absl::StrFormat(
       "{\"step\":%d,\"loss\":%.8g,\"samples\":%d,\"time_s\":%.3f,\"samples_per_s\":%.6g,"
-      "\"lr\":%.8g,\"rss_bytes\":{%s},\"series\":{%s}}",
+      "\"lr\":%.8g,\"rss_bytes\":{%s}}",
       figures.step, figures.loss, figures.samples, figures.training_s, samples_per_s,
-      figures.learning_rate, rss, series));
+      figures.learning_rate, rss));
 }
 
 void MetricsSink::RecordEval(double training_s, const v1::EvalReport& report) {
@@ -62,6 +53,10 @@ void MetricsSink::RecordEval(double training_s, const v1::EvalReport& report) {
   }
   absl::StrAppend(&line, absl::StrFormat(",\"time_s\":%.3f}", training_s));
   log_->Append(std::move(line));
+}
+
+void MetricsSink::RecordStageCurves(int step, const Scalars& series) {
+  if (curves_ != nullptr && !series.empty()) curves_->Write(step, absl::Now(), series);
 }
 
 double MetricsSink::SamplesPerSecond() const {

@@ -4,8 +4,8 @@
 // over the last steps. Each step line's figures and the event file's points
 // for that step are the same: series "train/loss", "train/samples_per_second"
 // and "train/learning_rate" at every step, "eval/loss" (and "eval/accuracy"
-// for classifiers) at every evaluation, and each of StepFigures::series at
-// the steps whose line carries it. Nothing here waits on the disk, so the
+// for classifiers) at every evaluation. The per-stage and per-link curves
+// (RecordStageCurves) go to the event file only. Nothing here waits on the disk, so the
 // controller may call it under its lock on every step report.
 // Thread-compatible, except Flush, which may run on any thread at any time
 // (it touches only the log).
@@ -35,8 +35,6 @@ struct StepFigures {
   double learning_rate = 0;  // of the update that ended the step
   // Resident memory of each live worker, by name.
   std::vector<std::pair<std::string, int64_t>> rss_bytes;
-  // Per-stage and per-link figures known at this step (StageSeries).
-  Scalars series;
 };
 
 class MetricsSink {
@@ -48,6 +46,10 @@ class MetricsSink {
   // `now_s`: any monotonic time in seconds (the throughput's clock).
   void RecordStep(double now_s, const StepFigures& figures);
   void RecordEval(double training_s, const v1::EvalReport& report);
+  // Per-stage and per-link figures (StageSeries) as the curves' points at
+  // `step`; nothing without curves.
+  void RecordStageCurves(int step, const Scalars& series);
+  bool has_curves() const { return curves_ != nullptr; }
   // Over the window's steps; 0 until two steps are recorded (or when no
   // time or no sample passed between them).
   double SamplesPerSecond() const;

@@ -1,10 +1,10 @@
 // The per-stage and per-link curves of one step, from the current plan and
 // the workers' latest heartbeats: for each stage, its primary's compute
 // seconds per microbatch, bubble fraction and mean staleness; for each of
-// the primary's links, goodput and compression ratio. A stage's series
-// start with its primary's first heartbeat that carries figures; a link's
-// are named by stage, direction and the peer's worker name, so they stay
-// put while the plan does. Replicas' own figures are in the status and the
+// the primary's links, goodput and compression ratio. A stage whose primary
+// has sent no figures yet is left out (JobController writes a step's points
+// once every stage has); a link's series are named by stage, direction and
+// the peer's worker name, so they stay put while the plan does. Replicas' own figures are in the status and the
 // metrics endpoint, not here.
 #ifndef GEOTRAIN_COORDINATOR_STAGE_SERIES_H_
 #define GEOTRAIN_COORDINATOR_STAGE_SERIES_H_
