@@ -31,6 +31,8 @@ namespace geotrain {
 // a loaded 2-core lab; 8 frames time 7/8 of the message, not 1/2.
 inline constexpr size_t kMinTimedMessageBytes = 32 * 1024;
 inline constexpr size_t kTimedMessageFrames = 8;
+// A receiver records at most this many frame arrivals of a message.
+inline constexpr size_t kMaxTimedFrameArrivals = 64;
 
 // When one frame of a message was read, and the payload bytes it carried.
 struct FrameArrival {

@@ -491,8 +491,6 @@ int HealthCommand(const Connection& connection, const std::string& address) {
   return response.status() == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
 }
 
-// `plan`: the planner's prediction for the current plan; with --explain,
-// per stage: compute, link, bound and why each worker is where it is.
 std::atomic<bool> g_interrupted{false};
 void OnInterrupt(int) { g_interrupted = true; }
 
@@ -536,6 +534,8 @@ int WatchCommand(const Connection& connection, const std::string& address) {
   return 0;
 }
 
+// `plan`: the planner's prediction for the current plan; with --explain,
+// per stage: compute, link, bound and why each worker is where it is.
 int PrintPlan(const geotrain::v1::ClusterStatus& status) {
   if (status.state() == "waiting" || !status.has_prediction()) {
     std::printf("no plan yet (%s)\n", status.state().c_str());

@@ -943,9 +943,15 @@ bool JobController::ReplaceLocked(const std::string& worker_id, const std::strin
 
 void JobController::WriteStageCurvesLocked(bool job_done) {
   if (!metrics_->has_curves() || !plan_.has_value() || curves_step_ >= step_) return;
+  // A stage whose figures never come (dead until a re-plan, or a worker that
+  // reports none) holds the curves back this long at most; then the steps
+  // get what is known.
+  constexpr double kMaxWaitS = 10;
+  const double now = ElapsedS();
+  if (curves_waiting_since_s_ < 0) curves_waiting_since_s_ = now;
   const std::vector<WorkerRecord> workers = membership_.Snapshot();
   int covered = step_;
-  if (!job_done) {
+  if (!job_done && now - curves_waiting_since_s_ < kMaxWaitS) {
     for (const v1::StageAssignment& stage : plan_->stages()) {
       const auto primary =
           std::find_if(workers.begin(), workers.end(),
@@ -963,6 +969,7 @@ void JobController::WriteStageCurvesLocked(bool job_done) {
     metrics_->RecordStageCurves(step, series);
   }
   curves_step_ = covered;
+  curves_waiting_since_s_ = curves_step_ < step_ ? now : -1;
 }
 
 void JobController::CheckStragglersLocked() {

@@ -194,8 +194,9 @@ class JobController {
   // step s's are the figures of the first heartbeats that came after every
   // stage's primary had finished s (its heartbeat's step >= s), so each
   // point is a measurement that covers its step; once the job is done
-  // (`job_done`), the last figures cover the steps still open. Nothing
-  // without --tensorboard_dir.
+  // (`job_done`), or after 10 s without the figures of every stage, the
+  // last figures cover the steps still open. Nothing without
+  // --tensorboard_dir.
   void WriteStageCurvesLocked(bool job_done) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool EligibleStandbyLocked(const WorkerRecord& worker) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Live workers outside `plan` that may take a stage, fastest first.
@@ -304,6 +305,7 @@ class JobController {
   std::set<std::string> done_workers_ ABSL_GUARDED_BY(mu_);
   int step_ ABSL_GUARDED_BY(mu_) = 0;
   int curves_step_ ABSL_GUARDED_BY(mu_) = 0;  // the last step with stage curves
+  double curves_waiting_since_s_ ABSL_GUARDED_BY(mu_) = -1;  // for the figures of step+1
   double loss_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t samples_ ABSL_GUARDED_BY(mu_) = 0;
   double training_start_s_ ABSL_GUARDED_BY(mu_) = -1;

@@ -31,8 +31,8 @@ HttpResponse Text(int status, std::string body) {
 std::optional<HttpResponse> Refusal(const AccessStore* access, const HttpRequest& request) {
   if (access == nullptr) return std::nullopt;
   const std::string authorization = request.Header("authorization");
-  constexpr absl::string_view kBearer = "Bearer ";
-  if (!absl::StartsWith(authorization, kBearer)) {
+  constexpr absl::string_view kBearer = "Bearer ";  // the scheme's case is free
+  if (!absl::StartsWithIgnoreCase(authorization, kBearer)) {
     return Text(401,
                 "this coordinator needs a viewer token: open the page as "
                 "http://HOST:PORT/#token=<viewer token> (make one with geotrain-ctl token "
@@ -41,7 +41,11 @@ std::optional<HttpResponse> Refusal(const AccessStore* access, const HttpRequest
   absl::StatusOr<std::string> checked = access->CheckToken(
       authorization.substr(kBearer.size()), v1::TOKEN_ROLE_VIEWER);
   if (!checked.ok()) {
-    return Text(403, absl::StrCat("viewer token refused: ", checked.status().message(), "\n"));
+    // One answer for every reason: a stranger learns nothing of which
+    // token ids exist, their roles or their expiry (and nothing is logged,
+    // so refusals cannot flood the log).
+    return Text(403,
+                "viewer token refused (unknown, expired, revoked, or not a viewer token)\n");
   }
   return std::nullopt;
 }

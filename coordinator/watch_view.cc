@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 #include <map>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"

@@ -158,7 +158,15 @@ absl::Status LinkEnd::Serve() {
       break;
     }
     if (parts->header.has_value()) arrivals.clear();
-    arrivals.push_back({absl::Now(), parts->data_bytes});
+    // Bounded whatever a peer sends (empty frames, say): past the limit the
+    // last entry stands for every later frame, so the last arrival and the
+    // bytes after each earlier one stay exact.
+    if (arrivals.size() < kMaxTimedFrameArrivals) {
+      arrivals.push_back({absl::Now(), parts->data_bytes});
+    } else {
+      arrivals.back().at = absl::Now();
+      arrivals.back().bytes += parts->data_bytes;
+    }
     absl::StatusOr<std::optional<LinkMessage>> added = assembler.Add(*std::move(parts));
     if (!added.ok()) {
       failure = added.status();

@@ -3,9 +3,14 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
+#include <map>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/strings/match.h"
+#include "coordinator/access_store.h"
 
 namespace geotrain {
 namespace {
@@ -34,16 +39,31 @@ TEST(StatusJsonTest, HoldsTheStatusTheHistoryAndHealth) {
   EXPECT_TRUE(absl::StrContains(StatusJson(status, history, false), "NOT_SERVING"));
 }
 
-TEST(ProgressHistoryTest, ThinsOutInsteadOfGrowing) {
+TEST(ProgressHistoryTest, ThinsOutEvenlyInsteadOfGrowing) {
   ProgressHistory history(/*max_points=*/100);
   for (int step = 1; step <= 10000; ++step) history.AddStep({step, 1.0, 1.0, 1.0 * step});
-  EXPECT_LE(history.steps().size(), 100u);
-  EXPECT_GE(history.steps().size(), 50u);
-  EXPECT_EQ(history.steps().front().step, 1);
-  EXPECT_EQ(history.steps().back().step, 10000);  // the newest is kept
-  for (size_t i = 1; i < history.steps().size(); ++i) {
-    EXPECT_LT(history.steps()[i - 1].step, history.steps()[i].step);
+  const std::vector<StepPoint> points = history.steps();
+  EXPECT_LE(points.size(), 100u);
+  EXPECT_GE(points.size(), 50u);
+  EXPECT_EQ(points.front().step, 1);
+  EXPECT_EQ(points.back().step, 10000);  // the newest is always there
+  // Evenly spread over the whole run: every gap but the last (to the
+  // newest) is the same, not dense at the end and sparse at the start.
+  const int gap = points[1].step - points[0].step;
+  for (size_t i = 1; i + 1 < points.size(); ++i) {
+    EXPECT_EQ(points[i].step - points[i - 1].step, gap) << i;
   }
+  EXPECT_LE(points.back().step - points[points.size() - 2].step, gap);
+  EXPECT_LE(gap, 2 * 10000 / 50);
+}
+
+TEST(ProgressHistoryTest, AShortRunKeepsEveryPoint) {
+  ProgressHistory history(/*max_points=*/100);
+  for (int step = 1; step <= 99; ++step) history.AddStep({step, 1.0, 1.0, 1.0});
+  history.AddEval({50, 2.0, 0, false, 1.0});
+  ASSERT_EQ(history.steps().size(), 99u);
+  EXPECT_EQ(history.steps()[41].step, 42);
+  ASSERT_EQ(history.evals().size(), 1u);
 }
 
 TEST(StatusPageTest, ThePageIsSelfContained) {
@@ -54,6 +74,53 @@ TEST(StatusPageTest, ThePageIsSelfContained) {
   for (const char* external : {"<script src", "<link ", "@import", "url(http", "//cdn"}) {
     EXPECT_FALSE(absl::StrContains(page, external)) << external;
   }
+}
+
+class StatusPageTokenTest : public testing::Test {
+ protected:
+  void SetUp() override {
+    const std::string path = testing::TempDir() + "/status_page_access.textproto";
+    std::remove(path.c_str());
+    auto opened = AccessStore::Open(path, "sha256:00");
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    access_ = *std::move(opened);
+    options_.access = access_.get();  // no controller: a refusal never reaches it
+    handlers_ = StatusPageHandlers(options_);
+  }
+
+  std::string Token(v1::TokenRole role) {
+    v1::CreateTokenRequest request;
+    request.set_role(role);
+    request.set_ttl_s(3600);
+    auto created = access_->CreateToken(request);
+    EXPECT_TRUE(created.ok()) << created.status();
+    return created.ok() ? created->token() : "";
+  }
+
+  int Get(const std::string& path, const std::vector<std::string>& headers) {
+    return HttpServer::Answer("GET " + path + " HTTP/1.1", headers, handlers_).status;
+  }
+
+  std::unique_ptr<AccessStore> access_;
+  StatusPageOptions options_;
+  std::map<std::string, HttpServer::Handler> handlers_;
+};
+
+TEST_F(StatusPageTokenTest, EverythingButThePageNeedsAViewerToken) {
+  EXPECT_EQ(Get("/", {}), 200);  // the page itself holds no data
+  const std::string worker = Token(v1::TOKEN_ROLE_WORKER);  // unlimited uses
+  for (const char* path : {"/status.json", "/metrics"}) {
+    EXPECT_EQ(Get(path, {}), 401) << path;
+    EXPECT_EQ(Get(path, {"Authorization: Basic dXNlcjpwYXNz"}), 401) << path;
+    EXPECT_EQ(Get(path, {"Authorization: Bearer not-a-token"}), 403) << path;
+    EXPECT_EQ(Get(path, {"Authorization: Bearer " + worker}), 403) << path;  // another role
+  }
+  const HttpResponse refused = HttpServer::Answer(
+      "GET /status.json HTTP/1.1", {"Authorization: bearer " + worker}, handlers_);
+  EXPECT_EQ(refused.status, 403);  // the scheme's case does not matter
+  // One answer for every reason: nothing about the token leaks.
+  EXPECT_EQ(refused.body,
+            "viewer token refused (unknown, expired, revoked, or not a viewer token)\n");
 }
 
 }  // namespace

@@ -394,7 +394,10 @@ class StatusPageTest(unittest.TestCase):
             code, body = get("/status.json")
             self.assertEqual(code, 401, body)
             self.assertIn("viewer token", body)
-            for wrong in ("not-a-token", worker_token):  # malformed; another role
+            # Malformed; and a valid token of another role (unlimited uses,
+            # so it is refused for its role, not for being used up).
+            other_role = c.create_token("--name=page-not-a-viewer")
+            for wrong in ("not-a-token", other_role):
                 code, body = get("/status.json", wrong)
                 self.assertEqual(code, 403, body)
             self.assertEqual(get("/metrics")[0], 401)
