@@ -71,14 +71,6 @@ ABSL_FLAG(int, frames, 0, "watch: stop after this many frames (0: at Ctrl-C)");
 
 namespace {
 
-std::string StateName(geotrain::v1::WorkerState state) {
-  std::string name = geotrain::v1::WorkerState_Name(state);
-  const std::string prefix = "WORKER_STATE_";
-  if (name.rfind(prefix, 0) == 0) name = name.substr(prefix.size());
-  for (char& c : name) c = static_cast<char>(std::tolower(c));
-  return name;
-}
-
 void PrintBrief(const geotrain::v1::ClusterStatus& s) {
   int training = 0;
   for (const auto& w : s.workers()) {
@@ -118,7 +110,7 @@ void PrintTable(const geotrain::v1::ClusterStatus& s) {
     std::printf("%-4s %-12s %-22s %-7s %8.1f %5s %-8s %-9s %5.1fs %8.1f %5d %5s\n",
                 w.id().c_str(), w.name().c_str(), w.address().c_str(),
                 device.c_str(), w.gflops(), stage.c_str(), layers.c_str(),
-                StateName(w.state()).c_str(), w.heartbeat_age_s(),
+                geotrain::WorkerStateName(w.state()).c_str(), w.heartbeat_age_s(),
                 w.rss_bytes() / 1048576.0, w.step(), w.reachable() ? "yes" : "NO");
   }
   for (const auto& w : s.workers()) {

@@ -13,14 +13,6 @@
 namespace geotrain {
 namespace {
 
-std::string StateName(v1::WorkerState state) {
-  std::string name = v1::WorkerState_Name(state);
-  const std::string prefix = "WORKER_STATE_";
-  if (name.rfind(prefix, 0) == 0) name = name.substr(prefix.size());
-  for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return name;
-}
-
 // Control bytes (a worker's name or an event's detail come from strangers)
 // would move a terminal's cursor: shown as '?'.
 std::string Printable(const std::string& text) {
@@ -42,6 +34,14 @@ std::string Cut(const std::string& frame, int max_width) {
 }
 
 }  // namespace
+
+std::string WorkerStateName(v1::WorkerState state) {
+  std::string name = v1::WorkerState_Name(state);
+  const std::string prefix = "WORKER_STATE_";
+  if (name.rfind(prefix, 0) == 0) name = name.substr(prefix.size());
+  for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return name;
+}
 
 std::string RenderWatchFrame(const v1::ClusterStatus& s, const WatchViewOptions& options) {
   std::string out;
@@ -78,7 +78,7 @@ std::string RenderWatchFrame(const v1::ClusterStatus& s, const WatchViewOptions&
     absl::StrAppend(
         &out,
         absl::StrFormat("%-6s %-8s %-14s %-9s %10s %7s %6s %6.1fs\n", stage, layers,
-                        Printable(w->name()), StateName(w->state()),
+                        Printable(w->name()), WorkerStateName(w->state()),
                         figures ? absl::StrFormat("%.2f", w->compute_s_per_microbatch() * 1e3)
                                 : "-",
                         figures ? absl::StrFormat("%.0f%%", w->bubble_fraction() * 100) : "-",

@@ -18,6 +18,9 @@ struct WatchViewOptions {
   std::string title;   // first line, e.g. "geotrain watch 127.0.0.1:7070 12:00:01"
 };
 
+// "training", "standby", ... (the enum's name without its prefix, lower case).
+std::string WorkerStateName(v1::WorkerState state);
+
 std::string RenderWatchFrame(const v1::ClusterStatus& status, const WatchViewOptions& options);
 
 }  // namespace geotrain

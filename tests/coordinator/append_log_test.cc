@@ -124,6 +124,21 @@ TEST(AppendLogTest, AQueueOfNoLinesStillKeepsTheNewest) {
   EXPECT_EQ(Contents(options.path), "kept\n");
 }
 
+// Appends `data` while the process may write files of at most `limit`
+// bytes: the kernel writes part of the batch, then refuses (EFBIG), as a
+// full disk would.
+void AppendUnderFileSizeLimit(AppendLog* log, const std::string& data, rlim_t limit) {
+  std::signal(SIGXFSZ, SIG_IGN);
+  rlimit saved;
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &saved), 0);
+  rlimit limited = saved;
+  limited.rlim_cur = limit;
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &limited), 0);
+  log->Append(data);
+  log->Flush();
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &saved), 0);
+}
+
 TEST(AppendLogTest, ALineTornByAFullDiskDoesNotSwallowTheNextOne) {
   // A file size limit makes the kernel write part of a batch, then refuse
   // (EFBIG), as a full disk would.
@@ -134,15 +149,7 @@ TEST(AppendLogTest, ALineTornByAFullDiskDoesNotSwallowTheNextOne) {
   ASSERT_TRUE(log.ok());
   (*log)->Append("first");
   (*log)->Flush();
-  std::signal(SIGXFSZ, SIG_IGN);
-  rlimit saved;
-  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &saved), 0);
-  rlimit limited = saved;
-  limited.rlim_cur = 10;  // "first\n" and 4 bytes more
-  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &limited), 0);
-  (*log)->Append("second line");
-  (*log)->Flush();
-  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &saved), 0);
+  AppendUnderFileSizeLimit(log->get(), "second line", 10);  // "first\n" and 4 bytes more
   EXPECT_EQ((*log)->dropped(), 1);
   (*log)->Append("third");
   (*log)->Flush();
@@ -160,15 +167,7 @@ TEST(AppendLogTest, ARecordTornByAFullDiskIsCutOff) {
   ASSERT_TRUE(log.ok());
   (*log)->Append("first");
   (*log)->Flush();
-  std::signal(SIGXFSZ, SIG_IGN);
-  rlimit saved;
-  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &saved), 0);
-  rlimit limited = saved;
-  limited.rlim_cur = 9;  // "first" and 4 bytes more
-  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &limited), 0);
-  (*log)->Append("second");
-  (*log)->Flush();
-  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &saved), 0);
+  AppendUnderFileSizeLimit(log->get(), "second", 9);  // "first" and 4 bytes more
   EXPECT_EQ((*log)->dropped(), 1);
   (*log)->Append("third");
   (*log)->Flush();

@@ -30,6 +30,15 @@ from test_fault_tolerance import JOB as FAULT_JOB  # noqa: E402
 JOB = FAULT_JOB % {"steps": 100000}
 
 
+def job_in_new_dir(prefix, text):
+    """A new work directory holding job.textproto with `text`: (dir, path)."""
+    workdir = tempfile.mkdtemp(prefix=prefix)
+    job = os.path.join(workdir, "job.textproto")
+    with open(job, "w") as f:
+        f.write(text)
+    return workdir, job
+
+
 def health(target, *flags):
     """geotrain-ctl health on `target`: (exit code, stdout + stderr)."""
     out = subprocess.run([binary("geotrain-ctl"), "health", f"--target={target}", "--insecure",
@@ -71,10 +80,7 @@ class HealthTest(unittest.TestCase):
         NOT_SERVING once a neighbour dies and until the re-plan, then
         SERVING again; the coordinator is SERVING once its state is
         recovered; both list their services through reflection."""
-        workdir = tempfile.mkdtemp(prefix="geotrain-health-")
-        job = os.path.join(workdir, "job.textproto")
-        with open(job, "w") as f:
-            f.write(JOB)
+        workdir, job = job_in_new_dir("geotrain-health-", JOB)
         with Cluster(job, workdir=workdir) as c:
             c.start_coordinator()
             code, out = health(c.address)
@@ -153,10 +159,7 @@ class HealthTest(unittest.TestCase):
         """Both daemons serve gRPC server reflection, and their health
         through PyPI's stock clients (grpcio-reflection,
         grpcio-health-checking) agrees with geotrain-ctl's."""
-        workdir = tempfile.mkdtemp(prefix="geotrain-reflect-")
-        job = os.path.join(workdir, "job.textproto")
-        with open(job, "w") as f:
-            f.write(JOB)
+        workdir, job = job_in_new_dir("geotrain-reflect-", JOB)
         with Cluster(job, workdir=workdir) as c:
             c.start_coordinator()
             listed = reflection_services(c.address)
@@ -180,10 +183,7 @@ class PrometheusTest(unittest.TestCase):
         """Debian's prometheus server scrapes the coordinator and the 3
         workers of a live run; its HTTP API shows geotrain_job_step rising
         and each worker's per-link byte counters for every link it has."""
-        workdir = tempfile.mkdtemp(prefix="geotrain-prom-")
-        job = os.path.join(workdir, "job.textproto")
-        with open(job, "w") as f:
-            f.write(JOB)  # checkpoints every 5 steps: the checkpoint age is there
+        workdir, job = job_in_new_dir("geotrain-prom-", JOB)
         # Port 0 everywhere (a port picked in advance may be taken by an
         # outgoing connection meanwhile); each daemon logs where it serves.
         web = f"127.0.0.1:{free_ports(1)[0]}"
@@ -296,10 +296,7 @@ class CurvesTest(unittest.TestCase):
         per-link series, each with one point per step of the metrics log
         (the evaluations: one per evaluation line), and the training ones
         with the metrics log's values."""
-        workdir = tempfile.mkdtemp(prefix="geotrain-curves-")
-        job = os.path.join(workdir, "job.textproto")
-        with open(job, "w") as f:
-            f.write(CURVES_JOB)
+        workdir, job = job_in_new_dir("geotrain-curves-", CURVES_JOB)
         logdir = os.path.join(workdir, "tensorboard")
         with Cluster(job, coordinator_flags=[f"--tensorboard_dir={logdir}"],
                      workdir=workdir) as c:
@@ -361,10 +358,7 @@ class StatusPageTest(unittest.TestCase):
         import check_status_page_static as page_check
         browser = page_check.find_chromium(None)
         self.assertTrue(browser, "chromium not found (deploy/install-deps.sh installs it)")
-        workdir = tempfile.mkdtemp(prefix="geotrain-page-")
-        job = os.path.join(workdir, "job.textproto")
-        with open(job, "w") as f:
-            f.write(JOB)
+        workdir, job = job_in_new_dir("geotrain-page-", JOB)
         with Cluster(job, coordinator_flags=["--http_listen=127.0.0.1:0"], workdir=workdir,
                      secure=True) as c:
             c.start_coordinator()
@@ -445,10 +439,7 @@ class WatchTest(unittest.TestCase):
         frame clears the screen first."""
         import pty
         import signal
-        workdir = tempfile.mkdtemp(prefix="geotrain-watch-")
-        job = os.path.join(workdir, "job.textproto")
-        with open(job, "w") as f:
-            f.write(JOB)
+        workdir, job = job_in_new_dir("geotrain-watch-", JOB)
         with Cluster(job, workdir=workdir) as c:
             c.start_coordinator()
             for k in range(3):
