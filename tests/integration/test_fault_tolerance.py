@@ -295,7 +295,9 @@ class CorruptCheckpointTest(unittest.TestCase):
             begin = [w for w in status["workers"] if w["name"] == victim][0]["layer_begin"]
             layer_dir = os.path.join(c.dir, "state", "checkpoints", f"layer-{begin:04d}")
             c.kill(victim)
-            newest = sorted(os.listdir(layer_dir))[-1]
+            # A complete checkpoint: the killed worker's last upload may have
+            # left a partial step-N.ckpt.tmpK beside them.
+            newest = sorted(n for n in os.listdir(layer_dir) if n.endswith(".ckpt"))[-1]
             with open(os.path.join(layer_dir, newest), "r+b") as f:
                 f.seek(100)
                 f.write(b"\xde\xad\xbe\xef")
