@@ -45,6 +45,11 @@ ABSL_FLAG(std::optional<int>, min_workers, std::nullopt, "override the job's min
 ABSL_FLAG(std::optional<int>, steps, std::nullopt, "override the job's steps");
 ABSL_FLAG(std::string, schedule, "", "override the job's schedule (sync)");
 ABSL_FLAG(std::optional<int64_t>, seed, std::nullopt, "override the job's seed (>= 0)");
+ABSL_FLAG(std::optional<int>, in_flight, std::nullopt,
+          "override the job's in_flight: microbatches in flight under the async schedules "
+          "(0: the planner's choice)");
+ABSL_FLAG(std::optional<int>, update_every, std::nullopt,
+          "override the job's update_every: backwards per update under async-stash");
 ABSL_FLAG(std::string, activation_codec, "", "override the job's activation codec (none, fp16, bf16, int8, int4, topk)");
 ABSL_FLAG(std::string, gradient_codec, "", "override the job's gradient codec");
 ABSL_FLAG(bool, adaptive, false,
@@ -153,6 +158,17 @@ int main(int argc, char** argv) {
         geotrain::ParseSchedule(absl::GetFlag(FLAGS_schedule));
     if (!schedule.ok()) return Fail(std::string(schedule.status().message()));
     job->set_schedule(*schedule);
+  }
+  if (std::optional<int> in_flight = absl::GetFlag(FLAGS_in_flight)) {
+    if (*in_flight < 0 || *in_flight > 32) return Fail("--in_flight must be in [0, 32]");
+    job->set_in_flight(*in_flight);
+  }
+  if (std::optional<int> update_every = absl::GetFlag(FLAGS_update_every)) {
+    if (*update_every < 1 || job->microbatches() % *update_every != 0) {
+      return Fail(absl::StrCat("--update_every must divide the job's microbatches (",
+                               job->microbatches(), ")"));
+    }
+    job->set_update_every(*update_every);
   }
   for (auto [flag, setter] :
        {std::pair{absl::GetFlag(FLAGS_activation_codec), &geotrain::v1::JobSpec::set_activation_codec},
