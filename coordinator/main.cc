@@ -50,6 +50,8 @@ ABSL_FLAG(std::optional<int>, in_flight, std::nullopt,
           "(0: the planner's choice)");
 ABSL_FLAG(std::optional<int>, update_every, std::nullopt,
           "override the job's update_every: backwards per update under async-stash");
+ABSL_FLAG(std::optional<int>, max_stages, std::nullopt,
+          "override the job's max_stages: at most this many pipeline stages (0: one per worker)");
 ABSL_FLAG(std::string, activation_codec, "", "override the job's activation codec (none, fp16, bf16, int8, int4, topk)");
 ABSL_FLAG(std::string, gradient_codec, "", "override the job's gradient codec");
 ABSL_FLAG(bool, adaptive, false,
@@ -169,6 +171,10 @@ int main(int argc, char** argv) {
                                job->microbatches(), ")"));
     }
     job->set_update_every(*update_every);
+  }
+  if (std::optional<int> max_stages = absl::GetFlag(FLAGS_max_stages)) {
+    if (*max_stages < 0 || *max_stages > 4096) return Fail("--max_stages must be in [0, 4096]");
+    job->set_max_stages(*max_stages);
   }
   for (auto [flag, setter] :
        {std::pair{absl::GetFlag(FLAGS_activation_codec), &geotrain::v1::JobSpec::set_activation_codec},

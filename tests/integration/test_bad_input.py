@@ -92,6 +92,8 @@ class FlagRangeTest(unittest.TestCase):
             ([binary("geotrain-coordinator"), job, "--in_flight=33"], "--in_flight"),
             ([binary("geotrain-coordinator"), job, "--in_flight=-1"], "--in_flight"),
             ([binary("geotrain-coordinator"), job, "--update_every=0"], "--update_every"),
+            ([binary("geotrain-coordinator"), job, "--max_stages=-1"], "--max_stages"),
+            ([binary("geotrain-coordinator"), job, "--max_stages=4097"], "--max_stages"),
             ([binary("geotrain-coordinator"), job, "--update_every=3"], "--update_every"),
             ([binary("geotrain-worker"), "--threads=-3", "--insecure"], "--threads"),
             ([binary("geotrain-worker"), "--checkpoint_upload_mbit=-5", "--insecure"],
