@@ -141,11 +141,11 @@ class CostModel {
   }
 
   // W and the objective for a pipeline of `stages` stages with bottleneck
-  // `tau` and RTTs summing to `sum_rtt`.
-  double Objective(double tau, int stages, double sum_rtt, int* in_flight = nullptr,
-                   double* round_trip = nullptr) const {
+  // `tau`, RTTs summing to `sum_rtt` and a microbatch's round trip `trip`
+  // (every stage's compute, every link both ways, the RTTs).
+  double Objective(double tau, int stages, double sum_rtt, double trip,
+                   int* in_flight = nullptr, double* round_trip = nullptr) const {
     const double batch = std::max(1, in_.microbatch_size);
-    const double trip = (2.0 * stages - 1) * tau + sum_rtt;
     if (round_trip != nullptr) *round_trip = trip;
     if (in_.schedule == PlannerSchedule::kSync) {
       const int m = std::max(1, in_.microbatches);
@@ -177,8 +177,9 @@ class CostModel {
       tau = (objective * m * batch - sum_rtt) / (m + stages - 1);
     } else {
       tau = objective * batch;
+      // A round trip holds T* at least once besides the RTTs.
       if (in_.max_in_flight > 0) {
-        tau = std::min(tau, (objective * batch * in_.max_in_flight - sum_rtt) / (2.0 * stages - 1));
+        tau = std::min(tau, objective * batch * in_.max_in_flight - sum_rtt);
       }
     }
     return tau * (1 - kStrictlyBetter);
@@ -290,6 +291,82 @@ class Sweep {
     return true;
   }
 
+  // The least round trip (every stage's compute and codec work, every link
+  // both ways and its RTT) among the cuts and codecs of `order` that keep
+  // every stage and link within tau; kInf when none does. With `plan`, the
+  // cuts and codecs of one such pipeline. O(stages x layers^2 x codecs^2);
+  // counts as a sweep.
+  double MinTrip(const std::vector<int>& order, double tau, PipelinePlan* plan) {
+    ++sweeps_;
+    const int stages = static_cast<int>(order.size());
+    const int layers = model_.layers();
+    const int codecs = model_.codecs();
+    if (stages == 0 || stages > layers) return kInf;
+    // trip[k][i * codecs + c]: the least trip of the stages and links before
+    // stage k, stage k starting at cut i behind a link with codec c (stage
+    // 0: c = 0, no codec work); from[k][...]: stage k - 1's state.
+    const size_t states = static_cast<size_t>(layers + 1) * codecs;
+    std::vector<std::vector<double>> trip(stages, std::vector<double>(states, kInf));
+    std::vector<std::vector<size_t>> from(stages, std::vector<size_t>(states, 0));
+    trip[0][0] = 0;
+    double best = kInf;
+    size_t best_state = 0;
+    for (int k = 0; k < stages; ++k) {
+      const int w = order[k];
+      const bool last = k + 1 == stages;
+      for (int i = 0; i < layers; ++i) {
+        for (int cin = 0; cin < codecs; ++cin) {
+          const size_t state = static_cast<size_t>(i) * codecs + cin;
+          const double before = trip[k][state];
+          if (before == kInf) continue;
+          const double in_work = k == 0 ? 0 : model_.CodecWork(cin, i);
+          for (int j = last ? layers : i + 1; j <= layers; ++j) {
+            if (i < model_.LowestStart(w, j)) continue;
+            const double compute = model_.Compute(w, i, j) + in_work;
+            if (compute > tau) break;  // grows with j
+            if (last) {
+              if (before + compute < best) {
+                best = before + compute;
+                best_state = state;
+              }
+              continue;
+            }
+            if (j == layers) continue;
+            const int v = order[k + 1];
+            for (int cout = 0; cout < codecs; ++cout) {
+              const double stage = compute + model_.CodecWork(cout, j);
+              const double transfer = model_.Transfer(w, v, cout, j);
+              if (stage > tau || transfer > tau) continue;
+              const double t = before + stage + 2 * transfer + model_.Rtt(w, v);
+              const size_t next = static_cast<size_t>(j) * codecs + cout;
+              if (t < trip[k + 1][next]) {
+                trip[k + 1][next] = t;
+                from[k + 1][next] = state;
+              }
+            }
+          }
+        }
+      }
+    }
+    if (best == kInf || plan == nullptr) return best;
+    plan->stages.assign(stages, {});
+    plan->links.assign(stages - 1, {});
+    size_t state = best_state;
+    int end = layers;
+    for (int k = stages - 1; k >= 0; --k) {
+      const int begin = static_cast<int>(state / codecs);
+      plan->stages[k].worker = order[k];
+      plan->stages[k].layer_begin = begin;
+      plan->stages[k].layer_end = end;
+      if (k > 0) {
+        plan->links[k - 1].codec_index = static_cast<int>(state % codecs);
+        state = from[k][state];
+      }
+      end = begin;
+    }
+    return best;
+  }
+
   // Feasibility sweeps run so far: the searches' measure of effort.
   int64_t sweeps() const { return sweeps_; }
 
@@ -390,7 +467,7 @@ void Score(const CostModel& model, PipelinePlan* plan) {
   for (const PlannedLinkInfo& link : plan->links) sum_rtt += link.rtt_s;
   plan->bottleneck_s = tau;
   plan->time_per_sample_s =
-      model.Objective(tau, stages, sum_rtt, &plan->in_flight, &plan->round_trip_s);
+      model.Objective(tau, stages, sum_rtt, trip_s, &plan->in_flight, &plan->round_trip_s);
   plan->predicted_s_per_sample = plan->time_per_sample_s;
   if (in.schedule == PlannerSchedule::kSync) {
     const int m = std::max(1, in.microbatches);
@@ -414,8 +491,47 @@ void Score(const CostModel& model, PipelinePlan* plan) {
   }
 }
 
+// Under the async schedules with a cap W on the window the objective is
+// max(T*, round trip / W): where the cap binds, cuts and codecs with a larger
+// T* but a shorter round trip (a stronger codec: more codec work, shorter
+// transfers) can beat the least T*. g(tau) = MinTrip(tau) / W does not grow
+// with tau, so the best plan sits where tau meets g: bisection between the
+// least feasible tau (`plan`'s T*, where g is above) and a tau where g is
+// below, keeping the best plan scored on the way.
+void CoverTheRoundTrip(const CostModel& model, Sweep* sweep, const std::vector<int>& order,
+                       PipelinePlan* plan) {
+  const PlannerInput& in = model.input();
+  if (in.schedule != PlannerSchedule::kAsync || in.max_in_flight <= 0) return;
+  const double window = in.max_in_flight;
+  // Scores the least round trip within tau, keeps it if better; returns g.
+  auto trip_within = [&](double tau, double* bottleneck) {
+    PipelinePlan trial;
+    const double trip = sweep->MinTrip(order, tau, &trial);
+    if (trip == kInf) return kInf;
+    Score(model, &trial);
+    if (bottleneck != nullptr) *bottleneck = trial.bottleneck_s;
+    if (trial.time_per_sample_s < plan->time_per_sample_s * (1 - kStrictlyBetter)) {
+      *plan = std::move(trial);
+    }
+    return trip / window;
+  };
+  double lo = plan->bottleneck_s;
+  if (trip_within(lo, nullptr) <= lo) return;  // the cap does not bind at the least T*
+  double hi = 0;
+  if (trip_within(kInf, &hi) > hi) return;  // the least round trip of all binds
+  for (int i = 0; i < 100 && hi - lo > 1e-7 * hi; ++i) {
+    const double mid = lo + (hi - lo) / 2;
+    if (trip_within(mid, nullptr) <= mid) {
+      hi = mid;
+    } else {
+      lo = mid;
+    }
+  }
+}
+
 // The least T* for a fixed order (bisection on tau over the sweep; each
-// feasible tau is tightened to the plan's own T*).
+// feasible tau is tightened to the plan's own T*), then, where a window cap
+// binds, the least objective (CoverTheRoundTrip).
 bool BestCuts(const CostModel& model, Sweep* sweep, const std::vector<int>& order,
               PipelinePlan* plan) {
   PipelinePlan candidate;
@@ -435,6 +551,7 @@ bool BestCuts(const CostModel& model, Sweep* sweep, const std::vector<int>& orde
     }
   }
   *plan = std::move(candidate);
+  CoverTheRoundTrip(model, sweep, order, plan);
   return true;
 }
 

@@ -13,8 +13,12 @@
 // - link time l_k: raw bytes at the cut x the codec's ratio / rate, the
 //   slower of the two directions (activations down, gradients up);
 // - T* = max over stages and links;
-// - async: W = ceil(round trip / T*) with round trip (2p - 1) T* + sum of
-//   RTTs; a cap on W below that stretches T* to round trip / W;
+// - the round trip: one microbatch through every stage (compute and codec
+//   work) and over every link both ways, plus the RTTs;
+// - async: W = max(p, ceil(round trip / T*)); a cap on W below that
+//   stretches T* to round trip / W, so where a cap binds a stronger codec
+//   pays even on a link faster than the stages (its transfer is on the
+//   round trip);
 // - sync: a step of M microbatches takes (M + p - 1) T* + sum of RTTs.
 // The objective is that per-microbatch time divided by microbatch_size.
 #ifndef GEOTRAIN_COORDINATOR_NETWORK_PLANNER_H_
