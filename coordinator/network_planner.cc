@@ -202,7 +202,8 @@ class CostModel {
 };
 
 // The feasibility sweep: can the stages of an order cover the layers with
-// every stage and link within `tau`? Per stage O(layers x codecs).
+// every stage and link within `tau`? Per stage O(layers x codecs). And the
+// least round trip within `tau` (MinTrip), per stage O(layers^2 x codecs^2).
 class Sweep {
  public:
   explicit Sweep(const CostModel& model) : model_(model) {}
@@ -295,19 +296,25 @@ class Sweep {
   // both ways and its RTT) among the cuts and codecs of `order` that keep
   // every stage and link within tau; kInf when none does. With `plan`, the
   // cuts and codecs of one such pipeline. O(stages x layers^2 x codecs^2);
-  // counts as a sweep.
+  // counts as layers x codecs sweeps (what it costs against Feasible).
   double MinTrip(const std::vector<int>& order, double tau, PipelinePlan* plan) {
-    ++sweeps_;
     const int stages = static_cast<int>(order.size());
     const int layers = model_.layers();
     const int codecs = model_.codecs();
+    sweeps_ += static_cast<int64_t>(layers) * codecs;
     if (stages == 0 || stages > layers) return kInf;
     // trip[k][i * codecs + c]: the least trip of the stages and links before
     // stage k, stage k starting at cut i behind a link with codec c (stage
     // 0: c = 0, no codec work); from[k][...]: stage k - 1's state.
     const size_t states = static_cast<size_t>(layers + 1) * codecs;
-    std::vector<std::vector<double>> trip(stages, std::vector<double>(states, kInf));
-    std::vector<std::vector<size_t>> from(stages, std::vector<size_t>(states, 0));
+    std::vector<std::vector<double>>& trip = trip_;
+    std::vector<std::vector<size_t>>& from = trip_from_;
+    trip.resize(stages);
+    from.resize(stages);
+    for (int k = 0; k < stages; ++k) {
+      trip[k].assign(states, kInf);
+      from[k].assign(states, 0);
+    }
     trip[0][0] = 0;
     double best = kInf;
     size_t best_state = 0;
@@ -320,8 +327,10 @@ class Sweep {
           const double before = trip[k][state];
           if (before == kInf) continue;
           const double in_work = k == 0 ? 0 : model_.CodecWork(cin, i);
-          for (int j = last ? layers : i + 1; j <= layers; ++j) {
-            if (i < model_.LowestStart(w, j)) continue;
+          // Stage k ends early enough to leave each later stage a layer.
+          const int last_end = layers - (stages - 1 - k);
+          for (int j = last ? layers : i + 1; j <= last_end; ++j) {
+            if (i < model_.LowestStart(w, j)) break;  // nor will it with more layers
             const double compute = model_.Compute(w, i, j) + in_work;
             if (compute > tau) break;  // grows with j
             if (last) {
@@ -331,7 +340,6 @@ class Sweep {
               }
               continue;
             }
-            if (j == layers) continue;
             const int v = order[k + 1];
             for (int cout = 0; cout < codecs; ++cout) {
               const double stage = compute + model_.CodecWork(cout, j);
@@ -377,6 +385,8 @@ class Sweep {
   std::vector<double> end_;
   std::vector<std::vector<int>> from_;
   std::vector<std::vector<int>> codec_;
+  std::vector<std::vector<double>> trip_;
+  std::vector<std::vector<size_t>> trip_from_;
 };
 
 // The workers of stage k (the primary first, then its replicas) and the
@@ -399,7 +409,7 @@ void Score(const CostModel& model, PipelinePlan* plan) {
   std::string bound;
   std::vector<StageCrew> crews(stages);
   // One microbatch's way through the pipeline and back (sync's fill and
-  // drain): each stage's own worker and each link's full rate, not the
+  // drain, async's round trip): each stage's own worker and each link's full rate, not the
   // combined pace of a replicated stage (a replica speeds up the stream,
   // not one microbatch).
   double trip_s = 0;
@@ -503,6 +513,8 @@ void CoverTheRoundTrip(const CostModel& model, Sweep* sweep, const std::vector<i
   const PlannerInput& in = model.input();
   if (in.schedule != PlannerSchedule::kAsync || in.max_in_flight <= 0) return;
   const double window = in.max_in_flight;
+  // Where the least-T* plan's own round trip fits the cap, it is optimal.
+  if (plan->round_trip_s <= window * plan->bottleneck_s) return;
   // Scores the least round trip within tau, keeps it if better; returns g.
   auto trip_within = [&](double tau, double* bottleneck) {
     PipelinePlan trial;
