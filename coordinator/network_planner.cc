@@ -409,9 +409,9 @@ void Score(const CostModel& model, PipelinePlan* plan) {
   std::string bound;
   std::vector<StageCrew> crews(stages);
   // One microbatch's way through the pipeline and back (sync's fill and
-  // drain, async's round trip): each stage's own worker and each link's full rate, not the
-  // combined pace of a replicated stage (a replica speeds up the stream,
-  // not one microbatch).
+  // drain, async's round trip): each stage's own worker and each link's
+  // full rate, not the combined pace of a replicated stage (a replica
+  // speeds up the stream, not one microbatch).
   double trip_s = 0;
   for (int k = 0; k < stages; ++k) {
     PlannedStageInfo& s = plan->stages[k];
