@@ -125,6 +125,7 @@ JobController::JobController(JobControllerOptions options, std::unique_ptr<Plann
       store_(std::move(store)),
       state_writer_(std::move(state_writer)),
       checkpoints_(std::move(checkpoints)),
+      stragglers_(options_.stragglers),
       accusations_(membership_.lease_ms()),
       metrics_(std::make_unique<MetricsSink>(nullptr)),
       events_([&] {

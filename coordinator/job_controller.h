@@ -55,6 +55,9 @@ struct JobControllerOptions {
   // "network" (coordinator/network_planner.h) or "join-order" (planner v1:
   // join order, compute-only cuts).
   std::string planner = "join-order";
+  // When a slow stage's worker is swapped for a standby
+  // (StragglerDetector); patience_ms INT64_MAX: never.
+  StragglerOptions stragglers;
   // Runs on the state writer's thread before each write of the state file
   // (a fault-injecting wrapper for tests: a slow or failing disk). A
   // non-OK result fails that write. Empty: none.

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <optional>
 #include <vector>
 #include <thread>
@@ -73,6 +74,10 @@ ABSL_FLAG(absl::Duration, probe_timeout, absl::Seconds(2),
           "how long the coordinator tries to dial a joiner's advertised address back "
           "(its reachability decides who dials each link); 0 turns probes off (every member "
           "is taken as reachable)");
+ABSL_FLAG(absl::Duration, straggler_patience, absl::Seconds(5),
+          "how long a stage must run far slower than the others and than its worker's own "
+          "best pace before that worker is swapped for a standby; inf: never (a shared host "
+          "whose load comes and goes)");
 ABSL_FLAG(bool, insecure, false,
           "plaintext and no authentication on every call (loopback demos and tests only)");
 ABSL_FLAG(std::string, tls_cert, "", "serving certificate (PEM) instead of the generated one");
@@ -195,6 +200,13 @@ int main(int argc, char** argv) {
   const bool insecure = absl::GetFlag(FLAGS_insecure);
   options.authenticated_callers = !insecure;
   options.planner = absl::GetFlag(FLAGS_planner);
+  const absl::Duration straggler_patience = absl::GetFlag(FLAGS_straggler_patience);
+  if (straggler_patience < absl::Milliseconds(100)) {
+    return Fail("--straggler_patience: at least 100ms (one figure is no trend); inf: never");
+  }
+  options.stragglers.patience_ms = straggler_patience == absl::InfiniteDuration()
+                                       ? std::numeric_limits<int64_t>::max()
+                                       : absl::ToInt64Milliseconds(straggler_patience);
 
   // TLS: the cluster CA and the tokens live in the state dir.
   std::unique_ptr<geotrain::ClusterAuthority> authority;

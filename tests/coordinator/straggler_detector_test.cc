@@ -2,6 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdint>
+#include <limits>
+
 #include "common/clock.h"
 
 namespace geotrain {
@@ -40,6 +43,19 @@ TEST(StragglerDetectorTest, ASlowedStageIsReportedAfterThePatienceAndOnlyThen) {
   // Reported again only after another patience period.
   clock.AdvanceMs(1000);
   EXPECT_TRUE(detector.Check(Pipeline({0.010, 0.050, 0.010}), clock.NowMs()).empty());
+}
+
+TEST(StragglerDetectorTest, AnEndlessPatienceNeverReports) {
+  // What the coordinator's --straggler_patience=inf gives.
+  StragglerOptions options;
+  options.patience_ms = std::numeric_limits<int64_t>::max();
+  StragglerDetector detector(options);
+  FakeClock clock(0);
+  EXPECT_TRUE(detector.Check(Pipeline({0.010, 0.010, 0.010}), clock.NowMs()).empty());
+  for (int i = 0; i < 100; ++i) {
+    clock.AdvanceMs(24 * 3600 * 1000);
+    EXPECT_TRUE(detector.Check(Pipeline({0.010, 0.500, 0.010}), clock.NowMs()).empty());
+  }
 }
 
 TEST(StragglerDetectorTest, AStageSlowFromTheStartOrRecoveringIsNoStraggler) {

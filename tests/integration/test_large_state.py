@@ -86,7 +86,15 @@ class LargeStateTest(unittest.TestCase):
         self.assertGreater(STATE_BYTES, 64 << 20)
         with tempfile.TemporaryDirectory() as d:
             steps = 16
-            with Cluster(job_file(os.path.join(d, "job.textproto"), steps)) as c:
+            # No straggler swaps: this test is about the state's way from
+            # a checkpoint to a standby, and the block's pace on 2 shared
+            # cores (the standby's own join benchmark included) swings by
+            # 3x and more. Once a swap moved the stage to the standby just
+            # before the kill, and the swapped-out worker took it back with
+            # its own weights: nothing was restored. Swaps have their own
+            # tests (test_fault_tolerance, test_replicas).
+            with Cluster(job_file(os.path.join(d, "job.textproto"), steps),
+                         ["--straggler_patience=inf"]) as c:
                 c.start_coordinator()
 
                 workers = {}
@@ -104,17 +112,10 @@ class LargeStateTest(unittest.TestCase):
                                            s["checkpoint_steps"][BLOCK] >= 4 else None)(
                                                c.status()), 300, "a checkpoint of the block")
                 saved = status["checkpoint_steps"][BLOCK]
-                # Whoever trains the block now: on a loaded machine the
-                # straggler check may already have swapped a worker for the
-                # standby, which is then the owner (and the swapped-out
-                # worker the standby).
                 owner = next(w["name"] for w in status["workers"]
                              if w.get("layer_begin", 0) <= BLOCK < w.get("layer_end", 0) and
                              w["state"] == "WORKER_STATE_TRAINING")
-                if owner == "w2":
-                    print("before the kill: " + "; ".join(
-                        f"{e['kind']} {e.get('worker', '')}: {e.get('detail', '')}"
-                        for e in status["events"]), flush=True)
+                self.assertNotEqual(owner, "w2", status["events"])
                 last_event_s = max(e.get("time_s", 0) for e in status["events"])
                 workers[owner].popen.kill()
                 killed_at = time.monotonic()
