@@ -82,29 +82,25 @@ class FlagRangeTest(unittest.TestCase):
     """Flags out of range are errors, not silently ignored or wrapped."""
 
     def test_out_of_range_flags_are_refused(self):
-        job = f"--job={job_path('fmnist-mlp.textproto')}"
-        cases = [
-            ([binary("geotrain-coordinator"), job, "--listen=127.0.0.1:99999"], "--listen"),
-            ([binary("geotrain-coordinator"), job, "--steps=-5"], "--steps"),
-            ([binary("geotrain-coordinator"), job, "--seed=-1"], "--seed"),
-            ([binary("geotrain-coordinator"), job, "--min_workers=-2"], "--min_workers"),
-            ([binary("geotrain-coordinator"), job, "--planner=fastest"], "--planner"),
-            ([binary("geotrain-coordinator"), job, "--in_flight=33"],
-             "in_flight must be in [0, 32]"),
-            ([binary("geotrain-coordinator"), job, "--in_flight=-1"],
-             "in_flight must be in [0, 32]"),
-            ([binary("geotrain-coordinator"), job, "--update_every=0"],
-             "update_every must be > 0"),
-            ([binary("geotrain-coordinator"), job, "--max_stages=-1"],
-             "max_stages must be >= 0"),
-            ([binary("geotrain-coordinator"), job, "--max_stages=4097"],
-             "max_stages at most 4096"),
-            ([binary("geotrain-coordinator"), job, "--update_every=3"],
-             "must divide microbatches"),
-            ([binary("geotrain-coordinator"), job, "--straggler_patience=10ms"],
-             "--straggler_patience: at least 100ms"),
-            ([binary("geotrain-coordinator"), job, "--straggler_patience=-5s"],
-             "--straggler_patience: at least 100ms"),
+        # The coordinator's flag, and what its error must say.
+        coordinator_cases = [
+            ("--listen=127.0.0.1:99999", "--listen"),
+            ("--steps=-5", "--steps"),
+            ("--seed=-1", "--seed"),
+            ("--min_workers=-2", "--min_workers"),
+            ("--planner=fastest", "--planner"),
+            ("--in_flight=33", "in_flight must be in [0, 32]"),
+            ("--in_flight=-1", "in_flight must be in [0, 32]"),
+            ("--update_every=0", "update_every must be > 0"),
+            ("--max_stages=-1", "max_stages must be >= 0"),
+            ("--max_stages=4097", "max_stages at most 4096"),
+            ("--update_every=3", "must divide microbatches"),
+            ("--straggler_patience=10ms", "--straggler_patience: at least 100ms"),
+            ("--straggler_patience=-5s", "--straggler_patience: at least 100ms"),
+        ]
+        coordinator = [binary("geotrain-coordinator"),
+                       f"--job={job_path('fmnist-mlp.textproto')}"]
+        cases = [(coordinator + [flag], fragment) for flag, fragment in coordinator_cases] + [
             ([binary("geotrain-worker"), "--threads=-3", "--insecure"], "--threads"),
             ([binary("geotrain-worker"), "--checkpoint_upload_mbit=-5", "--insecure"],
              "--checkpoint_upload_mbit"),
