@@ -54,6 +54,10 @@ class BoundedQueue {
     absl::MutexLock lock(&mu_);
     closed_ = true;
   }
+  bool closed() const {
+    absl::MutexLock lock(&mu_);
+    return closed_;
+  }
 
   size_t size() const {
     absl::MutexLock lock(&mu_);

@@ -279,6 +279,27 @@ absl::Status ZstdCompress(absl::string_view in, int level, std::string* out) {
   return absl::OkStatus();
 }
 
+absl::Status CheckZstdFrameHeader(absl::string_view frame, uint64_t content_bytes) {
+  const unsigned long long size = ZSTD_getFrameContentSize(frame.data(), frame.size());
+  if (size == ZSTD_CONTENTSIZE_ERROR) {
+    return absl::InvalidArgumentError("zstd'd tensor: not a zstd frame");
+  }
+  if (size == ZSTD_CONTENTSIZE_UNKNOWN) {
+    return absl::InvalidArgumentError("zstd'd tensor: the frame does not declare its size");
+  }
+  if (size != content_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("zstd'd tensor: the frame declares ", size,
+                                                   " bytes; the header announces ",
+                                                   content_bytes));
+  }
+  const size_t compressed = ZSTD_findFrameCompressedSize(frame.data(), frame.size());
+  if (ZSTD_isError(compressed) || compressed != frame.size()) {
+    return absl::InvalidArgumentError(
+        "zstd'd tensor: the payload is not exactly one whole zstd frame");
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::string> ZstdDecompress(absl::string_view in, size_t max_bytes) {
   const unsigned long long size = ZSTD_getFrameContentSize(in.data(), in.size());
   if (size == ZSTD_CONTENTSIZE_ERROR || size == ZSTD_CONTENTSIZE_UNKNOWN) {

@@ -71,6 +71,11 @@ std::string CodecName(v1::Codec id);
 // `max_bytes` (from the header) before allocating it.
 absl::Status ZstdCompress(absl::string_view in, int level, std::string* out);
 absl::StatusOr<std::string> ZstdDecompress(absl::string_view in, size_t max_bytes);
+// Without decoding anything: OK when `frame` is exactly one zstd frame that
+// declares its content size, and that size is `content_bytes` (what the
+// tensor's header announces; CheckTensorHeader has tied it to the shape).
+// INVALID_ARGUMENT saying what does not fit.
+absl::Status CheckZstdFrameHeader(absl::string_view frame, uint64_t content_bytes);
 
 }  // namespace geotrain
 

@@ -4,12 +4,14 @@
 #include <openssl/rand.h>
 #include <openssl/sha.h>
 
+#include <cstdlib>
 #include <vector>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/logging.h"
 
 namespace geotrain {
 namespace {
@@ -47,6 +49,21 @@ absl::StatusOr<std::string> RandomString(size_t length) {
 }
 
 }  // namespace
+
+std::string RandomHexSecret(size_t bytes) {
+  std::vector<unsigned char> raw(bytes);
+  if (RAND_bytes(raw.data(), static_cast<int>(raw.size())) != 1) {
+    GT_LOG(Error) << "no randomness from OpenSSL";
+    std::abort();  // a predictable secret is worse than none
+  }
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  for (unsigned char b : raw) {
+    out += kHex[b >> 4];
+    out += kHex[b & 15];
+  }
+  return out;
+}
 
 absl::StatusOr<JoinToken> ParseJoinToken(absl::string_view text) {
   text = absl::StripAsciiWhitespace(text);

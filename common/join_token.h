@@ -33,6 +33,10 @@ std::string FormatJoinToken(const JoinToken& token);
 // A fresh id and secret (OpenSSL's RAND_bytes) for `ca_fingerprint`.
 absl::StatusOr<JoinToken> NewJoinToken(const std::string& ca_fingerprint);
 
+// `bytes` random bytes from OpenSSL's RAND_bytes as lowercase hex (a
+// secret such as a relayed link's proofs). Aborts if OpenSSL has none.
+std::string RandomHexSecret(size_t bytes);
+
 // Hex SHA-256 of a secret, as stored.
 std::string HashTokenSecret(absl::string_view secret);
 // Constant-time comparison of two equal-length strings (false otherwise).

@@ -4,7 +4,9 @@
 
 #include <filesystem>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "common/files.h"
 #include "common/join_token.h"
@@ -193,6 +195,17 @@ bool AccessStore::IsWorkerRevoked(const std::string& worker_id) const {
     if (id == worker_id) return true;
   }
   return false;
+}
+
+bool AccessStore::IssuedWorker(const std::string& worker_id) const {
+  int number = 0;
+  absl::string_view digits = worker_id;
+  if (!absl::ConsumePrefix(&digits, "w") || digits.empty() ||
+      !absl::SimpleAtoi(digits, &number) || absl::StrCat("w", number) != worker_id) {
+    return false;
+  }
+  absl::MutexLock lock(&mu_);
+  return number >= 0 && number < state_.next_worker_number();
 }
 
 std::string AccessStore::TokenOfWorker(const std::string& worker_id) const {

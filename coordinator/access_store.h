@@ -47,6 +47,8 @@ class AccessStore {
 
   absl::Status RevokeWorker(const std::string& worker_id);
   bool IsWorkerRevoked(const std::string& worker_id) const;
+  // Whether this store gave out `worker_id` (enrolled with some token).
+  bool IssuedWorker(const std::string& worker_id) const;
   // The token a worker enrolled with ("" if none).
   std::string TokenOfWorker(const std::string& worker_id) const;
 

@@ -15,6 +15,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "common/files.h"
 #include "common/layer_state.h"
@@ -54,8 +55,24 @@ absl::Status CheckLayerCheckpointHeader(const v1::JobSpec& job, const v1::LayerC
     bytes += h.payload_bytes();
     return absl::OkStatus();
   };
+  // Each parameter's shape, in the layer's order: a checkpoint of the right
+  // size cut into other shapes could not be loaded.
+  const std::vector<ParameterSpec> expected = LayerParameters(job, c.layer());
+  if (c.params_size() != static_cast<int>(expected.size())) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": ", c.params_size(),
+                                                   " parameters; the layer has ",
+                                                   expected.size()));
+  }
   for (int i = 0; i < c.params_size(); ++i) {
     if (absl::Status ok = check(c.params(i), "parameter"); !ok.ok()) return ok;
+    const std::vector<int64_t>& shape = expected[i].shape;
+    if (!std::equal(c.params(i).shape().begin(), c.params(i).shape().end(), shape.begin(),
+                    shape.end())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": parameter ", i, " (", expected[i].name, ") has shape [",
+          absl::StrJoin(c.params(i).shape(), ", "), "], not [", absl::StrJoin(shape, ", "),
+          "]"));
+    }
     uint64_t n = 1;
     for (int64_t dim : c.params(i).shape()) n *= static_cast<uint64_t>(dim);
     elements += n;
@@ -442,6 +459,30 @@ absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointStore::OpenLatest(
   }
   return absl::NotFoundError(absl::StrCat("no intact checkpoint of layer ", layer));
 }
+
+absl::StatusOr<int> CheckpointStore::Quarantine(const std::string& uploader) {
+  int moved = 0;
+  for (const auto& [layer, steps] : Index()) {
+    for (int step : steps) {
+      {
+        absl::StatusOr<std::unique_ptr<CheckpointReader>> reader = OpenFile(layer, step);
+        if (!reader.ok() || (*reader)->header().worker_id() != uploader) continue;
+      }
+      absl::MutexLock lock(&mu_);
+      RETURN_IF_ERROR(MakeDir(QuarantineDir()));
+      const std::string from = PathOf(layer, step);
+      const std::string to =
+          absl::StrFormat("%s/layer-%04d-step-%08d.ckpt", QuarantineDir(), layer, step);
+      if (rename(from.c_str(), to.c_str()) != 0) return ErrnoError("rename " + from);
+      std::vector<int>& kept = index_[layer];
+      kept.erase(std::remove(kept.begin(), kept.end(), step), kept.end());
+      ++moved;
+    }
+  }
+  return moved;
+}
+
+std::string CheckpointStore::QuarantineDir() const { return absl::StrCat(dir_, "/quarantine"); }
 
 absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointStore::Open(int layer, int step) {
   {

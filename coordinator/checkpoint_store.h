@@ -45,8 +45,8 @@ absl::Status CheckLayerCheckpointHeader(const v1::JobSpec& job, const v1::LayerC
 absl::Status CheckFiniteFloats(absl::string_view data, const std::string& what);
 
 // OK when `checkpoint` fits the job's model: one of its layers, a step in
-// [0, job.steps], float32 parameters whose element counts add up to the
-// layer's (ProfileLayers), optimizer state that repeats the parameters'
+// [0, job.steps], float32 parameters of exactly the layer's shapes in its
+// order (LayerParameters), optimizer state that repeats the parameters'
 // shapes state_per_param (0-2) times, a payload of exactly their bytes, and
 // every value finite. INVALID_ARGUMENT saying what does not fit.
 absl::Status CheckLayerCheckpoint(const v1::JobSpec& job, const v1::LayerCheckpoint& checkpoint);
@@ -142,6 +142,13 @@ class CheckpointStore {
   // DATA_LOSS when its file does not check out.
   absl::StatusOr<v1::LayerCheckpoint> Load(int layer, int step);
 
+  // Moves every checkpoint that `uploader` wrote (its header's worker_id)
+  // out of the index into <checkpoints>/quarantine/, where an operator can
+  // still look at it; restores then use the newest of the others. Returns
+  // how many files moved. For a worker whose word is no longer trusted
+  // (revoked, evicted).
+  absl::StatusOr<int> Quarantine(const std::string& uploader);
+
   // Layer -> steps on disk, oldest first. In memory: cheap enough for
   // every status query.
   std::map<int, std::vector<int>> Index() const;
@@ -154,6 +161,7 @@ class CheckpointStore {
  private:
   CheckpointStore(std::string dir, int keep) : dir_(std::move(dir)), keep_(keep) {}
   std::string LayerDir(int layer) const;
+  std::string QuarantineDir() const;
   std::string PathOf(int layer, int step) const;
   std::vector<int> StepsOnDisk(int layer) const;
   absl::StatusOr<std::unique_ptr<CheckpointReader>> OpenFile(int layer, int step) const;

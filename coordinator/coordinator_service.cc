@@ -8,11 +8,13 @@
 
 #include "common/layer_state.h"
 #include "coordinator/checkpoint_upload.h"
+#include "coordinator/link_assigner.h"
 #include "coordinator/model_export.h"
 
 #include "coordinator/membership.h"
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/grpc_status.h"
 #include "common/logging.h"
 #include "common/rpc_options.h"
@@ -171,6 +173,7 @@ grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext* context,
                                            v1::HeartbeatResponse* response) {
   absl::StatusOr<std::string> worker = caller_.Worker(*context, request->worker_id());
   if (!worker.ok()) return Refused(worker.status());
+  if (absl::Status valid = ValidateHeartbeatRequest(*request); !valid.ok()) return Refused(valid);
   v1::HeartbeatRequest checked = *request;
   checked.set_worker_id(*worker);
   response->set_known(options_.controller->Heartbeat(checked, response));
@@ -193,7 +196,8 @@ grpc::Status CoordinatorService::WatchPlan(grpc::ServerContext* context,
       }
       continue;
     }
-    if (!writer->Write(*plan)) return grpc::Status::CANCELLED;
+    // Each link's rendezvous goes only to its ends and its relay.
+    if (!writer->Write(PlanViewFor(*plan, *worker))) return grpc::Status::CANCELLED;
     sent_epoch = plan->epoch();
     if (plan->job_done()) return grpc::Status::OK;
   }
@@ -326,7 +330,18 @@ grpc::Status AdminService::RevokeToken(grpc::ServerContext* context,
   absl::StatusOr<v1::TokenInfo> revoked = options_.access->RevokeToken(request->id_or_token());
   if (!revoked.ok()) return Refused(revoked.status());
   *response->mutable_info() = *revoked;
-  options_.controller->RecordAdminEvent("token_revoked", absl::StrCat("token ", revoked->id()));
+  options_.controller->RecordAdminEvent(
+      "token_revoked",
+      absl::StrCat("token ", revoked->id(),
+                   request->keep_workers() || revoked->workers().empty()
+                       ? ""
+                       : absl::StrCat(" and its workers ", absl::StrJoin(revoked->workers(), ","))));
+  if (request->keep_workers()) return grpc::Status::OK;
+  for (const std::string& worker : revoked->workers()) {
+    if (absl::Status out = options_.access->RevokeWorker(worker); !out.ok()) return Refused(out);
+    options_.controller->RevokeWorker(worker);
+    response->add_revoked_workers(worker);
+  }
   return grpc::Status::OK;
 }
 
@@ -397,7 +412,9 @@ grpc::Status AdminService::RevokeWorker(grpc::ServerContext* context,
                                         const v1::RevokeWorkerRequest* request,
                                         v1::RevokeWorkerResponse* response) {
   if (grpc::Status admin = CheckAdmin(*context); !admin.ok()) return admin;
-  if (!options_.controller->KnowsWorker(request->worker_id())) {
+  // Any identity the coordinator issued, whether it ever joined or not.
+  if (!options_.controller->KnowsWorker(request->worker_id()) &&
+      !options_.access->IssuedWorker(request->worker_id())) {
     return grpc::Status(grpc::StatusCode::NOT_FOUND,
                         absl::StrCat("no worker '", request->worker_id().substr(0, 128), "'"));
   }

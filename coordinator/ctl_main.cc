@@ -55,6 +55,8 @@ ABSL_FLAG(absl::Duration, ttl, absl::Hours(24), "token create: how long the toke
 ABSL_FLAG(int, uses, 0, "token create: how many workers may enroll with it (0: unlimited)");
 ABSL_FLAG(std::string, name, "", "token create: a label shown by token list");
 ABSL_FLAG(std::string, role, "worker", "token create: worker or viewer (status only)");
+ABSL_FLAG(bool, keep_workers, false,
+          "token revoke: keep the workers enrolled with the token (default: revoke them too)");
 ABSL_FLAG(std::string, out, "", "export: the directory to write the model into");
 ABSL_FLAG(int, export_timeout_s, 600, "export: deadline of the whole transfer");
 ABSL_FLAG(std::string, target, "",
@@ -213,7 +215,7 @@ constexpr char kUsage[] =
     "  network\n"
     "  token create [--ttl=24h] [--uses=N] [--name=LABEL] [--role=worker|viewer]\n"
     "  token list\n"
-    "  token revoke ID_OR_TOKEN\n"
+    "  token revoke ID_OR_TOKEN [--keep_workers]: also revokes its workers unless kept\n"
     "  worker revoke ID\n"
     "  export --out=DIR [--export_timeout_s=600]\n"
     "  health [--target=HOST:PORT] [--service=NAME] [--live] [--watch [--watch_for=D]]:\n"
@@ -340,11 +342,17 @@ int TokenCommand(const std::vector<std::string>& args, const Connection& connect
   if (verb == "revoke" && args.size() == 4) {
     geotrain::v1::RevokeTokenRequest request;
     request.set_id_or_token(args[3]);
+    request.set_keep_workers(absl::GetFlag(FLAGS_keep_workers));
     geotrain::v1::RevokeTokenResponse response;
     grpc::Status rpc = stub->RevokeToken(NewContext(connection).get(), request, &response);
     if (!rpc.ok()) return RpcFailed("token revoke", address, rpc);
-    std::printf("revoked token %s (%s)\n", response.info().id().c_str(),
-                response.info().label().c_str());
+    std::printf("revoked token %s (%s)%s\n", response.info().id().c_str(),
+                response.info().label().c_str(),
+                response.revoked_workers().empty()
+                    ? ""
+                    : absl::StrCat(" and the workers enrolled with it: ",
+                                   absl::StrJoin(response.revoked_workers(), ","))
+                          .c_str());
     return 0;
   }
   std::fprintf(stderr, "%s", kUsage);

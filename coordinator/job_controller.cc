@@ -13,7 +13,6 @@
 #include "common/model_profile.h"
 #include "common/plan_util.h"
 #include "common/status_macros.h"
-#include "coordinator/accusation_ledger.h"
 #include "coordinator/link_assigner.h"
 #include "coordinator/plan_builder.h"
 #include "coordinator/stage_series.h"
@@ -45,6 +44,12 @@ constexpr size_t kMaxEventKindBytes = 64;
 // A worker's own event detail, before the peer's name is added (the event
 // log cuts the whole at its own bound).
 constexpr size_t kMaxEventDetailBytes = 512;
+// How far the last stage's step reports may run ahead of stage 0's
+// finished steps (ProgressGateOptions::max_lead_steps).
+constexpr int kProgressLeadSteps = 64;
+// How far a checkpoint's step may be past the newest step reported: its
+// upload and the step's report travel on different calls.
+constexpr int kCheckpointLeadSteps = 2;
 // An accuser whose accusations were this many times not confirmed is suspected.
 
 }  // namespace
@@ -126,7 +131,13 @@ JobController::JobController(JobControllerOptions options, std::unique_ptr<Plann
       state_writer_(std::move(state_writer)),
       checkpoints_(std::move(checkpoints)),
       stragglers_(options_.stragglers),
-      accusations_(membership_.lease_ms()),
+      progress_([&] {
+        ProgressGateOptions progress;
+        progress.total_steps = options_.job.steps();
+        progress.max_lead_steps = kProgressLeadSteps;
+        return progress;
+      }()),
+      link_faults_(membership_.lease_ms()),
       metrics_(std::make_unique<MetricsSink>(nullptr)),
       events_([&] {
         EventLogOptions events;
@@ -181,6 +192,7 @@ absl::Status JobController::RecoverLocked() {
   if (plan->has_value()) {
     plan_ = **plan;
     training_start_s_ = ElapsedS() - saved.training_elapsed_s();
+    StartProgressEpochLocked();
   }
   recovered_ = true;
   std::string layers;
@@ -285,10 +297,21 @@ void JobController::RecordAdminEvent(const std::string& kind, const std::string&
 
 bool JobController::RevokeWorker(const std::string& worker_id) {
   const bool was_live = membership_.Leave(worker_id, "revoked");
+  // Its checkpoints are no longer trusted (disk I/O: off the lock).
+  absl::StatusOr<int> quarantined = checkpoints_->Quarantine(worker_id);
   absl::MutexLock lock(&mu_);
   AddEventLocked("revoked", NameOf(worker_id),
                  absl::StrCat(worker_id, ": its certificate is denied from now on"));
-  if (was_live) MaybeReplanLocked();
+  if (!quarantined.ok()) {
+    AddEventLocked("checkpoint_quarantine_failed", NameOf(worker_id),
+                   std::string(quarantined.status().message()));
+  } else if (*quarantined > 0) {
+    AddEventLocked("checkpoints_quarantined", NameOf(worker_id),
+                   absl::StrCat(*quarantined, " checkpoint files it uploaded; restores use "
+                                              "the newest of the others"));
+  }
+  // Live or not (a lapsed lease not yet expired), it leaves the plan.
+  MaybeReplanLocked();
   membership_.PruneDead(kMaxDeadMembers);
   PersistLocked();
   return was_live;
@@ -296,12 +319,22 @@ bool JobController::RevokeWorker(const std::string& worker_id) {
 
 bool JobController::Heartbeat(const v1::HeartbeatRequest& request,
                               v1::HeartbeatResponse* response) {
+  // The service refuses these with a reason; nothing of one is kept.
+  if (!ValidateHeartbeatRequest(request).ok()) return false;
   if (!membership_.Heartbeat(request.worker_id(), request.rss_bytes(), request.step(),
                              request.stats())) {
     return false;
   }
   if (request.layer_seconds_per_sample_size() > 0) {
     membership_.SetLayerTimings(request.worker_id(), request.layer_seconds_per_sample());
+  }
+  if (request.step() > 0) {
+    const std::vector<ProgressGate::Step> committed =
+        progress_.FirstStageFinished(request.worker_id(), request.epoch(), request.step());
+    if (!committed.empty()) {
+      absl::MutexLock lock(&mu_);
+      CommitStepsLocked(committed);
+    }
   }
   // The link matrix has a lock of its own: measurements never wait for the
   // controller's.
@@ -452,6 +485,10 @@ absl::Status JobController::ReportStep(const v1::StepReport& report) {
       !last.ok()) {
     return last;
   }
+  if (!membership_.IsLive(report.worker_id())) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "step report from ", report.worker_id().substr(0, 128), ", whose lease has ended"));
+  }
   if (report.step() < 1 || report.step() > options_.job.steps() ||
       !std::isfinite(report.loss()) || report.samples() < 0 ||
       report.samples() > int64_t{options_.job.microbatches()} * options_.job.microbatch_size()) {
@@ -459,31 +496,47 @@ absl::Status JobController::ReportStep(const v1::StepReport& report) {
         "step report out of range (step %d of %d, loss %g, %d samples): refused",
         report.step(), options_.job.steps(), report.loss(), report.samples()));
   }
-  if (report.step() <= step_) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "step ", report.step(), " already reported (at ", step_, ")"));
+  ProgressGate::Step claim;
+  claim.step = report.step();
+  claim.loss = report.loss();
+  claim.samples = report.samples();
+  absl::StatusOr<std::vector<ProgressGate::Step>> committed =
+      progress_.Claim(report.worker_id(), report.epoch(), claim);
+  if (absl::IsOutOfRange(committed.status())) {
+    const std::string why = absl::StrCat("step report refused: ", committed.status().message());
+    AddEventLocked("suspected", NameOf(report.worker_id()), why);
+    return absl::FailedPreconditionError(why);
   }
+  if (!committed.ok()) return committed.status();
+  CommitStepsLocked(*committed);
+  return absl::OkStatus();
+}
+
+void JobController::CommitStepsLocked(const std::vector<ProgressGate::Step>& steps) {
+  if (steps.empty()) return;
   const double now = ElapsedS();
-  step_ = report.step();
-  loss_ = report.loss();
-  samples_ += report.samples();
-  StepFigures figures;
-  figures.step = step_;
-  figures.loss = loss_;
-  figures.samples = samples_;
-  figures.training_s = now - training_start_s_;
-  figures.learning_rate =
-      options_.job.optimizer().lr() *
-      LearningRateScale(options_.job.optimizer(),
-                        static_cast<double>(step_) / std::max(1, options_.job.steps()));
-  for (const WorkerRecord& w : membership_.Snapshot()) {
-    if (w.alive) figures.rss_bytes.emplace_back(w.name, w.rss_bytes);
+  for (const ProgressGate::Step& step : steps) {
+    step_ = step.step;
+    loss_ = step.loss;
+    samples_ += step.samples;
+    StepFigures figures;
+    figures.step = step_;
+    figures.loss = loss_;
+    figures.samples = samples_;
+    figures.training_s = now - training_start_s_;
+    figures.learning_rate =
+        options_.job.optimizer().lr() *
+        LearningRateScale(options_.job.optimizer(),
+                          static_cast<double>(step_) / std::max(1, options_.job.steps()));
+    for (const WorkerRecord& w : membership_.Snapshot()) {
+      if (w.alive) figures.rss_bytes.emplace_back(w.name, w.rss_bytes);
+    }
+    metrics_->RecordStep(now, figures);
   }
-  metrics_->RecordStep(now, figures);
-  // Every step: a restarted coordinator must not resume a re-plan from a
+  last_progress_ms_ = options_.clock->NowMs();
+  // Every commit: a restarted coordinator must not resume a re-plan from a
   // step the workers have already done.
   PersistLocked();
-  return absl::OkStatus();
 }
 
 absl::Status JobController::ReportEval(const v1::EvalReport& report) {
@@ -528,6 +581,24 @@ absl::Status JobController::ReportDone(const v1::DoneReport& report) {
     return absl::InvalidArgumentError(absl::StrCat("done at step ", report.step(), " of ",
                                                    options_.job.steps(), ": refused"));
   }
+  if (!membership_.IsLive(report.worker_id())) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "done from ", report.worker_id().substr(0, 128), ", whose lease has ended"));
+  }
+  // A stage is done only once the job's every step has been computed, as
+  // the last stage and stage 0 together said (ProgressGate). An honest
+  // stage that gets here first (its reports still on their way) retries.
+  if (step_ < options_.job.steps()) {
+    const std::string why =
+        absl::StrCat("done refused: the job has done ", step_, " of ", options_.job.steps(),
+                     " steps");
+    // Far from the end, it cannot be reports on their way: someone lies.
+    if (options_.job.steps() - step_ > kProgressLeadSteps &&
+        done_refused_.insert(report.worker_id()).second) {
+      AddEventLocked("suspected", NameOf(report.worker_id()), why);
+    }
+    return absl::FailedPreconditionError(why);
+  }
   done_workers_.insert(report.worker_id());
   AddEventLocked("worker_done", NameOf(report.worker_id()),
                  absl::StrCat("finished at step ", report.step()));
@@ -553,7 +624,6 @@ void JobController::Tick() {
     AddEventLocked("lost", w.name, absl::StrCat(w.id, ": ", w.end_reason));
     network_.Forget(w.id);
   }
-  CheckAccusationsLocked();
   if (plan_.has_value() && !done_ && !plan_->job_done()) {
     // A link left without a relay (the only one was suspended or gone) is
     // re-linked as soon as one is usable again (it heartbeated, or joined).
@@ -597,9 +667,23 @@ absl::Status JobController::AuthorizeCheckpoint(const std::string& worker_id,
       valid = absl::PermissionDeniedError(absl::StrCat(
           "checkpoint of layer ", header.layer(), " from ", worker_id.substr(0, 128),
           ", which is not the primary of the stage that holds it"));
+    } else if (!membership_.IsLive(worker_id)) {
+      valid = absl::PermissionDeniedError(absl::StrCat(
+          "checkpoint from ", worker_id.substr(0, 128), ", whose lease has ended"));
     }
   }
   if (valid.ok()) valid = CheckLayerCheckpointHeader(options_.job, header, payload_bytes);
+  if (valid.ok()) {
+    // A checkpoint is of a step the pipeline has reached: one from the
+    // future would be restored in place of every honest one after it.
+    absl::MutexLock lock(&mu_);
+    const int seen = std::max(step_, progress_.claimed_step());
+    if (header.step() > seen + kCheckpointLeadSteps) {
+      valid = absl::FailedPreconditionError(absl::StrCat(
+          "checkpoint of layer ", header.layer(), " at step ", header.step(),
+          ": the job has reached step ", seen));
+    }
+  }
   if (!valid.ok()) RecordCheckpointRefused(worker_id, std::string(valid.message()));
   return valid;
 }
@@ -737,26 +821,33 @@ absl::Status JobController::RecordWorkerEvent(const v1::WorkerEvent& event) {
     return absl::PermissionDeniedError(why);
   }
   const int64_t now = options_.clock->NowMs();
-  if (absl::Status may = accusations_.MayAccuse(accuser, accused, now); !may.ok()) {
-    AddEventLocked("accusation_refused", NameOf(accuser), std::string(may.message()));
-    return may;
+  std::optional<LinkFaultLedger::Verdict> verdict =
+      link_faults_.Report(accuser, accused, plan_->epoch(), now);
+  if (!verdict.has_value()) return absl::OkStatus();  // this break is counted already
+  // Insecure, anyone may speak for anyone: nobody is excluded on what
+  // "they" said.
+  const bool exclude = verdict->exclude && options_.authenticated_callers;
+  const std::string& out = verdict->take_out;
+  if (exclude) {
+    AddEventLocked("excluded", NameOf(out),
+                   absl::StrCat(out, ": ", verdict->why, "; no stage until its record clears"));
   }
-  accusations_.Record(accuser, accused, now);
-  ReplaceLocked(accused, absl::StrCat("its link from ", NameOf(accuser), " was lost"),
+  ReplaceLocked(out,
+                out == accused ? absl::StrCat("its link from ", NameOf(accuser), " was lost")
+                               : absl::StrCat("its link to ", NameOf(accused),
+                                              " was lost, and it was in more broken links"),
                 Replacement::kTakeOut);
-  suspended_at_ms_[accused] = now;
+  suspended_at_ms_[out] = now;
   return absl::OkStatus();
 }
 
-void JobController::CheckAccusationsLocked() {
-  for (const AccusationLedger::Suspicion& s : accusations_.Review(
-           membership_.Snapshot(), options_.clock->NowMs(), options_.authenticated_callers)) {
-    AddEventLocked("suspected", NameOf(s.accuser),
-                   absl::StrCat(s.accuser, ": ", s.why, "; its accusations no longer count"));
-  }
+bool JobController::ExcludedLocked(const std::string& worker_id) const {
+  return options_.authenticated_callers &&
+         link_faults_.ExclusionOf(worker_id, options_.clock->NowMs()).has_value();
 }
 
 bool JobController::EligibleStandbyLocked(const WorkerRecord& worker) const {
+  if (ExcludedLocked(worker.id)) return false;
   auto suspended = suspended_at_ms_.find(worker.id);
   // A worker taken out for a lost link may simply be dead (its lease has
   // not run out yet): it is a standby again once it has sent a heartbeat.
@@ -929,6 +1020,25 @@ bool JobController::ReplaceLocked(const std::string& worker_id, const std::strin
     return true;
   }
   const std::vector<WorkerRecord> standbys = StandbysLocked(*plan_);
+  if (standbys.empty() && ExcludedLocked(worker_id)) {
+    // It may not keep its stage: the layers go to the others.
+    std::vector<WorkerRecord> usable;
+    for (const WorkerRecord& w : membership_.LiveWorkers()) {
+      if (w.id != worker_id && (StageOf(*plan_, w.id) != nullptr || EligibleStandbyLocked(w))) {
+        usable.push_back(w);
+      }
+    }
+    std::string partition;
+    std::optional<v1::Plan> partitioned =
+        usable.empty() ? std::nullopt : PartitionLocked(usable, &partition);
+    if (partitioned.has_value()) {
+      PublishReplanLocked(*std::move(partitioned),
+                          absl::StrCat(NameOf(worker_id), " is excluded (", why,
+                                       "); re-partitioned over ", usable.size(),
+                                       " workers: ", partition));
+      return true;
+    }
+  }
   if (standbys.empty()) {
     PublishReplanLocked(std::move(next), absl::StrCat("no standby to replace ", NameOf(worker_id),
                                                       " (", why, "); same stages, new links"));
@@ -1208,6 +1318,17 @@ void JobController::PublishLocked(v1::Plan plan) {
     GT_LOG(Warning) << "could not persist plan: " << written.message();
   }
   plan_ = std::move(plan);
+  StartProgressEpochLocked();
+}
+
+void JobController::StartProgressEpochLocked() {
+  if (!plan_.has_value() || plan_->job_done() || plan_->stages_size() == 0) return;
+  std::set<std::string> first, last;
+  for (const StageWorker& w : WorkersOf(plan_->stages(0))) first.insert(w.id);
+  for (const StageWorker& w : WorkersOf(plan_->stages(plan_->stages_size() - 1))) {
+    last.insert(w.id);
+  }
+  progress_.StartEpoch(plan_->epoch(), step_, std::move(first), std::move(last));
 }
 
 ProgressHistory JobController::History() const {
@@ -1244,7 +1365,8 @@ v1::ClusterStatus JobController::Status() const {
   }
   for (const WorkerRecord& w : workers) {
     v1::WorkerStatus* out = status.add_workers();
-    if (std::optional<std::string> why = accusations_.SuspicionOf(w.id)) {
+    if (std::optional<std::string> why = link_faults_.ExclusionOf(w.id, now_ms);
+        why.has_value() && options_.authenticated_callers) {
       out->set_suspected(*why);
     }
     out->set_id(w.id);

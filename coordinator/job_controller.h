@@ -22,7 +22,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
-#include "coordinator/accusation_ledger.h"
+#include "coordinator/link_fault_ledger.h"
 #include "coordinator/checkpoint_store.h"
 #include "coordinator/durable_state_writer.h"
 #include "coordinator/event_log.h"
@@ -30,6 +30,7 @@
 #include "coordinator/metrics_sink.h"
 #include "coordinator/network_matrix.h"
 #include "coordinator/network_planner.h"
+#include "coordinator/progress_gate.h"
 #include "coordinator/replan_policy.h"
 #include "coordinator/state_store.h"
 #include "coordinator/straggler_detector.h"
@@ -143,11 +144,10 @@ class JobController {
   absl::StatusOr<v1::LayerCheckpoint> LoadCheckpoint(const std::string& worker_id, int layer,
                                                      bool probe = false);
   // A worker's report (restore, drain, dropped microbatches, dead link).
-  // A link_lost accusation counts only from a neighbour of the accused in
-  // the current plan, at most one per accuser per lease period, and not
-  // from a suspected accuser (one whose accusations were twice not
-  // confirmed: the accused kept heartbeating); refusals are
-  // PERMISSION_DENIED or RESOURCE_EXHAUSTED with an event.
+  // A link_lost report counts only from a neighbour of the accused in the
+  // current plan (else PERMISSION_DENIED with an event), once per link and
+  // epoch; LinkFaultLedger decides which end leaves the pipeline, and
+  // which is excluded from plans for a while.
   absl::Status RecordWorkerEvent(const v1::WorkerEvent& event);
 
   // Expires leases, re-plans around lost workers (a standby takes an
@@ -225,6 +225,11 @@ class JobController {
                                           std::string* summary)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PersistLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Records steps the ProgressGate committed (the metrics log, the state).
+  void CommitStepsLocked(const std::vector<ProgressGate::Step>& steps)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Tells progress_ who the current plan's first and last stages are.
+  void StartProgressEpochLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PublishLocked(v1::Plan plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Fills plan->links (AssignLinks over the members' reachability and the
   // usable relays); a link no one can dial is an event.
@@ -282,11 +287,19 @@ class JobController {
   // Workers handing their stage over (their links close on purpose).
   std::set<std::string> draining_ ABSL_GUARDED_BY(mu_);
   StragglerDetector stragglers_ ABSL_GUARDED_BY(mu_);
+  // Which steps count (thread-safe itself: heartbeats corroborate without
+  // mu_). step_ follows what it commits.
+  ProgressGate progress_;
+  // When a step was last committed: the progress watchdog's clock.
+  int64_t last_progress_ms_ ABSL_GUARDED_BY(mu_) = 0;
+  // Workers already suspected for a premature ReportDone (one event each).
+  std::set<std::string> done_refused_ ABSL_GUARDED_BY(mu_);
   // Workers demoted as stragglers: standbys, but never made replicas again.
   std::set<std::string> demoted_ ABSL_GUARDED_BY(mu_);
-  AccusationLedger accusations_ ABSL_GUARDED_BY(mu_);
-  // Settles accusations (AccusationLedger::Review); suspicions are events.
-  void CheckAccusationsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Broken links and whom they take out (coordinator/link_fault_ledger.h).
+  LinkFaultLedger link_faults_ ABSL_GUARDED_BY(mu_);
+  // A worker the link faults exclude: no stage, no standby place.
+  bool ExcludedLocked(const std::string& worker_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // PERMISSION_DENIED unless the current plan puts `worker_id` on the last
   // stage (which owns the loss). REQUIRES: a plan.
   absl::Status CheckOnLastStageLocked(const std::string& worker_id, const char* what) const

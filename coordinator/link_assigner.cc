@@ -2,9 +2,9 @@
 
 #include <map>
 
-#include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/join_token.h"
 #include "common/plan_util.h"
 
 namespace geotrain {
@@ -12,7 +12,6 @@ namespace geotrain {
 void AssignLinks(const LinkAssignerInput& input, v1::Plan* plan) {
   plan->clear_links();
   std::map<std::string, int> relay_load;
-  absl::BitGen random;
   for (int k = 0; k + 1 < plan->stages_size(); ++k) {
     for (const StageWorker& up : WorkersOf(plan->stages(k))) {
       for (const StageWorker& down : WorkersOf(plan->stages(k + 1))) {
@@ -44,13 +43,27 @@ void AssignLinks(const LinkAssignerInput& input, v1::Plan* plan) {
         link->set_dialer(v1::LINK_DIALER_RELAY);
         link->set_relay_worker(best->id);
         link->set_relay_address(best->address);
-        link->set_rendezvous(absl::StrFormat("%016x%016x", absl::Uniform<uint64_t>(random),
-                                             absl::Uniform<uint64_t>(random)));
+        link->set_rendezvous(RandomHexSecret(16));
+        link->set_upstream_proof(RandomHexSecret(16));
+        link->set_downstream_proof(RandomHexSecret(16));
         link->set_reason(absl::StrCat("neither ", input.name_of(up.id), " nor ",
                                       input.name_of(down.id), " is reachable"));
       }
     }
   }
+}
+
+v1::Plan PlanViewFor(const v1::Plan& plan, const std::string& viewer) {
+  v1::Plan view = plan;
+  for (v1::PlannedLink& link : *view.mutable_links()) {
+    if (link.relay_worker() == viewer) continue;
+    if (link.upstream_worker() != viewer) link.clear_upstream_proof();
+    if (link.downstream_worker() != viewer) link.clear_downstream_proof();
+    if (link.upstream_worker() != viewer && link.downstream_worker() != viewer) {
+      link.clear_rendezvous();
+    }
+  }
+  return view;
 }
 
 }  // namespace geotrain

@@ -28,6 +28,11 @@ struct LinkAssignerInput {
 // none can (LINK_DIALER_NONE) and the link's reason says what to do.
 void AssignLinks(const LinkAssignerInput& input, v1::Plan* plan);
 
+// The plan as `viewer` may see it: a link's rendezvous is a secret of its
+// two ends and its relay, and each end's proof of that end and the relay,
+// so every other's is cleared.
+v1::Plan PlanViewFor(const v1::Plan& plan, const std::string& viewer);
+
 }  // namespace geotrain
 
 #endif  // GEOTRAIN_COORDINATOR_LINK_ASSIGNER_H_

@@ -1,6 +1,11 @@
 #include "coordinator/membership.h"
 
+#include <algorithm>
 #include <cmath>
+
+#include <arpa/inet.h>
+#include <google/protobuf/descriptor.h>
+#include <google/protobuf/reflection.h>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -35,7 +40,98 @@ int WorkerNumber(const std::string& id) {
   return n;
 }
 
+// The first double or float field of `message` (at any depth, in map
+// values and repeated fields too) that is NaN or infinite, by its path;
+// empty when there is none.
+std::string FirstNonFinite(const google::protobuf::Message& message, const std::string& prefix) {
+  using google::protobuf::FieldDescriptor;
+  const google::protobuf::Reflection* reflection = message.GetReflection();
+  std::vector<const FieldDescriptor*> fields;
+  reflection->ListFields(message, &fields);
+  for (const FieldDescriptor* field : fields) {
+    const std::string path = prefix.empty() ? field->name() : prefix + "." + field->name();
+    const int n = field->is_repeated() ? reflection->FieldSize(message, field) : 1;
+    for (int i = 0; i < n; ++i) {
+      const bool repeated = field->is_repeated();
+      switch (field->cpp_type()) {
+        case FieldDescriptor::CPPTYPE_DOUBLE: {
+          const double v = repeated ? reflection->GetRepeatedDouble(message, field, i)
+                                    : reflection->GetDouble(message, field);
+          if (!std::isfinite(v)) return path;
+          break;
+        }
+        case FieldDescriptor::CPPTYPE_FLOAT: {
+          const float v = repeated ? reflection->GetRepeatedFloat(message, field, i)
+                                   : reflection->GetFloat(message, field);
+          if (!std::isfinite(v)) return path;
+          break;
+        }
+        case FieldDescriptor::CPPTYPE_MESSAGE: {
+          const google::protobuf::Message& inner =
+              repeated ? reflection->GetRepeatedMessage(message, field, i)
+                       : reflection->GetMessage(message, field);
+          std::string found = FirstNonFinite(inner, path);
+          if (!found.empty()) return found;
+          break;
+        }
+        default:
+          break;
+      }
+    }
+  }
+  return "";
+}
+
 }  // namespace
+
+absl::Status CheckAllFinite(const google::protobuf::Message& message) {
+  const std::string field = FirstNonFinite(message, "");
+  if (field.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(message.GetDescriptor()->name(), " field ",
+                                                 field, " is not a finite number"));
+}
+
+absl::Status ValidateHostPort(const std::string& address) {
+  auto refused = [&address](const std::string& why) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "address '", address.substr(0, kMaxAddressBytes), "' is not HOST:PORT (", why, ")"));
+  };
+  if (address.empty() || address.size() > kMaxAddressBytes || !Printable(address)) {
+    return refused("1-256 printable bytes");
+  }
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos) return refused("no port");
+  const std::string host = address.substr(0, colon);
+  const std::string port_text = address.substr(colon + 1);
+  int port = 0;
+  if (port_text.empty() || port_text.size() > 5 ||
+      port_text.find_first_not_of("0123456789") != std::string::npos ||
+      !absl::SimpleAtoi(port_text, &port) || port < 1 || port > 65535) {
+    return refused("a port of 1-65535");
+  }
+  if (!host.empty() && host.front() == '[') {
+    // An IPv6 literal, whole and bracketed.
+    in6_addr ip6;
+    if (host.size() < 3 || host.back() != ']' ||
+        inet_pton(AF_INET6, host.substr(1, host.size() - 2).c_str(), &ip6) != 1) {
+      return refused("an IPv6 host is a whole address in brackets, e.g. [::1]:7000");
+    }
+    return absl::OkStatus();
+  }
+  // A DNS name or an IPv4 address: letters, digits, '-', '_' and dots
+  // between non-empty labels.
+  if (host.empty() || host.size() > 253 || host.front() == '.' || host.back() == '.' ||
+      host.find("..") != std::string::npos ||
+      host.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.") !=
+          std::string::npos) {
+    return refused("a host name, an IPv4 address or a bracketed IPv6 address");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateHeartbeatRequest(const v1::HeartbeatRequest& request) {
+  return CheckAllFinite(request);
+}
 
 absl::Status ValidateWorkerName(const std::string& name) {
   if (name.size() > kMaxNameBytes || !Printable(name)) {
@@ -48,17 +144,11 @@ absl::Status ValidateWorkerName(const std::string& name) {
 
 absl::Status ValidateJoinRequest(const v1::JoinRequest& request) {
   if (absl::Status name = ValidateWorkerName(request.name()); !name.ok()) return name;
-  const std::string& address = request.address();
-  const size_t colon = address.rfind(':');
-  int port = 0;
-  if (address.empty() || address.size() > kMaxAddressBytes || !Printable(address) ||
-      colon == std::string::npos || colon == 0 ||
-      !absl::SimpleAtoi(address.substr(colon + 1), &port) || port < 1 || port > 65535 ||
-      address.find_first_of(" /,") != std::string::npos) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "join address '", address.substr(0, kMaxAddressBytes),
-        "' is not HOST:PORT (port 1-65535, at most 256 bytes) that peers can dial"));
+  if (absl::Status address = ValidateHostPort(request.address()); !address.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("join ", address.message(), ": peers must be able to dial it"));
   }
+  if (absl::Status finite = CheckAllFinite(request); !finite.ok()) return finite;
   if (request.role() == v1::MEMBER_ROLE_RELAY) {
     if (request.has_device()) return absl::InvalidArgumentError("a relay joins without a device");
     return absl::OkStatus();
@@ -153,6 +243,16 @@ bool Membership::Knows(const std::string& id) const {
   return false;
 }
 
+bool Membership::IsLive(const std::string& id) const {
+  absl::MutexLock lock(&mu_);
+  for (const WorkerRecord& w : workers_) {
+    if (w.id == id) {
+      return w.alive && clock_->NowMs() - w.last_heartbeat_ms <= lease_ms_;
+    }
+  }
+  return false;
+}
+
 void Membership::PruneDead(size_t keep_dead) {
   absl::MutexLock lock(&mu_);
   size_t dead = 0;
@@ -172,7 +272,9 @@ bool Membership::Heartbeat(const std::string& id, uint64_t rss_bytes, int step,
   absl::MutexLock lock(&mu_);
   for (WorkerRecord& w : workers_) {
     if (w.id != id) continue;
-    if (!w.alive) return false;
+    // A lease that ran out stays out, even before ExpireLeases notices:
+    // the worker must join again (and is planned anew).
+    if (!w.alive || clock_->NowMs() - w.last_heartbeat_ms > lease_ms_) return false;
     w.last_heartbeat_ms = clock_->NowMs();
     w.rss_bytes = rss_bytes;
     w.step = step;

@@ -42,6 +42,15 @@ struct WorkerRecord {
 // device strings. A relay needs no device.
 absl::Status ValidateWorkerName(const std::string& name);
 absl::Status ValidateJoinRequest(const v1::JoinRequest& request);
+// HOST:PORT parsed strictly: a DNS name or IPv4 address, or a whole IPv6
+// address in brackets; a decimal port in 1-65535; at most 256 bytes.
+absl::Status ValidateHostPort(const std::string& address);
+// INVALID_ARGUMENT naming the first double or float field, at any depth,
+// that is NaN or infinite.
+absl::Status CheckAllFinite(const google::protobuf::Message& message);
+// Every number of a heartbeat is finite (its other bounds are applied as
+// it is kept: BoundedStageStats, Membership::SetLayerTimings).
+absl::Status ValidateHeartbeatRequest(const v1::HeartbeatRequest& request);
 // Heartbeat figures made safe to keep and show: at most 64 links and
 // routes, strings cut to 256 bytes, non-finite numbers zeroed.
 v1::StageStats BoundedStageStats(const v1::StageStats& stats);
@@ -60,6 +69,9 @@ class Membership {
                     v1::MemberRole role = v1::MEMBER_ROLE_WORKER,
                     const v1::Reachability& reachability = v1::Reachability());
   bool Knows(const std::string& id) const;
+  // Known, not ended, and its lease has not run out (even if ExpireLeases
+  // has not run since): what may still speak for its stage.
+  bool IsLive(const std::string& id) const;
   // Renews the lease. False when the worker is unknown or already dead.
   bool Heartbeat(const std::string& id, uint64_t rss_bytes, int step,
                  const v1::StageStats& stats = v1::StageStats());

@@ -133,11 +133,11 @@ absl::Status RelayDaemon::Run() {
       if (plan.epoch() <= last_epoch) continue;
       last_epoch = plan.epoch();
       done = plan.job_done();
-      std::set<std::string> mine;
+      std::map<std::string, SpliceRelay::Proofs> mine;
       const std::string self = id();
       for (const v1::PlannedLink& link : plan.links()) {
         if (link.dialer() == v1::LINK_DIALER_RELAY && link.relay_worker() == self) {
-          mine.insert(link.rendezvous());
+          mine[link.rendezvous()] = {link.upstream_proof(), link.downstream_proof()};
         }
       }
       GT_LOG(Info) << "plan epoch " << plan.epoch() << ": " << mine.size()

@@ -1,5 +1,6 @@
 #include "relay/splice_relay.h"
 
+#include <poll.h>
 #include <sys/socket.h>
 
 #include <vector>
@@ -7,6 +8,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "common/join_token.h"
 #include "common/logging.h"
 #include "common/rpc_options.h"
 
@@ -21,6 +23,16 @@ bool IsRendezvous(const std::string& s) {
     if (!absl::ascii_isxdigit(static_cast<unsigned char>(c))) return false;
   }
   return true;
+}
+
+// Whether the peer of a connection that sent nothing since its greeting
+// has closed it (or it broke): a waiting end that is gone.
+bool PeerGone(const TcpSocket& socket) {
+  pollfd p{socket.fd(), POLLIN | POLLRDHUP, 0};
+  if (poll(&p, 1, 0) <= 0) return false;
+  if (p.revents & (POLLHUP | POLLERR | POLLRDHUP)) return true;
+  char byte;
+  return (p.revents & POLLIN) && recv(socket.fd(), &byte, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
 }
 
 void Answer(TcpSocket& socket, const std::string& line) {
@@ -54,9 +66,9 @@ void SpliceRelay::SetIdentity(const std::string& id) {
   identity_ = id;
 }
 
-void SpliceRelay::SetLinks(std::set<std::string> rendezvous) {
+void SpliceRelay::SetLinks(std::map<std::string, Proofs> links) {
   absl::MutexLock lock(&mu_);
-  links_ = std::move(rendezvous);
+  links_ = std::move(links);
 }
 
 void SpliceRelay::Shutdown() {
@@ -115,15 +127,15 @@ void SpliceRelay::Handle(TcpSocket socket) {
     Answer(socket, absl::StrCat(kGreeting, " relay ", id.empty() ? "-" : id));
     return finish({socket.fd()});
   }
-  if (words.size() != 3 || words[0] != kGreeting || !IsRendezvous(words[1]) ||
-      (words[2] != "up" && words[2] != "down")) {
+  if (words.size() != 4 || words[0] != kGreeting || !IsRendezvous(words[1]) ||
+      (words[2] != "up" && words[2] != "down") || !IsRendezvous(words[3])) {
     {
       absl::MutexLock lock(&mu_);
       ++stats_.refused;
     }
     GT_LOG(Warning) << "refused " << peer << ": "
                     << (line.ok() ? "not a relay greeting" : line.status().message());
-    Answer(socket, "ERR expected 'GTRELAY1 <32 hex rendezvous> up|down'");
+    Answer(socket, "ERR expected 'GTRELAY1 <32 hex rendezvous> up|down <32 hex proof>'");
     return finish({socket.fd()});
   }
   const std::string& rendezvous = words[1];
@@ -139,11 +151,30 @@ void SpliceRelay::Handle(TcpSocket socket) {
       return shutdown_ || links_.count(rendezvous) > 0;
     };
     auto other = waiting_.end();
-    if (!mu_.AwaitWithTimeout(absl::Condition(&known), options_.unknown_rendezvous_wait) ||
-        shutdown_) {
+    const bool is_known =
+        mu_.AwaitWithTimeout(absl::Condition(&known), options_.unknown_rendezvous_wait) &&
+        !shutdown_;
+    // Ends whose connection closed while they waited are no partners, and
+    // hold no place: they are gone.
+    for (const std::string& k : {key, other_key}) {
+      if (auto it = waiting_.find(k); it != waiting_.end() && !it->second->paired &&
+                                      PeerGone(*it->second->socket)) {
+        it->second->gone = true;
+        waiting_.erase(it);
+      }
+    }
+    if (!is_known) {
       refusal = "no link of the current plan goes through this relay with that rendezvous";
+    } else if (const Proofs& proofs = links_.at(rendezvous); !ConstantTimeEquals(
+                   words[3], side == "up" ? proofs.up : proofs.down)) {
+      refusal = absl::StrCat("wrong proof for the ", side, " end of that link");
+    } else if (auto twin = waiting_.find(key); twin != waiting_.end() && !twin->second->paired) {
+      // The first end stays; a second one with the same secrets is a copy
+      // of that worker's key (or a bug).
+      refusal = absl::StrCat("the ", side, " end of that link is already waiting here "
+                             "(its worker's key may be in use twice)");
     } else if (other = waiting_.find(other_key);
-               other != waiting_.end() && !other->second->paired && !other->second->replaced) {
+               other != waiting_.end() && !other->second->paired) {
       if (stats_.pairs_open >= options_.max_pairs) {
         refusal = absl::StrCat("this relay splices ", options_.max_pairs, " links already");
       } else {
@@ -166,13 +197,11 @@ void SpliceRelay::Handle(TcpSocket socket) {
     } else {
       Waiting me;
       me.source = source;
-      if (auto twin = waiting_.find(key); twin != waiting_.end()) {
-        twin->second->replaced = true;  // the same end again (it reconnected): newest wins
-      }
+      me.socket = &socket;
       waiting_[key] = &me;
       ++waiting_per_source_[source];
       auto done = [this, &me]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return me.paired || me.replaced || shutdown_;
+        return me.paired || me.gone || shutdown_;
       };
       mu_.AwaitWithTimeout(absl::Condition(&done), options_.pair_timeout);
       if (auto it = waiting_.find(key); it != waiting_.end() && it->second == &me) {
@@ -182,9 +211,9 @@ void SpliceRelay::Handle(TcpSocket socket) {
       if (me.paired) {
         partner = std::move(me.partner);
       } else {
-        refusal = me.replaced ? "replaced by a newer connection of the same end"
-                              : absl::StrCat("the other end did not arrive within ",
-                                             absl::FormatDuration(options_.pair_timeout));
+        refusal = me.gone ? "this connection was closed while it waited"
+                          : absl::StrCat("the other end did not arrive within ",
+                                         absl::FormatDuration(options_.pair_timeout));
       }
     }
     if (!refusal.empty()) ++stats_.refused;

@@ -5,12 +5,15 @@
 // read or alter them, only drop them.
 //
 // Protocol, one line each way, then raw bytes:
-//   end   -> relay: "GTRELAY1 <rendezvous> up|down\n"
+//   end   -> relay: "GTRELAY1 <rendezvous> up|down <proof>\n"
 //   relay -> end:   "OK\n" once the other end is there, or "ERR <why>\n"
 //   probe -> relay: "GTRELAY1 probe\n";  relay -> probe: "GTRELAY1 relay <id>\n"
 //
 // Only rendezvous of the current plan's links through this relay are
-// paired (SetLinks). Everything a stranger can hold is bounded: the time to
+// paired (SetLinks), and only ends that present their own side's proof (a
+// secret the coordinator gives that end alone). The first end of a side
+// waits; another for the same side is refused while the first is still
+// connected, and a pair once spliced stays: nobody is displaced. Everything a stranger can hold is bounded: the time to
 // send the greeting, ends waiting for their pair (in all and per source
 // host), the wait itself, and the pairs spliced at once. Thread-safe; one
 // thread per connection.
@@ -66,7 +69,11 @@ class SpliceRelay {
   // The rendezvous this relay pairs (replacing the previous set). Ends of a
   // rendezvous that left the set keep waiting until their timeout; spliced
   // pairs run on (their workers end them at a re-plan).
-  void SetLinks(std::set<std::string> rendezvous);
+  struct Proofs {
+    std::string up;
+    std::string down;
+  };
+  void SetLinks(std::map<std::string, Proofs> links);
   void Shutdown();
   SpliceRelayStats stats() const;
 
@@ -75,7 +82,7 @@ class SpliceRelay {
     TcpSocket* socket = nullptr;   // owned by the waiting handler
     std::string source;
     bool paired = false;
-    bool replaced = false;
+    bool gone = false;  // its peer closed it; another connection took its place
     TcpSocket partner;             // set when paired: the handler splices
   };
 
@@ -90,7 +97,7 @@ class SpliceRelay {
   std::thread acceptor_;
   mutable absl::Mutex mu_;
   std::string identity_ ABSL_GUARDED_BY(mu_);
-  std::set<std::string> links_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Proofs> links_ ABSL_GUARDED_BY(mu_);
   // rendezvous + "/" + side -> the end waiting there.
   std::map<std::string, Waiting*> waiting_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int> waiting_per_source_ ABSL_GUARDED_BY(mu_);

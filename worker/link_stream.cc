@@ -276,22 +276,20 @@ UpstreamLinks::~UpstreamLinks() {
   for (auto& [worker, end] : links) end->WaitServed(absl::InfiniteDuration());
 }
 
-absl::Status UpstreamLinks::Register(std::shared_ptr<LinkEnd> end) {
+absl::Status UpstreamLinks::Register(std::shared_ptr<LinkEnd> end, absl::Duration wait) {
   absl::MutexLock lock(&mu_);
   const std::string worker = end->peer().id;
   if (auto old = links_.find(worker); old != links_.end()) {
-    // The same upstream worker reconnected (its old link may be dead
-    // without this side having noticed yet): the newer link wins.
-    GT_LOG(Info) << "replacing the open upstream link of '" << worker << "' ("
-                 << old->second->description() << ") with " << end->description();
     std::shared_ptr<LinkEnd> previous = old->second;
-    previous->EndOnPurpose();
     auto old_gone = [this, &previous, &worker]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       auto it = links_.find(worker);
       return it == links_.end() || it->second != previous;
     };
-    if (!mu_.AwaitWithTimeout(absl::Condition(&old_gone), absl::Seconds(5))) {
-      return absl::AlreadyExistsError("an upstream link from this worker is already open");
+    if (!mu_.AwaitWithTimeout(absl::Condition(&old_gone), wait)) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          "key in use twice: worker '", worker.substr(0, 128),
+          "' already has a live upstream link here (", previous->description(),
+          "); the second one is refused"));
     }
   }
   links_[worker] = std::move(end);
@@ -535,8 +533,14 @@ absl::StatusOr<std::shared_ptr<LinkEnd>> LinkService::Answer(
           upstream_links_.NoteOrigin(forward, worker);
         },
         [this, raw] { upstream_links_.Unregister(raw); });
-    if (absl::Status registered = upstream_links_.Register(end); !registered.ok()) {
+    if (absl::Status registered = upstream_links_.Register(end, options_.duplicate_link_wait);
+        !registered.ok()) {
       end->EndOnPurpose();
+      if (absl::IsAlreadyExists(registered) && options_.on_key_in_use_twice) {
+        options_.on_key_in_use_twice(end->peer().id,
+                                     absl::StrCat("a second link from ", peer_name, ": ",
+                                                  registered.message()));
+      }
       return Refusal(registered.code(), peer_name, registered.message());
     }
   } else {
@@ -549,16 +553,34 @@ absl::StatusOr<std::shared_ptr<LinkEnd>> LinkService::Answer(
     });
   }
   bool stale;
+  bool duplicate = false;
   {
     // Only for the plan it was checked against: a re-plan meanwhile ends it.
     absl::MutexLock lock(&mu_);
     stale = validator_ != validator;
     if (!stale && side == PeerSide::kDownstream) {
-      if (auto old = downstream_.find(end->peer().id); old != downstream_.end()) {
-        old->second->EndOnPurpose();
-      }
-      downstream_[end->peer().id] = end;
+      // As for upstream links: a live link of the same worker stays.
+      const std::string id = end->peer().id;
+      auto old_gone = [this, &id, &validator]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return downstream_.count(id) == 0 || validator_ != validator || shutdown_;
+      };
+      mu_.AwaitWithTimeout(absl::Condition(&old_gone), options_.duplicate_link_wait);
+      stale = validator_ != validator || shutdown_;
+      duplicate = !stale && downstream_.count(id) > 0;
+      if (!stale && !duplicate) downstream_[id] = end;
     }
+  }
+  if (duplicate) {
+    end->EndOnPurpose();
+    const std::string why = absl::StrCat("key in use twice: worker '",
+                                         end->peer().id.substr(0, 128),
+                                         "' already has a live downstream link here; the "
+                                         "second one is refused");
+    if (options_.on_key_in_use_twice) {
+      options_.on_key_in_use_twice(end->peer().id,
+                                   absl::StrCat("a second link from ", peer_name, ": ", why));
+    }
+    return Refusal(absl::StatusCode::kAlreadyExists, peer_name, why);
   }
   if (stale) {
     end->EndOnPurpose();
@@ -719,8 +741,9 @@ absl::StatusOr<Opened> DialRelay(const DialTarget& target, const LinkOptions& op
   const std::string what = absl::StrCat("the relay '", planned.relay_worker(), "' at ", relay,
                                         " for the ", PeerSideName(target.peer.side),
                                         " link to '", target.peer.id, "'");
-  const std::string greeting = absl::StrCat(kRelayGreeting, " ", planned.rendezvous(), " ",
-                                            upstream_end ? "up" : "down", "\n");
+  const std::string greeting =
+      absl::StrCat(kRelayGreeting, " ", planned.rendezvous(), " ", upstream_end ? "up" : "down",
+                   " ", upstream_end ? planned.upstream_proof() : planned.downstream_proof(), "\n");
   // The other end may come late (it restores a checkpoint, or waits for its
   // own downstream links first): a relay that gives up on the pair is asked
   // again until connect_timeout.
@@ -834,7 +857,7 @@ absl::StatusOr<std::shared_ptr<LinkEnd>> OpenLink(
   }
   if (target.peer.side == PeerSide::kUpstream) {
     UpstreamLinks* upstream = service->upstream_links();
-    RETURN_IF_ERROR(upstream->Register(end));
+    RETURN_IF_ERROR(upstream->Register(end, options.duplicate_link_wait));
     LinkEnd* raw = end.get();
     end->SetHooks(
         [upstream, worker = target.peer.id](const v1::LinkHeader& forward) {

@@ -75,6 +75,9 @@ class MessageSink {
   // After a failed Send(): the worker id at the far end of the link that
   // failed, when this sink knows it ("" otherwise).
   virtual std::string failed_peer() const { return ""; }
+  // The worker holding the oldest microbatch sent through this sink and
+  // not yet answered, when this sink routes among several ("" otherwise).
+  virtual std::string oldest_pending_peer() const { return ""; }
 };
 
 // Deadlines, limits and credentials of every link of one worker.
@@ -102,6 +105,14 @@ struct LinkOptions {
   // Peer address (as the plan names it) -> address to dial instead, e.g. a
   // geotrain-linkem relay in front of that peer.
   std::map<std::string, std::string> routes;
+  // A second link of a worker that already has a live one waits this long
+  // for the first to end (a restarted peer's old link does, at once); then
+  // it is refused: the first stays (see LinkService::Answer).
+  absl::Duration duplicate_link_wait = absl::Seconds(5);
+  // Told when a link is refused because its worker's link is already open:
+  // that worker's key is in use twice (the coordinator logs it). May be
+  // empty; called off every lock.
+  std::function<void(const std::string& worker, const std::string& detail)> on_key_in_use_twice;
 };
 
 enum class PeerSide { kUpstream, kDownstream };
@@ -185,10 +196,12 @@ class UpstreamLinks final : public MessageSink {
   // Ends every link and waits for their readers (whose last act is
   // Unregister) before the table goes.
   ~UpstreamLinks() override;
-  // Makes `end` the link to its worker; an older link of the same worker
-  // (it reconnected) is ended first. ALREADY_EXISTS when that does not end
-  // within 5 s.
-  absl::Status Register(std::shared_ptr<LinkEnd> end);
+  // Makes `end` the link to its worker. An older link of the same worker
+  // is never displaced: `end` waits up to `wait` for it to end by itself (a
+  // restarted peer's dead link does), and is refused with ALREADY_EXISTS
+  // when it has not: a second holder of a worker's key cannot cut the
+  // real link.
+  absl::Status Register(std::shared_ptr<LinkEnd> end, absl::Duration wait);
   // After `end`'s Serve() returned.
   void Unregister(const LinkEnd* end);
   // `worker` delivered the activation of `forward` (a training microbatch,

@@ -8,6 +8,21 @@
 #include "common/status_macros.h"
 
 namespace geotrain {
+namespace {
+
+// A zstd'd tensor's frame must declare the encoded size its header
+// announces, so the runtime never decodes more than the message's bound.
+absl::Status CheckZstdFrame(const v1::TensorHeader& header, const std::string& payload,
+                            size_t offset) {
+  if (!header.zstd()) return absl::OkStatus();
+  if (offset > payload.size() || payload.size() - offset < header.payload_bytes()) {
+    return absl::InvalidArgumentError("zstd'd tensor runs past the payload");
+  }
+  return CheckZstdFrameHeader(absl::string_view(payload).substr(offset, header.payload_bytes()),
+                              header.encoded_bytes());
+}
+
+}  // namespace
 
 LinkValidator::LinkValidator(const v1::JobSpec& job, uint64_t epoch, int stage,
                              int layer_begin, int layer_end,
@@ -138,8 +153,10 @@ absl::Status LinkValidator::CheckFromUpstream(const LinkMessage& message) const 
     case v1::MESSAGE_KIND_ACTIVATION:
     case v1::MESSAGE_KIND_EVAL: {
       // Encoded or zstd'd activations are checked for finiteness once decoded
-      // (DecodeTensor); raw ones here.
+      // (DecodeTensor); raw ones here, and a zstd frame's declared size
+      // before anything decodes it.
       RETURN_IF_ERROR(CheckFinite(h.tensors(0), message.payload, 0));
+      RETURN_IF_ERROR(CheckZstdFrame(h.tensors(0), message.payload, 0));
       // Targets index the loss: a label out of range would fail inside it.
       // zstd'd targets are unpacked here, within the size their header
       // announces (CheckTensorMatches has tied that to the shape).
@@ -177,6 +194,7 @@ absl::Status LinkValidator::CheckFromDownstream(const LinkMessage& message) cons
     }
     return absl::OkStatus();
   }
+  RETURN_IF_ERROR(CheckZstdFrame(message.header.tensors(0), message.payload, 0));
   return CheckFinite(message.header.tensors(0), message.payload, 0);
 }
 

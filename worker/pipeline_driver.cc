@@ -83,11 +83,39 @@ absl::Status PipelineDriver::Run() {
   return status;
 }
 
+absl::Duration ReplyTimeoutFor(absl::Duration base, int stage, int num_stages) {
+  return base * std::max(1, num_stages - 1 - stage);
+}
+
 absl::StatusOr<InboundMessage> PipelineDriver::NextMessage() {
   const absl::Time waiting = absl::Now();
-  std::optional<InboundMessage> in = inbox_->Pop();
-  idle_ += absl::Now() - waiting;
+  // Owed a message by the downstream stage, once it has answered at all in
+  // this run (before that it may still be restoring its state): the
+  // timeout, or ten times the longest such wait so far (a slow stage is
+  // not a stalled one).
+  const bool owed = pending_down_ > 0 && downstream_ != nullptr && longest_owed_wait_ > absl::ZeroDuration();
+  const absl::Duration timeout =
+      owed ? std::max(options_.reply_timeout, 10 * longest_owed_wait_) : absl::InfiniteDuration();
+  std::optional<InboundMessage> in = inbox_->Pop(timeout);
+  const absl::Duration waited = absl::Now() - waiting;
+  idle_ += waited;
+  if (!in.has_value() && owed && !inbox_->closed()) {
+    failed_link_ = FailedLink::kDownstream;
+    failed_peer_ = downstream_->oldest_pending_peer();
+    return absl::UnavailableError(absl::StrCat(
+        "the downstream link is stalled: ", pending_down_, " microbatches sent and nothing back "
+        "for ", absl::FormatDuration(timeout)));
+  }
+  if (pending_down_ > 0 && in.has_value() && !in->from_upstream) {
+    longest_owed_wait_ = std::max(longest_owed_wait_, std::max(waited, absl::Nanoseconds(1)));
+  }
   if (!in.has_value()) return absl::CancelledError("worker is stopping");
+  if (!in->from_upstream && in->error.ok()) {
+    const v1::MessageKind kind = in->message.header.kind();
+    if (kind == v1::MESSAGE_KIND_GRADIENT || kind == v1::MESSAGE_KIND_EVAL_ACK) {
+      pending_down_ = std::max<int64_t>(0, pending_down_ - 1);
+    }
+  }
   if (!in->error.ok()) {
     failed_link_ = in->from_upstream ? FailedLink::kUpstream : FailedLink::kDownstream;
     failed_peer_ = in->peer;
@@ -175,6 +203,8 @@ absl::Status PipelineDriver::CountedSend(MessageSink* sink, LinkMessage message,
 
 absl::Status PipelineDriver::SendDown(LinkMessage message) {
   if (downstream_ == nullptr) return absl::InternalError("no downstream link");
+  const v1::MessageKind kind = message.header.kind();
+  if (kind == v1::MESSAGE_KIND_ACTIVATION || kind == v1::MESSAGE_KIND_EVAL) ++pending_down_;
   message.header.set_epoch(options_.epoch);
   message.header.set_from_stage(options_.stage);
   absl::Status sent = CountedSend(downstream_, std::move(message), &down_link_);
@@ -466,11 +496,30 @@ absl::Status PipelineDriver::RunLaterStage() {
           RETURN_IF_ERROR(SendDown(in.message));
         }
         break;
-      case v1::MESSAGE_KIND_DONE:
-        // With replicas upstream each sends one; pass it on after the last.
+      case v1::MESSAGE_KIND_DONE: {
+        // With replicas upstream each sends one (once); the last ends the
+        // stage, and it ends nothing before the job's last step: this stage
+        // must have finished every microbatch that is its to finish (a
+        // replica, which sees only some ids, all but the last window's).
+        // An early or repeated one is a lie or a bug upstream, and costs
+        // the sender its link.
+        const int64_t end = static_cast<int64_t>(job_.steps()) * job_.microbatches();
+        const int64_t reached =
+            options_.replicated ? position_ + options_.schedule.window : position_;
+        const bool repeated = !in.peer.empty() && !done_from_.insert(in.peer).second;
+        const bool last_done = dones_ + 1 >= options_.upstream_workers;
+        if (repeated || (last_done && reached < end)) {
+          failed_link_ = FailedLink::kUpstream;
+          failed_peer_ = in.peer;
+          return absl::UnavailableError(absl::StrCat(
+              "DONE from ", in.peer.empty() ? "upstream" : in.peer, " refused: ",
+              repeated ? "it sent one already"
+                       : absl::StrCat("this stage is at microbatch ", position_, " of ", end)));
+        }
         if (++dones_ < options_.upstream_workers) break;
         if (!runtime_->is_last()) RETURN_IF_ERROR(SendDown(in.message));
         return absl::OkStatus();
+      }
       default:
         return absl::InvalidArgumentError(absl::StrCat(
             "unexpected message kind ", v1::MessageKind_Name(header.kind())));

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <deque>
 #include <optional>
+#include <set>
 #include <string>
 
 #include "absl/status/status.h"
@@ -157,7 +158,18 @@ struct PipelineDriverOptions {
   // compression, each link's strongest.
   v1::Codec activation_codec = v1::CODEC_UNSPECIFIED;
   v1::Codec gradient_codec = v1::CODEC_UNSPECIFIED;
+  // With microbatches of this stage still downstream, how long the stage
+  // waits for any message before it takes the downstream link as stalled
+  // (a neighbour that holds its stream open and sends nothing back): the
+  // run ends UNAVAILABLE on that link, naming the peer, as if it broke.
+  // ReplyTimeoutFor scales it so the stage next to a stall notices first.
+  absl::Duration reply_timeout = absl::InfiniteDuration();
 };
+
+// A stage's reply timeout: `base` times the stages between it and the last
+// stage, so that of the stages waiting on one stalled downstream worker the
+// nearest one's timer ends first (and its report re-plans the others).
+absl::Duration ReplyTimeoutFor(absl::Duration base, int stage, int num_stages);
 
 class PipelineDriver {
  public:
@@ -213,6 +225,12 @@ class PipelineDriver {
   FailedLink failed_link_ = FailedLink::kNone;
   std::string failed_peer_;
   int64_t backwards_ = 0;               // microbatches finished on this stage
+  // Activations (training and evaluation) sent down and not yet answered
+  // (a gradient or an EVAL_ACK came back): while any are, the downstream
+  // owes this stage a message (reply_timeout).
+  int64_t pending_down_ = 0;
+  // The longest wait for a message from downstream while one was owed.
+  absl::Duration longest_owed_wait_;
   // Position in the run in microbatches: backwards_, or for a replica one
   // past the newest microbatch id it finished.
   int64_t position_ = 0;
@@ -220,6 +238,7 @@ class PipelineDriver {
   bool catching_up_ = false;
   int checkpoint_due_ = 0;              // step of a checkpoint not yet taken
   int dones_ = 0;                       // DONE messages received
+  std::set<std::string> done_from_;     // ... from these upstream workers
   int backwards_since_update_ = 0;
   int eval_due_ = 0;                    // stage 0: step to evaluate at, or 0
   // Stage 0: the evaluation pass being sent (its step, 0: none) and its

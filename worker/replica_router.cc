@@ -127,6 +127,23 @@ void ReplicaRouter::OnReply(uint64_t microbatch) {
                         : (1 - kLatencyDecay) * route.latency_s + kLatencyDecay * sample;
 }
 
+std::string ReplicaRouter::oldest_pending_peer() const {
+  absl::MutexLock lock(&mu_);
+  std::string peer;
+  absl::Time oldest = absl::InfiniteFuture();
+  for (const RouteState& r : routes_) {
+    if (!r.outstanding.empty()) {
+      for (const auto& [microbatch, sent_at] : r.outstanding) {
+        if (sent_at < oldest) {
+          oldest = sent_at;
+          peer = r.route.peer_id;
+        }
+      }
+    }
+  }
+  return peer;
+}
+
 std::string ReplicaRouter::failed_peer() const {
   absl::MutexLock lock(&mu_);
   return failed_peer_;

@@ -51,6 +51,7 @@ class ReplicaRouter final : public MessageSink {
   // Unknown ids (dropped, or sent before a re-plan) are ignored.
   void OnReply(uint64_t microbatch) override;
   std::string failed_peer() const override;
+  std::string oldest_pending_peer() const override;
 
   std::vector<v1::RouteStats> Stats() const;
 

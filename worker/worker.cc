@@ -127,6 +127,10 @@ absl::Status Worker::StartServer() {
   ConfigureServerBuilder(&builder);
   int port = 0;
   link_options_.routes = options_.routes;
+  link_options_.on_key_in_use_twice = [this](const std::string& worker,
+                                             const std::string& detail) {
+    coordinator_.ReportEvent("key_in_use_twice", detail, worker);
+  };
   link_service_ = std::make_unique<LinkService>(link_options_);
   if (!worker_id_.empty()) link_service_->SetWorkerId(worker_id_);
   builder.AddListeningPort(
@@ -702,6 +706,9 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
   driver_options.schedule = schedule;
   driver_options.dropped_microbatches = dropped_microbatches_;
   driver_options.upstream_workers = std::max<int>(1, upstream_workers.size());
+  // Two leases, as long as the coordinator gives a silent worker.
+  driver_options.reply_timeout =
+      ReplyTimeoutFor(absl::Milliseconds(2 * job_.lease_ms()), mine.stage(), num_stages);
   driver_options.replicated = stage_workers.size() > 1;
   driver_options.primary = primary_;
   if (mine.stage() == 0) {

@@ -97,6 +97,9 @@ v1::PlannedLink Relayed() {
   link.set_relay_worker("relay");
   link.set_relay_address(absl::GetFlag(FLAGS_relay));
   link.set_rendezvous(absl::GetFlag(FLAGS_rendezvous));
+  // The ends' proofs (a plan's are random); the relay role knows both.
+  link.set_upstream_proof(std::string(32, 'a'));
+  link.set_downstream_proof(std::string(32, 'b'));
   return link;
 }
 
@@ -126,7 +129,8 @@ int Relay() {
   options.listen = absl::GetFlag(FLAGS_listen);
   auto relay = SpliceRelay::Start(options);
   if (!relay.ok()) return Fail(std::string(relay.status().message()));
-  (*relay)->SetLinks({absl::GetFlag(FLAGS_rendezvous)});
+  (*relay)->SetLinks({{absl::GetFlag(FLAGS_rendezvous),
+                       {Relayed().upstream_proof(), Relayed().downstream_proof()}}});
   std::fprintf(stderr, "relay on port %d\n", (*relay)->port());
   while (true) absl::SleepFor(absl::Seconds(60));
 }

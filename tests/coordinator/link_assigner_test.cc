@@ -67,5 +67,35 @@ TEST(LinkAssignerTest, TwoUnreachableEndsMeetAtTheLeastLoadedRelay) {
   EXPECT_EQ(rendezvous.size(), 4u);  // each link its own
 }
 
+// Issue 32: any enrolled identity could read every relayed link's
+// rendezvous from its plan and squat at the relay.
+TEST(LinkAssignerTest, ARendezvousIsShownOnlyToItsEndsAndItsRelay) {
+  v1::Plan plan = ThreeStages();
+  LinkAssignerInput input = Reachable({"a", "b", "b2", "c"});
+  input.relays.resize(1);
+  input.relays[0].id = "r0";
+  input.relays[0].address = "192.0.2.1:7000";
+  AssignLinks(input, &plan);
+  ASSERT_EQ(plan.links_size(), 4);
+  auto shown = [](const v1::Plan& view) {
+    std::set<std::pair<std::string, std::string>> links;
+    for (const v1::PlannedLink& link : view.links()) {
+      if (!link.rendezvous().empty()) {
+        links.insert({link.upstream_worker(), link.downstream_worker()});
+      }
+    }
+    return links;
+  };
+  using Links = std::set<std::pair<std::string, std::string>>;
+  EXPECT_EQ(shown(PlanViewFor(plan, "a")), (Links{{"a", "b"}, {"a", "b2"}}));
+  EXPECT_EQ(shown(PlanViewFor(plan, "c")), (Links{{"b", "c"}, {"b2", "c"}}));
+  EXPECT_EQ(shown(PlanViewFor(plan, "r0")).size(), 4u);
+  EXPECT_TRUE(shown(PlanViewFor(plan, "stranger")).empty());
+  // Everything else is the same plan.
+  v1::Plan view = PlanViewFor(plan, "stranger");
+  EXPECT_EQ(view.links(0).relay_address(), "192.0.2.1:7000");
+  EXPECT_EQ(view.stages_size(), 3);
+}
+
 }  // namespace
 }  // namespace geotrain

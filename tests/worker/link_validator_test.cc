@@ -5,6 +5,9 @@
 #include <cstring>
 #include <limits>
 
+#include <zstd.h>
+
+#include "common/codec.h"
 #include "common/job_spec.h"
 #include "worker/link_stream.h"
 
@@ -111,6 +114,71 @@ TEST(LinkValidatorTest, RefusesWrongShapeDtypeEpochKindAndValues) {
   LinkMessage missing_targets = Activation();
   missing_targets.header.mutable_tensors()->RemoveLast();
   EXPECT_EQ(v.CheckFromUpstream(missing_targets).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// The activation of Activation() with its float32 tensor replaced by
+// `frame`, announced as a zstd frame of the raw tensor's 256 bytes.
+LinkMessage ZstdActivation(const std::string& frame) {
+  LinkMessage m = Activation();
+  v1::TensorHeader* t = m.header.mutable_tensors(0);
+  const std::string targets = m.payload.substr(t->payload_bytes());
+  t->set_zstd(true);
+  t->set_encoded_bytes(t->payload_bytes());
+  t->set_payload_bytes(frame.size());
+  m.payload = frame + targets;
+  return m;
+}
+
+// Issue 32: compressed frames need a declared size, and the size the
+// header announces, before anything decodes them; a refusal here costs the
+// sender its link (LinkStream), not the stage its pipeline.
+TEST(LinkValidatorTest, AZstdFrameMustDeclareTheAnnouncedSize) {
+  LinkValidator v(Job(), 5, 1, 1, 3);
+  const std::string raw(256, '\0');
+  std::string frame;
+  ASSERT_TRUE(ZstdCompress(raw, 1, &frame).ok());
+  EXPECT_TRUE(v.CheckFromUpstream(ZstdActivation(frame)).ok());
+
+  // The same content in a frame that does not say how big it is.
+  ZSTD_CCtx* cctx = ZSTD_createCCtx();
+  ZSTD_CCtx_setParameter(cctx, ZSTD_c_contentSizeFlag, 0);
+  std::string unsized(ZSTD_compressBound(raw.size()), '\0');
+  ZSTD_outBuffer out{unsized.data(), unsized.size(), 0};
+  ZSTD_inBuffer in{raw.data(), raw.size(), 0};
+  ASSERT_EQ(ZSTD_compressStream2(cctx, &out, &in, ZSTD_e_end), 0u);
+  ZSTD_freeCCtx(cctx);
+  unsized.resize(out.pos);
+  absl::Status refused = v.CheckFromUpstream(ZstdActivation(unsized));
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find("does not declare its size"), std::string::npos) << refused;
+
+  // A small frame that declares 4 GiB: magic, a descriptor with an 8-byte
+  // content size and a single segment, the size, one empty last raw block.
+  std::string huge("\x28\xb5\x2f\xfd\xe0", 5);
+  for (int i = 0; i < 8; ++i) huge.push_back(static_cast<char>((uint64_t{4} << 30) >> (8 * i)));
+  huge.append("\x01\x00\x00", 3);
+  ASSERT_EQ(ZSTD_getFrameContentSize(huge.data(), huge.size()), uint64_t{4} << 30);
+  refused = v.CheckFromUpstream(ZstdActivation(huge));
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find("declares 4294967296 bytes"), std::string::npos) << refused;
+
+  // Two frames back to back, or trailing bytes, are not one frame.
+  refused = v.CheckFromUpstream(ZstdActivation(frame + "xx"));
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+
+  // Gradients too.
+  LinkMessage grad;
+  grad.header.set_kind(v1::MESSAGE_KIND_GRADIENT);
+  grad.header.set_epoch(5);
+  AddTensor(&grad, {2, 4, 8}, v1::DTYPE_FLOAT32);
+  grad.header.mutable_tensors(0)->set_zstd(true);
+  grad.header.mutable_tensors(0)->set_encoded_bytes(256);
+  grad.header.mutable_tensors(0)->set_payload_bytes(unsized.size());
+  grad.payload = unsized;
+  EXPECT_EQ(v.CheckFromDownstream(grad).code(), absl::StatusCode::kInvalidArgument);
+  grad.header.mutable_tensors(0)->set_payload_bytes(frame.size());
+  grad.payload = frame;
+  EXPECT_TRUE(v.CheckFromDownstream(grad).ok());
 }
 
 TEST(LinkValidatorTest, EvaluationAcknowledgementsFlowUpstreamOnlyAndCarryNothing) {

@@ -514,5 +514,103 @@ TEST_F(PipelineDriverTest, StageZeroReplicasTrainDisjointSharesThatCoverEveryMic
   EXPECT_LT(progress.losses().back(), progress.losses().front());
 }
 
+// A DONE frame before the job's last step (a hostile or broken upstream
+// worker's) ends nothing: the stage refuses it as a failure of the link it
+// came on, naming the sender, and reports no step past what it computed.
+TEST_F(PipelineDriverTest, AnEarlyDoneIsRefusedAsTheSendersLinkFailing) {
+  const v1::JobSpec job = MakeJob(*corpus_, v1::SCHEDULE_ASYNC_STASH);
+  auto runtime = StageRuntime::Create(job, {1, 2, 2, 4}, RuntimeOptions());
+  ASSERT_TRUE(runtime.ok()) << runtime.status();
+  Inbox inbox(8);
+  Inbox upstream_inbox(8);
+  InboxSink up(&upstream_inbox, false);
+  RecordingProgress progress;
+  PipelineDriverOptions options;
+  options.stage = 1;
+  options.num_stages = 2;
+  options.schedule = ConfigureSchedule(job, 2);
+  InboundMessage done;
+  done.from_upstream = true;
+  done.message.header.set_kind(v1::MESSAGE_KIND_DONE);
+  done.message.header.set_step(job.steps());
+  done.peer = "w-liar";
+  ASSERT_TRUE(inbox.Push(std::move(done)));
+  PipelineDriver driver(job, options, runtime->get(), &up, nullptr, &inbox, &progress);
+  const absl::Status ran = driver.Run();
+  EXPECT_TRUE(absl::IsUnavailable(ran)) << ran;
+  EXPECT_NE(ran.message().find("DONE from w-liar refused"), std::string::npos) << ran;
+  EXPECT_EQ(driver.failed_link(), PipelineDriver::FailedLink::kUpstream);
+  EXPECT_EQ(driver.failed_peer(), "w-liar");
+  EXPECT_TRUE(progress.steps().empty());
+}
+
+// Passes the first `keep` activations on, then swallows the rest: a
+// downstream worker that holds its stream open and stops answering.
+class StallingSink : public MessageSink {
+ public:
+  StallingSink(MessageSink* next, int keep) : next_(next), keep_(keep) {}
+  absl::Status Send(LinkMessage message) override {
+    if (message.header.kind() == v1::MESSAGE_KIND_ACTIVATION && keep_-- <= 0) {
+      return absl::OkStatus();
+    }
+    return next_->Send(std::move(message));
+  }
+
+ private:
+  MessageSink* next_;
+  int keep_;
+};
+
+// Issue 32: a stalled stream froze training for good. The stage that is
+// owed replies gives up on the link after its reply timeout, as if it broke,
+// so its report re-plans around the staller.
+TEST_F(PipelineDriverTest, AStalledDownstreamEndsTheRunAsABrokenLink) {
+  const v1::JobSpec job = MakeJob(*corpus_, v1::SCHEDULE_ASYNC_STASH);
+  const ScheduleConfig schedule = ConfigureSchedule(job, 2);
+  std::vector<std::unique_ptr<StageRuntime>> runtimes;
+  for (int s = 0; s < 2; ++s) {
+    auto runtime = StageRuntime::Create(job, {s, 2, Split(2)[s].first, Split(2)[s].second},
+                                        RuntimeOptions());
+    ASSERT_TRUE(runtime.ok()) << runtime.status();
+    runtimes.push_back(*std::move(runtime));
+  }
+  Inbox first_inbox(64), last_inbox(64);
+  InboxSink to_last(&last_inbox, true), to_first(&first_inbox, false);
+  StallingSink stalling(&to_last, 6);
+  RecordingProgress progress;
+  PipelineDriverOptions first_options;
+  first_options.stage = 0;
+  first_options.num_stages = 2;
+  first_options.schedule = schedule;
+  first_options.reply_timeout = absl::Milliseconds(300);
+  PipelineDriverOptions last_options = first_options;
+  last_options.stage = 1;
+  absl::Status last_result;
+  std::thread last([&] {
+    PipelineDriver driver(job, last_options, runtimes[1].get(), &to_first, nullptr, &last_inbox,
+                          &progress);
+    last_result = driver.Run();
+  });
+  PipelineDriver first(job, first_options, runtimes[0].get(), nullptr, &stalling, &first_inbox,
+                       &progress);
+  const absl::Time start = absl::Now();
+  const absl::Status ran = first.Run();
+  const absl::Duration took = absl::Now() - start;
+  last_inbox.Close();
+  last.join();
+  EXPECT_TRUE(absl::IsUnavailable(ran)) << ran;
+  EXPECT_NE(ran.message().find("the downstream link is stalled"), std::string::npos) << ran;
+  EXPECT_EQ(first.failed_link(), PipelineDriver::FailedLink::kDownstream);
+  EXPECT_LT(took, absl::Seconds(60));
+}
+
+TEST(ReplyTimeoutTest, StagesNearerTheEndGiveUpFirst) {
+  const absl::Duration base = absl::Seconds(10);
+  EXPECT_EQ(ReplyTimeoutFor(base, 3, 4), base);  // the last stage owes nobody
+  EXPECT_EQ(ReplyTimeoutFor(base, 2, 4), base);
+  EXPECT_EQ(ReplyTimeoutFor(base, 1, 4), 2 * base);
+  EXPECT_EQ(ReplyTimeoutFor(base, 0, 4), 3 * base);
+}
+
 }  // namespace
 }  // namespace geotrain

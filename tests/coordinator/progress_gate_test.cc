@@ -1,0 +1,83 @@
+#include "coordinator/progress_gate.h"
+
+#include <gtest/gtest.h>
+
+namespace geotrain {
+namespace {
+
+ProgressGate::Step Step(int step) { return {step, 2.0, 8}; }
+
+std::vector<int> Steps(const std::vector<ProgressGate::Step>& steps) {
+  std::vector<int> out;
+  for (const ProgressGate::Step& s : steps) out.push_back(s.step);
+  return out;
+}
+
+class ProgressGateTest : public testing::Test {
+ protected:
+  ProgressGateTest() : gate_(ProgressGateOptions{/*total_steps=*/1000, /*max_lead_steps=*/8}) {
+    gate_.StartEpoch(1, 0, {"first", "first-replica"}, {"last"});
+  }
+  ProgressGate gate_;
+};
+
+TEST_F(ProgressGateTest, AStepCommitsOnceBothEndsHaveFinishedIt) {
+  auto claimed = gate_.Claim("last", 1, Step(1));
+  ASSERT_TRUE(claimed.ok()) << claimed.status();
+  EXPECT_TRUE(claimed->empty());
+  ASSERT_TRUE(gate_.Claim("last", 1, Step(2)).ok());
+  EXPECT_EQ(Steps(gate_.FirstStageFinished("first", 1, 1)), std::vector<int>{1});
+  EXPECT_EQ(gate_.committed_step(), 1);
+  EXPECT_EQ(gate_.claimed_step(), 2);
+  // A replica of stage 0 may vouch too.
+  EXPECT_EQ(Steps(gate_.FirstStageFinished("first-replica", 1, 5)), std::vector<int>{2});
+  // A claim stage 0 has already passed commits at once; a lost report's
+  // step (3) is passed over.
+  EXPECT_EQ(Steps(*gate_.Claim("last", 1, Step(4))), std::vector<int>{4});
+  EXPECT_EQ(gate_.committed_step(), 4);
+}
+
+TEST_F(ProgressGateTest, NoOneElseAndNoOtherEpochSpeaksForTheEnds) {
+  EXPECT_EQ(gate_.Claim("first", 1, Step(1)).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(gate_.Claim("last", 2, Step(1)).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(gate_.Claim("last", 1, Step(1)).ok());
+  EXPECT_TRUE(gate_.FirstStageFinished("last", 1, 1).empty());
+  EXPECT_TRUE(gate_.FirstStageFinished("stranger", 1, 1).empty());
+  EXPECT_TRUE(gate_.FirstStageFinished("first", 0, 1).empty());
+  EXPECT_EQ(gate_.committed_step(), 0);
+}
+
+TEST_F(ProgressGateTest, AClaimFarAheadOfStageZeroIsAJump) {
+  ASSERT_TRUE(gate_.Claim("last", 1, Step(8)).ok());
+  EXPECT_EQ(gate_.Claim("last", 1, Step(9)).status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(gate_.Claim("last", 1, Step(1000)).status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(gate_.Claim("last", 1, Step(1001)).status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(gate_.Claim("last", 1, Step(8)).status().code(),
+            absl::StatusCode::kFailedPrecondition)
+      << "a step claimed twice";
+  gate_.FirstStageFinished("first", 1, 8);
+  EXPECT_EQ(gate_.committed_step(), 8);
+  EXPECT_TRUE(gate_.Claim("last", 1, Step(16)).ok()) << "the window moves with stage 0";
+}
+
+TEST_F(ProgressGateTest, ANewEpochDropsHeldClaimsAndKeepsWhatCommitted) {
+  ASSERT_TRUE(gate_.Claim("last", 1, Step(1)).ok());
+  ASSERT_TRUE(gate_.Claim("last", 1, Step(2)).ok());
+  gate_.FirstStageFinished("first", 1, 1);
+  gate_.StartEpoch(2, 1, {"first"}, {"new-last"});
+  EXPECT_EQ(gate_.committed_step(), 1);
+  EXPECT_EQ(gate_.claimed_step(), 1);
+  EXPECT_TRUE(gate_.FirstStageFinished("first", 2, 2).empty()) << "step 2's claim was dropped";
+  EXPECT_EQ(Steps(*gate_.Claim("new-last", 2, Step(2))), std::vector<int>{2});
+}
+
+TEST_F(ProgressGateTest, OneWorkerHoldingBothEndsCommitsAtOnce) {
+  gate_.StartEpoch(1, 0, {"solo"}, {"solo"});
+  EXPECT_EQ(Steps(*gate_.Claim("solo", 1, Step(1))), std::vector<int>{1});
+  EXPECT_EQ(gate_.committed_step(), 1);
+}
+
+}  // namespace
+}  // namespace geotrain
