@@ -10,7 +10,8 @@
 // names). A worker involved in at least kIncidentsToExclude incidents in
 // the window, and in more than the other end of the latest one, is
 // excluded: it gets no stage and is no standby until its incidents leave
-// the window. A single bad worker (or a copy of its key, or a host whose
+// the window. The same pair broken again with even records takes out (and
+// excludes) the reporter: the accused left the first time. A single bad worker (or a copy of its key, or a host whose
 // network keeps failing) is then out after its second incident, whoever
 // reports what; an honest neighbour of it is taken out at most once.
 //
@@ -22,6 +23,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <optional>
 #include <string>
 
@@ -59,6 +61,8 @@ class LinkFaultLedger {
 
   const int64_t window_ms_;
   std::deque<Incident> incidents_;  // oldest first
+  // Reporters excluded on a repeated break of one pair, and when.
+  std::map<std::string, int64_t> excluded_;
 };
 
 }  // namespace geotrain
