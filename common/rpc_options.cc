@@ -1,5 +1,10 @@
 #include "common/rpc_options.h"
 
+#include <arpa/inet.h>
+
+#include <algorithm>
+
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
 namespace geotrain {
@@ -43,18 +48,54 @@ std::string PeerHost(const std::string& grpc_peer) {
   return host;
 }
 
+namespace {
+constexpr size_t kMaxAddressBytes = 256;
+}  // namespace
+
+absl::Status CheckHostPort(const std::string& address, bool allow_any_port) {
+  auto refused = [&address](const std::string& why) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "address '", address.substr(0, kMaxAddressBytes), "' is not HOST:PORT (", why, ")"));
+  };
+  if (address.empty() || address.size() > kMaxAddressBytes ||
+      !std::all_of(address.begin(), address.end(),
+                   [](unsigned char c) { return c > 0x20 && c < 0x7f; })) {
+    return refused("1-256 printable bytes");
+  }
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos) return refused("no port");
+  const std::string host = address.substr(0, colon);
+  const std::string port_text = address.substr(colon + 1);
+  int port = 0;
+  if (port_text.empty() || port_text.size() > 5 ||
+      port_text.find_first_not_of("0123456789") != std::string::npos ||
+      !absl::SimpleAtoi(port_text, &port) || port < (allow_any_port ? 0 : 1) || port > 65535) {
+    return refused(allow_any_port ? "a port of 0-65535" : "a port of 1-65535");
+  }
+  if (!host.empty() && host.front() == '[') {
+    // An IPv6 literal, whole and bracketed.
+    in6_addr ip6;
+    if (host.size() < 3 || host.back() != ']' ||
+        inet_pton(AF_INET6, host.substr(1, host.size() - 2).c_str(), &ip6) != 1) {
+      return refused("an IPv6 host is a whole address in brackets, e.g. [::1]:7000");
+    }
+    return absl::OkStatus();
+  }
+  // A DNS name or an IPv4 address: letters, digits, '-', '_' and dots
+  // between non-empty labels.
+  if (host.empty() || host.size() > 253 || host.front() == '.' || host.back() == '.' ||
+      host.find("..") != std::string::npos ||
+      host.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.") !=
+          std::string::npos) {
+    return refused("a host name, an IPv4 address or a bracketed IPv6 address");
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateHostPort(const std::string& flag, const std::string& address,
                               bool allow_any_port) {
-  const size_t colon = address.rfind(':');
-  const std::string port = colon == std::string::npos ? "" : address.substr(colon + 1);
-  const bool digits = !port.empty() && port.size() <= 5 &&
-                      port.find_first_not_of("0123456789") == std::string::npos;
-  const int number = digits ? std::stoi(port) : -1;
-  if (colon == std::string::npos || colon == 0 || !digits || number > 65535 ||
-      (number == 0 && !allow_any_port)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--", flag, "=", address.substr(0, 256), ": expected HOST:PORT with a port in [",
-        allow_any_port ? 0 : 1, ", 65535]"));
+  if (absl::Status valid = CheckHostPort(address, allow_any_port); !valid.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, ": ", valid.message()));
   }
   return absl::OkStatus();
 }

@@ -49,9 +49,13 @@ void ConfigureServerBuilder(grpc::ServerBuilder* builder);
 // "ipv4:10.0.0.2" (the port changes with every connection, the host does not).
 std::string PeerHost(const std::string& grpc_peer);
 
-// OK for HOST:PORT or [V6]:PORT with a port in [0, 65535] (0: any, when
-// `allow_any_port`); INVALID_ARGUMENT naming `flag` otherwise. gRPC itself
-// would take "127.0.0.1:99999" as some other port.
+// HOST:PORT parsed strictly: a DNS name or an IPv4 address, or a whole
+// IPv6 address in brackets ("[::1]:7000"); a decimal port in 1-65535 (0
+// too, meaning any, when `allow_any_port`); at most 256 printable bytes.
+// INVALID_ARGUMENT saying what does not fit. gRPC itself would take
+// "127.0.0.1:99999" as some other port, and "[::1" as something.
+absl::Status CheckHostPort(const std::string& address, bool allow_any_port = false);
+// CheckHostPort for a flag: the message names `flag`.
 absl::Status ValidateHostPort(const std::string& flag, const std::string& address,
                               bool allow_any_port);
 

@@ -48,8 +48,13 @@ constexpr size_t kMaxEventDetailBytes = 512;
 // finished steps (ProgressGateOptions::max_lead_steps).
 constexpr int kProgressLeadSteps = 64;
 // How far a checkpoint's step may be past the newest step reported: its
-// upload and the step's report travel on different calls.
-constexpr int kCheckpointLeadSteps = 2;
+// upload and the step's reports travel on different calls, and a fast
+// model makes a hundred steps a second (as far as the last stage's claims
+// may lead stage 0's).
+constexpr int kCheckpointLeadSteps = kProgressLeadSteps;
+// A new plan's first step may take this long at least (state restored,
+// links opened) before the progress watchdog looks for a stall.
+constexpr int64_t kStartupGraceMs = 60000;
 // An accuser whose accusations were this many times not confirmed is suspected.
 
 }  // namespace
@@ -193,6 +198,7 @@ absl::Status JobController::RecoverLocked() {
     plan_ = **plan;
     training_start_s_ = ElapsedS() - saved.training_elapsed_s();
     StartProgressEpochLocked();
+    epoch_started_ms_ = options_.clock->NowMs();
   }
   recovered_ = true;
   std::string layers;
@@ -481,13 +487,24 @@ absl::Status JobController::ReportStep(const v1::StepReport& report) {
                      " refused: current epoch is ",
                      plan_.has_value() ? plan_->epoch() : 0));
   }
-  if (absl::Status last = CheckOnLastStageLocked(report.worker_id(), "step reports");
-      !last.ok()) {
-    return last;
-  }
   if (!membership_.IsLive(report.worker_id())) {
     return absl::PermissionDeniedError(absl::StrCat(
         "step report from ", report.worker_id().substr(0, 128), ", whose lease has ended"));
+  }
+  if (const v1::StageAssignment* stage = StageOf(*plan_, report.worker_id());
+      stage != nullptr && stage->stage() == 0 && plan_->stages_size() > 1) {
+    // Stage 0 vouches for the step (see ProgressGate).
+    if (report.step() < 1 || report.step() > options_.job.steps()) {
+      return absl::InvalidArgumentError(absl::StrCat("stage-0 step ", report.step(), " of ",
+                                                     options_.job.steps(), ": refused"));
+    }
+    CommitStepsLocked(
+        progress_.FirstStageFinished(report.worker_id(), report.epoch(), report.step()));
+    return absl::OkStatus();
+  }
+  if (absl::Status last = CheckOnLastStageLocked(report.worker_id(), "step reports");
+      !last.ok()) {
+    return last;
   }
   if (report.step() < 1 || report.step() > options_.job.steps() ||
       !std::isfinite(report.loss()) || report.samples() < 0 ||
@@ -504,7 +521,11 @@ absl::Status JobController::ReportStep(const v1::StepReport& report) {
       progress_.Claim(report.worker_id(), report.epoch(), claim);
   if (absl::IsOutOfRange(committed.status())) {
     const std::string why = absl::StrCat("step report refused: ", committed.status().message());
-    AddEventLocked("suspected", NameOf(report.worker_id()), why);
+    // One event per worker and plan: a liar repeating itself must not
+    // flood the log.
+    if (suspected_claims_.insert({report.worker_id(), plan_->epoch()}).second) {
+      AddEventLocked("suspected", NameOf(report.worker_id()), why);
+    }
     return absl::FailedPreconditionError(why);
   }
   if (!committed.ok()) return committed.status();
@@ -533,7 +554,13 @@ void JobController::CommitStepsLocked(const std::vector<ProgressGate::Step>& ste
     }
     metrics_->RecordStep(now, figures);
   }
-  last_progress_ms_ = options_.clock->NowMs();
+  const int64_t now_ms = options_.clock->NowMs();
+  if (progress_in_epoch_ && now_ms > last_progress_ms_) {
+    const int64_t interval = (now_ms - last_progress_ms_) / static_cast<int64_t>(steps.size());
+    step_interval_ms_ = step_interval_ms_ == 0 ? interval : (4 * step_interval_ms_ + interval) / 5;
+  }
+  progress_in_epoch_ = true;
+  last_progress_ms_ = now_ms;
   // Every commit: a restarted coordinator must not resume a re-plan from a
   // step the workers have already done.
   PersistLocked();
@@ -648,6 +675,7 @@ void JobController::Tick() {
   MaybePlanLocked();
   CheckStragglersLocked();
   MaybeVoluntaryReplanLocked();
+  CheckProgressLocked();
   WriteStageCurvesLocked(/*job_done=*/false);
   if (!expired.empty()) {
     membership_.PruneDead(kMaxDeadMembers);
@@ -820,10 +848,16 @@ absl::Status JobController::RecordWorkerEvent(const v1::WorkerEvent& event) {
     AddEventLocked("accusation_refused", NameOf(accuser), why);
     return absl::PermissionDeniedError(why);
   }
+  TakeOutForBrokenLinkLocked(accuser, accused, "was lost");
+  return absl::OkStatus();
+}
+
+void JobController::TakeOutForBrokenLinkLocked(const std::string& reporter,
+                                               const std::string& accused, const char* how) {
   const int64_t now = options_.clock->NowMs();
   std::optional<LinkFaultLedger::Verdict> verdict =
-      link_faults_.Report(accuser, accused, plan_->epoch(), now);
-  if (!verdict.has_value()) return absl::OkStatus();  // this break is counted already
+      link_faults_.Report(reporter, accused, plan_->epoch(), now);
+  if (!verdict.has_value()) return;  // this break is counted already
   // Insecure, anyone may speak for anyone: nobody is excluded on what
   // "they" said.
   const bool exclude = verdict->exclude && options_.authenticated_callers;
@@ -833,12 +867,65 @@ absl::Status JobController::RecordWorkerEvent(const v1::WorkerEvent& event) {
                    absl::StrCat(out, ": ", verdict->why, "; no stage until its record clears"));
   }
   ReplaceLocked(out,
-                out == accused ? absl::StrCat("its link from ", NameOf(accuser), " was lost")
-                               : absl::StrCat("its link to ", NameOf(accused),
-                                              " was lost, and it was in more broken links"),
+                out == accused
+                    ? absl::StrCat("its link from ", NameOf(reporter), " ", how)
+                    : absl::StrCat("its link to ", NameOf(accused), " ", how,
+                                   ", and it was in more broken links"),
                 Replacement::kTakeOut);
   suspended_at_ms_[out] = now;
-  return absl::OkStatus();
+}
+
+void JobController::CheckProgressLocked() {
+  if (!plan_.has_value() || done_ || plan_->job_done() || !done_workers_.empty() ||
+      plan_->stages_size() == 0) {
+    return;
+  }
+  const int64_t now = options_.clock->NowMs();
+  const int64_t lease = membership_.lease_ms();
+  // Once the epoch has made a step: two leases, or ten steps at the pace so
+  // far (a slow model is not a stalled one). Before: the time a new plan
+  // may take to restore state and open its links.
+  const int64_t limit =
+      progress_in_epoch_ ? std::max<int64_t>(2 * lease, 10 * step_interval_ms_)
+                         : std::max<int64_t>(10 * lease, kStartupGraceMs);
+  const int64_t since = std::max(last_progress_ms_, epoch_started_ms_);
+  if (now - since <= limit) return;
+  // Follow whom the plan's workers wait on (their heartbeats) to one that
+  // is owed an answer and waits on nobody: the stall is there.
+  std::map<std::string, WorkerRecord> records;
+  for (const WorkerRecord& w : membership_.Snapshot()) records[w.id] = w;
+  std::map<std::string, std::string> waits_on;
+  for (const v1::StageAssignment& stage : plan_->stages()) {
+    for (const StageWorker& w : WorkersOf(stage)) {
+      auto it = records.find(w.id);
+      if (it == records.end() || !it->second.alive) continue;
+      const v1::StageStats& stats = it->second.stats;
+      if (!stats.waiting_on().empty() && stats.waiting_s() * 1000 >= lease &&
+          StageOf(*plan_, stats.waiting_on()) != nullptr) {
+        waits_on[w.id] = stats.waiting_on();
+      }
+    }
+  }
+  const std::string stalled_for = absl::StrFormat("%.1f s", (now - since) / 1000.0);
+  last_progress_ms_ = now;  // one action per stall period
+  for (const auto& [waiter, on] : waits_on) {
+    if (waits_on.count(on) > 0) continue;
+    AddEventLocked("stalled", NameOf(on),
+                   absl::StrCat("no step for ", stalled_for, "; ", NameOf(waiter),
+                                " has waited on ", NameOf(on), ", which waits on nobody"));
+    TakeOutForBrokenLinkLocked(waiter, on, "stalled");
+    return;
+  }
+  // Nobody is owed anything, and nothing moves: stage 0 issues nothing.
+  const std::string first = plan_->stages(0).worker_id();
+  AddEventLocked("stalled", NameOf(first),
+                 absl::StrCat("no step for ", stalled_for,
+                              " and no stage is owed an answer: stage 0 issues nothing"));
+  if (plan_->stages_size() > 1) {
+    TakeOutForBrokenLinkLocked(plan_->stages(1).worker_id(), first, "stalled");
+  } else {
+    ReplaceLocked(first, "it made no step", Replacement::kTakeOut);
+  }
 }
 
 bool JobController::ExcludedLocked(const std::string& worker_id) const {
@@ -1319,6 +1406,8 @@ void JobController::PublishLocked(v1::Plan plan) {
   }
   plan_ = std::move(plan);
   StartProgressEpochLocked();
+  epoch_started_ms_ = options_.clock->NowMs();
+  progress_in_epoch_ = false;
 }
 
 void JobController::StartProgressEpochLocked() {

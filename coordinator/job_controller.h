@@ -15,6 +15,7 @@
 #include <memory>
 #include <optional>
 #include <set>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -290,10 +291,25 @@ class JobController {
   // Which steps count (thread-safe itself: heartbeats corroborate without
   // mu_). step_ follows what it commits.
   ProgressGate progress_;
-  // When a step was last committed: the progress watchdog's clock.
+  // The progress watchdog's clock: when a step was last committed (or the
+  // watchdog last acted), when the plan began, whether it has made a step,
+  // and the recent time per step.
   int64_t last_progress_ms_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t epoch_started_ms_ ABSL_GUARDED_BY(mu_) = 0;
+  bool progress_in_epoch_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t step_interval_ms_ ABSL_GUARDED_BY(mu_) = 0;
+  // The progress watchdog: when no step is committed for long (see the
+  // .cc), it follows whom the workers wait on to the stalled one (or takes
+  // stage 0, when nobody is owed anything) and re-plans around it.
+  void CheckProgressLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A broken (or stalled) link between `reporter` and `accused`: the
+  // LinkFaultLedger's verdict takes one of them out. `how`: "was lost".
+  void TakeOutForBrokenLinkLocked(const std::string& reporter, const std::string& accused,
+                                  const char* how) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Workers already suspected for a premature ReportDone (one event each).
   std::set<std::string> done_refused_ ABSL_GUARDED_BY(mu_);
+  // (worker, epoch) already suspected for a jump in its step reports.
+  std::set<std::pair<std::string, uint64_t>> suspected_claims_ ABSL_GUARDED_BY(mu_);
   // Workers demoted as stragglers: standbys, but never made replicas again.
   std::set<std::string> demoted_ ABSL_GUARDED_BY(mu_);
   // Broken links and whom they take out (coordinator/link_fault_ledger.h).

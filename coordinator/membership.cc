@@ -3,13 +3,13 @@
 #include <algorithm>
 #include <cmath>
 
-#include <arpa/inet.h>
 #include <google/protobuf/descriptor.h>
 #include <google/protobuf/reflection.h>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/match.h"
+#include "common/rpc_options.h"
 
 namespace geotrain {
 namespace {
@@ -91,44 +91,6 @@ absl::Status CheckAllFinite(const google::protobuf::Message& message) {
                                                  field, " is not a finite number"));
 }
 
-absl::Status ValidateHostPort(const std::string& address) {
-  auto refused = [&address](const std::string& why) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "address '", address.substr(0, kMaxAddressBytes), "' is not HOST:PORT (", why, ")"));
-  };
-  if (address.empty() || address.size() > kMaxAddressBytes || !Printable(address)) {
-    return refused("1-256 printable bytes");
-  }
-  const size_t colon = address.rfind(':');
-  if (colon == std::string::npos) return refused("no port");
-  const std::string host = address.substr(0, colon);
-  const std::string port_text = address.substr(colon + 1);
-  int port = 0;
-  if (port_text.empty() || port_text.size() > 5 ||
-      port_text.find_first_not_of("0123456789") != std::string::npos ||
-      !absl::SimpleAtoi(port_text, &port) || port < 1 || port > 65535) {
-    return refused("a port of 1-65535");
-  }
-  if (!host.empty() && host.front() == '[') {
-    // An IPv6 literal, whole and bracketed.
-    in6_addr ip6;
-    if (host.size() < 3 || host.back() != ']' ||
-        inet_pton(AF_INET6, host.substr(1, host.size() - 2).c_str(), &ip6) != 1) {
-      return refused("an IPv6 host is a whole address in brackets, e.g. [::1]:7000");
-    }
-    return absl::OkStatus();
-  }
-  // A DNS name or an IPv4 address: letters, digits, '-', '_' and dots
-  // between non-empty labels.
-  if (host.empty() || host.size() > 253 || host.front() == '.' || host.back() == '.' ||
-      host.find("..") != std::string::npos ||
-      host.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.") !=
-          std::string::npos) {
-    return refused("a host name, an IPv4 address or a bracketed IPv6 address");
-  }
-  return absl::OkStatus();
-}
-
 absl::Status ValidateHeartbeatRequest(const v1::HeartbeatRequest& request) {
   return CheckAllFinite(request);
 }
@@ -144,7 +106,7 @@ absl::Status ValidateWorkerName(const std::string& name) {
 
 absl::Status ValidateJoinRequest(const v1::JoinRequest& request) {
   if (absl::Status name = ValidateWorkerName(request.name()); !name.ok()) return name;
-  if (absl::Status address = ValidateHostPort(request.address()); !address.ok()) {
+  if (absl::Status address = CheckHostPort(request.address()); !address.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat("join ", address.message(), ": peers must be able to dial it"));
   }
@@ -181,6 +143,8 @@ v1::StageStats BoundedStageStats(const v1::StageStats& stats) {
   v1::StageStats out = stats;
   out.set_schedule(Cut(out.schedule()));
   out.set_threads_reason(Cut(out.threads_reason()));
+  out.set_waiting_on(out.waiting_on().substr(0, kMaxNameBytes));
+  out.set_waiting_s(std::max(0.0, Finite(out.waiting_s())));
   out.set_staleness_mean(Finite(out.staleness_mean()));
   out.set_bubble_fraction(Finite(out.bubble_fraction()));
   out.set_microbatches_per_s(Finite(out.microbatches_per_s()));

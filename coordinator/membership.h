@@ -42,9 +42,6 @@ struct WorkerRecord {
 // device strings. A relay needs no device.
 absl::Status ValidateWorkerName(const std::string& name);
 absl::Status ValidateJoinRequest(const v1::JoinRequest& request);
-// HOST:PORT parsed strictly: a DNS name or IPv4 address, or a whole IPv6
-// address in brackets; a decimal port in 1-65535; at most 256 bytes.
-absl::Status ValidateHostPort(const std::string& address);
 // INVALID_ARGUMENT naming the first double or float field, at any depth,
 // that is NaN or infinite.
 absl::Status CheckAllFinite(const google::protobuf::Message& message);

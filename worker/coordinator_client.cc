@@ -329,6 +329,23 @@ void CoordinatorClient::StepFinished(int step, double loss, int64_t samples) {
   });
 }
 
+void CoordinatorClient::FirstStageFinished(int step) {
+  v1::StepReport report;
+  report.set_worker_id(worker_id());
+  report.set_epoch(epoch_);
+  report.set_step(step);
+  reports_.Post([this, report = std::move(report)] {
+    grpc::ClientContext context;
+    context.set_deadline(DeadlineFromNow(kControlRpcTimeout));
+    v1::ReportAck ack;
+    const grpc::Status status = stub_->ReportStep(&context, report, &ack);
+    if (!status.ok()) {
+      GT_LOG(Warning) << "stage-0 step " << report.step()
+                      << " report failed: " << status.error_message();
+    }
+  });
+}
+
 void CoordinatorClient::EvalFinished(int step, const EvalResult& result) {
   v1::EvalReport report;
   report.set_worker_id(worker_id());

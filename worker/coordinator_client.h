@@ -92,6 +92,7 @@ class CoordinatorClient final : public ProgressSink {
   void StepFinished(int step, double loss, int64_t samples) override;
   void EvalFinished(int step, const EvalResult& result) override;
   void StageProgress(int step) override { step_ = step; }
+  void FirstStageFinished(int step) override;
   int stage_step() const { return step_; }
 
   const std::string& address() const { return address_; }

@@ -276,6 +276,20 @@ UpstreamLinks::~UpstreamLinks() {
   for (auto& [worker, end] : links) end->WaitServed(absl::InfiniteDuration());
 }
 
+absl::Status UpstreamLinks::AwaitNoLink(const std::string& worker, absl::Duration wait) {
+  absl::MutexLock lock(&mu_);
+  auto gone = [this, &worker]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return links_.count(worker) == 0;
+  };
+  if (!mu_.AwaitWithTimeout(absl::Condition(&gone), wait)) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "key in use twice: worker '", worker.substr(0, 128),
+        "' already has a live upstream link here (", links_[worker]->description(),
+        "); the second one is refused"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status UpstreamLinks::Register(std::shared_ptr<LinkEnd> end, absl::Duration wait) {
   absl::MutexLock lock(&mu_);
   const std::string worker = end->peer().id;
@@ -520,6 +534,20 @@ absl::StatusOr<std::shared_ptr<LinkEnd>> LinkService::Answer(
     end = std::make_shared<LinkEnd>(std::move(transport), std::move(peer), /*dialled=*/false,
                                     validator_, inbox_, options_.write_stall_timeout);
     ack.header = MakeHello(validator_->epoch(), validator_->stage());
+  }
+  // A worker that has a live link here gets no second one (and no answer).
+  if (side == PeerSide::kUpstream) {
+    if (absl::Status free = upstream_links_.AwaitNoLink(end->peer().id,
+                                                        options_.duplicate_link_wait);
+        !free.ok()) {
+      end->EndOnPurpose();
+      if (options_.on_key_in_use_twice) {
+        options_.on_key_in_use_twice(end->peer().id, absl::StrCat("a second link from ",
+                                                                  peer_name, ": ",
+                                                                  free.message()));
+      }
+      return Refusal(free.code(), peer_name, free.message());
+    }
   }
   // The answer goes first: nothing may be sent on the link before it.
   if (absl::Status sent = end->Send(std::move(ack)); !sent.ok()) {

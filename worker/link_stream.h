@@ -135,6 +135,7 @@ class LinkEnd final : public MessageSink, public std::enable_shared_from_this<Li
 
   absl::Status Send(LinkMessage message) override;
   std::string failed_peer() const override { return peer_.id; }
+  std::string oldest_pending_peer() const override { return peer_.id; }
 
   // Before serving: `on_forward` sees the header of each training or
   // evaluation activation before it is delivered; `on_end` runs when
@@ -202,6 +203,10 @@ class UpstreamLinks final : public MessageSink {
   // when it has not: a second holder of a worker's key cannot cut the
   // real link.
   absl::Status Register(std::shared_ptr<LinkEnd> end, absl::Duration wait);
+  // Waits up to `wait` until `worker` has no link here: ALREADY_EXISTS
+  // (key in use twice) when it still has one. A new link checks this before
+  // it is answered, so a second holder of a key never gets an answer.
+  absl::Status AwaitNoLink(const std::string& worker, absl::Duration wait);
   // After `end`'s Serve() returned.
   void Unregister(const LinkEnd* end);
   // `worker` delivered the activation of `forward` (a training microbatch,

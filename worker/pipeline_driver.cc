@@ -96,7 +96,21 @@ absl::StatusOr<InboundMessage> PipelineDriver::NextMessage() {
   const bool owed = pending_down_ > 0 && downstream_ != nullptr && longest_owed_wait_ > absl::ZeroDuration();
   const absl::Duration timeout =
       owed ? std::max(options_.reply_timeout, 10 * longest_owed_wait_) : absl::InfiniteDuration();
-  std::optional<InboundMessage> in = inbox_->Pop(timeout);
+  // In slices of a second: past the first, the heartbeat says whom this
+  // stage waits on (the coordinator's watchdog follows that).
+  std::optional<InboundMessage> in;
+  bool announced = false;
+  while (true) {
+    const absl::Duration left = timeout - (absl::Now() - waiting);
+    in = inbox_->Pop(std::min(left, absl::Seconds(1)));
+    if (in.has_value() || inbox_->closed() || absl::Now() - waiting >= timeout) break;
+    if (pending_down_ > 0 && downstream_ != nullptr && stats_ != nullptr && !announced) {
+      std::string peer = downstream_->oldest_pending_peer();
+      stats_->SetWaiting(peer.empty() ? options_.downstream_worker : peer, waiting);
+      announced = true;
+    }
+  }
+  if (announced) stats_->SetWaiting("", absl::Time());
   const absl::Duration waited = absl::Now() - waiting;
   idle_ += waited;
   if (!in.has_value() && owed && !inbox_->closed()) {
@@ -299,6 +313,7 @@ absl::Status PipelineDriver::AtStep(int step) {
     step_losses_ = 0;
   }
   progress_->StageProgress(step);
+  if (options_.stage == 0 && !runtime_->is_last()) progress_->FirstStageFinished(step);
   if (options_.primary && job_.checkpoint_every() > 0 && step % job_.checkpoint_every() == 0) {
     checkpoint_due_ = step;  // taken at this update, or (a replica) the next
   }

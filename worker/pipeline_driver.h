@@ -54,6 +54,10 @@ class ProgressSink {
   virtual void EvalFinished(int step, const EvalResult& result) = 0;
   // Called by every stage after its step `step` (M backwards).
   virtual void StageProgress(int step) = 0;
+  // Called by stage 0 (of several) after its step `step`: every microbatch
+  // of it has come back from the last stage. The coordinator counts a step
+  // once both ends have said so (coordinator/progress_gate.h).
+  virtual void FirstStageFinished(int step) {}
   // Called every job.checkpoint_every steps with the stage's layers.
   virtual void CheckpointReady(std::vector<v1::LayerCheckpoint> layers) {}
   // Writes a stage's layers as chunks into `emit` (false: the stream broke).
@@ -100,11 +104,21 @@ class StatsBoard {
     threads_ = threads;
     threads_reason_ = reason;
   }
+  // The downstream worker owed to answer and since when ("": none).
+  void SetWaiting(const std::string& peer, absl::Time since) {
+    absl::MutexLock lock(&mu_);
+    waiting_on_ = peer;
+    waiting_since_ = since;
+  }
   v1::StageStats Get() const {
     absl::MutexLock lock(&mu_);
     v1::StageStats stats = stats_;
     stats.set_threads(threads_);
     stats.set_threads_reason(threads_reason_);
+    if (!waiting_on_.empty()) {
+      stats.set_waiting_on(waiting_on_);
+      stats.set_waiting_s(absl::ToDoubleSeconds(absl::Now() - waiting_since_));
+    }
     return stats;
   }
 
@@ -113,6 +127,8 @@ class StatsBoard {
   v1::StageStats stats_ ABSL_GUARDED_BY(mu_);
   int threads_ ABSL_GUARDED_BY(mu_) = 0;
   std::string threads_reason_ ABSL_GUARDED_BY(mu_);
+  std::string waiting_on_ ABSL_GUARDED_BY(mu_);
+  absl::Time waiting_since_ ABSL_GUARDED_BY(mu_);
 };
 
 struct PipelineDriverOptions {
@@ -124,6 +140,9 @@ struct PipelineDriverOptions {
   absl::Duration stats_window = absl::Seconds(10);
   std::string upstream_peer;    // for link statistics
   std::string downstream_peer;
+  // The downstream worker's id when there is one (a routed stage asks its
+  // router which replica holds the oldest microbatch).
+  std::string downstream_worker;
   int64_t dropped_microbatches = 0;  // by this worker's earlier re-plans
   // Workers on the stage before: a later stage ends after a DONE from each.
   int upstream_workers = 1;

@@ -740,13 +740,25 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
   };
   driver_options.upstream_peer = addresses(upstream_workers);
   driver_options.downstream_peer = addresses(downstream_workers);
+  if (downstream_workers.size() == 1) driver_options.downstream_worker = downstream_workers[0].id;
   GT_LOG(Info) << "schedule " << ScheduleName(job_.schedule()) << ": window " << schedule.window
                << ", update every " << schedule.update_every << " backward(s)"
                << (schedule.flush ? ", flush each step" : ", no flush");
-  PipelineDriver driver(job_, driver_options, runtime,
-                        mine.stage() > 0 ? link_service_->upstream_links() : nullptr,
-                        router ? &*router : nullptr,
-                        inbox.get(), &coordinator_, &stats_);
+  MessageSink* up_sink = mine.stage() > 0 ? link_service_->upstream_links() : nullptr;
+  MessageSink* down_sink = router ? &*router : nullptr;
+  std::unique_ptr<MessageSink> up_wrapper, down_wrapper;
+  if (options_.wrap_link) {
+    if (up_sink != nullptr) {
+      up_wrapper = options_.wrap_link(PeerSide::kUpstream, up_sink);
+      up_sink = up_wrapper.get();
+    }
+    if (down_sink != nullptr) {
+      down_wrapper = options_.wrap_link(PeerSide::kDownstream, down_sink);
+      down_sink = down_wrapper.get();
+    }
+  }
+  PipelineDriver driver(job_, driver_options, runtime, up_sink, down_sink, inbox.get(),
+                        &coordinator_, &stats_);
   health_.Set(true, absl::StrCat("stage ", mine.stage(), " of plan epoch ", plan.epoch(),
                                  ": links open, training"));
   current_stage_ = mine.stage();

@@ -30,6 +30,7 @@
 #define GEOTRAIN_WORKER_WORKER_H_
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -80,6 +81,13 @@ struct WorkerOptions {
   // HOST:PORT serving Prometheus /metrics (plain HTTP, no credentials);
   // empty: none.
   std::string metrics_listen;
+  // Fault injection, for tests only (geotrain-worker never sets it): wraps
+  // the sink the pipeline sends through toward each neighbouring stage
+  // (`toward`: kUpstream for gradients, kDownstream for activations), for
+  // each plan. The wrapper must outlive nothing but the plan's run; `real`
+  // stays valid that long. tests/integration/misbehaving_worker_main.cc
+  // plays a hostile volunteer with it.
+  std::function<std::unique_ptr<MessageSink>(PeerSide toward, MessageSink* real)> wrap_link;
 };
 
 // Parses "PEER=VIA[,PEER=VIA...]" (each a HOST:PORT) into WorkerOptions::routes.

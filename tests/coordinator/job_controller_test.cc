@@ -16,6 +16,7 @@
 #include "absl/time/clock.h"
 #include "common/job_spec.h"
 #include "common/model_profile.h"
+#include "common/rpc_options.h"
 
 namespace geotrain {
 namespace {
@@ -970,11 +971,11 @@ TEST_F(HostileInputTest, StepReportsOutOfRangeAreRefusedAndRealOnesStillCount) {
   report.set_samples(1 << 30);
   EXPECT_EQ(controller_->ReportStep(report).code(), absl::StatusCode::kInvalidArgument);
   report.set_samples(64);
-  report.set_worker_id(a);  // stage 0 does not own the loss
-  EXPECT_EQ(controller_->ReportStep(report).code(), absl::StatusCode::kPermissionDenied);
+  report.set_worker_id(a);  // stage 0 vouches for the step; it does not own the loss
+  EXPECT_TRUE(controller_->ReportStep(report).ok());
+  EXPECT_EQ(controller_->Status().step(), 0);
   report.set_worker_id(b);
   ASSERT_TRUE(controller_->ReportStep(report).ok());
-  FinishedOnStageZero(a, 1);
   EXPECT_EQ(controller_->Status().step(), 1);
   controller_->FlushState();  // the logs are written off the caller's thread
   EXPECT_EQ(ReadFile(dir_ + "/metrics.jsonl").find("nan"), std::string::npos);
@@ -1013,7 +1014,7 @@ TEST_F(HostileInputTest, JoinsOutOfRangeAreRefusedAndPlanningGoesOn) {
     EXPECT_EQ(join("addr", address, 1).code(), absl::StatusCode::kInvalidArgument) << address;
   }
   for (const char* address : {"[::1]:7000", "198.51.100.7:65535", "worker-3.example.org:1"}) {
-    EXPECT_TRUE(ValidateHostPort(address).ok()) << address;
+    EXPECT_TRUE(CheckHostPort(address).ok()) << address;
   }
   // NaN anywhere in a join or a heartbeat is refused (issue 32: one join's
   // NaN benchmark kept the job from ever being planned).
@@ -1490,6 +1491,88 @@ TEST_F(ProgressClaimTest, ARestoreFallsBackToTheNewestTrustedCheckpoint) {
   ASSERT_TRUE(restored.ok()) << restored.status();
   EXPECT_EQ(restored->step(), 10);
   EXPECT_EQ(restored->payload(), std::string(restored->payload().size(), '\0'));
+}
+
+}  // namespace
+}  // namespace geotrain
+
+namespace geotrain {
+namespace {
+
+// Issue 32: a stalled stream froze training for good. The progress
+// watchdog follows whom the workers wait on to the stalled worker.
+class ProgressWatchdogTest : public ProgressClaimTest {
+ protected:
+  void SetUp() override {
+    ProgressClaimTest::SetUp();
+    standby_ = Join("c").worker_id();
+  }
+  // Every member heartbeats (stage 0 at `step`), `waiter` saying it has
+  // waited on `on` for `waited_s`; then `ms` pass in 200 ms ticks.
+  void Beat(int ms, int step, const std::string& waiter = "", const std::string& on = "",
+            double waited_s = 0) {
+    for (int t = 0; t < ms; t += 200) {
+      clock_.AdvanceMs(200);
+      for (const std::string& id : {first_, last_, standby_}) {
+        v1::HeartbeatRequest beat;
+        beat.set_worker_id(id);
+        beat.set_epoch(Plan().epoch());
+        if (id == first_) beat.set_step(step);
+        if (id == waiter) {
+          beat.mutable_stats()->set_waiting_on(on);
+          beat.mutable_stats()->set_waiting_s(waited_s + t / 1000.0);
+        }
+        controller_->Heartbeat(beat);
+      }
+      controller_->Tick();
+    }
+  }
+  std::string standby_;
+};
+
+TEST_F(ProgressWatchdogTest, AStalledWorkerIsFoundByWhoWaitsOnIt) {
+  TrainSteps(first_, last_, 5);
+  Beat(1000, 5);
+  EXPECT_EQ(Plan().epoch(), 1u) << "half a limit without a step is no stall";
+  // Stage 0 has waited on the last stage, which waits on nobody.
+  Beat(1600, 5, first_, last_, 1.0);
+  EXPECT_TRUE(HasEvent("stalled"));
+  const v1::Plan plan = Plan();
+  EXPECT_EQ(plan.epoch(), 2u);
+  EXPECT_EQ(plan.stages(1).worker_id(), standby_) << "the stalled worker was taken out";
+  EXPECT_EQ(plan.stages(0).worker_id(), first_);
+}
+
+TEST_F(ProgressWatchdogTest, WithNobodyOwedAnythingStageZeroIsTakenOut) {
+  TrainSteps(first_, last_, 5);
+  Beat(2600, 5);
+  EXPECT_TRUE(HasEvent("stalled"));
+  const v1::Plan plan = Plan();
+  EXPECT_EQ(plan.epoch(), 2u);
+  EXPECT_EQ(plan.stages(0).worker_id(), standby_);
+}
+
+TEST_F(ProgressWatchdogTest, ASlowButSteadyJobIsNoStall) {
+  for (int step = 1; step <= 6; ++step) {
+    v1::StepReport report;
+    report.set_worker_id(last_);
+    report.set_epoch(1);
+    report.set_step(step);
+    report.set_loss(2.0);
+    report.set_samples(8);
+    ASSERT_TRUE(controller_->ReportStep(report).ok());
+    Beat(1800, step);  // a step every 1.8 s, nearly two leases
+  }
+  EXPECT_EQ(controller_->Status().step(), 6);
+  EXPECT_FALSE(HasEvent("stalled"));
+  EXPECT_EQ(Plan().epoch(), 1u);
+}
+
+TEST_F(ProgressWatchdogTest, ANewPlanHasTimeToStart) {
+  Beat(30000, 0);
+  EXPECT_FALSE(HasEvent("stalled")) << "restoring state and opening links take a while";
+  Beat(31000, 0);
+  EXPECT_TRUE(HasEvent("stalled"));
 }
 
 }  // namespace

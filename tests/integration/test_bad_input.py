@@ -108,6 +108,10 @@ class FlagRangeTest(unittest.TestCase):
              "--checkpoint_upload_mbit"),
             ([binary("geotrain-worker"), "--listen=127.0.0.1:70000", "--insecure"], "--listen"),
             ([binary("geotrain-worker"), "--coordinator=nowhere", "--insecure"], "--coordinator"),
+            # Issue 32: a half IPv6 literal was taken as HOST:PORT.
+            ([binary("geotrain-worker"), "--coordinator=[::1", "--insecure"],
+             "an IPv6 host is a whole address in brackets"),
+            ([binary("geotrain-worker"), "--listen=[::1:7000", "--insecure"], "--listen"),
             ([binary("geotrain-ctl"), "status", "--coordinator=127.0.0.1:0", "--insecure"],
              "--coordinator"),
         ]

@@ -1,0 +1,241 @@
+// geotrain-misbehaving-worker: one hostile volunteer, for the liveness
+// test (test_hostile_worker.py). It is a real worker (the same Worker
+// class, the same certificate from a real token) whose pipeline sends
+// through a misbehaving wrapper (WorkerOptions::wrap_link), and which uses
+// its own key on the side, as a thief of it would. Test-only; never
+// installed.
+//
+//   --misbehave=fake_done         a DONE frame down its link, and ReportDone,
+//                                 long before the job's end
+//   --misbehave=fake_final_step   ReportStep(the job's last step, loss 0.01)
+//   --misbehave=hijack_link       a second link to its downstream neighbour
+//                                 with its own key, held open
+//   --misbehave=drop_links        ends its links after --after messages, in
+//                                 every plan
+//   --misbehave=stall             holds its links open and sends nothing
+//                                 after --after messages
+#include <signal.h>
+
+#include <atomic>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "common/logging.h"
+#include "common/plan_util.h"
+#include "common/rpc_options.h"
+#include "common/transport_security.h"
+#include "geotrain/v1/coordinator.grpc.pb.h"
+#include "geotrain/v1/stage.grpc.pb.h"
+#include "worker/worker.h"
+#include "worker/worker_credentials.h"
+
+ABSL_FLAG(std::string, coordinator, "127.0.0.1:7070", "coordinator HOST:PORT");
+ABSL_FLAG(std::string, listen, "127.0.0.1:0", "HOST:PORT of its Stage service");
+ABSL_FLAG(std::string, name, "hostile", "its name in status");
+ABSL_FLAG(std::string, token, "", "a worker token");
+ABSL_FLAG(std::string, state_dir, "", "where its key is kept (required: the attacks use it)");
+ABSL_FLAG(std::string, misbehave, "", "fake_done|fake_final_step|hijack_link|drop_links|stall");
+ABSL_FLAG(int, after, 20, "messages each plan's pipeline sends honestly first");
+ABSL_FLAG(int, claim_step, 0, "the step its false claims name (the job's last)");
+
+namespace geotrain {
+namespace {
+
+enum class Misbehaviour { kFakeDone, kFakeFinalStep, kHijackLink, kDropLinks, kStall };
+
+// What the pipeline sends toward one neighbour, for one plan.
+class HostileSink : public MessageSink {
+ public:
+  HostileSink(Misbehaviour how, PeerSide toward, MessageSink* real, int after, int claim_step)
+      : how_(how), toward_(toward), real_(real), after_(after), claim_step_(claim_step) {}
+
+  absl::Status Send(LinkMessage message) override {
+    const bool honest = sent_++ < after_;
+    if (honest) return real_->Send(std::move(message));
+    switch (how_) {
+      case Misbehaviour::kFakeDone:
+        if (toward_ == PeerSide::kDownstream && !done_sent_) {
+          done_sent_ = true;
+          GT_LOG(Warning) << "hostile: a DONE frame at message " << sent_;
+          LinkMessage done;
+          done.header = message.header;
+          done.header.set_kind(v1::MESSAGE_KIND_DONE);
+          done.header.set_step(claim_step_);
+          done.header.clear_tensors();
+          (void)real_->Send(std::move(done));
+        }
+        return real_->Send(std::move(message));
+      case Misbehaviour::kDropLinks:
+        GT_LOG(Warning) << "hostile: dropping the link at message " << sent_;
+        return absl::UnavailableError("hostile: link dropped");
+      case Misbehaviour::kStall:
+        if (sent_ == after_ + 1) GT_LOG(Warning) << "hostile: stalling the link";
+        return absl::OkStatus();  // swallowed; the stream stays open
+      default:
+        return real_->Send(std::move(message));
+    }
+  }
+  void OnReply(uint64_t microbatch) override { real_->OnReply(microbatch); }
+  std::string failed_peer() const override { return real_->failed_peer(); }
+  std::string oldest_pending_peer() const override { return real_->oldest_pending_peer(); }
+
+ private:
+  const Misbehaviour how_;
+  const PeerSide toward_;
+  MessageSink* const real_;
+  const int after_;
+  const int claim_step_;
+  int sent_ = 0;
+  bool done_sent_ = false;
+};
+
+// The side attacks, with this worker's own key (loaded from --state_dir
+// once the worker has enrolled), in a loop until the process ends.
+void SideAttacks(Misbehaviour how, const std::string& coordinator, const std::string& state_dir,
+                 const std::string& name, int claim_step) {
+  std::atomic<bool> never{false};
+  WorkerCredentialOptions options;
+  options.coordinator = coordinator;
+  options.state_dir = state_dir;
+  options.name = name;
+  absl::StatusOr<WorkerCredentials> credentials;
+  while (true) {
+    credentials = ObtainWorkerCredentials(options, never, absl::Seconds(1));
+    if (credentials.ok()) break;
+    absl::SleepFor(absl::Seconds(1));  // not enrolled yet
+  }
+  auto stub = v1::Coordinator::NewStub(
+      MakeSecureChannel(coordinator, credentials->coordinator, kCoordinatorServerName));
+  const std::string self = credentials->worker_id;
+  // The plans, as this worker sees them.
+  absl::Mutex mu;
+  std::optional<v1::Plan> plan;
+  std::thread([&] {
+    while (true) {
+      grpc::ClientContext context;
+      v1::WatchPlanRequest request;
+      request.set_worker_id(self);
+      auto reader = stub->WatchPlan(&context, request);
+      v1::Plan next;
+      while (reader->Read(&next)) {
+        absl::MutexLock lock(&mu);
+        plan = next;
+      }
+      reader->Finish();
+      absl::SleepFor(absl::Seconds(1));
+    }
+  }).detach();
+  std::unique_ptr<grpc::ClientContext> held_context;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::LinkFrame, v1::LinkFrame>> held;
+  uint64_t held_epoch = 0;
+  while (true) {
+    absl::SleepFor(absl::Seconds(1));
+    std::optional<v1::Plan> now;
+    {
+      absl::MutexLock lock(&mu);
+      now = plan;
+    }
+    if (!now.has_value() || now->job_done()) continue;
+    grpc::ClientContext context;
+    context.set_deadline(DeadlineFromNow(std::chrono::seconds(5)));
+    v1::ReportAck ack;
+    if (how == Misbehaviour::kFakeDone) {
+      v1::DoneReport done;
+      done.set_worker_id(self);
+      done.set_step(claim_step);
+      const grpc::Status status = stub->ReportDone(&context, done, &ack);
+      GT_LOG(Info) << "hostile: ReportDone: " << (status.ok() ? "accepted" : status.error_message());
+    } else if (how == Misbehaviour::kFakeFinalStep) {
+      v1::StepReport step;
+      step.set_worker_id(self);
+      step.set_epoch(now->epoch());
+      step.set_step(claim_step);
+      step.set_loss(0.01);
+      step.set_samples(1);
+      const grpc::Status status = stub->ReportStep(&context, step, &ack);
+      GT_LOG(Info) << "hostile: ReportStep(" << claim_step
+                   << "): " << (status.ok() ? "accepted" : status.error_message());
+    } else if (how == Misbehaviour::kHijackLink && held_epoch != now->epoch()) {
+      // A second link to the neighbour downstream, as this worker.
+      const v1::StageAssignment* mine = StageOf(*now, self);
+      if (mine == nullptr || mine->stage() + 1 >= now->stages_size()) continue;
+      const v1::StageAssignment& next = now->stages(mine->stage() + 1);
+      held.reset();
+      held_context = std::make_unique<grpc::ClientContext>();
+      auto peer = v1::Stage::NewStub(
+          MakeSecureChannel(next.address(), credentials->peers, next.worker_id()));
+      held = peer->Link(held_context.get());
+      v1::LinkFrame hello;
+      hello.mutable_header()->set_kind(v1::MESSAGE_KIND_HELLO);
+      hello.mutable_header()->set_epoch(now->epoch());
+      hello.mutable_header()->set_from_stage(mine->stage());
+      hello.mutable_header()->set_from_worker(self);
+      hello.mutable_header()->set_to_worker(next.worker_id());
+      hello.set_last(true);
+      held->Write(hello);
+      v1::LinkFrame answer;
+      const bool answered = held->Read(&answer);
+      GT_LOG(Warning) << "hostile: second link to " << next.worker_id() << " in epoch "
+                      << now->epoch() << ": "
+                      << (answered ? "answered" : held->Finish().error_message());
+      held_epoch = now->epoch();
+    }
+  }
+}
+
+int Main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  const std::string kind = absl::GetFlag(FLAGS_misbehave);
+  Misbehaviour how;
+  if (kind == "fake_done") {
+    how = Misbehaviour::kFakeDone;
+  } else if (kind == "fake_final_step") {
+    how = Misbehaviour::kFakeFinalStep;
+  } else if (kind == "hijack_link") {
+    how = Misbehaviour::kHijackLink;
+  } else if (kind == "drop_links") {
+    how = Misbehaviour::kDropLinks;
+  } else if (kind == "stall") {
+    how = Misbehaviour::kStall;
+  } else {
+    std::fprintf(stderr, "--misbehave: one of fake_done, fake_final_step, hijack_link, "
+                         "drop_links, stall\n");
+    return 2;
+  }
+  if (absl::GetFlag(FLAGS_state_dir).empty()) {
+    std::fprintf(stderr, "--state_dir is required\n");
+    return 2;
+  }
+  SetLogPrefix(absl::GetFlag(FLAGS_name));
+  WorkerOptions options;
+  options.coordinator = absl::GetFlag(FLAGS_coordinator);
+  options.listen = absl::GetFlag(FLAGS_listen);
+  options.name = absl::GetFlag(FLAGS_name);
+  options.token = absl::GetFlag(FLAGS_token);
+  options.state_dir = absl::GetFlag(FLAGS_state_dir);
+  options.device = "cpu";
+  options.threads = 1;
+  const int after = absl::GetFlag(FLAGS_after);
+  const int claim_step = absl::GetFlag(FLAGS_claim_step);
+  options.wrap_link = [how, after, claim_step](PeerSide toward, MessageSink* real) {
+    return std::make_unique<HostileSink>(how, toward, real, after, claim_step);
+  };
+  std::thread(SideAttacks, how, options.coordinator, options.state_dir, options.name, claim_step)
+      .detach();
+  Worker worker(options);
+  const absl::Status status = worker.Run();
+  GT_LOG(Info) << "hostile worker ended: " << status;
+  return status.ok() ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace geotrain
+
+int main(int argc, char** argv) { return geotrain::Main(argc, argv); }
