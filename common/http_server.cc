@@ -115,14 +115,30 @@ void HttpServer::AcceptLoop() {
     absl::StatusOr<TcpSocket> connection = listener_.Accept();
     if (!connection.ok()) break;
     connection->SetTimeouts(options_.request_timeout, options_.request_timeout);
-    if (serving_ >= options_.max_connections) {
+    // "ipv4:198.51.100.3:40112" -> its host part.
+    std::string source = connection->PeerName();
+    source = source.substr(0, source.rfind(':'));
+    bool admitted = false;
+    {
+      absl::MutexLock lock(&sources_mu_);
+      int& mine = serving_by_source_[source];
+      if (serving_ < options_.max_connections && mine < options_.max_connections_per_source) {
+        ++mine;
+        ++serving_;
+        admitted = true;
+      } else if (mine == 0) {
+        serving_by_source_.erase(source);
+      }
+    }
+    if (!admitted) {
       const std::string busy = Serialize(Plain(503, "busy; try again\n"));
       connection->WriteAll(busy.data(), busy.size());
       continue;
     }
-    ++serving_;
-    std::thread([this, socket = *std::move(connection)]() mutable {
+    std::thread([this, source, socket = *std::move(connection)]() mutable {
       Serve(std::move(socket));
+      absl::MutexLock lock(&sources_mu_);
+      if (--serving_by_source_[source] == 0) serving_by_source_.erase(source);
       --serving_;
     }).detach();
   }

@@ -3,7 +3,8 @@
 // answered from handlers by path. Every port is reachable by a stranger: a request line
 // and headers are bounded (2 KiB, 64 lines), a connection that does not
 // send them within 2 s is closed, and only `max_connections` are served at
-// once (the rest wait in the backlog).
+// once, at most `max_connections_per_source` for one source host (the rest
+// are answered 503 at once).
 //
 // Why not prometheus-cpp's pull exposer (civetweb): in a process that loads
 // Debian's LibTorch 1.13, civetweb's mg_start fails after binding ("null
@@ -22,6 +23,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/tcp_socket.h"
 
@@ -47,6 +49,10 @@ struct HttpServerOptions {
   std::string listen;  // HOST:PORT, port 0: any
   absl::Duration request_timeout = absl::Seconds(2);
   int max_connections = 2;  // served at once, each on its own thread
+  // Of those, from one source host: a stranger who keeps idle connections
+  // open cannot take every place (issue 32: eight did, and viewers got 2
+  // of 10 requests served).
+  int max_connections_per_source = 1;
 };
 
 class HttpServer {
@@ -83,6 +89,8 @@ class HttpServer {
   int port_ = 0;
   std::atomic<bool> stopping_{false};
   std::atomic<int> serving_{0};
+  absl::Mutex sources_mu_;
+  std::map<std::string, int> serving_by_source_ ABSL_GUARDED_BY(sources_mu_);
   std::thread accept_thread_;
 };
 

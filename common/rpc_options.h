@@ -24,6 +24,11 @@
 namespace geotrain {
 
 inline constexpr int kMaxGrpcMessageBytes = 16 << 20;
+// What the coordinator receives in one message at most (a checkpoint chunk
+// of kStreamPartBytes and its header fit), and the memory its server may
+// hold for all calls together.
+inline constexpr int kCoordinatorMaxReceiveBytes = 2 << 20;
+inline constexpr size_t kCoordinatorMemoryQuotaBytes = size_t{256} << 20;
 // The payload of one message of every chunked stream (layer state,
 // replica weight pushes, tied-gradient parts): far under that limit, and
 // what a receiver holds of a stream beyond what it keeps.

@@ -76,6 +76,22 @@ int64_t AppendLog::dropped() const {
   return dropped_;
 }
 
+void AppendLog::Rotate() {
+  const std::string older = options_.path + ".1";
+  if (rename(options_.path.c_str(), older.c_str()) != 0) {
+    GT_LOG(Warning) << "could not rotate " << options_.path << ": " << std::strerror(errno);
+    return;
+  }
+  const int fd = open(options_.path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_APPEND, 0644);
+  if (fd < 0) {
+    GT_LOG(Warning) << "could not reopen " << options_.path << " after rotating it: "
+                    << std::strerror(errno);
+    return;  // the lines go on to the renamed file
+  }
+  close(fd_);
+  fd_ = fd;
+}
+
 void AppendLog::Run() {
   bool torn_line = false;
   while (true) {
@@ -108,6 +124,10 @@ void AppendLog::Run() {
     if (!status.ok()) {
       GT_LOG(Warning) << "could not append " << batch.size() << " lines to " << options_.path
                       << ": " << status.message();
+    }
+    if (status.ok() && options_.rotate_bytes > 0 && !options_.binary_records &&
+        static_cast<uint64_t>(lseek(fd_, 0, SEEK_END)) >= options_.rotate_bytes) {
+      Rotate();
     }
     absl::MutexLock lock(&mu_);
     (status.ok() ? written_ : dropped_) += static_cast<int64_t>(batch.size());

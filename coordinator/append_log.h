@@ -31,6 +31,11 @@ struct AppendLogOptions {
   // meets half a record before a whole one.
   bool binary_records = false;
   size_t max_pending_lines = 10000;
+  // Past this size the file is rotated: renamed to `path`.1 (replacing the
+  // previous one) and started afresh, so the log holds at most twice this
+  // on disk whatever is appended. 0: never rotated. Lines only (not for
+  // binary records, whose readers expect one file).
+  uint64_t rotate_bytes = 0;
   // Runs on the writer's thread before each batch of lines (a fault-
   // injecting wrapper for tests: a slow or failing disk). A non-OK result
   // loses that batch (logged). Empty: none.
@@ -58,9 +63,11 @@ class AppendLog {
  private:
   AppendLog(AppendLogOptions options, int fd);
   void Run();
+  // On the writer thread: `path` -> `path`.1, and a fresh `path`.
+  void Rotate();
 
   const AppendLogOptions options_;
-  const int fd_;
+  int fd_;  // the writer thread's once it runs (it rotates the file)
   mutable absl::Mutex mu_;
   absl::CondVar changed_;  // lines queued, a batch written, or stopping
   std::deque<std::string> pending_ ABSL_GUARDED_BY(mu_);

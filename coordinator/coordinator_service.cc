@@ -5,6 +5,7 @@
 #include <atomic>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 
 #include "common/layer_state.h"
 #include "coordinator/checkpoint_upload.h"
@@ -105,14 +106,57 @@ absl::Status CallerCheck::Viewer(const grpc::ServerContext& context) const {
   return checked.status();
 }
 
-grpc::Status CoordinatorService::AdmitSource(const grpc::ServerContext& context) {
-  const std::string source = PeerHost(context.peer());
-  if (joins_.Admit(source)) return grpc::Status::OK;
-  GT_LOG(Warning) << "refused a join from " << source << ": over "
+bool InFlightLimit::Acquire(const std::string& key) {
+  absl::MutexLock lock(&mu_);
+  int& mine = held_[key];
+  if (mine >= per_key_ || all_ >= total_) {
+    if (mine == 0) held_.erase(key);
+    return false;
+  }
+  ++mine;
+  ++all_;
+  return true;
+}
+
+void InFlightLimit::Release(const std::string& key) {
+  absl::MutexLock lock(&mu_);
+  auto it = held_.find(key);
+  if (it == held_.end()) return;
+  --all_;
+  if (--it->second == 0) held_.erase(it);
+}
+
+namespace {
+
+// Holds a place in an InFlightLimit for one call.
+class InFlight {
+ public:
+  InFlight(InFlightLimit& limit, std::string key)
+      : limit_(limit), key_(std::move(key)), held_(limit.Acquire(key_)) {}
+  ~InFlight() {
+    if (held_) limit_.Release(key_);
+  }
+  bool held() const { return held_; }
+
+ private:
+  InFlightLimit& limit_;
+  const std::string key_;
+  const bool held_;
+};
+
+grpc::Status Busy(const std::string& what) {
+  return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, what);
+}
+
+}  // namespace
+
+grpc::Status CoordinatorService::Admit(JoinRateLimiter& limiter, const std::string& key,
+                                       const char* what) {
+  if (limiter.Admit(key)) return grpc::Status::OK;
+  GT_LOG(Warning) << "refused " << what << " " << key.substr(0, 128) << ": over "
                   << options_.joins_per_source_per_minute << " per minute";
-  return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                      absl::StrCat("more than ", options_.joins_per_source_per_minute,
-                                   " joins per minute from ", source, "; try again later"));
+  return Busy(absl::StrCat("more than ", options_.joins_per_source_per_minute, " ", what, " ",
+                           key.substr(0, 128), " a minute; try again later"));
 }
 
 grpc::Status CoordinatorService::Enroll(grpc::ServerContext* context,
@@ -122,14 +166,30 @@ grpc::Status CoordinatorService::Enroll(grpc::ServerContext* context,
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                         "this coordinator runs --insecure: join without a token");
   }
-  if (grpc::Status admitted = AdmitSource(*context); !admitted.ok()) return admitted;
+  const std::string source = PeerHost(context->peer());
+  InFlight anonymous(anonymous_, source);
+  if (!anonymous.held()) {
+    return Busy(absl::StrCat("too many calls without a certificate in flight (",
+                             options_.anonymous_calls_per_source, " from one host, ",
+                             options_.max_anonymous_calls, " in all)"));
+  }
   // Nothing is used up by a token that fails, or by a CSR that would.
-  if (absl::StatusOr<std::string> checked =
-          options_.access->CheckToken(request->token(), v1::TOKEN_ROLE_WORKER);
-      !checked.ok()) {
+  absl::StatusOr<std::string> checked =
+      options_.access->CheckToken(request->token(), v1::TOKEN_ROLE_WORKER);
+  if (!checked.ok()) {
+    // Only failures count against the source: a stranger behind a NAT
+    // spends its own budget, never that of the volunteers beside it.
+    if (grpc::Status admitted = Admit(refusals_, source, "refused enrollments from");
+        !admitted.ok()) {
+      return admitted;
+    }
     GT_LOG(Warning) << "refused an enrollment from " << context->peer() << ": "
                     << checked.status().message();
     return Refused(checked.status());
+  }
+  if (grpc::Status admitted = Admit(enrolls_, *checked, "enrollments with token");
+      !admitted.ok()) {
+    return admitted;
   }
   if (absl::Status csr = CheckCsr(request->csr_pem()); !csr.ok()) return Refused(csr);
   if (absl::Status name = ValidateWorkerName(request->name()); !name.ok()) return Refused(name);
@@ -153,7 +213,14 @@ grpc::Status CoordinatorService::Join(grpc::ServerContext* context,
                                       v1::JoinResponse* response) {
   absl::StatusOr<std::string> worker = caller_.Worker(*context, "");
   if (!worker.ok()) return Refused(worker.status());
-  if (grpc::Status admitted = AdmitSource(*context); !admitted.ok()) return admitted;
+  // By identity: each volunteer's budget is its own, whatever NAT it shares
+  // (insecure, ids are not certified: by source host).
+  if (grpc::Status admitted =
+          caller_.insecure() ? Admit(joins_, PeerHost(context->peer()), "joins from")
+                             : Admit(joins_, *worker, "joins by");
+      !admitted.ok()) {
+    return admitted;
+  }
   if (absl::Status valid = ValidateJoinRequest(*request); !valid.ok()) return Refused(valid);
   // Dialled back before it is admitted, so that its first plan already
   // knows who must dial whom.
@@ -185,6 +252,13 @@ grpc::Status CoordinatorService::WatchPlan(grpc::ServerContext* context,
                                            grpc::ServerWriter<v1::Plan>* writer) {
   absl::StatusOr<std::string> worker = caller_.Worker(*context, request->worker_id());
   if (!worker.ok()) return Refused(worker.status());
+  // Each stream holds a thread: a few per identity, a bound in all.
+  InFlight watch(watches_, *worker);
+  if (!watch.held()) {
+    return Busy(absl::StrCat(worker->substr(0, 128), " holds ", options_.watches_per_identity,
+                             " plan streams already (or the coordinator its ",
+                             options_.max_watches, ")"));
+  }
   JobController* controller = options_.controller;
   uint64_t sent_epoch = 0;
   while (!context->IsCancelled()) {
@@ -428,6 +502,12 @@ grpc::Status AdminService::RevokeWorker(grpc::ServerContext* context,
 grpc::Status StatusService::GetClusterStatus(grpc::ServerContext* context,
                                              const v1::ClusterStatusRequest*,
                                              v1::ClusterStatus* response) {
+  const bool anonymous = !caller_.insecure() && PeerIdentity(*context).empty();
+  std::optional<InFlight> in_flight;
+  if (anonymous) in_flight.emplace(anonymous_, PeerHost(context->peer()));
+  if (anonymous && !in_flight->held()) {
+    return Busy("too many status calls without a certificate in flight; try again");
+  }
   if (absl::Status viewer = caller_.Viewer(*context); !viewer.ok()) return Refused(viewer);
   *response = options_.controller->Status();
   response->set_security(caller_.insecure()

@@ -48,6 +48,22 @@ class JoinRateLimiter {
   std::map<std::string, Window> windows_ ABSL_GUARDED_BY(mu_);
 };
 
+// Calls of one kind in flight: at most `per_key` for one key (an identity,
+// a source host) and `total` in all. Thread-safe.
+class InFlightLimit {
+ public:
+  InFlightLimit(int per_key, int total) : per_key_(per_key), total_(total) {}
+  // False (nothing held) when `key` or the whole is at its limit.
+  bool Acquire(const std::string& key);
+  void Release(const std::string& key);
+
+ private:
+  const int per_key_, total_;
+  absl::Mutex mu_;
+  std::map<std::string, int> held_ ABSL_GUARDED_BY(mu_);
+  int all_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
 struct CoordinatorServiceOptions {
   JobController* controller = nullptr;     // not owned, required
   const ClusterAuthority* authority = nullptr;  // not owned; null: insecure
@@ -55,7 +71,18 @@ struct CoordinatorServiceOptions {
   const Clock* clock = nullptr;            // not owned, required
   // Dials each joiner back (not owned); null: none is probed.
   const ReachabilityProber* prober = nullptr;
+  // Joins per minute of one identity (TLS) or source host (insecure);
+  // enrollments per minute with one token; refused enrollments per minute
+  // from one source host (a stranger behind a NAT spends only its own
+  // failures, never the volunteers' valid tokens).
   int joins_per_source_per_minute = 60;
+  // Plan streams one identity may hold open, and all of them together.
+  int watches_per_identity = 2;
+  int max_watches = 8192;
+  // Calls without a client certificate (enrollments, status with a viewer
+  // token) in flight, per source host and in all.
+  int anonymous_calls_per_source = 4;
+  int max_anonymous_calls = 32;
 };
 
 // Who is calling, as far as the transport tells (see the header comment).
@@ -77,8 +104,13 @@ class CallerCheck {
 class CoordinatorService final : public v1::Coordinator::Service {
  public:
   explicit CoordinatorService(CoordinatorServiceOptions options)
-      : options_(options), caller_(&options_), joins_(options.clock,
-                                                      options.joins_per_source_per_minute) {}
+      : options_(options),
+        caller_(&options_),
+        joins_(options.clock, options.joins_per_source_per_minute),
+        enrolls_(options.clock, options.joins_per_source_per_minute),
+        refusals_(options.clock, options.joins_per_source_per_minute),
+        watches_(options.watches_per_identity, options.max_watches),
+        anonymous_(options.anonymous_calls_per_source, options.max_anonymous_calls) {}
 
   grpc::Status Enroll(grpc::ServerContext* context, const v1::EnrollRequest* request,
                       v1::EnrollResponse* response) override;
@@ -112,11 +144,16 @@ class CoordinatorService final : public v1::Coordinator::Service {
                            v1::ReportAck* response) override;
 
  private:
-  grpc::Status AdmitSource(const grpc::ServerContext& context);
+  // RESOURCE_EXHAUSTED when `key` is over its budget in `limiter`.
+  grpc::Status Admit(JoinRateLimiter& limiter, const std::string& key, const char* what);
 
   const CoordinatorServiceOptions options_;
   const CallerCheck caller_;
-  JoinRateLimiter joins_;
+  JoinRateLimiter joins_;     // Join: per identity (TLS) or source host
+  JoinRateLimiter enrolls_;   // Enroll: per token id
+  JoinRateLimiter refusals_;  // refused Enrolls: per source host
+  InFlightLimit watches_;
+  InFlightLimit anonymous_;
 };
 
 class AdminService final : public v1::Admin::Service {
@@ -143,7 +180,9 @@ class AdminService final : public v1::Admin::Service {
 class StatusService final : public v1::Status::Service {
  public:
   explicit StatusService(CoordinatorServiceOptions options)
-      : options_(options), caller_(&options_) {}
+      : options_(options),
+        caller_(&options_),
+        anonymous_(options.anonymous_calls_per_source, options.max_anonymous_calls) {}
   grpc::Status GetClusterStatus(grpc::ServerContext* context,
                                 const v1::ClusterStatusRequest* request,
                                 v1::ClusterStatus* response) override;
@@ -151,6 +190,7 @@ class StatusService final : public v1::Status::Service {
  private:
   const CoordinatorServiceOptions options_;
   const CallerCheck caller_;
+  InFlightLimit anonymous_;  // status calls without a certificate
 };
 
 }  // namespace geotrain

@@ -67,6 +67,13 @@ struct JobControllerOptions {
   // The same for each batch of lines appended to the events log and the
   // metrics log (AppendLog), given the file's path. Empty: none.
   std::function<absl::Status(const std::string& path)> before_log_write;
+  // events.log is rotated to events.log.1 past this size (AppendLog), so
+  // it holds at most twice this on disk.
+  uint64_t events_log_rotate_bytes = uint64_t{64} << 20;
+  // What one worker may report through RecordWorkerEvent: a bucket of
+  // `event_burst` events that refills at `events_per_s`.
+  double events_per_s = 2;
+  double event_burst = 20;
 };
 
 class JobController {
@@ -308,6 +315,12 @@ class JobController {
                                   const char* how) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Workers already suspected for a premature ReportDone (one event each).
   std::set<std::string> done_refused_ ABSL_GUARDED_BY(mu_);
+  // Each worker's event rate (RecordWorkerEvent).
+  struct EventBucket {
+    double tokens = 0;
+    int64_t at_ms = 0;
+  };
+  std::map<std::string, EventBucket> event_buckets_ ABSL_GUARDED_BY(mu_);
   // (worker, epoch) already suspected for a jump in its step reports.
   std::set<std::pair<std::string, uint64_t>> suspected_claims_ ABSL_GUARDED_BY(mu_);
   // Workers demoted as stragglers: standbys, but never made replicas again.

@@ -118,6 +118,7 @@ absl::StatusOr<std::unique_ptr<HttpServer>> StartStatusPage(const StatusPageOpti
   HttpServerOptions server;
   server.listen = options.listen;
   server.max_connections = options.max_connections;
+  server.max_connections_per_source = options.max_connections_per_source;
   return HttpServer::Start(server, StatusPageHandlers(options));
 }
 

@@ -40,7 +40,8 @@ struct StatusPageOptions {
   std::string security;
   // Whether the coordinator's gRPC health status is SERVING.
   std::function<bool()> serving;
-  int max_connections = 4;  // a browser or two, and a scraper
+  int max_connections = 16;  // browsers and scrapers, each host at most
+  int max_connections_per_source = 4;  // a browser's parallel requests
 };
 
 // The body of /status.json.

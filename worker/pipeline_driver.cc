@@ -83,6 +83,15 @@ absl::Status PipelineDriver::Run() {
   return status;
 }
 
+absl::Status PipelineDriver::RefusedFrom(const InboundMessage& in, absl::Status status) {
+  if (status.ok() || !absl::IsInvalidArgument(status)) return status;
+  failed_link_ = in.from_upstream ? FailedLink::kUpstream : FailedLink::kDownstream;
+  failed_peer_ = in.peer;
+  return absl::UnavailableError(absl::StrCat(
+      "a message from ", in.peer.empty() ? (in.from_upstream ? "upstream" : "downstream") : in.peer,
+      " refused: ", status.message()));
+}
+
 absl::Duration ReplyTimeoutFor(absl::Duration base, int stage, int num_stages) {
   return base * std::max(1, num_stages - 1 - stage);
 }
@@ -428,7 +437,9 @@ absl::Status PipelineDriver::RunFirstStage() {
       continue;
     }
     downstream_->OnReply(in.message.header.microbatch());
-    ASSIGN_OR_RETURN(std::optional<LinkMessage> up, runtime_->Backward(in.message));
+    absl::StatusOr<std::optional<LinkMessage>> up_or = runtime_->Backward(in.message);
+    if (!up_or.ok()) return RefusedFrom(in, up_or.status());
+    std::optional<LinkMessage> up = *std::move(up_or);
     --in_flight;
     RETURN_IF_ERROR(AfterBackward(0, in.message.header.microbatch()));
   }
@@ -473,31 +484,39 @@ absl::Status PipelineDriver::RunLaterStage() {
     switch (header.kind()) {
       case v1::MESSAGE_KIND_ACTIVATION:
         if (runtime_->is_last()) {
-          ASSIGN_OR_RETURN(LastStageResult result, runtime_->ForwardLoss(in.message));
+          absl::StatusOr<LastStageResult> result_or = runtime_->ForwardLoss(in.message);
+          if (!result_or.ok()) return RefusedFrom(in, result_or.status());
+          LastStageResult result = *std::move(result_or);
           RETURN_IF_ERROR(SendUp(*std::move(result.gradient)));
           RETURN_IF_ERROR(AfterBackward(result.loss, header.microbatch()));
         } else {
-          ASSIGN_OR_RETURN(LinkMessage activation, runtime_->Forward(in.message));
+          absl::StatusOr<LinkMessage> activation_or = runtime_->Forward(in.message);
+          if (!activation_or.ok()) return RefusedFrom(in, activation_or.status());
+          LinkMessage activation = *std::move(activation_or);
           RETURN_IF_ERROR(SendDown(std::move(activation)));
         }
         break;
       case v1::MESSAGE_KIND_GRADIENT: {
         downstream_->OnReply(header.microbatch());
-        ASSIGN_OR_RETURN(std::optional<LinkMessage> up, runtime_->Backward(in.message));
+        absl::StatusOr<std::optional<LinkMessage>> up_or = runtime_->Backward(in.message);
+        if (!up_or.ok()) return RefusedFrom(in, up_or.status());
+        std::optional<LinkMessage> up = *std::move(up_or);
         RETURN_IF_ERROR(SendUp(*std::move(up)));
         RETURN_IF_ERROR(AfterBackward(0, header.microbatch()));
         break;
       }
       case v1::MESSAGE_KIND_EVAL:
         if (runtime_->is_last()) {
-          RETURN_IF_ERROR(runtime_->EvalForward(in.message));
+          RETURN_IF_ERROR(RefusedFrom(in, runtime_->EvalForward(in.message)));
           LinkMessage ack;  // frees its place in stage 0's window
           ack.header.set_kind(v1::MESSAGE_KIND_EVAL_ACK);
           ack.header.set_step(header.step());
           ack.header.set_microbatch(header.microbatch());
           RETURN_IF_ERROR(SendUp(std::move(ack)));
         } else {
-          ASSIGN_OR_RETURN(LinkMessage activation, runtime_->Forward(in.message));
+          absl::StatusOr<LinkMessage> activation_or = runtime_->Forward(in.message);
+          if (!activation_or.ok()) return RefusedFrom(in, activation_or.status());
+          LinkMessage activation = *std::move(activation_or);
           RETURN_IF_ERROR(SendDown(std::move(activation)));
         }
         break;
@@ -536,8 +555,8 @@ absl::Status PipelineDriver::RunLaterStage() {
         return absl::OkStatus();
       }
       default:
-        return absl::InvalidArgumentError(absl::StrCat(
-            "unexpected message kind ", v1::MessageKind_Name(header.kind())));
+        return absl::InvalidArgumentError(
+            absl::StrCat("unexpected message kind ", v1::MessageKind_Name(header.kind())));
     }
   }
 }

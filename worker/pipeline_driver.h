@@ -228,6 +228,12 @@ class PipelineDriver {
   // Replicas: mixes in the weights the other replicas pushed.
   void AverageReceivedWeights();
   absl::StatusOr<InboundMessage> NextMessage();
+  // What the runtime refused of a received message (INVALID_ARGUMENT: its
+  // tensors do not decode, or are not finite) is the sender's fault: the
+  // run ends as the link it came on failing, naming the sender, so a bad
+  // message costs the sender its link and the coordinator re-plans around
+  // it. Other errors (and OK) pass through.
+  absl::Status RefusedFrom(const InboundMessage& in, absl::Status status);
   absl::Status SendDown(LinkMessage message);
   absl::Status SendUp(LinkMessage message);
   void PublishStats();

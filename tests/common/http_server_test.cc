@@ -2,9 +2,14 @@
 
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
 #include <string>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
 namespace geotrain {
@@ -83,6 +88,49 @@ TEST(HttpServerTest, ServesOverTcpAndClosesSilentOrOversizedRequests) {
   EXPECT_EQ(Fetch(port, std::string(4096, 'A')), "");
   // The server still answers afterwards.
   EXPECT_TRUE(absl::StartsWith(Fetch(port, "GET /metrics HTTP/1.0\r\n\r\n"), "HTTP/1.1 200"));
+}
+
+// Issue 32: eight idle connections, reopened as they timed out, denied the
+// page to everyone else.
+TEST(HttpServerTest, IdleConnectionsFromOneHostTakeOnlyItsOwnPlaces) {
+  HttpServerOptions options;
+  options.listen = "127.0.0.1:0";
+  options.request_timeout = absl::Seconds(5);
+  options.max_connections = 4;
+  options.max_connections_per_source = 2;
+  absl::StatusOr<std::unique_ptr<HttpServer>> server = HttpServer::Start(options, Pages());
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string address = absl::StrCat("127.0.0.1:", (*server)->port());
+  // 127.0.0.1 holds its two places with connections that send nothing...
+  std::vector<TcpSocket> idle;
+  for (int i = 0; i < 2; ++i) {
+    idle.push_back(*TcpSocket::Connect(address, absl::Seconds(2)));
+  }
+  absl::SleepFor(absl::Milliseconds(200));  // accepted and being served
+  // ...so a third from it is turned away at once,
+  const std::string busy = Fetch((*server)->port(), "GET /metrics HTTP/1.0\r\n\r\n");
+  EXPECT_TRUE(absl::StartsWith(busy, "HTTP/1.1 503")) << busy;
+  // while a viewer from another host (127.0.0.2, loopback too) is served.
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in from{};
+  from.sin_family = AF_INET;
+  inet_pton(AF_INET, "127.0.0.2", &from.sin_addr);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&from), sizeof(from)), 0);
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_port = htons(static_cast<uint16_t>((*server)->port()));
+  inet_pton(AF_INET, "127.0.0.1", &to.sin_addr);
+  ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof(to)), 0);
+  TcpSocket viewer(fd);
+  viewer.SetTimeouts(absl::Seconds(5), absl::Seconds(5));
+  const std::string request = "GET /metrics HTTP/1.0\r\n\r\n";
+  ASSERT_TRUE(viewer.WriteAll(request.data(), request.size()));
+  std::string reply;
+  char buffer[4096];
+  long got;
+  while ((got = viewer.ReadSome(buffer, sizeof(buffer))) > 0) reply.append(buffer, got);
+  EXPECT_TRUE(absl::StartsWith(reply, "HTTP/1.1 200")) << reply;
 }
 
 TEST(HttpServerTest, RefusesAnAddressItCannotListenOn) {

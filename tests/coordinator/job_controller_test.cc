@@ -1577,3 +1577,33 @@ TEST_F(ProgressWatchdogTest, ANewPlanHasTimeToStart) {
 
 }  // namespace
 }  // namespace geotrain
+
+namespace geotrain {
+namespace {
+
+TEST_F(ReplanTest, AWorkersEventsAreRateLimited) {
+  const std::string a = Join("a").worker_id();
+  const std::string b = Join("b").worker_id();
+  v1::WorkerEvent event;
+  event.set_worker_id(a);
+  event.set_kind("restored");
+  event.set_detail("again");
+  int ok = 0, refused = 0;
+  for (int i = 0; i < 100; ++i) {
+    const absl::Status recorded = controller_->RecordWorkerEvent(event);
+    (recorded.ok() ? ok : refused) += 1;
+    if (!recorded.ok()) EXPECT_EQ(recorded.code(), absl::StatusCode::kResourceExhausted);
+  }
+  EXPECT_EQ(ok, 20) << "the burst";
+  EXPECT_EQ(refused, 80);
+  event.set_worker_id(b);
+  EXPECT_TRUE(controller_->RecordWorkerEvent(event).ok()) << "a bucket per worker";
+  event.set_worker_id(a);
+  clock_.AdvanceMs(1000);
+  EXPECT_TRUE(controller_->RecordWorkerEvent(event).ok()) << "refilled at 2 a second";
+  EXPECT_TRUE(controller_->RecordWorkerEvent(event).ok());
+  EXPECT_EQ(controller_->RecordWorkerEvent(event).code(), absl::StatusCode::kResourceExhausted);
+}
+
+}  // namespace
+}  // namespace geotrain

@@ -102,6 +102,36 @@ void LinkSeeds(const std::string& dir) {
   done.header.set_kind(v1::MESSAGE_KIND_DONE);
   done.header.set_epoch(1);
   Write(dir, "done", Frames(done));
+  // zstd'd activations (issue 32): a frame that declares the announced
+  // size, one that declares none, and a small one that declares 4 GiB.
+  const std::string raw_activation(a.payload_bytes(), '\0');
+  auto zstd_activation = [&](const std::string& frame) {
+    LinkMessage m = activation;
+    v1::TensorHeader* z = m.header.mutable_tensors(0);
+    z->set_zstd(true);
+    z->set_encoded_bytes(a.payload_bytes());
+    z->set_payload_bytes(frame.size());
+    *m.header.add_tensors() = Raw(TargetSpec(job, batch));
+    m.payload = frame + labels;
+    return m;
+  };
+  std::string sized(ZSTD_compressBound(raw_activation.size()), '\0');
+  sized.resize(ZSTD_compress(sized.data(), sized.size(), raw_activation.data(),
+                             raw_activation.size(), 1));
+  Write(dir, "activation_zstd", Frames(zstd_activation(sized)));
+  ZSTD_CCtx* cctx = ZSTD_createCCtx();
+  ZSTD_CCtx_setParameter(cctx, ZSTD_c_contentSizeFlag, 0);
+  std::string unsized(ZSTD_compressBound(raw_activation.size()), '\0');
+  ZSTD_outBuffer out{unsized.data(), unsized.size(), 0};
+  ZSTD_inBuffer in{raw_activation.data(), raw_activation.size(), 0};
+  ZSTD_compressStream2(cctx, &out, &in, ZSTD_e_end);
+  ZSTD_freeCCtx(cctx);
+  unsized.resize(out.pos);
+  Write(dir, "activation_zstd_unsized", Frames(zstd_activation(unsized)));
+  std::string huge("\x28\xb5\x2f\xfd\xe0", 5);
+  for (int i = 0; i < 8; ++i) huge.push_back(static_cast<char>((uint64_t{4} << 30) >> (8 * i)));
+  huge.append("\x01\x00\x00", 3);
+  Write(dir, "activation_zstd_declares_4gib", Frames(zstd_activation(huge)));
 }
 
 void TensorSeeds(const std::string& dir) {
