@@ -136,15 +136,20 @@ void HttpServer::AcceptLoop() {
       continue;
     }
     std::thread([this, source, socket = *std::move(connection)]() mutable {
-      Serve(std::move(socket));
-      absl::MutexLock lock(&sources_mu_);
-      if (--serving_by_source_[source] == 0) serving_by_source_.erase(source);
-      --serving_;
+      Serve(socket);
+      {
+        // The place is free before the client sees the end of its
+        // response: a request right after it finds the place again.
+        absl::MutexLock lock(&sources_mu_);
+        if (--serving_by_source_[source] == 0) serving_by_source_.erase(source);
+        --serving_;
+      }
+      socket.ShutdownWrites();
     }).detach();
   }
 }
 
-void HttpServer::Serve(TcpSocket connection) {
+void HttpServer::Serve(TcpSocket& connection) {
   const absl::Time deadline = absl::Now() + options_.request_timeout;
   absl::StatusOr<std::string> request_line = connection.ReadLine(kMaxLineBytes, deadline);
   if (!request_line.ok()) return;  // silent or too long: nothing to answer
@@ -165,7 +170,6 @@ void HttpServer::Serve(TcpSocket connection) {
   }
   const std::string response = Serialize(Answer(line, headers, handlers_));
   connection.WriteAll(response.data(), response.size());
-  connection.ShutdownWrites();
 }
 
 }  // namespace geotrain

@@ -81,7 +81,8 @@ class HttpServer {
   HttpServer(HttpServerOptions options, std::map<std::string, Handler> handlers,
              TcpListener listener);
   void AcceptLoop();
-  void Serve(TcpSocket connection);
+  // Answers one request; the caller ends the connection.
+  void Serve(TcpSocket& connection);
 
   const HttpServerOptions options_;
   const std::map<std::string, Handler> handlers_;

@@ -21,7 +21,7 @@ constexpr int64_t kDefaultTtlS = 24 * 3600;
 constexpr int kMaxTokens = 10000;
 
 std::string RoleName(v1::TokenRole role) {
-  return role == v1::TOKEN_ROLE_VIEWER ? "viewer" : "worker";
+  return role == v1::TOKEN_ROLE_VIEWER ? "viewer" : role == v1::TOKEN_ROLE_RELAY ? "relay" : "worker";
 }
 
 }  // namespace
@@ -75,8 +75,9 @@ absl::StatusOr<v1::CreateTokenResponse> AccessStore::CreateToken(
   v1::TokenInfo* info = record->mutable_info();
   info->set_id(token->id);
   info->set_label(request.label());
-  info->set_role(request.role() == v1::TOKEN_ROLE_VIEWER ? v1::TOKEN_ROLE_VIEWER
-                                                         : v1::TOKEN_ROLE_WORKER);
+  info->set_role(request.role() == v1::TOKEN_ROLE_VIEWER  ? v1::TOKEN_ROLE_VIEWER
+                 : request.role() == v1::TOKEN_ROLE_RELAY ? v1::TOKEN_ROLE_RELAY
+                                                          : v1::TOKEN_ROLE_WORKER);
   info->set_uses_left(request.uses() == 0 ? -1 : request.uses());
   info->set_created_unix_s(now_s);
   info->set_expires_unix_s(now_s + (request.ttl_s() == 0 ? kDefaultTtlS : request.ttl_s()));
@@ -140,7 +141,10 @@ absl::StatusOr<const v1::TokenRecord*> AccessStore::FindValidLocked(const std::s
     if (info.uses_left() == 0) {
       return absl::PermissionDeniedError(absl::StrCat("token ", info.id(), " is used up"));
     }
-    if (info.role() != role) {
+    // A worker token's check also takes a relay token (both enroll an
+    // identity; Join tells the two apart).
+    if (info.role() != role &&
+        !(role == v1::TOKEN_ROLE_WORKER && info.role() == v1::TOKEN_ROLE_RELAY)) {
       return absl::PermissionDeniedError(absl::StrCat("token ", info.id(), " is a ",
                                                       RoleName(info.role()), " token, not a ",
                                                       RoleName(role), " token"));
@@ -197,6 +201,14 @@ bool AccessStore::IsWorkerRevoked(const std::string& worker_id) const {
   return false;
 }
 
+std::vector<std::string> AccessStore::RevokedWorkers(size_t max) const {
+  absl::MutexLock lock(&mu_);
+  const auto& all = state_.revoked_workers();
+  const size_t size = static_cast<size_t>(all.size());
+  const size_t first = size > max ? size - max : 0;
+  return std::vector<std::string>(all.begin() + first, all.end());
+}
+
 bool AccessStore::IssuedWorker(const std::string& worker_id) const {
   int number = 0;
   absl::string_view digits = worker_id;
@@ -206,6 +218,16 @@ bool AccessStore::IssuedWorker(const std::string& worker_id) const {
   }
   absl::MutexLock lock(&mu_);
   return number >= 0 && number < state_.next_worker_number();
+}
+
+v1::TokenRole AccessStore::RoleOfWorker(const std::string& worker_id) const {
+  absl::MutexLock lock(&mu_);
+  for (const v1::TokenRecord& record : state_.tokens()) {
+    for (const std::string& id : record.info().workers()) {
+      if (id == worker_id) return record.info().role();
+    }
+  }
+  return v1::TOKEN_ROLE_UNSPECIFIED;
 }
 
 std::string AccessStore::TokenOfWorker(const std::string& worker_id) const {

@@ -12,6 +12,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -39,16 +40,21 @@ class AccessStore {
   // a wrong secret or another coordinator's CA, PERMISSION_DENIED for an
   // expired, revoked or used-up token or one of another role. Returns its id.
   absl::StatusOr<std::string> CheckToken(const std::string& token, v1::TokenRole role) const;
-  // Checks a worker token as CheckToken does, takes one use and allocates
-  // a new worker id for it (one that `taken` says is free).
+  // Checks a worker (or relay) token as CheckToken does, takes one use and
+  // allocates a new worker id for it (one that `taken` says is free).
   absl::StatusOr<std::string> RedeemForWorker(const std::string& token,
                                               const std::function<bool(const std::string&)>& taken,
                                               std::string* token_id);
 
   absl::Status RevokeWorker(const std::string& worker_id);
   bool IsWorkerRevoked(const std::string& worker_id) const;
+  // The newest `max` revoked identities.
+  std::vector<std::string> RevokedWorkers(size_t max) const;
   // Whether this store gave out `worker_id` (enrolled with some token).
   bool IssuedWorker(const std::string& worker_id) const;
+  // The role of the token `worker_id` enrolled with (UNSPECIFIED: none
+  // known). A relay token's identities may only join as relays.
+  v1::TokenRole RoleOfWorker(const std::string& worker_id) const;
   // The token a worker enrolled with ("" if none).
   std::string TokenOfWorker(const std::string& worker_id) const;
 

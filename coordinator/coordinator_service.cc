@@ -26,6 +26,7 @@ namespace geotrain {
 namespace {
 
 constexpr int64_t kRateBucketMs = 30000;
+constexpr size_t kRevokedInPlan = 1000;
 
 grpc::Status Refused(const absl::Status& status) { return ToGrpcStatus(status); }
 
@@ -222,6 +223,21 @@ grpc::Status CoordinatorService::Join(grpc::ServerContext* context,
     return admitted;
   }
   if (absl::Status valid = ValidateJoinRequest(*request); !valid.ok()) return Refused(valid);
+  if (!caller_.insecure()) {
+    // Relays carry other workers' links: only an admin's relay token makes
+    // one, and such an identity is nothing else.
+    const bool relay_identity = options_.access->RoleOfWorker(*worker) == v1::TOKEN_ROLE_RELAY;
+    const bool as_relay = request->role() == v1::MEMBER_ROLE_RELAY;
+    if (as_relay && !relay_identity) {
+      return Refused(absl::PermissionDeniedError(absl::StrCat(
+          worker->substr(0, 128), " enrolled with a worker token; a relay needs a relay token "
+          "(geotrain-ctl token create --role=relay)")));
+    }
+    if (!as_relay && relay_identity) {
+      return Refused(absl::PermissionDeniedError(absl::StrCat(
+          worker->substr(0, 128), " enrolled with a relay token: it may join only as a relay")));
+    }
+  }
   // Dialled back before it is admitted, so that its first plan already
   // knows who must dial whom.
   v1::Reachability reachability;
@@ -270,8 +286,15 @@ grpc::Status CoordinatorService::WatchPlan(grpc::ServerContext* context,
       }
       continue;
     }
-    // Each link's rendezvous goes only to its ends and its relay.
-    if (!writer->Write(PlanViewFor(*plan, *worker))) return grpc::Status::CANCELLED;
+    // Each link's rendezvous goes only to its ends and its relay; the
+    // revoked identities go to everyone, whose peers refuse them.
+    v1::Plan view = PlanViewFor(*plan, *worker);
+    if (!caller_.insecure()) {
+      for (std::string& id : options_.access->RevokedWorkers(kRevokedInPlan)) {
+        view.add_revoked_workers(std::move(id));
+      }
+    }
+    if (!writer->Write(view)) return grpc::Status::CANCELLED;
     sent_epoch = plan->epoch();
     if (plan->job_done()) return grpc::Status::OK;
   }

@@ -1,6 +1,6 @@
 // geotrain-ctl: the operator's CLI.
 //   geotrain-ctl status --coordinator=HOST:PORT [--json | --brief]
-//   geotrain-ctl token create [--ttl=24h] [--uses=N] [--name=LABEL] [--role=worker|viewer]
+//   geotrain-ctl token create [--ttl=24h] [--uses=N] [--name=LABEL] [--role=worker|viewer|relay]
 //   geotrain-ctl token list
 //   geotrain-ctl token revoke ID_OR_TOKEN
 //   geotrain-ctl worker revoke ID
@@ -54,7 +54,8 @@ ABSL_FLAG(std::string, tls_server_name, "geotrain-coordinator",
 ABSL_FLAG(absl::Duration, ttl, absl::Hours(24), "token create: how long the token is valid");
 ABSL_FLAG(int, uses, 0, "token create: how many workers may enroll with it (0: unlimited)");
 ABSL_FLAG(std::string, name, "", "token create: a label shown by token list");
-ABSL_FLAG(std::string, role, "worker", "token create: worker or viewer (status only)");
+ABSL_FLAG(std::string, role, "worker",
+          "token create: worker, viewer (status only) or relay (geotrain-relay only)");
 ABSL_FLAG(bool, keep_workers, false,
           "token revoke: keep the workers enrolled with the token (default: revoke them too)");
 ABSL_FLAG(std::string, out, "", "export: the directory to write the model into");
@@ -213,7 +214,7 @@ constexpr char kUsage[] =
     "  status [--json | --brief]\n"
     "  plan [--explain]\n"
     "  network\n"
-    "  token create [--ttl=24h] [--uses=N] [--name=LABEL] [--role=worker|viewer]\n"
+    "  token create [--ttl=24h] [--uses=N] [--name=LABEL] [--role=worker|viewer|relay]\n"
     "  token list\n"
     "  token revoke ID_OR_TOKEN [--keep_workers]: also revokes its workers unless kept\n"
     "  worker revoke ID\n"
@@ -291,7 +292,9 @@ int RpcFailed(const std::string& what, const std::string& address, const grpc::S
 }
 
 std::string RoleName(geotrain::v1::TokenRole role) {
-  return role == geotrain::v1::TOKEN_ROLE_VIEWER ? "viewer" : "worker";
+  return role == geotrain::v1::TOKEN_ROLE_VIEWER  ? "viewer"
+         : role == geotrain::v1::TOKEN_ROLE_RELAY ? "relay"
+                                                  : "worker";
 }
 
 int TokenCommand(const std::vector<std::string>& args, const Connection& connection,
@@ -304,12 +307,15 @@ int TokenCommand(const std::vector<std::string>& args, const Connection& connect
     if (ttl <= absl::ZeroDuration()) return UsageError("--ttl must be positive (e.g. 24h, 30m)");
     if (absl::GetFlag(FLAGS_uses) < 0) return UsageError("--uses must be >= 0 (0: unlimited)");
     const std::string role = absl::GetFlag(FLAGS_role);
-    if (role != "worker" && role != "viewer") return UsageError("--role must be worker or viewer");
+    if (role != "worker" && role != "viewer" && role != "relay") {
+      return UsageError("--role must be worker, viewer or relay");
+    }
     request.set_ttl_s(absl::ToInt64Seconds(ttl));
     request.set_uses(absl::GetFlag(FLAGS_uses));
     request.set_label(absl::GetFlag(FLAGS_name));
-    request.set_role(role == "viewer" ? geotrain::v1::TOKEN_ROLE_VIEWER
-                                      : geotrain::v1::TOKEN_ROLE_WORKER);
+    request.set_role(role == "viewer"  ? geotrain::v1::TOKEN_ROLE_VIEWER
+                     : role == "relay" ? geotrain::v1::TOKEN_ROLE_RELAY
+                                       : geotrain::v1::TOKEN_ROLE_WORKER);
     geotrain::v1::CreateTokenResponse response;
     grpc::Status rpc = stub->CreateToken(NewContext(connection).get(), request, &response);
     if (!rpc.ok()) return RpcFailed("token create", address, rpc);

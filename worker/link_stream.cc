@@ -490,6 +490,9 @@ absl::StatusOr<std::shared_ptr<LinkEnd>> LinkService::Answer(
     return Refusal(absl::StatusCode::kUnauthenticated, peer_name,
                    "a link needs a worker certificate of this cluster");
   }
+  if (absl::Status allowed = CheckNotRevoked(identity); !allowed.ok()) {
+    return Refusal(allowed.code(), peer_name, allowed.message());
+  }
   FrameParts hello;
   if (absl::Status read = ReadHello(transport.get(), authenticated ? identity : PeerHost(peer_name),
                                     peer_name, &hello);
@@ -652,8 +655,26 @@ grpc::Status LinkService::LinkRaw(grpc::ServerContext* context, RawLinkStream* s
   return served.ok() ? grpc::Status::OK : grpc::Status(grpc::StatusCode::CANCELLED, "link ended");
 }
 
+void LinkService::SetRevoked(std::set<std::string> revoked) {
+  absl::MutexLock lock(&mu_);
+  revoked_ = std::move(revoked);
+}
+
+absl::Status LinkService::CheckNotRevoked(const std::string& identity) const {
+  if (options_.transport.insecure || identity.empty()) return absl::OkStatus();
+  absl::MutexLock lock(&mu_);
+  if (revoked_.count(identity) > 0) {
+    return absl::UnauthenticatedError(absl::StrCat("worker ", identity.substr(0, 128),
+                                                   " was revoked by the coordinator"));
+  }
+  return absl::OkStatus();
+}
+
 grpc::Status LinkService::Probe(grpc::ServerContext* context, const v1::ProbeRequest* request,
                                 v1::ProbeResponse* response) {
+  if (absl::Status allowed = CheckNotRevoked(PeerIdentity(*context)); !allowed.ok()) {
+    return ToGrpcStatus(allowed);
+  }
   absl::MutexLock lock(&mu_);
   response->set_worker_id(worker_id_);
   return grpc::Status::OK;
@@ -662,6 +683,9 @@ grpc::Status LinkService::Probe(grpc::ServerContext* context, const v1::ProbeReq
 grpc::Status LinkService::Measure(grpc::ServerContext* context,
                                   const v1::MeasureRequest* request,
                                   v1::MeasureResponse* response) {
+  if (absl::Status allowed = CheckNotRevoked(PeerIdentity(*context)); !allowed.ok()) {
+    return ToGrpcStatus(allowed);
+  }
   if (request->payload().size() > kMaxMeasurePayloadBytes) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                         absl::StrCat("measure payload of ", request->payload().size(),

@@ -253,6 +253,9 @@ class LinkService final : public v1::Stage::Service {
   ~LinkService() override;
 
   void SetWorkerId(const std::string& id);
+  // The identities the coordinator has revoked (Plan.revoked_workers): their
+  // calls are refused UNAUTHENTICATED, links and probes alike.
+  void SetRevoked(std::set<std::string> revoked);
   // Accepts links for `validator`'s plan epoch, delivering to `inbox`
   // (shared: a stream of an older epoch may still be finishing).
   // `dialling_downstream`: the next stage's workers that dial this one.
@@ -294,6 +297,9 @@ class LinkService final : public v1::Stage::Service {
   UpstreamLinks upstream_links_;
   mutable absl::Mutex mu_;
   std::string worker_id_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> revoked_ ABSL_GUARDED_BY(mu_);
+  // UNAUTHENTICATED for a revoked identity ("" or insecure: OK).
+  absl::Status CheckNotRevoked(const std::string& identity) const;
   std::shared_ptr<const LinkValidator> validator_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<Inbox> inbox_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> dialling_downstream_ ABSL_GUARDED_BY(mu_);

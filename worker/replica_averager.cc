@@ -162,6 +162,22 @@ grpc::Status ReplicaAverager::PushWeights(grpc::ServerContext* context,
                                "' is not a replica of stage ", target.stage, " in epoch ",
                                target.epoch));
   }
+  {
+    absl::MutexLock lock(&mu_);
+    if (!receiving_.insert(first.from_worker()).second) {
+      return Refuse(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                    absl::StrCat("a push from '", first.from_worker().substr(0, 128),
+                                 "' is arriving already"));
+    }
+  }
+  struct Done {
+    ReplicaAverager* self;
+    std::string from;
+    ~Done() {
+      absl::MutexLock lock(&self->mu_);
+      self->receiving_.erase(from);
+    }
+  } done{this, first.from_worker()};
   // Assembled apart from what the driver may take, and kept only whole.
   PeerPush push{first.step(), first.catching_up(), {}};
   std::map<int, uint64_t> declared;

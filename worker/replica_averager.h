@@ -26,6 +26,7 @@
 
 #include <cstdint>
 #include <map>
+#include <set>
 #include <memory>
 #include <optional>
 #include <string>
@@ -114,6 +115,9 @@ class ReplicaAverager final : public v1::ReplicaSync::Service {
   const double min_push_bytes_per_second_;
   TransportSecurity security_;
   mutable absl::Mutex mu_;
+  // Pushes being received, by sender: one at a time per sibling (a push
+  // holds a stage's weights in memory while it arrives).
+  std::set<std::string> receiving_ ABSL_GUARDED_BY(mu_);
   std::optional<Target> target_ ABSL_GUARDED_BY(mu_);
   // The newest complete push of each peer, not yet taken.
   std::map<std::string, PeerPush> received_ ABSL_GUARDED_BY(mu_);

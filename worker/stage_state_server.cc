@@ -58,7 +58,19 @@ grpc::Status StageStateServer::FetchLayerState(grpc::ServerContext* context,
     auto offered = [this, request]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       return offer_ != nullptr && offer_->epoch >= request->epoch();
     };
-    mu_.AwaitWithTimeout(absl::Condition(&offered), wait_for_offer_);
+    if (!offered()) {
+      if (waits_[caller] >= kMaxWaitsPerCaller || waits_total_ >= kMaxWaits) {
+        if (waits_[caller] == 0) waits_.erase(caller);
+        return Refuse(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                      absl::StrCat("too many state fetches waiting for an offer (",
+                                   kMaxWaitsPerCaller, " per caller, ", kMaxWaits, " in all)"));
+      }
+      ++waits_[caller];
+      ++waits_total_;
+      mu_.AwaitWithTimeout(absl::Condition(&offered), wait_for_offer_);
+      --waits_total_;
+      if (--waits_[caller] == 0) waits_.erase(caller);
+    }
     if (offer_ == nullptr || offer_->epoch != request->epoch()) {
       return Refuse(grpc::StatusCode::FAILED_PRECONDITION,
                     absl::StrCat("no state offered for plan epoch ", request->epoch()));

@@ -9,6 +9,7 @@
 #ifndef GEOTRAIN_WORKER_STAGE_STATE_SERVER_H_
 #define GEOTRAIN_WORKER_STAGE_STATE_SERVER_H_
 
+#include <map>
 #include <memory>
 #include <set>
 #include <string>
@@ -56,6 +57,14 @@ class StageStateServer final : public v1::StageState::Service {
   };
   const absl::Duration wait_for_offer_;
   mutable absl::Mutex mu_;
+  // Fetches waiting for an offer: each holds a thread for up to
+  // wait_for_offer_, so one caller may hold kMaxWaitsPerCaller of them and
+  // all together kMaxWaits (issue 32: 400 fetches for a future epoch held
+  // 399 threads).
+  static constexpr int kMaxWaitsPerCaller = 2;
+  static constexpr int kMaxWaits = 16;
+  std::map<std::string, int> waits_ ABSL_GUARDED_BY(mu_);
+  int waits_total_ ABSL_GUARDED_BY(mu_) = 0;
   bool insecure_ ABSL_GUARDED_BY(mu_) = true;
   std::unique_ptr<Offered> offer_ ABSL_GUARDED_BY(mu_);
   Counters counters_ ABSL_GUARDED_BY(mu_);

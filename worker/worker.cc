@@ -870,6 +870,10 @@ void Worker::WatchLoop() {
       if (latest_plan_.has_value() && plan.epoch() <= latest_plan_->epoch()) continue;
       GT_LOG(Info) << "plan epoch " << plan.epoch() << (plan.job_done() ? " (job done)" : "");
       done = plan.job_done();
+      if (link_service_ != nullptr) {
+        link_service_->SetRevoked(
+            std::set<std::string>(plan.revoked_workers().begin(), plan.revoked_workers().end()));
+      }
       latest_plan_ = plan;
       // Every stage of a new plan starts over on the new epoch, except when
       // the job is done (stages finish on their own then).

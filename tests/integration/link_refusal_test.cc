@@ -476,9 +476,11 @@ TEST_F(LinkRefusalTest, ControlCallsForAnotherWorkerAreRefused) {
   step.set_step(1);
   EXPECT_EQ(coordinator_stub_->ReportStep(context().get(), step, &ack).error_code(),
             grpc::StatusCode::PERMISSION_DENIED);
-  step.set_worker_id("");  // as itself: stage 0 does not own the loss
+  // As itself, stage 0 vouches that it finished the step (it does not own
+  // the loss): taken, and it alone moves no progress (ProgressGate).
+  step.set_worker_id("");
   EXPECT_EQ(coordinator_stub_->ReportStep(context().get(), step, &ack).error_code(),
-            grpc::StatusCode::PERMISSION_DENIED);
+            grpc::StatusCode::OK);
   v1::DoneReport done;
   done.set_worker_id(victim);
   EXPECT_EQ(coordinator_stub_->ReportDone(context().get(), done, &ack).error_code(),
@@ -519,6 +521,41 @@ TEST_F(LinkRefusalTest, ControlCallsForAnotherWorkerAreRefused) {
   for (const v1::WorkerStatus& w : status.workers()) {
     if (w.id() == victim) EXPECT_EQ(w.state(), v1::WORKER_STATE_TRAINING);
   }
+  ASSERT_TRUE(Alive(worker_));
+}
+
+// Issue 32: peers accepted a revoked certificate. The plan carries the
+// revoked identities, and the worker refuses them on every call.
+TEST_F(LinkRefusalTest, PeersRefuseARevokedCertificate) {
+  ASSERT_TRUE(Exchange({}).ok()) << "a HELLO of this test's identity is answered first";
+  auto admin = LoadCredentialFile(dir_ + "/state/tls/admin.credential");
+  ASSERT_TRUE(admin.ok());
+  auto admin_stub = v1::Admin::NewStub(
+      MakeSecureChannel("127.0.0.1:" + std::to_string(port_), *admin, kCoordinatorServerName));
+  {
+    grpc::ClientContext context;
+    context.set_deadline(DeadlineFromNow(std::chrono::seconds(5)));
+    v1::RevokeWorkerRequest revoke;
+    revoke.set_worker_id(stage0_id_);
+    v1::RevokeWorkerResponse revoked;
+    ASSERT_TRUE(admin_stub->RevokeWorker(&context, revoke, &revoked).ok());
+  }
+  // The worker learns it from its next plan (the revocation re-plans: this
+  // identity held stage 0).
+  grpc::Status probed;
+  for (auto start = Clock::now(); Clock::now() - start < std::chrono::seconds(30);) {
+    grpc::ClientContext context;
+    context.set_deadline(DeadlineFromNow(std::chrono::seconds(5)));
+    v1::ProbeResponse response;
+    probed = stage_stub_->Probe(&context, v1::ProbeRequest(), &response);
+    if (probed.error_code() == grpc::StatusCode::UNAUTHENTICATED) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_EQ(probed.error_code(), grpc::StatusCode::UNAUTHENTICATED) << probed.error_message();
+  EXPECT_NE(probed.error_message().find("was revoked"), std::string::npos)
+      << probed.error_message();
+  const grpc::Status link = Exchange({});
+  EXPECT_EQ(link.error_code(), grpc::StatusCode::UNAUTHENTICATED) << link.error_message();
   ASSERT_TRUE(Alive(worker_));
 }
 

@@ -82,8 +82,8 @@ class LabCluster:
                                       f"--admin_credential={self.admin}", "--timeout_ms=3000"],
                             capture_output=True, text=True, timeout=30)
 
-    def token(self, name):
-        out = self.ctl("token", "create", f"--name={name}", "--uses=1")
+    def token(self, name, role="worker"):
+        out = self.ctl("token", "create", f"--name={name}", "--uses=1", f"--role={role}")
         if out.returncode != 0:
             raise RuntimeError(out.stderr)
         return out.stdout.strip()
@@ -100,7 +100,7 @@ class LabCluster:
         return self.start(name, host, [
             binary("geotrain-relay"), f"--coordinator={self.coordinator_address}",
             f"--listen={address}", f"--advertise={address}", f"--name={name}",
-            f"--token={self.token(name)}"])
+            f"--token={self.token(name, role='relay')}"])
 
     def status(self):
         out = self.ctl("status", "--json")

@@ -153,5 +153,29 @@ class RevocationTest(unittest.TestCase):
             self.assertEqual([w["id"] for w in c.status()["workers"]], [first_id])
 
 
+class RelayRoleTest(unittest.TestCase):
+    def test_only_a_relay_token_makes_a_relay_and_nothing_else(self):
+        """Issue 32: any token holder could join as a relay and then drop or
+        stall every link routed through it."""
+        with Cluster(job_path("fmnist-mlp.textproto"), ["--min_workers=2", "--steps=100000"],
+                     secure=True) as c:
+            c.start_coordinator()
+            worker_token = c.create_token("--name=volunteer")
+            relay_token = c.create_token("--role=relay", "--name=relay")
+            listed = c.ctl("token", "list")
+            self.assertRegex(listed.stdout, rf"{relay_token.split('.')[1]}\s+relay\s+relay\b")
+            out = subprocess.run(
+                [binary("geotrain-relay"), f"--coordinator={c.address}",
+                 "--listen=127.0.0.1:0", "--name=fake-relay", f"--token={worker_token}",
+                 "--join_timeout_s=10"],
+                capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+            self.assertNotEqual(out.returncode, 0)
+            self.assertIn("PERMISSION_DENIED", out.stderr)
+            self.assertIn("a relay needs a relay token", out.stderr)
+            out = refused_join(c, relay_token, "relay-as-worker")
+            self.assertNotEqual(out.returncode, 0)
+            self.assertIn("may join only as a relay", out.stderr)
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)
