@@ -140,5 +140,29 @@ TEST(AccessStoreOpenTest, ACorruptFileIsDataLoss) {
   EXPECT_EQ(AccessStore::Open(path, kCa).status().code(), absl::StatusCode::kDataLoss);
 }
 
+// Issue 32: `worker revoke` failed for an identity that enrolled but never
+// joined; relays need a relay token, whose identities are relays only.
+TEST_F(AccessStoreTest, IssuedIdentitiesRelayRolesAndTheRevokedList) {
+  std::string enrolled, relay;
+  ASSERT_EQ(Redeem(Create(), &enrolled), absl::StatusCode::kOk);
+  EXPECT_TRUE(store_->IssuedWorker(enrolled));
+  EXPECT_FALSE(store_->IssuedWorker("w999"));
+  EXPECT_FALSE(store_->IssuedWorker("w01")) << "only the exact spelling";
+  EXPECT_FALSE(store_->IssuedWorker("admin"));
+  EXPECT_EQ(store_->RoleOfWorker(enrolled), v1::TOKEN_ROLE_WORKER);
+  const std::string relay_token = Create(1, v1::TOKEN_ROLE_RELAY);
+  EXPECT_TRUE(store_->CheckToken(relay_token, v1::TOKEN_ROLE_WORKER).ok())
+      << "a relay enrolls as any identity does";
+  EXPECT_EQ(store_->CheckToken(relay_token, v1::TOKEN_ROLE_VIEWER).status().code(),
+            absl::StatusCode::kPermissionDenied);
+  ASSERT_EQ(Redeem(relay_token, &relay), absl::StatusCode::kOk);
+  EXPECT_EQ(store_->RoleOfWorker(relay), v1::TOKEN_ROLE_RELAY);
+  EXPECT_EQ(store_->RoleOfWorker("w999"), v1::TOKEN_ROLE_UNSPECIFIED);
+  ASSERT_TRUE(store_->RevokeWorker(enrolled).ok());
+  ASSERT_TRUE(store_->RevokeWorker(relay).ok());
+  EXPECT_EQ(store_->RevokedWorkers(1), std::vector<std::string>{relay});
+  EXPECT_EQ(store_->RevokedWorkers(10), (std::vector<std::string>{enrolled, relay}));
+}
+
 }  // namespace
 }  // namespace geotrain

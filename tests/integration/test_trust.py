@@ -153,6 +153,32 @@ class RevocationTest(unittest.TestCase):
             self.assertEqual([w["id"] for w in c.status()["workers"]], [first_id])
 
 
+class TokenRevocationTest(unittest.TestCase):
+    def test_revoking_a_token_revokes_its_workers(self):
+        """Issue 32: revoking a token left every identity enrolled with it
+        working (status, plan, rendezvous). By default they go with it."""
+        with Cluster(job_path("fmnist-mlp.textproto"), ["--min_workers=2", "--steps=100000"],
+                     secure=True) as c:
+            c.start_coordinator()
+            leaked = c.create_token("--uses=2", "--name=leaked")
+            kept = c.create_token("--uses=1", "--name=kept")
+            c.start_worker("w0", extra=[f"--token={leaked}"])
+            c.start_worker("w1", extra=[f"--token={leaked}"])
+            c.start_worker("w2", extra=[f"--token={kept}"])
+            wait_for(lambda: c.status()["step"] >= 3, 120, "training")
+            ids = {w["name"]: w["id"] for w in c.status()["workers"]}
+            out = c.ctl("token", "revoke", leaked.split(".")[1])
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn(f"and the workers enrolled with it: {ids['w0']},{ids['w1']}", out.stdout)
+            for name in ("w0", "w1"):
+                process = next(p for p in c.workers if p.name == name)
+                wait_for(lambda: not process.alive(), 2 * LEASE_S + 10, f"{name} to exit")
+                self.assertIn("was revoked", process.log())
+            status = c.status()
+            self.assertTrue(all(w["stage"] == -1 for w in status["workers"]
+                                if w["id"] in (ids["w0"], ids["w1"])))
+
+
 class RelayRoleTest(unittest.TestCase):
     def test_only_a_relay_token_makes_a_relay_and_nothing_else(self):
         """Issue 32: any token holder could join as a relay and then drop or
