@@ -524,6 +524,7 @@ absl::Status JobController::ReportStep(const v1::StepReport& report) {
     const std::string why = absl::StrCat("step report refused: ", committed.status().message());
     // One event per worker and plan: a liar repeating itself must not
     // flood the log.
+    if (suspected_claims_.size() > 4 * kMaxDeadMembers) suspected_claims_.clear();
     if (suspected_claims_.insert({report.worker_id(), plan_->epoch()}).second) {
       AddEventLocked("suspected", NameOf(report.worker_id()), why);
     }
@@ -621,6 +622,7 @@ absl::Status JobController::ReportDone(const v1::DoneReport& report) {
         absl::StrCat("done refused: the job has done ", step_, " of ", options_.job.steps(),
                      " steps");
     // Far from the end, it cannot be reports on their way: someone lies.
+    if (done_refused_.size() > 4 * kMaxDeadMembers) done_refused_.clear();
     if (options_.job.steps() - step_ > kProgressLeadSteps &&
         done_refused_.insert(report.worker_id()).second) {
       AddEventLocked("suspected", NameOf(report.worker_id()), why);
