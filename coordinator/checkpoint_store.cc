@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <set>
 #include <sstream>
 
 #include "absl/strings/numbers.h"
@@ -251,7 +252,7 @@ absl::Status CheckpointWriter::Commit() {
   if (fsync(fd_) != 0) return ErrnoError("fsync " + tmp_);
   close(fd_);
   fd_ = -1;
-  RETURN_IF_ERROR(store_->CommitFile(tmp_, layer_, step_));
+  RETURN_IF_ERROR(store_->CommitFile(tmp_, layer_, step_, uploader_));
   committed_ = true;
   return absl::OkStatus();
 }
@@ -296,6 +297,10 @@ void CheckpointStore::ScanLocked() {
     int layer = 0;
     if (absl::ConsumePrefix(&name, "layer-") && absl::SimpleAtoi(name, &layer)) {
       index_[layer] = StepsOnDisk(layer);
+      for (int step : index_[layer]) {
+        absl::StatusOr<std::unique_ptr<CheckpointReader>> reader = OpenFile(layer, step);
+        uploaders_[{layer, step}] = reader.ok() ? (*reader)->header().worker_id() : "";
+      }
     }
   }
   closedir(dir);
@@ -350,13 +355,15 @@ absl::StatusOr<std::unique_ptr<CheckpointWriter>> CheckpointStore::BeginSave(
   const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   if (fd < 0) return ErrnoError("open " + tmp);
   auto writer = std::unique_ptr<CheckpointWriter>(
-      new CheckpointWriter(this, header.layer(), header.step(), tmp, fd, payload_bytes));
+      new CheckpointWriter(this, header.layer(), header.step(), header.worker_id(), tmp, fd,
+                           payload_bytes));
   RETURN_IF_ERROR(WriteAll(fd, Frame(0, header_bytes.size()) + header_bytes, tmp));
   writer->crc_ = Crc32Update(0, header_bytes);
   return writer;
 }
 
-absl::Status CheckpointStore::CommitFile(const std::string& tmp, int layer, int step) {
+absl::Status CheckpointStore::CommitFile(const std::string& tmp, int layer, int step,
+                                         const std::string& uploader) {
   absl::MutexLock lock(&mu_);
   const std::string path = PathOf(layer, step);
   if (rename(tmp.c_str(), path.c_str()) != 0) return ErrnoError("rename " + tmp + " -> " + path);
@@ -369,11 +376,32 @@ absl::Status CheckpointStore::CommitFile(const std::string& tmp, int layer, int 
   if (!std::binary_search(steps.begin(), steps.end(), step)) {
     steps.insert(std::upper_bound(steps.begin(), steps.end(), step), step);
   }
-  while (steps.size() > static_cast<size_t>(keep_)) {
-    std::remove(PathOf(layer, steps.front()).c_str());
-    steps.erase(steps.begin());
-  }
+  uploaders_[{layer, step}] = uploader;
+  PruneLocked(layer);
   return absl::OkStatus();
+}
+
+void CheckpointStore::PruneLocked(int layer) {
+  constexpr size_t kOtherUploaders = 2;
+  std::vector<int>& steps = index_[layer];
+  std::set<std::string> kept_uploaders;
+  size_t kept = 0, others = 0;
+  std::vector<int> keep;
+  for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
+    const std::string& by = uploaders_[{layer, *it}];
+    if (kept < static_cast<size_t>(keep_)) {
+      ++kept;
+    } else if (others < kOtherUploaders && kept_uploaders.count(by) == 0) {
+      ++others;
+    } else {
+      std::remove(PathOf(layer, *it).c_str());
+      uploaders_.erase({layer, *it});
+      continue;
+    }
+    kept_uploaders.insert(by);
+    keep.push_back(*it);
+  }
+  steps.assign(keep.rbegin(), keep.rend());
 }
 
 absl::Status CheckpointStore::Save(const v1::LayerCheckpoint& checkpoint) {
@@ -476,6 +504,7 @@ absl::StatusOr<int> CheckpointStore::Quarantine(const std::string& uploader) {
       if (rename(from.c_str(), to.c_str()) != 0) return ErrnoError("rename " + from);
       std::vector<int>& kept = index_[layer];
       kept.erase(std::remove(kept.begin(), kept.end(), step), kept.end());
+      uploaders_.erase({layer, step});
       ++moved;
     }
   }

@@ -6,7 +6,8 @@
 // are streamed in (CheckpointWriter) and out (CheckpointReader) a chunk at
 // a time, so no layer is held in memory whole; they are written atomically
 // (temp file, fsync, rename, fsync of the directory), the newest `keep` per
-// layer are kept, and the directory itself is the index, so a restarted
+// layer are kept (and the newest of a few other uploaders besides, see
+// PruneLocked), and the directory itself is the index, so a restarted
 // coordinator finds every checkpoint without other state. Files of the
 // previous format ("GTCKPT01": CRC, length, a whole serialized
 // LayerCheckpoint) are still read. A file whose magic, length, checksum or
@@ -22,6 +23,7 @@
 #include <optional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -75,12 +77,13 @@ class CheckpointWriter {
 
  private:
   friend class CheckpointStore;
-  CheckpointWriter(CheckpointStore* store, int layer, int step, std::string tmp, int fd,
-                   uint64_t payload_bytes)
-      : store_(store), layer_(layer), step_(step), tmp_(std::move(tmp)), fd_(fd),
-        payload_bytes_(payload_bytes) {}
+  CheckpointWriter(CheckpointStore* store, int layer, int step, std::string uploader,
+                   std::string tmp, int fd, uint64_t payload_bytes)
+      : store_(store), layer_(layer), step_(step), uploader_(std::move(uploader)),
+        tmp_(std::move(tmp)), fd_(fd), payload_bytes_(payload_bytes) {}
   CheckpointStore* store_;
   const int layer_, step_;
+  const std::string uploader_;
   const std::string tmp_;
   int fd_;
   const uint64_t payload_bytes_;
@@ -167,13 +170,20 @@ class CheckpointStore {
   absl::StatusOr<std::unique_ptr<CheckpointReader>> OpenFile(int layer, int step) const;
   void ScanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Renames the writer's file into place and updates the index.
-  absl::Status CommitFile(const std::string& tmp, int layer, int step);
+  absl::Status CommitFile(const std::string& tmp, int layer, int step,
+                          const std::string& uploader);
+  // Removes a layer's files beyond what is kept: the newest `keep_`, and
+  // the newest of each of up to kOtherUploaders uploaders besides theirs,
+  // so that a worker's quarantine leaves somebody else's to restore.
+  void PruneLocked(int layer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   friend class CheckpointWriter;
 
   const std::string dir_;
   const int keep_;
   mutable absl::Mutex mu_;  // one writer at a time per store; reads take it too
   std::map<int, std::vector<int>> index_ ABSL_GUARDED_BY(mu_);
+  // (layer, step) -> the worker that uploaded it ("" unknown).
+  std::map<std::pair<int, int>, std::string> uploaders_ ABSL_GUARDED_BY(mu_);
   uint64_t next_temp_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

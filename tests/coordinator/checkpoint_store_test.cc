@@ -45,6 +45,34 @@ TEST(CheckpointStoreTest, SavesLoadsTheNewestAndKeepsAFew) {
   EXPECT_EQ((*store)->LoadLatest(5, nullptr).status().code(), absl::StatusCode::kNotFound);
 }
 
+// Issue 32: a revoked worker's checkpoints leave nothing to restore if
+// they are all that is kept (it uploaded the newest few); the newest of
+// other uploaders stay besides them, and quarantine moves only its own.
+TEST(CheckpointStoreTest, OtherUploadersCheckpointsOutliveAWorkersAndItsQuarantine) {
+  const std::string dir = TempDir();
+  auto store = CheckpointStore::Open(dir, /*keep=*/2);
+  ASSERT_TRUE(store.ok());
+  auto by = [](const std::string& worker, int step) {
+    v1::LayerCheckpoint c = Checkpoint(1, step);
+    c.set_worker_id(worker);
+    return c;
+  };
+  for (int step : {10, 20}) ASSERT_TRUE((*store)->Save(by("honest", step)).ok());
+  for (int step : {30, 40, 50, 60}) ASSERT_TRUE((*store)->Save(by("bad", step)).ok());
+  EXPECT_EQ((*store)->Index(), (std::map<int, std::vector<int>>{{1, {20, 50, 60}}}))
+      << "the newest two, and the newest of another uploader";
+  // As a restart reads them from the files.
+  store->reset();
+  store = CheckpointStore::Open(dir, /*keep=*/2);
+  ASSERT_TRUE(store.ok());
+  absl::StatusOr<int> moved = (*store)->Quarantine("bad");
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_EQ(*moved, 2);
+  EXPECT_EQ((*store)->LoadLatest(1, nullptr)->step(), 20);
+  EXPECT_EQ((*store)->LoadLatest(1, nullptr)->worker_id(), "honest");
+  EXPECT_TRUE(std::ifstream(dir + "/checkpoints/quarantine/layer-0001-step-00000060.ckpt").good());
+}
+
 TEST(CheckpointStoreTest, ARestartedStoreFindsEverything) {
   const std::string dir = TempDir();
   {

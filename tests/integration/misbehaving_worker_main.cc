@@ -14,10 +14,14 @@
 //                                 every plan
 //   --misbehave=stall             holds its links open and sends nothing
 //                                 after --after messages
+//   --misbehave=poison_checkpoint uploads its stage's checkpoint with every
+//                                 value times -8 (finite) at a step 50 past
+//                                 its newest, once, then trains honestly
 #include <signal.h>
 
 #include <atomic>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
@@ -27,6 +31,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/layer_state.h"
 #include "common/logging.h"
 #include "common/plan_util.h"
 #include "common/rpc_options.h"
@@ -41,14 +46,71 @@ ABSL_FLAG(std::string, listen, "127.0.0.1:0", "HOST:PORT of its Stage service");
 ABSL_FLAG(std::string, name, "hostile", "its name in status");
 ABSL_FLAG(std::string, token, "", "a worker token");
 ABSL_FLAG(std::string, state_dir, "", "where its key is kept (required: the attacks use it)");
-ABSL_FLAG(std::string, misbehave, "", "fake_done|fake_final_step|hijack_link|drop_links|stall");
+ABSL_FLAG(std::string, misbehave, "",
+          "fake_done|fake_final_step|hijack_link|drop_links|stall|poison_checkpoint");
 ABSL_FLAG(int, after, 20, "messages each plan's pipeline sends honestly first");
 ABSL_FLAG(int, claim_step, 0, "the step its false claims name (the job's last)");
 
 namespace geotrain {
 namespace {
 
-enum class Misbehaviour { kFakeDone, kFakeFinalStep, kHijackLink, kDropLinks, kStall };
+enum class Misbehaviour {
+  kFakeDone,
+  kFakeFinalStep,
+  kHijackLink,
+  kDropLinks,
+  kStall,
+  kPoisonCheckpoint
+};
+
+// Its stage's newest checkpoint, every float times -8, 50 steps on,
+// uploaded as its own. Returns what it says of it (for the test to read).
+std::string PoisonCheckpoint(v1::Coordinator::Stub& stub, const std::string& self,
+                             const v1::StageAssignment& stage) {
+  std::vector<v1::LayerCheckpoint> layers;
+  for (int layer = stage.layer_begin(); layer < stage.layer_end(); ++layer) {
+    grpc::ClientContext context;
+    context.set_deadline(DeadlineFromNow(std::chrono::seconds(10)));
+    v1::LoadCheckpointRequest request;
+    request.set_worker_id(self);
+    request.set_layer(layer);
+    auto reader = stub.LoadCheckpoint(&context, request);
+    LayerStateCollector collector;
+    LayerStateReceiver receiver(&collector, uint64_t{1} << 30);
+    v1::LayerStateChunk chunk;
+    while (reader->Read(&chunk)) {
+      if (!receiver.Add(chunk).ok()) break;
+    }
+    const grpc::Status status = reader->Finish();
+    if (!status.ok() || collector.layers().size() != 1) {
+      return absl::StrCat("no checkpoint of layer ", layer, " to poison yet: ",
+                          status.error_message());
+    }
+    layers.push_back(std::move(collector.layers()[0]));
+  }
+  const int step = layers[0].step() + 50;
+  grpc::ClientContext context;
+  context.set_deadline(DeadlineFromNow(std::chrono::seconds(10)));
+  v1::SaveCheckpointResponse response;
+  auto writer = stub.SaveCheckpoint(&context, &response);
+  for (v1::LayerCheckpoint& layer : layers) {
+    layer.set_step(step);
+    std::string* payload = layer.mutable_payload();
+    for (size_t i = 0; i + 4 <= payload->size(); i += 4) {
+      float value;
+      std::memcpy(&value, payload->data() + i, 4);
+      value *= -8.0f;
+      std::memcpy(payload->data() + i, &value, 4);
+    }
+    ForEachLayerStateChunk(layer, kLayerStateChunkBytes,
+                           [&](const v1::LayerStateChunk& c) { return writer->Write(c); });
+  }
+  writer->WritesDone();
+  const grpc::Status status = writer->Finish();
+  return absl::StrCat("poisoned checkpoint of layers [", stage.layer_begin(), ",",
+                      stage.layer_end(), ") at step ", step, ": ",
+                      status.ok() ? "accepted" : status.error_message());
+}
 
 // What the pipeline sends toward one neighbour, for one plan.
 class HostileSink : public MessageSink {
@@ -132,6 +194,7 @@ void SideAttacks(Misbehaviour how, const std::string& coordinator, const std::st
       absl::SleepFor(absl::Seconds(1));
     }
   }).detach();
+  bool poisoned = false;
   std::unique_ptr<grpc::ClientContext> held_context;
   std::unique_ptr<grpc::ClientReaderWriter<v1::LinkFrame, v1::LinkFrame>> held;
   uint64_t held_epoch = 0;
@@ -162,6 +225,12 @@ void SideAttacks(Misbehaviour how, const std::string& coordinator, const std::st
       const grpc::Status status = stub->ReportStep(&context, step, &ack);
       GT_LOG(Info) << "hostile: ReportStep(" << claim_step
                    << "): " << (status.ok() ? "accepted" : status.error_message());
+    } else if (how == Misbehaviour::kPoisonCheckpoint && !poisoned) {
+      const v1::StageAssignment* mine = StageOf(*now, self);
+      if (mine == nullptr || mine->worker_id() != self) continue;
+      const std::string outcome = PoisonCheckpoint(*stub, self, *mine);
+      GT_LOG(Warning) << "hostile: " << outcome;
+      poisoned = outcome.find(": accepted") != std::string::npos;
     } else if (how == Misbehaviour::kHijackLink && held_epoch != now->epoch()) {
       // A second link to the neighbour downstream, as this worker.
       const v1::StageAssignment* mine = StageOf(*now, self);
@@ -204,9 +273,11 @@ int Main(int argc, char** argv) {
     how = Misbehaviour::kDropLinks;
   } else if (kind == "stall") {
     how = Misbehaviour::kStall;
+  } else if (kind == "poison_checkpoint") {
+    how = Misbehaviour::kPoisonCheckpoint;
   } else {
     std::fprintf(stderr, "--misbehave: one of fake_done, fake_final_step, hijack_link, "
-                         "drop_links, stall\n");
+                         "drop_links, stall, poison_checkpoint\n");
     return 2;
   }
   if (absl::GetFlag(FLAGS_state_dir).empty()) {

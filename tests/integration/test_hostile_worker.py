@@ -11,7 +11,10 @@ What is measured: the status (step, epoch) every 0.3 s; the longest time
 in which neither the step nor the epoch changed, from the first moment the
 hostile worker misbehaved. The bound is two leases plus a re-planned
 pipeline's start on this 2-core machine (SLACK_S)."""
+import json
 import os
+import re
+import signal
 import time
 import unittest
 
@@ -101,6 +104,77 @@ class HostileWorkerTest(unittest.TestCase):
         _, status, hostile_id, _ = self.beside("stall", position=1)
         hostile = next(w for w in status["workers"] if w["id"] == hostile_id)
         self.assertEqual(hostile["stage"], -1, "the staller is out")
+
+
+class CheckpointPoisoningTest(unittest.TestCase):
+    def test_a_revoked_workers_poisoned_checkpoint_is_never_restored(self):
+        """Issue 32: the primary of a stage uploaded its layers with every
+        weight times -8 at a step ahead of the job; after it was revoked it
+        was still the newest checkpoint, and the next restore took it
+        (training loss 2.65 before, 20.81 after).
+
+        Here an honest worker holds stage 1 first; the hostile one, a
+        standby, takes the stage when that worker dies, uploads the poisoned
+        layers, trains on and is revoked. The next restore of the stage must
+        come from the honest worker's checkpoint."""
+        c = Cluster(job_path("fmnist-mlp.textproto"),
+                    ["--min_workers=3", f"--steps={CLAIM_STEP}"], secure=True)
+        self.addCleanup(c.close)
+        c.start_coordinator()
+        token = c.create_token("--uses=5", "--name=volunteers")
+        for i in range(4):
+            if i == 3:
+                hostile = Process(
+                    [binary("geotrain-misbehaving-worker"), f"--coordinator={c.address}",
+                     "--listen=127.0.0.1:0", "--name=hostile", f"--token={token}",
+                     f"--state_dir={os.path.join(c.dir, 'hostile-state')}",
+                     "--misbehave=poison_checkpoint"],
+                    os.path.join(c.dir, "hostile.log"), name="hostile")
+                c.workers.append(hostile)
+            else:
+                c.start_worker(f"w{i}", extra=[f"--token={token}"])
+            wait_for(lambda: len(c.status()["workers"]) == i + 1, 60, f"worker {i} to join")
+        hostile_id = next(w["id"] for w in c.status()["workers"] if w["name"] == "hostile")
+        wait_for(lambda: int(c.status()["step"]) >= 30, 120, "honest checkpoints of stage 1")
+        honest = next(p for p in c.workers if p.name == "w1")
+        honest.stop(signal.SIGKILL)
+        poisoned = wait_for(
+            lambda: re.search(r"poisoned checkpoint of layers \[(\d+),\d+\) at step (\d+): "
+                              r"accepted", hostile.log()), 120, "the poisoned upload")
+        layer, step = int(poisoned.group(1)), int(poisoned.group(2))
+        # The job goes on past the poisoned step, so honest checkpoints of
+        # lower steps are all there is besides it.
+        wait_for(lambda: int(c.status()["step"]) > step + 20, 120, "steps past the poisoned one")
+        loss_before = float(c.status()["loss"])
+        events_path = os.path.join(c.dir, "state", "events.log")
+
+        def all_events():
+            with open(events_path) as f:
+                return [json.loads(line) for line in f if line.strip()]
+        c.ctl("status")  # (the log is written off the caller's thread: let it catch up)
+        earlier = len(all_events())
+        out = c.ctl("worker", "revoke", hostile_id)
+        self.assertEqual(out.returncode, 0, out.stderr)
+
+        def events():  # since the revoke
+            return all_events()[earlier:]
+        wait_for(lambda: any(e["kind"] == "checkpoints_quarantined" for e in events()), 30,
+                 "the quarantine")
+        restore = wait_for(
+            lambda: next((e for e in events() if e["kind"] == "restore"
+                          and e["detail"].startswith(f"layer {layer} from step")), None),
+            60, f"a restore of layer {layer}")
+        restored_step = int(restore["detail"].rsplit(" ", 1)[1])
+        after = int(c.status()["step"])
+        wait_for(lambda: int(c.status()["step"]) > after + 30, 120, "training after the restore")
+        loss_after = float(c.status()["loss"])
+        print(f"poisoned layer {layer} at step {step}; restored from step {restored_step}; "
+              f"loss {loss_before:.3f} before the revoke, {loss_after:.3f} after", flush=True)
+        self.assertLess(restored_step, step)
+        uploaders = {e["detail"] for e in events() if e["kind"] == "restore"}
+        self.assertTrue(uploaders, "a restore after the revoke")
+        self.assertTrue(os.listdir(os.path.join(c.dir, "state", "checkpoints", "quarantine")))
+        self.assertLess(loss_after, 2 * loss_before + 0.5, "the restore took poisoned weights")
 
 
 if __name__ == "__main__":
