@@ -45,8 +45,13 @@ constexpr size_t kMaxEventKindBytes = 64;
 // log cuts the whole at its own bound).
 constexpr size_t kMaxEventDetailBytes = 512;
 // How far the last stage's step reports may run ahead of stage 0's
-// finished steps (ProgressGateOptions::max_lead_steps).
+// finished steps (ProgressGateOptions::max_lead_steps): 64 steps, or a
+// twentieth of a long job (a fast model makes a hundred steps a second, and
+// stage 0's reports may lag a coordinator's hiccup behind).
 constexpr int kProgressLeadSteps = 64;
+int ProgressLeadSteps(const v1::JobSpec& job) {
+  return std::max(kProgressLeadSteps, job.steps() / 20);
+}
 // How far a checkpoint's step may be past the newest step reported: its
 // upload and the step's reports travel on different calls, and a fast
 // model makes a hundred steps a second (as far as the last stage's claims
@@ -140,7 +145,7 @@ JobController::JobController(JobControllerOptions options, std::unique_ptr<Plann
       progress_([&] {
         ProgressGateOptions progress;
         progress.total_steps = options_.job.steps();
-        progress.max_lead_steps = kProgressLeadSteps;
+        progress.max_lead_steps = ProgressLeadSteps(options_.job);
         return progress;
       }()),
       link_faults_(membership_.lease_ms()),
@@ -623,7 +628,7 @@ absl::Status JobController::ReportDone(const v1::DoneReport& report) {
                      " steps");
     // Far from the end, it cannot be reports on their way: someone lies.
     if (done_refused_.size() > 4 * kMaxDeadMembers) done_refused_.clear();
-    if (options_.job.steps() - step_ > kProgressLeadSteps &&
+    if (options_.job.steps() - step_ > ProgressLeadSteps(options_.job) &&
         done_refused_.insert(report.worker_id()).second) {
       AddEventLocked("suspected", NameOf(report.worker_id()), why);
     }

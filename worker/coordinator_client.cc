@@ -219,12 +219,15 @@ void CoordinatorClient::UploadLoop() {
       if (uploader_stop_) return;
       layers = *std::move(pending_upload_);
       pending_upload_.reset();
+      uploading_ = true;
     }
     const int step = layers.empty() ? 0 : layers[0].step();
     const absl::Status saved = SaveCheckpoint(std::move(layers));
     if (!saved.ok()) {
       GT_LOG(Warning) << "checkpoint of step " << step << " not saved: " << saved.message();
     }
+    absl::MutexLock lock(&mu_);
+    uploading_ = false;
   }
 }
 
@@ -291,6 +294,18 @@ absl::Status CoordinatorClient::ReportDone(int step) {
   if (!reports_.Flush(kFlushBeforeDone)) {
     GT_LOG(Warning) << "progress reports still pending after "
                     << absl::FormatDuration(kFlushBeforeDone) << "; reporting DONE anyway";
+  }
+  {
+    // And the stage's last checkpoint: the job's end exports the newest
+    // complete one, which must be this one.
+    absl::MutexLock lock(&mu_);
+    auto uploaded = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return !pending_upload_.has_value() && !uploading_;
+    };
+    if (!mu_.AwaitWithTimeout(absl::Condition(&uploaded), kFlushBeforeDone)) {
+      GT_LOG(Warning) << "the last checkpoint is still uploading after "
+                      << absl::FormatDuration(kFlushBeforeDone) << "; reporting DONE anyway";
+    }
   }
   grpc::ClientContext context;
   context.set_deadline(DeadlineFromNow(kControlRpcTimeout));

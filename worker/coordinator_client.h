@@ -109,6 +109,7 @@ class CoordinatorClient final : public ProgressSink {
   std::optional<std::vector<v1::LayerCheckpoint>> pending_upload_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, double> layer_timings_ ABSL_GUARDED_BY(mu_);
   bool uploader_stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool uploading_ ABSL_GUARDED_BY(mu_) = false;  // an upload is on its way
   std::thread uploader_;
   PeerProber* prober_ = nullptr;
   SteadyClock clock_;

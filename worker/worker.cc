@@ -416,8 +416,10 @@ absl::StatusOr<bool> Worker::PrepareRuntime(const StagePlacement& placement,
         held.layer_begin == placement.layer_begin && held.layer_end == placement.layer_end;
     // A worker that gets back a stage it held before (it was a standby
     // meanwhile) keeps its own weights only if nobody trained the stage
-    // since: a newer checkpoint of it means another worker did.
-    if (same_place) {
+    // since: a newer checkpoint of it means another worker did. One that
+    // held it all along keeps them (a replica's step may trail the
+    // primary's newest checkpoint without its weights being stale).
+    if (same_place && was_standby_) {
       absl::StatusOr<v1::LayerCheckpoint> newest =
           coordinator_.LoadCheckpoint(placement.layer_begin, /*probe=*/true);
       if (newest.ok() && newest->step() > coordinator_.stage_step()) {

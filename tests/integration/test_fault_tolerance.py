@@ -360,8 +360,10 @@ class BlackholeTest(unittest.TestCase):
     def test_a_blackholed_link_is_detected_and_routed_around(self):
         """Every worker behind its own geotrain-linkem relay; the relay in
         front of stage 1 turns into a blackhole (accepts, acknowledges and
-        drops everything, closes nothing). Stage 0's link keepalive (10 s
-        ping, 5 s timeout) finds it and a standby takes stage 1."""
+        drops everything, closes nothing). Whichever finds it first, the
+        coordinator's progress watchdog (no step for two leases; stage 0
+        has waited on stage 1, which waits on nobody) or stage 0's link
+        keepalive (10 s ping, 5 s timeout), a standby takes stage 1."""
         workdir = tempfile.mkdtemp(prefix="geotrain-blackhole-")
         job_file = write_job(workdir, 100000)
         with wan_job.WanJob(job_file, 4, ["--delay_ms=0"], bin_dir=BIN_DIR,
@@ -388,10 +390,11 @@ class BlackholeTest(unittest.TestCase):
                         with open(os.path.join(workdir, name)) as f:
                             print(f"==== {name}\n{f.read()[-3000:]}")
                 raise
-        lost = [e for e in status["events"] if e["kind"] == "link_lost"]
+        lost = [e for e in status["events"] if e["kind"] in ("link_lost", "stalled")]
         self.assertTrue(lost, status["events"])
         detected = lost[0]["time_s"] - blackholed_at
-        print(f"blackhole detected after {detected:.1f} s (keepalive 10 s + timeout 5 s), "
+        print(f"blackhole detected after {detected:.1f} s by {lost[0]['kind']} (watchdog: two "
+              f"leases; keepalive 10 s + timeout 5 s), "
               f"next step after {took:.1f} s")
         self.assertLessEqual(detected, 15 + 2)  # timer granularity and the report RPC
         self.assertLessEqual(took, 15 + 3)
