@@ -566,6 +566,39 @@ TEST_F(LinkRefusalTest, TheCoordinatorBoundsBigCallsAndPlanStreams) {
   for (auto& reader : readers) reader->Finish();
 }
 
+// Issue 32: the join limit was per source address, so one stranger behind
+// a NAT locked out every volunteer behind the same address. Only refused
+// enrollments count against a source now.
+TEST_F(LinkRefusalTest, AStrangersRefusedEnrollmentsDoNotLockOutItsNeighbours) {
+  auto enroll = [this](const std::string& token) {
+    grpc::ClientContext context;
+    context.set_deadline(DeadlineFromNow(std::chrono::seconds(5)));
+    v1::EnrollRequest request;
+    request.set_token(token);
+    request.set_csr_pem(*CreateCsrPem(*GeneratePrivateKeyPem(), "neighbour"));
+    request.set_name("neighbour");
+    v1::EnrollResponse response;
+    return coordinator_stub_->Enroll(&context, request, &response);
+  };
+  grpc::StatusCode last = grpc::StatusCode::OK;
+  for (int i = 0; i < 70; ++i) last = enroll("gt1.zzzzzz.aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa.0").error_code();
+  EXPECT_EQ(last, grpc::StatusCode::RESOURCE_EXHAUSTED) << "the stranger's own budget is spent";
+  auto admin = LoadCredentialFile(dir_ + "/state/tls/admin.credential");
+  ASSERT_TRUE(admin.ok());
+  auto admin_stub = v1::Admin::NewStub(
+      MakeSecureChannel("127.0.0.1:" + std::to_string(port_), *admin, kCoordinatorServerName));
+  grpc::ClientContext context;
+  context.set_deadline(DeadlineFromNow(std::chrono::seconds(15)));
+  v1::CreateTokenRequest create;
+  create.set_uses(1);
+  v1::CreateTokenResponse token;
+  const grpc::Status created = admin_stub->CreateToken(&context, create, &token);
+  ASSERT_TRUE(created.ok()) << created.error_message();
+  const grpc::Status neighbour = enroll(token.token());
+  EXPECT_TRUE(neighbour.ok()) << "a volunteer behind the same address: "
+                              << neighbour.error_message();
+}
+
 // Issue 32: peers accepted a revoked certificate. The plan carries the
 // revoked identities, and the worker refuses them on every call.
 TEST_F(LinkRefusalTest, PeersRefuseARevokedCertificate) {

@@ -82,5 +82,40 @@ TEST_F(StageStateServerTest, AnEarlyFetchWaitsForTheOffer) {
   EXPECT_EQ(Fetch("e", 8, 0, 1).status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
+// Issue 32: 400 fetches for a future epoch held 399 of a worker's threads,
+// each up to 30 s. One caller may keep two waiting.
+TEST(StageStateServerLimitTest, OneCallerHoldsAtMostTwoWaitingFetches) {
+  StageStateServer server(absl::Seconds(4));
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&server);
+  std::unique_ptr<grpc::Server> grpc_server = builder.BuildAndStart();
+  ASSERT_NE(port, 0);
+  auto fetch = [port](const std::string& who) {
+    v1::FetchLayerStateRequest request;
+    request.set_epoch(99);  // never offered
+    request.set_worker_id(who);
+    request.set_layer_begin(0);
+    request.set_layer_end(1);
+    return FetchStageState("127.0.0.1:" + std::to_string(port), "holder",
+                           TransportSecurity::Insecure(), request, 1 << 20, absl::Seconds(10))
+        .status();
+  };
+  std::vector<std::thread> waiting;
+  std::vector<absl::Status> waited(2);
+  for (int i = 0; i < 2; ++i) waiting.emplace_back([&, i] { waited[i] = fetch("e"); });
+  absl::SleepFor(absl::Seconds(1));  // both are waiting for the offer by now
+  const absl::Time start = absl::Now();
+  const absl::Status third = fetch("e");
+  EXPECT_EQ(third.code(), absl::StatusCode::kResourceExhausted) << third;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2)) << "refused at once, not after a wait";
+  for (std::thread& t : waiting) t.join();
+  for (const absl::Status& s : waited) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  }
+  grpc_server->Shutdown();
+}
+
 }  // namespace
 }  // namespace geotrain
