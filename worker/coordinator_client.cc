@@ -9,6 +9,7 @@
 #include "common/grpc_status.h"
 #include "common/layer_state.h"
 #include "common/logging.h"
+#include "common/process_stats.h"
 #include "common/status_macros.h"
 #include "common/rpc_options.h"
 
@@ -287,6 +288,10 @@ std::unique_ptr<grpc::ClientReader<v1::Plan>> CoordinatorClient::WatchPlan(
   v1::WatchPlanRequest request;
   request.set_worker_id(worker_id());
   return stub_->WatchPlan(context, request);
+}
+
+void CoordinatorClient::ReportFinalStats(const v1::StageStats& stats) {
+  (void)Heartbeat(ResidentBytes(), stats);
 }
 
 absl::Status CoordinatorClient::ReportDone(int step) {

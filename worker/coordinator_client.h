@@ -23,6 +23,7 @@
 #include "worker/peer_prober.h"
 #include "worker/pipeline_driver.h"
 #include "worker/report_queue.h"
+#include "worker/session_parts.h"
 
 namespace geotrain {
 
@@ -32,7 +33,7 @@ namespace geotrain {
 absl::StatusOr<std::vector<v1::LayerCheckpoint>> ReceiveLayerStates(
     grpc::ClientReader<v1::LayerStateChunk>& reader, uint64_t max_layer_bytes);
 
-class CoordinatorClient final : public ProgressSink {
+class CoordinatorClient final : public SessionCoordinator {
  public:
   // `pacing`: how background checkpoint uploads share the uplink.
   explicit CoordinatorClient(std::string address, CheckpointPacingOptions pacing = {});
@@ -49,7 +50,7 @@ class CoordinatorClient final : public ProgressSink {
 
   // Sets the plan epoch that reports carry. The worker id is set by each
   // (re)join.
-  void SetEpoch(uint64_t epoch);
+  void SetEpoch(uint64_t epoch) override;
   std::string worker_id() const;
 
   // Carries the results of `prober` (when set) and hands it the probes the
@@ -61,7 +62,9 @@ class CoordinatorClient final : public ProgressSink {
   void SetLayerTimings(std::map<std::string, double> seconds_per_sample);
   // Opens the plan stream. `context` must outlive the reader.
   std::unique_ptr<grpc::ClientReader<v1::Plan>> WatchPlan(grpc::ClientContext* context);
-  absl::Status ReportDone(int step);
+  absl::Status ReportDone(int step) override;
+  // A heartbeat with this process's memory and `stats`.
+  void ReportFinalStats(const v1::StageStats& stats) override;
   void Leave();
 
   // Stage checkpoints: SaveCheckpoint uploads now (deadline: 30 s plus the
@@ -83,7 +86,7 @@ class CoordinatorClient final : public ProgressSink {
   // Logged and dropped on failure.
   // Carries the epoch set by SetEpoch().
   void ReportEvent(const std::string& kind, const std::string& detail,
-                   const std::string& peer = "");
+                   const std::string& peer = "") override;
   ~CoordinatorClient() override;
 
   // ProgressSink: reports go to the coordinator from a background queue

@@ -343,7 +343,7 @@ absl::Status PipelineDriver::AtStep(int step) {
 
 void PipelineDriver::AverageReceivedWeights() {
   if (options_.averager == nullptr) return;
-  ReplicaAverager::Received received = options_.averager->TakeReceived(catching_up_);
+  ReceivedWeights received = options_.averager->TakeReceived(catching_up_);
   if (received.layers.empty()) return;
   absl::Status averaged = runtime_->AverageWeights(received.layers, received.adopt);
   if (!averaged.ok()) {

@@ -36,8 +36,8 @@
 #include "common/link_rate_meter.h"
 #include "geotrain/v1/coordinator.pb.h"
 #include "geotrain/v1/job.pb.h"
-#include "worker/link_stream.h"
-#include "worker/replica_averager.h"
+#include "worker/message_sink.h"
+#include "worker/stage_replicas.h"
 #include "worker/tied_gradient_exchange.h"
 #include "worker/replica_router.h"
 #include "worker/stage_runtime.h"
@@ -162,7 +162,7 @@ struct PipelineDriverOptions {
   // the primary evaluates.
   int replica_index = 0;
   int stage_replicas = 1;
-  ReplicaAverager* averager = nullptr;
+  StageReplicas* averager = nullptr;
   // Tied embeddings, where this stage holds one end: trades the tied
   // matrix's gradient with the other end at each update. Not owned.
   TiedGradientExchange* tied = nullptr;

@@ -36,26 +36,16 @@
 #include "absl/synchronization/mutex.h"
 #include "common/transport_security.h"
 #include "absl/time/time.h"
+#include "worker/stage_replicas.h"
 #include "geotrain/v1/stage.grpc.pb.h"
 
 namespace geotrain {
 
-class ReplicaAverager final : public v1::ReplicaSync::Service {
+class ReplicaAverager final : public v1::ReplicaSync::Service, public StageReplicas {
  public:
-  struct Peer {
-    std::string worker_id;
-    std::string address;  // where to dial (after any route)
-  };
-  struct Target {
-    uint64_t epoch = 0;
-    int stage = 0;
-    int layer_begin = 0, layer_end = 0;
-    std::string self_id;
-    std::vector<Peer> peers;  // the stage's other workers
-    // The largest payload a pushed layer may declare (MaxLayerWeightsBytes
-    // of the stage's largest layer).
-    uint64_t max_layer_bytes = uint64_t{1} << 40;
-  };
+  using Peer = ReplicaPeer;
+  using Target = ReplicaTarget;
+  using Received = ReceivedWeights;
 
   // Each push may take `push_deadline` plus its size at
   // `min_push_bytes_per_second`; one that takes longer fails (that round).
@@ -69,21 +59,16 @@ class ReplicaAverager final : public v1::ReplicaSync::Service {
   void UseSecurity(const TransportSecurity& security) { security_ = security; }
 
   // Serves and pushes for `target` until Deactivate() or the next Activate().
-  void Activate(Target target);
+  void Activate(Target target) override;
   // Refuses pushes again and forgets what was received and not yet taken.
-  void Deactivate();
+  void Deactivate() override;
 
   // Queues the stage's weights for every peer; a push still queued (a peer
   // was slow) is replaced by this newer one. Returns at once.
-  void Push(int step, std::vector<v1::LayerWeights> layers, bool catching_up = false);
+  void Push(int step, std::vector<v1::LayerWeights> layers, bool catching_up = false) override;
   // The whole pushes received since the last call, the newest of each peer,
-  // as this replica should use them (see above): to average in, to adopt
-  // (`adopt`: replace its own), or nothing.
-  struct Received {
-    std::vector<v1::LayerWeights> layers;
-    bool adopt = false;
-  };
-  Received TakeReceived(bool catching_up = false);
+  // as this replica should use them (see above).
+  Received TakeReceived(bool catching_up = false) override;
 
   struct Counters {
     int64_t pushes_sent = 0;      // whole pushes delivered to a peer

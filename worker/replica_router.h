@@ -31,7 +31,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "geotrain/v1/status.pb.h"
-#include "worker/link_stream.h"
+#include "worker/message_sink.h"
 
 namespace geotrain {
 

@@ -86,7 +86,7 @@ void Worker::Drain() {
   bool training;
   {
     absl::MutexLock lock(&mu_);
-    training = training_epoch_ != 0;
+    training = session_ != nullptr;
   }
   if (!training) {
     Stop();  // nothing to hand over
@@ -101,12 +101,7 @@ void Worker::Drain() {
 }
 
 void Worker::AbortTrainingLocked() {
-  abort_ = true;
-  if (inbox_ != nullptr) inbox_->Close();
-  for (const std::shared_ptr<LinkEnd>& link : open_links_) link->EndOnPurpose();
-  if (link_service_ != nullptr) link_service_->Deactivate();
-  averager_.Deactivate();
-  tied_.Deactivate();  // ends an exchange that waits for a peer of the old plan
+  if (session_ != nullptr) session_->Abort();
 }
 
 MetricsSnapshot Worker::Metrics() const {
@@ -132,6 +127,7 @@ absl::Status Worker::StartServer() {
     coordinator_.ReportEvent("key_in_use_twice", detail, worker);
   };
   link_service_ = std::make_unique<LinkService>(link_options_);
+  links_ = std::make_unique<WorkerLinks>(link_service_.get(), &link_options_);
   if (!worker_id_.empty()) link_service_->SetWorkerId(worker_id_);
   builder.AddListeningPort(
       options_.listen,
@@ -295,7 +291,7 @@ absl::Status Worker::Run() {
       was_standby_ = true;  // a runtime kept meanwhile falls behind its stage
       continue;
     }
-    const absl::Status trained = Train(*plan, *mine);
+    const absl::Status trained = Train(*plan);
     if (trained.ok()) return absl::OkStatus();
     if (drain_) return HandOver();
     if (stop_) {
@@ -502,12 +498,8 @@ absl::StatusOr<bool> Worker::PrepareRuntime(const StagePlacement& placement,
   return true;
 }
 
-absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine) {
-  const int num_stages = plan.stages_size();
-  GT_LOG(Info) << "stage " << mine.stage() << "/" << num_stages << ": layers ["
-               << mine.layer_begin() << "," << mine.layer_end() << "), epoch "
-               << plan.epoch() << ", from step " << plan.start_step();
-  StagePlacement placement{mine.stage(), num_stages, mine.layer_begin(), mine.layer_end()};
+absl::Status Worker::Train(const v1::Plan& plan) {
+  ASSIGN_OR_RETURN(ServedPlan served, ServedPlan::For(plan, job_, worker_id_));
   // Workers on this host may have come or gone since the last plan: take
   // the fair share of the CPUs as it is now (this thread runs the compute).
   const ThreadShare threads = ApplyComputeThreads(options_.threads);
@@ -515,312 +507,45 @@ absl::Status Worker::Train(const v1::Plan& plan, const v1::StageAssignment& mine
     GT_LOG(Info) << "compute threads: " << threads.threads << " (" << threads.reason << ")";
   }
   stats_.SetThreads(threads.threads, threads.reason);
-  // The default window is one microbatch in flight per worker, replicas
-  // included (each stage derives the same figure from the same plan).
-  const ScheduleConfig schedule = ConfigureSchedule(job_, WorkersInPlan(plan), plan.in_flight());
-  auto inbox = std::make_shared<Inbox>(64);
+  const int stage = served.stage();
+  SessionOptions session_options;
+  session_options.routes = options_.routes;
+  session_options.dropped_microbatches = dropped_microbatches_;
+  session_options.wrap_link = options_.wrap_link;
+  session_options.on_serving = [this, stage](bool serving, const std::string& why) {
+    health_.Set(serving, why);
+    current_stage_ = serving ? stage : -1;
+  };
+  SessionParts parts;
+  parts.coordinator = &coordinator_;
+  parts.links = links_.get();
+  parts.replicas = &averager_;
+  parts.tied = &tied_;
+  parts.stats = &stats_;
+  auto session = std::make_shared<TrainingSession>(job_, served, parts, session_options);
   {
     absl::MutexLock lock(&mu_);
     if (stop_ || drain_ || rejoin_needed_ ||
         (latest_plan_.has_value() && latest_plan_->epoch() > plan.epoch())) {
       return absl::CancelledError("superseded before it started");
     }
-    abort_ = false;
-    training_epoch_ = plan.epoch();
-    inbox_ = inbox;
+    session_ = session;
   }
   // Whatever the exit path: no longer training this epoch.
   struct Unregister {
     Worker* worker;
     ~Unregister() {
       absl::MutexLock lock(&worker->mu_);
-      if (worker->inbox_ != nullptr) worker->inbox_->Close();
-      worker->inbox_ = nullptr;
-      worker->open_links_.clear();
-      worker->training_epoch_ = 0;
-      worker->averager_.Deactivate();
-      worker->tied_.Deactivate();
+      worker->session_ = nullptr;
     }
   } unregister{this};
-  ASSIGN_OR_RETURN(const bool built, PrepareRuntime(placement, schedule, mine, plan.epoch()));
-  OfferStateToNewcomers(mine, plan.epoch());
-  StageRuntime* runtime = runtime_.get();
-  // The plan's codec for each of this stage's links (the network planner
-  // compresses only the links that bind), each direction on its own ladder
-  // and never past the job's codec; a runtime kept from an earlier plan
-  // takes the new ones too.
-  const v1::Codec activation_codec =
-      mine.stage() + 1 < num_stages ? CapToLadder(mine.link_codec(), job_.activation_codec())
-                                    : job_.activation_codec();
-  const v1::Codec gradient_codec =
-      mine.stage() > 0
-          ? CapToLadder(plan.stages(mine.stage() - 1).link_codec(), job_.gradient_codec())
-          : job_.gradient_codec();
-  runtime->SetActivationCodec(activation_codec);
-  runtime->SetGradientCodec(gradient_codec);
-  const std::vector<StageWorker> upstream_workers =
-      mine.stage() > 0 ? WorkersOf(plan.stages(mine.stage() - 1)) : std::vector<StageWorker>();
-  const std::vector<StageWorker> downstream_workers =
-      mine.stage() + 1 < num_stages ? WorkersOf(plan.stages(mine.stage() + 1))
-                                    : std::vector<StageWorker>();
-  const std::vector<StageWorker> stage_workers = WorkersOf(mine);
-  std::set<std::string> upstream_ids;
-  for (const StageWorker& w : upstream_workers) upstream_ids.insert(w.id);
-  auto validator = std::make_shared<const LinkValidator>(job_, plan.epoch(), mine.stage(),
-                                                         mine.layer_begin(), mine.layer_end(),
-                                                         std::move(upstream_ids));
-  coordinator_.SetEpoch(plan.epoch());
-  // Who opens each of this worker's links (a plan without links, from an
-  // older coordinator, has every upstream worker dial).
-  auto planned_link = [&plan](const std::string& up, const std::string& down) {
-    for (const v1::PlannedLink& link : plan.links()) {
-      if (link.upstream_worker() == up && link.downstream_worker() == down) return &link;
-    }
-    return static_cast<const v1::PlannedLink*>(nullptr);
-  };
-  auto dialer_of = [](const v1::PlannedLink* link) {
-    return link == nullptr || link->dialer() == v1::LINK_DIALER_UNSPECIFIED
-               ? v1::LINK_DIALER_UPSTREAM
-               : link->dialer();
-  };
-  std::set<std::string> dialling_downstream;
-  for (const StageWorker& next : downstream_workers) {
-    if (dialer_of(planned_link(worker_id_, next.id)) == v1::LINK_DIALER_DOWNSTREAM) {
-      dialling_downstream.insert(next.id);
-    }
-  }
-  link_service_->Activate(validator, inbox, dialling_downstream);
-  primary_ = stage_workers[0].id == worker_id_;
-  if (stage_workers.size() > 1) {
-    ReplicaAverager::Target target;
-    target.epoch = plan.epoch();
-    target.stage = mine.stage();
-    target.layer_begin = mine.layer_begin();
-    target.layer_end = mine.layer_end();
-    target.self_id = worker_id_;
-    target.max_layer_bytes = 0;
-    for (int layer = mine.layer_begin(); layer < mine.layer_end(); ++layer) {
-      target.max_layer_bytes = std::max(target.max_layer_bytes, MaxLayerWeightsBytes(job_, layer));
-    }
-    for (const StageWorker& w : stage_workers) {
-      if (w.id == worker_id_) continue;
-      auto route = options_.routes.find(w.address);
-      target.peers.push_back({w.id, route == options_.routes.end() ? w.address : route->second});
-    }
-    GT_LOG(Info) << "stage " << mine.stage() << " has " << stage_workers.size()
-                 << " workers; this one is " << (primary_ ? "the primary" : "a replica");
-    averager_.Activate(std::move(target));
-  }
-
-  // Tied embeddings: the first stage's worker and the last's trade the
-  // tied matrix's gradient at each update (sync only; no replicas).
-  if (runtime->holds_one_tied_end()) {
-    const int other = mine.stage() == 0 ? num_stages - 1 : 0;
-    const std::vector<StageWorker> ends = WorkersOf(plan.stages(other));
-    if (ends.size() != 1 || stage_workers.size() != 1) {
-      return absl::FailedPreconditionError(
-          "tied embeddings need one worker on the first stage and one on the last");
-    }
-    TiedGradientExchange::Target target;
-    target.epoch = plan.epoch();
-    target.stage = mine.stage();
-    target.self_id = worker_id_;
-    target.peer_stage = other;
-    target.peer_id = ends[0].id;
-    auto route = options_.routes.find(ends[0].address);
-    target.peer_address = route == options_.routes.end() ? ends[0].address : route->second;
-    target.gradient_bytes = StageRuntime::TiedEmbeddingBytes(job_);
-    tied_.Activate(std::move(target));
-  }
-
-  // The links are unregistered (under mu_) before they are destroyed.
-  std::vector<std::shared_ptr<LinkEnd>> links;
-  // Whatever the exit path, every link of this attempt ends with it (a
-  // reader thread keeps its end alive until the link ends).
-  struct UnregisterLinks {
-    Worker* worker;
-    ~UnregisterLinks() {
-      absl::MutexLock lock(&worker->mu_);
-      for (const std::shared_ptr<LinkEnd>& link : worker->open_links_) link->EndOnPurpose();
-      worker->open_links_.clear();
-    }
-  } unregister_links{this};
-  // Opens (or awaits) the link to `peer`; null when the peer dials this
-  // worker's Stage service (its link joins UpstreamLinks there). A link
-  // that cannot be opened is reported like a broken one (naming its relay
-  // when it had one), or nothing would ever re-plan around it.
-  auto open = [&](const StageWorker& peer,
-                  PeerSide side) -> absl::StatusOr<std::shared_ptr<LinkEnd>> {
-    const bool to_downstream = side == PeerSide::kDownstream;
-    const v1::PlannedLink* planned = to_downstream ? planned_link(worker_id_, peer.id)
-                                                   : planned_link(peer.id, worker_id_);
-    const v1::LinkDialer dialer = dialer_of(planned);
-    absl::StatusOr<std::shared_ptr<LinkEnd>> end;
-    std::string accused = peer.id;
-    if (dialer == v1::LINK_DIALER_NONE) {
-      end = absl::FailedPreconditionError(
-          absl::StrCat("no way to open the ", PeerSideName(side), " link to '", peer.id,
-                       "': ", planned->reason()));
-    } else if (dialer == v1::LINK_DIALER_UPSTREAM && !to_downstream) {
-      return std::shared_ptr<LinkEnd>();  // it dials in
-    } else if (dialer == v1::LINK_DIALER_DOWNSTREAM && to_downstream) {
-      GT_LOG(Info) << "waiting for '" << peer.id << "' to dial in (" << planned->reason() << ")";
-      end = link_service_->AwaitDownstream(peer.id, link_options_.connect_timeout, &abort_);
-    } else {
-      if (dialer == v1::LINK_DIALER_RELAY) accused = planned->relay_worker();
-      DialTarget target{worker_id_, mine.stage(), {peer.id, peer.address, side}, planned};
-      end = OpenLink(target, validator, inbox, link_options_, link_service_.get(), &abort_);
-    }
-    if (!end.ok()) {
-      if (!abort_ && dialer != v1::LINK_DIALER_NONE) {
-        coordinator_.ReportEvent("link_lost",
-                                 absl::StrCat(PeerSideName(side), " link to ", peer.address,
-                                              " could not be opened: ", end.status().message()),
-                                 accused);
-      }
-      GT_LOG(Error) << end.status().message();
-      return end.status();
-    }
-    absl::MutexLock lock(&mu_);
-    open_links_.push_back(*end);
-    if (abort_) (*end)->EndOnPurpose();
-    links.push_back(*end);
-    return end;
-  };
-  // Downstream links first: the chain of waits (an end waiting for its
-  // neighbour to dial in, or at a relay) then runs toward the last stage,
-  // which waits for no one.
-  std::vector<ReplicaRouter::Route> routes;
-  for (const StageWorker& next : downstream_workers) {
-    ASSIGN_OR_RETURN(std::shared_ptr<LinkEnd> end, open(next, PeerSide::kDownstream));
-    routes.push_back({next.id, next.address, end.get()});
-  }
-  for (const StageWorker& previous : upstream_workers) {
-    RETURN_IF_ERROR(open(previous, PeerSide::kUpstream).status());
-  }
-  std::optional<ReplicaRouter> router;
-  if (!routes.empty()) router.emplace(std::move(routes));
-  PipelineDriverOptions driver_options;
-  driver_options.epoch = plan.epoch();
-  driver_options.stage = mine.stage();
-  driver_options.num_stages = num_stages;
-  driver_options.start_step = plan.start_step();
-  driver_options.schedule = schedule;
-  driver_options.dropped_microbatches = dropped_microbatches_;
-  driver_options.upstream_workers = std::max<int>(1, upstream_workers.size());
-  // Two leases, as long as the coordinator gives a silent worker.
-  driver_options.reply_timeout =
-      ReplyTimeoutFor(absl::Milliseconds(2 * job_.lease_ms()), mine.stage(), num_stages);
-  driver_options.replicated = stage_workers.size() > 1;
-  driver_options.primary = primary_;
-  if (mine.stage() == 0) {
-    // The plan lists stage 0's workers in the same order for every one of
-    // them, which fixes each replica's share of the microbatch ids.
-    driver_options.stage_replicas = static_cast<int>(stage_workers.size());
-    for (size_t i = 0; i < stage_workers.size(); ++i) {
-      if (stage_workers[i].id == worker_id_) driver_options.replica_index = static_cast<int>(i);
-    }
-  }
-  driver_options.averager = stage_workers.size() > 1 ? &averager_ : nullptr;
-  driver_options.tied = runtime->holds_one_tied_end() ? &tied_ : nullptr;
-  // Joining a stage that is already training: this worker's weights come
-  // from a checkpoint, or were kept while it was a standby; its siblings'
-  // are newer.
-  driver_options.catching_up =
-      (built || was_standby_) && stage_workers.size() > 1 && plan.start_step() > 0;
+  ASSIGN_OR_RETURN(const bool built, PrepareRuntime(served.placement(), served.schedule(),
+                                                    served.assignment(), plan.epoch()));
+  OfferStateToNewcomers(served.assignment(), plan.epoch());
+  primary_ = served.primary();
+  const bool stale_weights = built || was_standby_;
   was_standby_ = false;
-  driver_options.router = router ? &*router : nullptr;
-  // Only where the plan chose (the driver says "fixed by the job" otherwise).
-  if (mine.link_codec() != v1::CODEC_UNSPECIFIED) driver_options.activation_codec = activation_codec;
-  if (mine.stage() > 0 && plan.stages(mine.stage() - 1).link_codec() != v1::CODEC_UNSPECIFIED) {
-    driver_options.gradient_codec = gradient_codec;
-  }
-  auto addresses = [](const std::vector<StageWorker>& workers) {
-    std::string joined;
-    for (const StageWorker& w : workers) absl::StrAppend(&joined, joined.empty() ? "" : ",", w.address);
-    return joined;
-  };
-  driver_options.upstream_peer = addresses(upstream_workers);
-  driver_options.downstream_peer = addresses(downstream_workers);
-  if (downstream_workers.size() == 1) driver_options.downstream_worker = downstream_workers[0].id;
-  GT_LOG(Info) << "schedule " << ScheduleName(job_.schedule()) << ": window " << schedule.window
-               << ", update every " << schedule.update_every << " backward(s)"
-               << (schedule.flush ? ", flush each step" : ", no flush");
-  MessageSink* up_sink = mine.stage() > 0 ? link_service_->upstream_links() : nullptr;
-  MessageSink* down_sink = router ? &*router : nullptr;
-  std::unique_ptr<MessageSink> up_wrapper, down_wrapper;
-  if (options_.wrap_link) {
-    if (up_sink != nullptr) {
-      up_wrapper = options_.wrap_link(PeerSide::kUpstream, up_sink);
-      up_sink = up_wrapper.get();
-    }
-    if (down_sink != nullptr) {
-      down_wrapper = options_.wrap_link(PeerSide::kDownstream, down_sink);
-      down_sink = down_wrapper.get();
-    }
-  }
-  PipelineDriver driver(job_, driver_options, runtime, up_sink, down_sink, inbox.get(),
-                        &coordinator_, &stats_);
-  health_.Set(true, absl::StrCat("stage ", mine.stage(), " of plan epoch ", plan.epoch(),
-                                 ": links open, training"));
-  current_stage_ = mine.stage();
-  absl::Status ran = driver.Run();
-  current_stage_ = -1;
-  health_.Set(false, ran.ok() ? std::string("the job is finished")
-                              : absl::StrCat("stage ", mine.stage(), " of plan epoch ",
-                                             plan.epoch(), " ended: ", ran.message()));
-  if (!ran.ok()) {
-    // A broken link (not one this worker ended itself) is reported with the
-    // neighbour at its other end, so the coordinator can route around it
-    // without waiting for a lease: a blackholed link never ends a lease.
-    // The report goes before this worker ends its other links: ending them
-    // breaks its healthy neighbours' links too, and their reports (naming
-    // this worker) must not reach the coordinator first, or it would take
-    // out this worker instead of the peer that failed. The coordinator acts
-    // on an epoch's first report only.
-    const PipelineDriver::FailedLink failed = driver.failed_link();
-    if (failed != PipelineDriver::FailedLink::kNone && !abort_) {
-      const bool up = failed == PipelineDriver::FailedLink::kUpstream;
-      const std::vector<StageWorker>& neighbours = up ? upstream_workers : downstream_workers;
-      StageWorker peer = neighbours.empty() ? StageWorker() : neighbours[0];
-      for (const StageWorker& w : neighbours) {
-        if (w.id == driver.failed_peer()) peer = w;
-      }
-      // Through a relay, the relay is what is reported: the coordinator
-      // re-links the pair through another (see JobController).
-      const v1::PlannedLink* planned =
-          up ? planned_link(peer.id, worker_id_) : planned_link(worker_id_, peer.id);
-      const bool relayed = planned != nullptr && planned->dialer() == v1::LINK_DIALER_RELAY;
-      coordinator_.ReportEvent("link_lost",
-                               absl::StrCat(up ? "upstream" : "downstream", " link to ",
-                                            peer.address,
-                                            relayed ? " via relay " + planned->relay_address() : "",
-                                            ": ", ran.message()),
-                               relayed ? planned->relay_worker() : peer.id);
-    }
-    link_service_->Deactivate();
-    for (const std::shared_ptr<LinkEnd>& link : links) link->EndOnPurpose();
-    return ran;
-  }
-  // Downstream links first (see above), then the upstream ones this worker
-  // opened; a link a peer opened here ends when that peer closes it.
-  for (PeerSide side : {PeerSide::kDownstream, PeerSide::kUpstream}) {
-    for (const std::shared_ptr<LinkEnd>& link : links) {
-      if (link->peer().side != side) continue;
-      absl::Status closed = link->Close(link_options_.close_timeout);
-      if (!closed.ok()) GT_LOG(Warning) << "closing a link: " << closed.message();
-    }
-  }
-  GT_LOG(Info) << "stage " << mine.stage() << " finished " << job_.steps() << " steps";
-  // A last heartbeat so that the status shows the final step and memory.
-  (void)coordinator_.Heartbeat(ResidentBytes(), stats_.Get());
-  // The coordinator may be restarting: keep trying for a while.
-  absl::Status done = coordinator_.ReportDone(job_.steps());
-  for (int attempt = 0; !done.ok() && attempt < 30 && !stop_; ++attempt) {
-    absl::SleepFor(absl::Seconds(1));
-    done = coordinator_.ReportDone(job_.steps());
-  }
-  return done;
+  return session->Run(runtime_.get(), stale_weights);
 }
 
 void Worker::HeartbeatLoop(int interval_ms) {
@@ -879,8 +604,8 @@ void Worker::WatchLoop() {
       latest_plan_ = plan;
       // Every stage of a new plan starts over on the new epoch, except when
       // the job is done (stages finish on their own then).
-      if (!done && training_epoch_ != 0 && plan.epoch() > training_epoch_) {
-        GT_LOG(Info) << "plan epoch " << plan.epoch() << " supersedes " << training_epoch_
+      if (!done && session_ != nullptr && plan.epoch() > session_->plan().epoch()) {
+        GT_LOG(Info) << "plan epoch " << plan.epoch() << " supersedes " << session_->plan().epoch()
                      << ": ending the current pipeline";
         AbortTrainingLocked();
       }

@@ -47,10 +47,12 @@
 #include "common/metrics_exporter.h"
 #include "geotrain/v1/coordinator.pb.h"
 #include "worker/coordinator_client.h"
-#include "worker/link_stream.h"
+#include "worker/link_service.h"
 #include "worker/pipeline_driver.h"
 #include "worker/replica_averager.h"
 #include "worker/tied_gradient_exchange.h"
+#include "worker/training_session.h"
+#include "worker/worker_links.h"
 #include "worker/stage_state_server.h"
 #include "worker/stage_runtime.h"
 #include "worker/worker_credentials.h"
@@ -115,7 +117,8 @@ class Worker {
   // Waits for a plan newer than `after_epoch` that gives this worker a
   // stage; nullopt if the job ended, Stop() was called or a re-join is due.
   std::optional<v1::Plan> WaitForAssignment(uint64_t after_epoch);
-  absl::Status Train(const v1::Plan& plan, const v1::StageAssignment& mine);
+  // Trains the stage the plan gives this worker, in a TrainingSession.
+  absl::Status Train(const v1::Plan& plan);
   // A runtime for `placement`: the current one if it fits (after dropping
   // what is in flight), else a new one restored from checkpoints. True when
   // it built a new one.
@@ -129,7 +132,7 @@ class Worker {
   absl::StatusOr<std::vector<v1::LayerCheckpoint>> FetchFromHolder(
       const v1::StageAssignment& mine, uint64_t epoch);
   absl::Status HandOver();
-  // Ends the current pipeline attempt: the driver returns, links close.
+  // Ends the current session: the driver returns, links close.
   void AbortTrainingLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const WorkerOptions options_;
@@ -138,6 +141,7 @@ class Worker {
   CoordinatorClient coordinator_;
   LinkOptions link_options_;  // set by Run() before anything dials or serves
   std::unique_ptr<LinkService> link_service_;  // made by StartServer()
+  std::unique_ptr<WorkerLinks> links_;         // over link_service_
   ReplicaAverager averager_;
   TiedGradientExchange tied_;  // llama.tie_embeddings: the first and last stage's exchange
   StageStateServer state_server_;
@@ -161,7 +165,6 @@ class Worker {
   int64_t dropped_microbatches_ = 0;       // Run()'s thread only
   bool primary_ = true;                    // Run()'s thread only: not a replica
   bool was_standby_ = false;               // Run()'s thread only: since the last Train
-  std::atomic<bool> abort_{false};         // the current attempt must end
   std::atomic<bool> drain_{false};
   // Set when the coordinator refuses this worker for good (revoked).
   absl::Mutex fatal_mu_;
@@ -177,10 +180,8 @@ class Worker {
   absl::Mutex mu_;
   std::unique_ptr<grpc::ClientContext> watch_context_ ABSL_GUARDED_BY(mu_);
   std::optional<v1::Plan> latest_plan_ ABSL_GUARDED_BY(mu_);
-  // The links this worker opened or awaited for the current attempt.
-  std::vector<std::shared_ptr<LinkEnd>> open_links_ ABSL_GUARDED_BY(mu_);
-  std::shared_ptr<Inbox> inbox_ ABSL_GUARDED_BY(mu_);                // while training
-  uint64_t training_epoch_ ABSL_GUARDED_BY(mu_) = 0;  // 0: not training
+  // The session training a stage now; null between plans.
+  std::shared_ptr<TrainingSession> session_ ABSL_GUARDED_BY(mu_);
   bool rejoin_needed_ ABSL_GUARDED_BY(mu_) = false;
   bool watch_ended_ ABSL_GUARDED_BY(mu_) = false;
 };

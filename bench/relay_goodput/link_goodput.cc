@@ -29,7 +29,8 @@
 #include "common/transport_security.h"
 #include "common/x509.h"
 #include "relay/splice_relay.h"
-#include "worker/link_stream.h"
+#include "worker/link_dialer.h"
+#include "worker/link_service.h"
 
 ABSL_FLAG(std::string, role, "", "credentials, relay, receive or send");
 ABSL_FLAG(std::string, dir, "", "where the credentials are");

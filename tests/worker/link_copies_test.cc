@@ -22,7 +22,8 @@
 #include "common/tensor_wire.h"
 #include "common/transport_security.h"
 #include "gtest/gtest.h"
-#include "worker/link_stream.h"
+#include "worker/link_dialer.h"
+#include "worker/link_service.h"
 #include "worker/link_transport.h"
 
 namespace geotrain {

@@ -9,7 +9,8 @@
 
 #include "common/codec.h"
 #include "common/job_spec.h"
-#include "worker/link_stream.h"
+#include "worker/link_hello.h"
+#include "worker/link_service.h"
 
 namespace geotrain {
 namespace {

@@ -1,0 +1,606 @@
+// Drives whole worker sessions (TrainingSession) with fakes for the
+// coordinator, the links and the stage's replicas, and real StageRuntimes
+// of a tiny GPT: every worker of a plan runs its session on a thread of
+// this process, the fake links carry messages between their inboxes.
+// Covers what a session meets in a run: DONE, a plan change mid-step, a
+// lost link, and a replica that is absent from the weight sync.
+#include "worker/training_session.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "common/job_spec.h"
+
+namespace geotrain {
+namespace {
+
+// The links between the workers of this process: each worker's inbox while
+// its session is active, who sent each microbatch (so gradients go back to
+// the worker that ran its forward), and pairs whose link was cut.
+class FakeNetwork {
+ public:
+  void Register(const std::string& worker, int stage, uint64_t epoch,
+                std::shared_ptr<Inbox> inbox) {
+    absl::MutexLock lock(&mu_);
+    active_[worker] = {stage, epoch, std::move(inbox)};
+  }
+  void Unregister(const std::string& worker) {
+    absl::MutexLock lock(&mu_);
+    active_.erase(worker);
+  }
+  // Waits until `worker` serves `epoch` (as a real dialler retries a peer
+  // that has not started the plan yet).
+  absl::Status AwaitActive(const std::string& worker, uint64_t epoch,
+                           const std::atomic<bool>* stop) {
+    absl::MutexLock lock(&mu_);
+    auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      auto it = active_.find(worker);
+      return *stop || (it != active_.end() && it->second.epoch == epoch);
+    };
+    if (!mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Seconds(20))) {
+      return absl::UnavailableError(absl::StrCat("'", worker, "' never started epoch ", epoch));
+    }
+    if (*stop) return absl::CancelledError("stopped");
+    return absl::OkStatus();
+  }
+  absl::Status Deliver(const std::string& from, const std::string& to, bool from_upstream,
+                       LinkMessage message) {
+    std::shared_ptr<Inbox> inbox;
+    {
+      absl::MutexLock lock(&mu_);
+      if (cut_.count({from, to}) > 0) return absl::UnavailableError("the link was cut");
+      auto it = active_.find(to);
+      if (it == active_.end()) return absl::UnavailableError(absl::StrCat("'", to, "' is gone"));
+      const v1::LinkHeader& h = message.header;
+      if (from_upstream && h.kind() == v1::MESSAGE_KIND_ACTIVATION) {
+        origin_[{to, h.microbatch()}] = from;
+      }
+      if (from_upstream && h.kind() == v1::MESSAGE_KIND_EVAL) eval_origin_[{to, h.step()}] = from;
+      inbox = it->second.inbox;
+    }
+    InboundMessage in{from_upstream, std::move(message), absl::OkStatus()};
+    in.peer = from;
+    // Outside the lock: a full inbox holds the sender, as flow control would.
+    if (!inbox->Push(std::move(in))) return absl::UnavailableError("inbox closed");
+    return absl::OkStatus();
+  }
+  // The upstream worker whose activation `message` answers, at `worker`.
+  absl::StatusOr<std::string> OriginOf(const std::string& worker, const v1::LinkHeader& h) {
+    absl::MutexLock lock(&mu_);
+    if (h.kind() == v1::MESSAGE_KIND_EVAL_ACK) {
+      auto it = eval_origin_.find({worker, h.step()});
+      if (it != eval_origin_.end()) return it->second;
+    } else {
+      auto it = origin_.find({worker, h.microbatch()});
+      if (it != origin_.end()) {
+        std::string origin = it->second;
+        origin_.erase(it);
+        return origin;
+      }
+    }
+    return absl::FailedPreconditionError("no upstream delivered it");
+  }
+  // Breaks the link between `a` and `b` as a network would: both ends'
+  // readers report it, and nothing goes through any more.
+  void Cut(const std::string& a, const std::string& b) {
+    absl::MutexLock lock(&mu_);
+    cut_.insert({a, b});
+    cut_.insert({b, a});
+    for (auto [self, other] : {std::pair{a, b}, std::pair{b, a}}) {
+      auto it = active_.find(self);
+      if (it == active_.end()) continue;
+      const bool from_upstream = active_[other].stage < it->second.stage;
+      InboundMessage broken{from_upstream, LinkMessage(),
+                            absl::UnavailableError(absl::StrCat("link to '", other, "' cut"))};
+      broken.peer = other;
+      it->second.inbox->TryPush(std::move(broken));
+    }
+  }
+
+ private:
+  struct Active {
+    int stage = 0;
+    uint64_t epoch = 0;
+    std::shared_ptr<Inbox> inbox;
+  };
+  absl::Mutex mu_;
+  std::map<std::string, Active> active_ ABSL_GUARDED_BY(mu_);
+  std::map<std::pair<std::string, uint64_t>, std::string> origin_ ABSL_GUARDED_BY(mu_);
+  std::map<std::pair<std::string, int>, std::string> eval_origin_ ABSL_GUARDED_BY(mu_);
+  std::set<std::pair<std::string, std::string>> cut_ ABSL_GUARDED_BY(mu_);
+};
+
+class FakeLink : public PipelineLink {
+ public:
+  FakeLink(FakeNetwork* net, std::string self, std::string peer, PeerSide side)
+      : net_(net), self_(std::move(self)), peer_(std::move(peer)), side_(side) {}
+  absl::Status Send(LinkMessage message) override {
+    if (ended_) return absl::UnavailableError("ended");
+    return net_->Deliver(self_, peer_, side_ == PeerSide::kDownstream, std::move(message));
+  }
+  std::string failed_peer() const override { return peer_; }
+  std::string oldest_pending_peer() const override { return peer_; }
+  PeerSide side() const override { return side_; }
+  void EndOnPurpose() override { ended_ = true; }
+  absl::Status Close(absl::Duration) override {
+    closed_ = true;
+    return absl::OkStatus();
+  }
+  bool ended() const { return ended_; }
+  bool closed() const { return closed_; }
+
+ private:
+  FakeNetwork* net_;
+  const std::string self_, peer_;
+  const PeerSide side_;
+  std::atomic<bool> ended_{false}, closed_{false};
+};
+
+// Gradients go back to the worker that sent the activation.
+class FakeUpstream : public MessageSink {
+ public:
+  FakeUpstream(FakeNetwork* net, std::string self) : net_(net), self_(std::move(self)) {}
+  absl::Status Send(LinkMessage message) override {
+    absl::StatusOr<std::string> origin = net_->OriginOf(self_, message.header);
+    if (!origin.ok()) return origin.status();
+    failed_peer_ = *origin;
+    return net_->Deliver(self_, *origin, /*from_upstream=*/false, std::move(message));
+  }
+  std::string failed_peer() const override { return failed_peer_; }
+
+ private:
+  FakeNetwork* net_;
+  const std::string self_;
+  std::string failed_peer_;
+};
+
+class FakeLinks : public SessionLinks {
+ public:
+  FakeLinks(FakeNetwork* net, std::string self, int stage)
+      : net_(net), self_(std::move(self)), stage_(stage), upstream_(net, self_) {}
+  void Activate(std::shared_ptr<const LinkValidator> validator, std::shared_ptr<Inbox> inbox,
+                std::set<std::string>) override {
+    net_->Register(self_, stage_, validator->epoch(), std::move(inbox));
+  }
+  void Deactivate() override { net_->Unregister(self_); }
+  absl::StatusOr<std::shared_ptr<PipelineLink>> Dial(const DialTarget& target,
+                                                     std::shared_ptr<const LinkValidator> validator,
+                                                     std::shared_ptr<Inbox>,
+                                                     const std::atomic<bool>* stop) override {
+    if (absl::Status up = net_->AwaitActive(target.peer.id, validator->epoch(), stop); !up.ok()) {
+      return up;
+    }
+    auto link = std::make_shared<FakeLink>(net_, self_, target.peer.id, target.peer.side);
+    absl::MutexLock lock(&mu_);
+    dialled_.push_back(link);
+    return std::shared_ptr<PipelineLink>(link);
+  }
+  absl::StatusOr<std::shared_ptr<PipelineLink>> AwaitDialIn(const std::string& peer,
+                                                            const std::atomic<bool>*) override {
+    return absl::UnimplementedError("the test's plans have every upstream worker dial");
+  }
+  MessageSink* upstream() override { return &upstream_; }
+  absl::Duration close_timeout() const override { return absl::Seconds(1); }
+  std::vector<std::shared_ptr<FakeLink>> dialled() {
+    absl::MutexLock lock(&mu_);
+    return dialled_;
+  }
+
+ private:
+  FakeNetwork* net_;
+  const std::string self_;
+  const int stage_;
+  FakeUpstream upstream_;
+  absl::Mutex mu_;
+  std::vector<std::shared_ptr<FakeLink>> dialled_ ABSL_GUARDED_BY(mu_);
+};
+
+// What the coordinator was told, by every worker of the test.
+class FakeCoordinator : public SessionCoordinator {
+ public:
+  struct Event {
+    std::string kind, detail, peer;
+  };
+  explicit FakeCoordinator(std::string worker) : worker_(std::move(worker)) {}
+  void SetEpoch(uint64_t epoch) override { epoch_ = epoch; }
+  void ReportEvent(const std::string& kind, const std::string& detail,
+                   const std::string& peer) override {
+    absl::MutexLock lock(&mu_);
+    events_.push_back({kind, detail, peer});
+  }
+  void ReportFinalStats(const v1::StageStats&) override { ++final_stats_; }
+  absl::Status ReportDone(int steps) override {
+    absl::MutexLock lock(&mu_);
+    done_.push_back(steps);
+    // A coordinator that is restarting refuses the first attempts.
+    if (refuse_done_ > 0) {
+      --refuse_done_;
+      return absl::UnavailableError("restarting");
+    }
+    return absl::OkStatus();
+  }
+  void StepFinished(int step, double loss, int64_t) override {
+    absl::MutexLock lock(&mu_);
+    losses_[step] = loss;
+  }
+  void EvalFinished(int, const EvalResult&) override {}
+  void StageProgress(int step) override { step_ = step; }
+
+  std::vector<Event> events() {
+    absl::MutexLock lock(&mu_);
+    return events_;
+  }
+  std::vector<int> done() {
+    absl::MutexLock lock(&mu_);
+    return done_;
+  }
+  std::map<int, double> losses() {
+    absl::MutexLock lock(&mu_);
+    return losses_;
+  }
+  void RefuseDone(int times) {
+    absl::MutexLock lock(&mu_);
+    refuse_done_ = times;
+  }
+  uint64_t epoch() const { return epoch_; }
+  int step() const { return step_; }
+  int final_stats() const { return final_stats_; }
+
+ private:
+  const std::string worker_;
+  std::atomic<uint64_t> epoch_{0};
+  std::atomic<int> step_{0};
+  std::atomic<int> final_stats_{0};
+  absl::Mutex mu_;
+  std::vector<Event> events_ ABSL_GUARDED_BY(mu_);
+  std::vector<int> done_ ABSL_GUARDED_BY(mu_);
+  std::map<int, double> losses_ ABSL_GUARDED_BY(mu_);
+  int refuse_done_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// The stage's replicas: pushes go to the siblings' mailboxes, except an
+// absent replica's, which reach nobody.
+class ReplicaHub {
+ public:
+  void Deliver(const std::string& to, const std::string& from,
+               const std::vector<v1::LayerWeights>& layers) {
+    absl::MutexLock lock(&mu_);
+    mailbox_[to][from] = layers;
+    ++delivered_[from];
+  }
+  std::vector<v1::LayerWeights> Take(const std::string& self) {
+    absl::MutexLock lock(&mu_);
+    std::vector<v1::LayerWeights> out;
+    for (auto& [from, layers] : mailbox_[self]) out.insert(out.end(), layers.begin(), layers.end());
+    mailbox_[self].clear();
+    if (!out.empty()) ++taken_[self];
+    return out;
+  }
+  int delivered_from(const std::string& worker) {
+    absl::MutexLock lock(&mu_);
+    return delivered_[worker];
+  }
+  int taken_by(const std::string& worker) {
+    absl::MutexLock lock(&mu_);
+    return taken_[worker];
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::map<std::string, std::map<std::string, std::vector<v1::LayerWeights>>> mailbox_
+      ABSL_GUARDED_BY(mu_);
+  std::map<std::string, int> delivered_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, int> taken_ ABSL_GUARDED_BY(mu_);
+};
+
+class FakeReplicas : public StageReplicas {
+ public:
+  FakeReplicas(ReplicaHub* hub, std::string self, bool absent)
+      : hub_(hub), self_(std::move(self)), absent_(absent) {}
+  void Activate(ReplicaTarget target) override {
+    absl::MutexLock lock(&mu_);
+    target_ = std::move(target);
+    active_ = true;
+  }
+  void Deactivate() override {
+    absl::MutexLock lock(&mu_);
+    active_ = false;
+  }
+  void Push(int, std::vector<v1::LayerWeights> layers, bool) override {
+    absl::MutexLock lock(&mu_);
+    ++pushes_;
+    if (!active_ || absent_) return;
+    for (const ReplicaPeer& peer : target_.peers) hub_->Deliver(peer.worker_id, self_, layers);
+  }
+  ReceivedWeights TakeReceived(bool) override {
+    ReceivedWeights received;
+    if (!absent_) received.layers = hub_->Take(self_);
+    return received;
+  }
+  int pushes() {
+    absl::MutexLock lock(&mu_);
+    return pushes_;
+  }
+
+ private:
+  ReplicaHub* hub_;
+  const std::string self_;
+  const bool absent_;
+  absl::Mutex mu_;
+  ReplicaTarget target_ ABSL_GUARDED_BY(mu_);
+  bool active_ ABSL_GUARDED_BY(mu_) = false;
+  int pushes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+v1::JobSpec TinyJob() {
+  absl::StatusOr<v1::JobSpec> job = ParseJobSpec(
+      "gpt { context: 8 d_model: 16 heads: 2 blocks: 2 } text {} steps: 8 microbatches: 2 "
+      "microbatch_size: 2 seed: 5 eval_every: 0 eval_batches: 1 schedule: SCHEDULE_SYNC "
+      "replica_sync_every: 2 lease_ms: 5000",
+      "session_test");
+  EXPECT_TRUE(job.ok()) << job.status();
+  return *job;
+}
+
+// One worker of the test: its fakes, its runtime (kept across plans, as
+// the Worker keeps it) and its current session.
+struct TestWorker {
+  std::string id;
+  int stage = 0;
+  std::unique_ptr<FakeLinks> links;
+  std::unique_ptr<FakeCoordinator> coordinator;
+  std::unique_ptr<FakeReplicas> replicas;
+  std::unique_ptr<StageRuntime> runtime;
+  StatsBoard stats;
+  std::shared_ptr<TrainingSession> session;
+  absl::Status result;
+};
+
+// A plan of the tiny job's 4 layers on `stages` (2: layers [0,2) and
+// [2,4)), with the given workers on each stage (the first the primary).
+v1::Plan MakePlan(uint64_t epoch, int start_step,
+                  const std::vector<std::vector<std::string>>& stages) {
+  v1::Plan plan;
+  plan.set_epoch(epoch);
+  plan.set_start_step(start_step);
+  const int layers_per_stage = 4 / static_cast<int>(stages.size());
+  for (size_t s = 0; s < stages.size(); ++s) {
+    v1::StageAssignment* stage = plan.add_stages();
+    stage->set_stage(static_cast<int>(s));
+    stage->set_layer_begin(static_cast<int>(s) * layers_per_stage);
+    stage->set_layer_end(static_cast<int>(s + 1) * layers_per_stage);
+    stage->set_worker_id(stages[s][0]);
+    stage->set_address(stages[s][0] + ":1");
+    for (size_t r = 1; r < stages[s].size(); ++r) {
+      v1::Replica* replica = stage->add_replicas();
+      replica->set_worker_id(stages[s][r]);
+      replica->set_address(stages[s][r] + ":1");
+    }
+  }
+  return plan;
+}
+
+class TrainingSessionTest : public ::testing::Test {
+ protected:
+  TrainingSessionTest() : job_(TinyJob()) {}
+
+  TestWorker& AddWorker(const std::string& id, int stage, bool absent_replica = false) {
+    auto worker = std::make_unique<TestWorker>();
+    worker->id = id;
+    worker->stage = stage;
+    worker->links = std::make_unique<FakeLinks>(&net_, id, stage);
+    worker->coordinator = std::make_unique<FakeCoordinator>(id);
+    worker->replicas = std::make_unique<FakeReplicas>(&hub_, id, absent_replica);
+    workers_.push_back(std::move(worker));
+    return *workers_.back();
+  }
+
+  // Starts a session of `plan` for every worker on a thread of its own.
+  void Start(const v1::Plan& plan) {
+    for (auto& w : workers_) {
+      absl::StatusOr<ServedPlan> served = ServedPlan::For(plan, job_, w->id);
+      ASSERT_TRUE(served.ok()) << served.status();
+      if (w->runtime == nullptr) {
+        RuntimeOptions options;
+        options.max_weight_versions = served->schedule().max_weight_versions;
+        absl::StatusOr<std::unique_ptr<StageRuntime>> runtime =
+            StageRuntime::Create(job_, served->placement(), options);
+        ASSERT_TRUE(runtime.ok()) << runtime.status();
+        w->runtime = *std::move(runtime);
+      } else {
+        w->runtime->DropInFlight();  // what the Worker does on a re-plan
+      }
+      SessionParts parts;
+      parts.coordinator = w->coordinator.get();
+      parts.links = w->links.get();
+      parts.replicas = w->replicas.get();
+      parts.stats = &w->stats;
+      SessionOptions options;
+      options.done_retry_interval = absl::Milliseconds(10);
+      w->session = std::make_shared<TrainingSession>(job_, *served, parts, options);
+    }
+    for (auto& w : workers_) {
+      TestWorker* worker = w.get();
+      threads_.emplace_back([worker] {
+        worker->result = worker->session->Run(worker->runtime.get(), /*stale_weights=*/false);
+      });
+    }
+  }
+
+  void Join() {
+    for (std::thread& t : threads_) t.join();
+    threads_.clear();
+  }
+
+  // Waits until the last stage has finished `step` steps.
+  bool AwaitStep(TestWorker& last, int step) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(60);
+    while (last.coordinator->step() < step) {
+      if (absl::Now() > deadline) return false;
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    return true;
+  }
+
+  ~TrainingSessionTest() override {
+    for (auto& w : workers_) {
+      if (w->session) w->session->Abort();
+    }
+    Join();
+  }
+
+  v1::JobSpec job_;  // a test may change it before Start()
+  FakeNetwork net_;
+  ReplicaHub hub_;
+  std::vector<std::unique_ptr<TestWorker>> workers_;
+  std::vector<std::thread> threads_;
+};
+
+TEST_F(TrainingSessionTest, TrainsToDoneAndReportsIt) {
+  TestWorker& first = AddWorker("w0", 0);
+  TestWorker& last = AddWorker("w1", 1);
+  last.coordinator->RefuseDone(2);  // a coordinator restarting meanwhile
+  Start(MakePlan(1, 0, {{"w0"}, {"w1"}}));
+  Join();
+  ASSERT_TRUE(first.result.ok()) << first.result;
+  ASSERT_TRUE(last.result.ok()) << last.result;
+  EXPECT_EQ(first.coordinator->done(), std::vector<int>({8}));
+  EXPECT_EQ(last.coordinator->done(), std::vector<int>({8, 8, 8}));  // retried until taken
+  EXPECT_EQ(last.coordinator->losses().size(), 8u);
+  EXPECT_EQ(first.coordinator->epoch(), 1u);
+  EXPECT_EQ(last.coordinator->final_stats(), 1);
+  for (const auto& link : first.links->dialled()) EXPECT_TRUE(link->closed());
+  EXPECT_TRUE(first.coordinator->events().empty());
+}
+
+TEST_F(TrainingSessionTest, PlanChangeMidStepEndsQuietlyAndTheNextPlanFinishes) {
+  TestWorker& first = AddWorker("w0", 0);
+  TestWorker& last = AddWorker("w1", 1);
+  Start(MakePlan(1, 0, {{"w0"}, {"w1"}}));
+  ASSERT_TRUE(AwaitStep(last, 2));
+  // The plan watch sees epoch 2: every session of epoch 1 ends.
+  first.session->Abort();
+  last.session->Abort();
+  Join();
+  EXPECT_TRUE(absl::IsCancelled(first.result) || absl::IsUnavailable(first.result))
+      << first.result;
+  EXPECT_FALSE(first.result.ok());
+  EXPECT_FALSE(last.result.ok());
+  // Ended on purpose: no link is reported lost, nothing is DONE.
+  for (TestWorker* w : {&first, &last}) {
+    for (const auto& event : w->coordinator->events()) {
+      EXPECT_NE(event.kind, "link_lost") << w->id << ": " << event.detail;
+    }
+    EXPECT_TRUE(w->coordinator->done().empty());
+  }
+  for (const auto& link : first.links->dialled()) EXPECT_TRUE(link->ended());
+  const int committed = last.coordinator->step();
+  Start(MakePlan(2, committed, {{"w0"}, {"w1"}}));
+  Join();
+  ASSERT_TRUE(first.result.ok()) << first.result;
+  ASSERT_TRUE(last.result.ok()) << last.result;
+  EXPECT_EQ(first.coordinator->epoch(), 2u);
+  EXPECT_EQ(last.coordinator->done(), std::vector<int>({8}));
+  // Every step's loss was reported, the ones before the re-plan and after.
+  EXPECT_EQ(last.coordinator->losses().rbegin()->first, 8);
+}
+
+TEST_F(TrainingSessionTest, LostLinkIsReportedNamingTheNeighbour) {
+  TestWorker& first = AddWorker("w0", 0);
+  TestWorker& last = AddWorker("w1", 1);
+  Start(MakePlan(1, 0, {{"w0"}, {"w1"}}));
+  ASSERT_TRUE(AwaitStep(last, 1));
+  net_.Cut("w0", "w1");
+  Join();
+  EXPECT_TRUE(absl::IsUnavailable(first.result)) << first.result;
+  EXPECT_TRUE(absl::IsUnavailable(last.result)) << last.result;
+  auto reported = [](TestWorker& w, const std::string& peer) {
+    for (const auto& event : w.coordinator->events()) {
+      if (event.kind == "link_lost" && event.peer == peer) return true;
+    }
+    return false;
+  };
+  EXPECT_TRUE(reported(first, "w1"));
+  EXPECT_TRUE(reported(last, "w0"));
+  EXPECT_TRUE(first.coordinator->done().empty());
+  EXPECT_TRUE(last.coordinator->done().empty());
+}
+
+TEST_F(TrainingSessionTest, AbsentReplicaMissesTheSyncAndNobodyWaitsForIt) {
+  job_.set_schedule(v1::SCHEDULE_ASYNC_STASH);  // replicas need it
+  TestWorker& primary = AddWorker("w0", 0);
+  TestWorker& absent = AddWorker("w0b", 0, /*absent_replica=*/true);
+  TestWorker& last = AddWorker("w1", 1);
+  Start(MakePlan(1, 0, {{"w0", "w0b"}, {"w1"}}));
+  Join();
+  ASSERT_TRUE(primary.result.ok()) << primary.result;
+  ASSERT_TRUE(absent.result.ok()) << absent.result;
+  ASSERT_TRUE(last.result.ok()) << last.result;
+  // Both replicas pushed every replica_sync_every steps; only the present
+  // one's pushes arrived, and only the absent one had anything to take.
+  EXPECT_GT(primary.replicas->pushes(), 0);
+  EXPECT_GT(absent.replicas->pushes(), 0);
+  EXPECT_EQ(hub_.delivered_from("w0b"), 0);
+  EXPECT_GT(hub_.delivered_from("w0"), 0);
+  EXPECT_EQ(hub_.taken_by("w0"), 0);
+  EXPECT_EQ(last.coordinator->done(), std::vector<int>({8}));
+  EXPECT_EQ(last.coordinator->losses().size(), 8u);
+}
+
+TEST_F(TrainingSessionTest, AbortBeforeRunCancelsWithoutOpeningLinks) {
+  TestWorker& first = AddWorker("w0", 0);
+  AddWorker("w1", 1);
+  absl::StatusOr<ServedPlan> served = ServedPlan::For(MakePlan(1, 0, {{"w0"}, {"w1"}}), job_, "w0");
+  ASSERT_TRUE(served.ok());
+  SessionParts parts{first.coordinator.get(), first.links.get(), first.replicas.get(), nullptr,
+                     &first.stats};
+  TrainingSession session(job_, *served, parts, SessionOptions());
+  session.Abort();
+  absl::StatusOr<std::unique_ptr<StageRuntime>> runtime =
+      StageRuntime::Create(job_, served->placement(), RuntimeOptions());
+  ASSERT_TRUE(runtime.ok());
+  EXPECT_TRUE(absl::IsCancelled(session.Run(runtime->get(), false)));
+  EXPECT_TRUE(first.links->dialled().empty());
+}
+
+TEST(ServedPlanTest, DerivesNeighboursCodecsAndDialers) {
+  v1::JobSpec job = TinyJob();
+  job.set_activation_codec(v1::CODEC_INT8);
+  v1::Plan plan = MakePlan(3, 7, {{"a", "a2"}, {"b"}});
+  plan.mutable_stages(0)->set_link_codec(v1::CODEC_FP16);
+  v1::PlannedLink* link = plan.add_links();
+  link->set_upstream_worker("a2");
+  link->set_downstream_worker("b");
+  link->set_dialer(v1::LINK_DIALER_DOWNSTREAM);
+  absl::StatusOr<ServedPlan> a2 = ServedPlan::For(plan, job, "a2");
+  ASSERT_TRUE(a2.ok()) << a2.status();
+  EXPECT_EQ(a2->stage(), 0);
+  EXPECT_EQ(a2->replica_index(), 1);
+  EXPECT_FALSE(a2->primary());
+  EXPECT_TRUE(a2->replicated());
+  EXPECT_EQ(a2->start_step(), 7);
+  EXPECT_EQ(a2->downstream().size(), 1u);
+  EXPECT_TRUE(a2->upstream().empty());
+  EXPECT_EQ(a2->activation_codec(), v1::CODEC_FP16);
+  EXPECT_TRUE(a2->activation_codec_planned());
+  EXPECT_EQ(a2->DiallingDownstream(), std::set<std::string>({"b"}));
+  EXPECT_EQ(a2->DialerBetween("a", "b"), v1::LINK_DIALER_UPSTREAM);  // unlisted
+  absl::StatusOr<ServedPlan> b = ServedPlan::For(plan, job, "b");
+  ASSERT_TRUE(b.ok());
+  EXPECT_TRUE(b->last());
+  EXPECT_EQ(b->upstream().size(), 2u);
+  EXPECT_EQ(ServedPlan::For(plan, job, "standby").status().code(), absl::StatusCode::kNotFound);
+  // Every worker of one plan derives the same window.
+  EXPECT_EQ(a2->schedule().window, b->schedule().window);
+}
+
+}  // namespace
+}  // namespace geotrain

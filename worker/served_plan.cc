@@ -1,0 +1,83 @@
+#include "worker/served_plan.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/adaptive_codec.h"
+
+namespace geotrain {
+
+absl::StatusOr<ServedPlan> ServedPlan::For(const v1::Plan& plan, const v1::JobSpec& job,
+                                           const std::string& worker_id) {
+  int index = 0;
+  const v1::StageAssignment* mine = StageOf(plan, worker_id, &index);
+  if (mine == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat("the plan of epoch ", plan.epoch(), " has no stage for '", worker_id, "'"));
+  }
+  ServedPlan served;
+  served.plan_ = plan;
+  served.self_id_ = worker_id;
+  served.stage_ = mine->stage();
+  served.replica_index_ = index;
+  if (served.stage_ < 0 || served.stage_ >= plan.stages_size() ||
+      plan.stages(served.stage_).stage() != served.stage_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the plan of epoch ", plan.epoch(), " lists stage ", served.stage_,
+                     " out of order"));
+  }
+  // The default window is one microbatch in flight per worker, replicas
+  // included (each stage derives the same figure from the same plan).
+  served.schedule_ = ConfigureSchedule(job, WorkersInPlan(plan), plan.in_flight());
+  const int stage = served.stage_;
+  if (stage > 0) served.upstream_ = WorkersOf(plan.stages(stage - 1));
+  if (stage + 1 < plan.stages_size()) served.downstream_ = WorkersOf(plan.stages(stage + 1));
+  served.stage_workers_ = WorkersOf(*mine);
+  served.activation_codec_ = stage + 1 < plan.stages_size()
+                                 ? CapToLadder(mine->link_codec(), job.activation_codec())
+                                 : job.activation_codec();
+  served.gradient_codec_ =
+      stage > 0 ? CapToLadder(plan.stages(stage - 1).link_codec(), job.gradient_codec())
+                : job.gradient_codec();
+  return served;
+}
+
+StagePlacement ServedPlan::placement() const {
+  const v1::StageAssignment& mine = assignment();
+  return StagePlacement{stage_, num_stages(), mine.layer_begin(), mine.layer_end()};
+}
+
+const v1::PlannedLink* ServedPlan::LinkBetween(const std::string& upstream_worker,
+                                               const std::string& downstream_worker) const {
+  for (const v1::PlannedLink& link : plan_.links()) {
+    if (link.upstream_worker() == upstream_worker &&
+        link.downstream_worker() == downstream_worker) {
+      return &link;
+    }
+  }
+  return nullptr;
+}
+
+v1::LinkDialer ServedPlan::DialerBetween(const std::string& upstream_worker,
+                                         const std::string& downstream_worker) const {
+  const v1::PlannedLink* link = LinkBetween(upstream_worker, downstream_worker);
+  return link == nullptr || link->dialer() == v1::LINK_DIALER_UNSPECIFIED
+             ? v1::LINK_DIALER_UPSTREAM
+             : link->dialer();
+}
+
+std::set<std::string> ServedPlan::DiallingDownstream() const {
+  std::set<std::string> dialling;
+  for (const StageWorker& next : downstream_) {
+    if (DialerBetween(self_id_, next.id) == v1::LINK_DIALER_DOWNSTREAM) dialling.insert(next.id);
+  }
+  return dialling;
+}
+
+bool ServedPlan::activation_codec_planned() const {
+  return assignment().link_codec() != v1::CODEC_UNSPECIFIED;
+}
+
+bool ServedPlan::gradient_codec_planned() const {
+  return stage_ > 0 && plan_.stages(stage_ - 1).link_codec() != v1::CODEC_UNSPECIFIED;
+}
+
+}  // namespace geotrain

@@ -1,0 +1,85 @@
+// The part of a plan one worker serves: its stage, its neighbours and how
+// each link is opened, the codecs of its links, the schedule and its place
+// among the stage's workers. Derived once per plan epoch, checked, and
+// read by the worker session; pure data (no I/O), so a test builds one
+// from a hand-made plan.
+#ifndef GEOTRAIN_WORKER_SERVED_PLAN_H_
+#define GEOTRAIN_WORKER_SERVED_PLAN_H_
+
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/plan_util.h"
+#include "geotrain/v1/coordinator.pb.h"
+#include "geotrain/v1/job.pb.h"
+#include "worker/pipeline_driver.h"
+#include "worker/stage_runtime.h"
+
+namespace geotrain {
+
+class ServedPlan {
+ public:
+  // NOT_FOUND when `plan` gives `worker_id` no stage (a standby).
+  static absl::StatusOr<ServedPlan> For(const v1::Plan& plan, const v1::JobSpec& job,
+                                        const std::string& worker_id);
+
+  const v1::Plan& plan() const { return plan_; }
+  const v1::StageAssignment& assignment() const { return plan_.stages(stage()); }
+  const std::string& self_id() const { return self_id_; }
+  uint64_t epoch() const { return plan_.epoch(); }
+  int stage() const { return stage_; }
+  int num_stages() const { return plan_.stages_size(); }
+  int start_step() const { return plan_.start_step(); }
+  bool first() const { return stage_ == 0; }
+  bool last() const { return stage_ + 1 == num_stages(); }
+  StagePlacement placement() const;
+  // The window and update rule every stage of the plan derives alike.
+  const ScheduleConfig& schedule() const { return schedule_; }
+
+  // The workers of the stage before, of the stage after and of this one
+  // (the primary first), as the plan lists them.
+  const std::vector<StageWorker>& upstream() const { return upstream_; }
+  const std::vector<StageWorker>& downstream() const { return downstream_; }
+  const std::vector<StageWorker>& stage_workers() const { return stage_workers_; }
+  // This worker's place among its stage's workers (0: the primary).
+  int replica_index() const { return replica_index_; }
+  bool primary() const { return replica_index_ == 0; }
+  bool replicated() const { return stage_workers_.size() > 1; }
+
+  // The plan's link between two workers; null when it lists none (an older
+  // coordinator: the upstream end dials).
+  const v1::PlannedLink* LinkBetween(const std::string& upstream_worker,
+                                     const std::string& downstream_worker) const;
+  // Who opens that link.
+  v1::LinkDialer DialerBetween(const std::string& upstream_worker,
+                               const std::string& downstream_worker) const;
+  // The next stage's workers that dial this one.
+  std::set<std::string> DiallingDownstream() const;
+
+  // The codecs of this worker's outgoing activations and gradients: the
+  // plan's for each link (the network planner compresses only the links
+  // that bind), each on its own ladder and never past the job's.
+  v1::Codec activation_codec() const { return activation_codec_; }
+  v1::Codec gradient_codec() const { return gradient_codec_; }
+  // Whether the plan chose them (else the job fixed them).
+  bool activation_codec_planned() const;
+  bool gradient_codec_planned() const;
+
+ private:
+  ServedPlan() = default;
+
+  v1::Plan plan_;
+  std::string self_id_;
+  int stage_ = 0;
+  int replica_index_ = 0;
+  ScheduleConfig schedule_;
+  std::vector<StageWorker> upstream_, downstream_, stage_workers_;
+  v1::Codec activation_codec_ = v1::CODEC_UNSPECIFIED;
+  v1::Codec gradient_codec_ = v1::CODEC_UNSPECIFIED;
+};
+
+}  // namespace geotrain
+
+#endif  // GEOTRAIN_WORKER_SERVED_PLAN_H_

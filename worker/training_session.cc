@@ -1,0 +1,319 @@
+#include "worker/training_session.h"
+
+#include <algorithm>
+#include <optional>
+#include <set>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/job_spec.h"
+#include "common/layer_state.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "worker/link_validator.h"
+#include "worker/replica_router.h"
+
+namespace geotrain {
+namespace {
+
+std::string Addresses(const std::vector<StageWorker>& workers) {
+  std::string joined;
+  for (const StageWorker& w : workers) absl::StrAppend(&joined, joined.empty() ? "" : ",", w.address);
+  return joined;
+}
+
+}  // namespace
+
+TrainingSession::TrainingSession(const v1::JobSpec& job, ServedPlan plan, SessionParts parts,
+                                 SessionOptions options)
+    : job_(job),
+      plan_(std::move(plan)),
+      parts_(parts),
+      options_(std::move(options)),
+      inbox_(std::make_shared<Inbox>(options_.inbox_capacity)) {}
+
+TrainingSession::~TrainingSession() { Finish(); }
+
+void TrainingSession::Abort() {
+  aborted_ = true;
+  inbox_->Close();
+  {
+    absl::MutexLock lock(&mu_);
+    for (const std::shared_ptr<PipelineLink>& link : links_) link->EndOnPurpose();
+  }
+  parts_.links->Deactivate();
+  if (parts_.replicas != nullptr) parts_.replicas->Deactivate();
+  // Ends an exchange that waits for a peer of the old plan.
+  if (parts_.tied != nullptr) parts_.tied->Deactivate();
+}
+
+void TrainingSession::Finish() {
+  inbox_->Close();
+  std::vector<std::shared_ptr<PipelineLink>> links;
+  {
+    absl::MutexLock lock(&mu_);
+    links.swap(links_);
+  }
+  // A reader keeps its end alive until the link ends.
+  for (const std::shared_ptr<PipelineLink>& link : links) link->EndOnPurpose();
+  if (parts_.replicas != nullptr) parts_.replicas->Deactivate();
+  if (parts_.tied != nullptr) parts_.tied->Deactivate();
+}
+
+absl::StatusOr<std::shared_ptr<PipelineLink>> TrainingSession::Open(
+    const StageWorker& peer, PeerSide side, std::shared_ptr<const LinkValidator> validator) {
+  const bool to_downstream = side == PeerSide::kDownstream;
+  const std::string& self = plan_.self_id();
+  const v1::PlannedLink* planned =
+      to_downstream ? plan_.LinkBetween(self, peer.id) : plan_.LinkBetween(peer.id, self);
+  const v1::LinkDialer dialer =
+      to_downstream ? plan_.DialerBetween(self, peer.id) : plan_.DialerBetween(peer.id, self);
+  absl::StatusOr<std::shared_ptr<PipelineLink>> end;
+  std::string accused = peer.id;
+  if (dialer == v1::LINK_DIALER_NONE) {
+    end = absl::FailedPreconditionError(
+        absl::StrCat("no way to open the ", PeerSideName(side), " link to '", peer.id,
+                     "': ", planned != nullptr ? planned->reason() : "the plan says so"));
+  } else if (dialer == v1::LINK_DIALER_UPSTREAM && !to_downstream) {
+    return std::shared_ptr<PipelineLink>();  // it dials in
+  } else if (dialer == v1::LINK_DIALER_DOWNSTREAM && to_downstream) {
+    GT_LOG(Info) << "waiting for '" << peer.id << "' to dial in ("
+                 << (planned != nullptr ? planned->reason() : "") << ")";
+    end = parts_.links->AwaitDialIn(peer.id, &aborted_);
+  } else {
+    if (dialer == v1::LINK_DIALER_RELAY) accused = planned->relay_worker();
+    DialTarget target{self, plan_.stage(), {peer.id, peer.address, side}, planned};
+    end = parts_.links->Dial(target, std::move(validator), inbox_, &aborted_);
+  }
+  if (!end.ok()) {
+    // Reported like a broken link (naming its relay when it had one), or
+    // nothing would ever re-plan around it.
+    if (!aborted_ && dialer != v1::LINK_DIALER_NONE) {
+      parts_.coordinator->ReportEvent(
+          "link_lost",
+          absl::StrCat(PeerSideName(side), " link to ", peer.address,
+                       " could not be opened: ", end.status().message()),
+          accused);
+    }
+    GT_LOG(Error) << end.status().message();
+    return end.status();
+  }
+  absl::MutexLock lock(&mu_);
+  links_.push_back(*end);
+  if (aborted_) (*end)->EndOnPurpose();
+  return end;
+}
+
+void TrainingSession::ActivateReplicas() {
+  ReplicaTarget target;
+  target.epoch = plan_.epoch();
+  target.stage = plan_.stage();
+  target.layer_begin = plan_.assignment().layer_begin();
+  target.layer_end = plan_.assignment().layer_end();
+  target.self_id = plan_.self_id();
+  target.max_layer_bytes = 0;
+  for (int layer = target.layer_begin; layer < target.layer_end; ++layer) {
+    target.max_layer_bytes = std::max(target.max_layer_bytes, MaxLayerWeightsBytes(job_, layer));
+  }
+  for (const StageWorker& w : plan_.stage_workers()) {
+    if (w.id == plan_.self_id()) continue;
+    auto route = options_.routes.find(w.address);
+    target.peers.push_back({w.id, route == options_.routes.end() ? w.address : route->second});
+  }
+  GT_LOG(Info) << "stage " << plan_.stage() << " has " << plan_.stage_workers().size()
+               << " workers; this one is " << (plan_.primary() ? "the primary" : "a replica");
+  parts_.replicas->Activate(std::move(target));
+}
+
+absl::Status TrainingSession::ActivateTiedExchange(const StageRuntime& runtime) {
+  // The first stage's worker and the last's trade the tied matrix's
+  // gradient at each update (sync only; no replicas).
+  const int other = plan_.first() ? plan_.num_stages() - 1 : 0;
+  const std::vector<StageWorker> ends = WorkersOf(plan_.plan().stages(other));
+  if (ends.size() != 1 || plan_.replicated() || parts_.tied == nullptr) {
+    return absl::FailedPreconditionError(
+        "tied embeddings need one worker on the first stage and one on the last");
+  }
+  TiedGradientExchange::Target target;
+  target.epoch = plan_.epoch();
+  target.stage = plan_.stage();
+  target.self_id = plan_.self_id();
+  target.peer_stage = other;
+  target.peer_id = ends[0].id;
+  auto route = options_.routes.find(ends[0].address);
+  target.peer_address = route == options_.routes.end() ? ends[0].address : route->second;
+  target.gradient_bytes = StageRuntime::TiedEmbeddingBytes(job_);
+  parts_.tied->Activate(std::move(target));
+  return absl::OkStatus();
+}
+
+PipelineDriverOptions TrainingSession::DriverOptions(const StageRuntime& runtime,
+                                                     const ReplicaRouter* router,
+                                                     bool stale_weights) const {
+  PipelineDriverOptions o;
+  o.epoch = plan_.epoch();
+  o.stage = plan_.stage();
+  o.num_stages = plan_.num_stages();
+  o.start_step = plan_.start_step();
+  o.schedule = plan_.schedule();
+  o.dropped_microbatches = options_.dropped_microbatches;
+  o.upstream_workers = std::max<int>(1, plan_.upstream().size());
+  // Two leases, as long as the coordinator gives a silent worker.
+  o.reply_timeout = ReplyTimeoutFor(absl::Milliseconds(2 * job_.lease_ms()), plan_.stage(),
+                                    plan_.num_stages());
+  o.replicated = plan_.replicated();
+  o.primary = plan_.primary();
+  if (plan_.first()) {
+    // The plan lists stage 0's workers in the same order for every one of
+    // them, which fixes each replica's share of the microbatch ids.
+    o.stage_replicas = static_cast<int>(plan_.stage_workers().size());
+    o.replica_index = plan_.replica_index();
+  }
+  o.averager = plan_.replicated() ? parts_.replicas : nullptr;
+  o.tied = runtime.holds_one_tied_end() ? parts_.tied : nullptr;
+  // Joining a stage that is already training.
+  o.catching_up = stale_weights && plan_.replicated() && plan_.start_step() > 0;
+  o.router = router;
+  // Only where the plan chose (the driver says "fixed by the job" otherwise).
+  if (plan_.activation_codec_planned()) o.activation_codec = plan_.activation_codec();
+  if (plan_.gradient_codec_planned()) o.gradient_codec = plan_.gradient_codec();
+  o.upstream_peer = Addresses(plan_.upstream());
+  o.downstream_peer = Addresses(plan_.downstream());
+  if (plan_.downstream().size() == 1) o.downstream_worker = plan_.downstream()[0].id;
+  return o;
+}
+
+absl::Status TrainingSession::Run(StageRuntime* runtime, bool stale_weights) {
+  if (ran_.exchange(true)) return absl::FailedPreconditionError("a session runs once");
+  struct Cleanup {
+    TrainingSession* session;
+    ~Cleanup() { session->Finish(); }
+  } cleanup{this};
+  if (aborted_) return absl::CancelledError("superseded before it started");
+  const int stage = plan_.stage();
+  GT_LOG(Info) << "stage " << stage << "/" << plan_.num_stages() << ": layers ["
+               << plan_.assignment().layer_begin() << "," << plan_.assignment().layer_end()
+               << "), epoch " << plan_.epoch() << ", from step " << plan_.start_step();
+  // A runtime kept from an earlier plan takes the new plan's codecs too.
+  runtime->SetActivationCodec(plan_.activation_codec());
+  runtime->SetGradientCodec(plan_.gradient_codec());
+  std::set<std::string> upstream_ids;
+  for (const StageWorker& w : plan_.upstream()) upstream_ids.insert(w.id);
+  auto validator = std::make_shared<const LinkValidator>(
+      job_, plan_.epoch(), stage, plan_.assignment().layer_begin(),
+      plan_.assignment().layer_end(), std::move(upstream_ids));
+  parts_.coordinator->SetEpoch(plan_.epoch());
+  parts_.links->Activate(validator, inbox_, plan_.DiallingDownstream());
+  if (plan_.replicated()) ActivateReplicas();
+  if (runtime->holds_one_tied_end()) RETURN_IF_ERROR(ActivateTiedExchange(*runtime));
+
+  // Downstream links first: the chain of waits (an end waiting for its
+  // neighbour to dial in, or at a relay) then runs toward the last stage,
+  // which waits for no one.
+  std::vector<ReplicaRouter::Route> routes;
+  for (const StageWorker& next : plan_.downstream()) {
+    ASSIGN_OR_RETURN(std::shared_ptr<PipelineLink> end,
+                     Open(next, PeerSide::kDownstream, validator));
+    routes.push_back({next.id, next.address, end.get()});
+  }
+  for (const StageWorker& previous : plan_.upstream()) {
+    RETURN_IF_ERROR(Open(previous, PeerSide::kUpstream, validator).status());
+  }
+  std::optional<ReplicaRouter> router;
+  if (!routes.empty()) router.emplace(std::move(routes));
+  const ScheduleConfig& schedule = plan_.schedule();
+  GT_LOG(Info) << "schedule " << ScheduleName(job_.schedule()) << ": window " << schedule.window
+               << ", update every " << schedule.update_every << " backward(s)"
+               << (schedule.flush ? ", flush each step" : ", no flush");
+  MessageSink* up_sink = plan_.first() ? nullptr : parts_.links->upstream();
+  MessageSink* down_sink = router ? &*router : nullptr;
+  std::unique_ptr<MessageSink> up_wrapper, down_wrapper;
+  if (options_.wrap_link) {
+    if (up_sink != nullptr) {
+      up_wrapper = options_.wrap_link(PeerSide::kUpstream, up_sink);
+      up_sink = up_wrapper.get();
+    }
+    if (down_sink != nullptr) {
+      down_wrapper = options_.wrap_link(PeerSide::kDownstream, down_sink);
+      down_sink = down_wrapper.get();
+    }
+  }
+  PipelineDriver driver(job_, DriverOptions(*runtime, router ? &*router : nullptr, stale_weights),
+                        runtime, up_sink, down_sink, inbox_.get(), parts_.coordinator,
+                        parts_.stats);
+  if (options_.on_serving) {
+    options_.on_serving(true, absl::StrCat("stage ", stage, " of plan epoch ", plan_.epoch(),
+                                           ": links open, training"));
+  }
+  const absl::Status ran = driver.Run();
+  if (options_.on_serving) {
+    options_.on_serving(false, ran.ok() ? std::string("the job is finished")
+                                        : absl::StrCat("stage ", stage, " of plan epoch ",
+                                                       plan_.epoch(), " ended: ", ran.message()));
+  }
+  if (!ran.ok()) {
+    ReportFailedLink(driver, ran);
+    parts_.links->Deactivate();
+    return ran;
+  }
+  CloseLinks();
+  GT_LOG(Info) << "stage " << stage << " finished " << job_.steps() << " steps";
+  parts_.coordinator->ReportFinalStats(parts_.stats->Get());
+  return ReportDone();
+}
+
+void TrainingSession::ReportFailedLink(const PipelineDriver& driver, const absl::Status& ran) {
+  // A broken link (not one this worker ended itself) is reported with the
+  // neighbour at its other end, so the coordinator can route around it
+  // without waiting for a lease: a blackholed link never ends a lease. The
+  // report goes before this worker ends its other links: ending them breaks
+  // its healthy neighbours' links too, and their reports (naming this
+  // worker) must not reach the coordinator first, or it would take out this
+  // worker instead of the peer that failed.
+  const PipelineDriver::FailedLink failed = driver.failed_link();
+  if (failed == PipelineDriver::FailedLink::kNone || aborted_) return;
+  const bool up = failed == PipelineDriver::FailedLink::kUpstream;
+  const std::vector<StageWorker>& neighbours = up ? plan_.upstream() : plan_.downstream();
+  StageWorker peer = neighbours.empty() ? StageWorker() : neighbours[0];
+  for (const StageWorker& w : neighbours) {
+    if (w.id == driver.failed_peer()) peer = w;
+  }
+  // Through a relay, the relay is what is reported: the coordinator
+  // re-links the pair through another (see JobController).
+  const v1::PlannedLink* planned = up ? plan_.LinkBetween(peer.id, plan_.self_id())
+                                      : plan_.LinkBetween(plan_.self_id(), peer.id);
+  const bool relayed = planned != nullptr && planned->dialer() == v1::LINK_DIALER_RELAY;
+  parts_.coordinator->ReportEvent(
+      "link_lost",
+      absl::StrCat(up ? "upstream" : "downstream", " link to ", peer.address,
+                   relayed ? " via relay " + planned->relay_address() : "", ": ", ran.message()),
+      relayed ? planned->relay_worker() : peer.id);
+}
+
+void TrainingSession::CloseLinks() {
+  // A link a peer opened here ends when that peer closes it.
+  std::vector<std::shared_ptr<PipelineLink>> links;
+  {
+    absl::MutexLock lock(&mu_);
+    links = links_;
+  }
+  for (PeerSide side : {PeerSide::kDownstream, PeerSide::kUpstream}) {
+    for (const std::shared_ptr<PipelineLink>& link : links) {
+      if (link->side() != side) continue;
+      absl::Status closed = link->Close(parts_.links->close_timeout());
+      if (!closed.ok()) GT_LOG(Warning) << "closing a link: " << closed.message();
+    }
+  }
+}
+
+absl::Status TrainingSession::ReportDone() {
+  // The coordinator may be restarting: keep trying for a while.
+  absl::Status done = parts_.coordinator->ReportDone(job_.steps());
+  for (int attempt = 1; !done.ok() && attempt < options_.done_attempts && !aborted_; ++attempt) {
+    absl::SleepFor(options_.done_retry_interval);
+    done = parts_.coordinator->ReportDone(job_.steps());
+  }
+  return done;
+}
+
+}  // namespace geotrain
