@@ -66,6 +66,13 @@ void ApplyJobDefaults(v1::JobSpec* job) {
   if (job->replica_sync_every() == 0) job->set_replica_sync_every(5);
   if (job->replica_codec() == v1::CODEC_UNSPECIFIED) job->set_replica_codec(v1::CODEC_FP16);
   if (job->topk_fraction() == 0) job->set_topk_fraction(0.01);
+  if (job->has_outer()) {
+    v1::OuterOptimizer* outer = job->mutable_outer();
+    if (outer->inner_steps() == 0) outer->set_inner_steps(50);
+    if (outer->lr() == 0) outer->set_lr(0.7);
+    if (!outer->has_momentum()) outer->set_momentum(0.9);
+    if (outer->codec() == v1::CODEC_UNSPECIFIED) outer->set_codec(v1::CODEC_INT8);
+  }
   v1::Optimizer* opt = job->mutable_optimizer();
   if (opt->kind() == v1::Optimizer::KIND_UNSPECIFIED) {
     opt->set_kind(v1::Optimizer::KIND_ADAMW);
@@ -255,11 +262,36 @@ absl::Status ValidateJobSpec(const v1::JobSpec& job) {
         "order (beyond 2BW's two weight versions)");
   }
   if (job.replica_sync_every() < 1) return Invalid("replica_sync_every must be >= 1");
+  if (job.has_outer()) {
+    const v1::OuterOptimizer& outer = job.outer();
+    if (outer.inner_steps() < 1 || outer.inner_steps() > kMaxSteps) {
+      return Invalid("outer.inner_steps must be >= 1");
+    }
+    if (!(outer.lr() > 0 && outer.lr() <= 10)) return Invalid("outer.lr must be in (0, 10]");
+    if (!(outer.momentum() >= 0 && outer.momentum() < 1)) {
+      return Invalid("outer.momentum must be in [0, 1)");
+    }
+    if (outer.codec() == v1::CODEC_TOPK) {
+      return Invalid("outer.codec CODEC_TOPK: use NONE, FP16, BF16, INT8 or INT4 (with error "
+                     "feedback)");
+    }
+    if (outer.max_pipelines() < 0 || outer.max_pipelines() > 256) {
+      return Invalid("outer.max_pipelines must be in [0, 256]");
+    }
+    if (job.replicas() > 1) {
+      return Invalid("outer and replicas > 1 do not mix: with pipelines, a stage's replicas are "
+                     "the same stage in the other pipelines (drop replicas)");
+    }
+    if (job.llama().tie_embeddings()) {
+      return Invalid("outer with llama.tie_embeddings is not supported yet");
+    }
+  }
   if (job.replica_codec() == v1::CODEC_TOPK) {
     return Invalid("replica_codec CODEC_TOPK would drop most of the weights; use NONE, FP16, "
                    "BF16, INT8 or INT4");
   }
-  for (v1::Codec codec : {job.activation_codec(), job.gradient_codec(), job.replica_codec()}) {
+  for (v1::Codec codec : {job.activation_codec(), job.gradient_codec(), job.replica_codec(),
+                          job.has_outer() ? job.outer().codec() : v1::CODEC_NONE}) {
     bool exact;
     if (!EncodedSizeBound(codec, 1, job.codec_block_size(), &exact).ok()) {
       return Invalid(absl::StrCat("unknown codec ", static_cast<int>(codec),

@@ -416,7 +416,7 @@ absl::Status PipelineDriver::RunFirstStage() {
     while (eval_due_ == 0 && eval_pass_ == 0 && next < issue_limit && in_flight < window) {
       const int step = static_cast<int>(next / microbatches);
       ASSIGN_OR_RETURN(LinkMessage input,
-                       runtime_->LoadTrainMicrobatch(step, static_cast<int>(next % microbatches)));
+                       runtime_->LoadTrainMicrobatchById(step, next));
       next += replicas;
       if (runtime_->is_last()) {  // a single-stage pipeline
         ASSIGN_OR_RETURN(LastStageResult result, runtime_->ForwardLoss(input));

@@ -1,5 +1,6 @@
 #include "worker/stage_runtime.h"
 
+#include <openssl/evp.h>
 #include <torch/torch.h>
 
 #include <map>
@@ -14,6 +15,7 @@
 #include "worker/datasets.h"
 #include "worker/models.h"
 #include "worker/optimizer.h"
+#include "worker/outer_optimizer.h"
 #include "worker/weight_stash.h"
 
 namespace geotrain {
@@ -33,6 +35,11 @@ struct StageRuntime::Impl {
   }
   std::unique_ptr<WeightStash> stash;
   std::unique_ptr<OutOfPlaceOptimizer> optimizer;
+  // With pipelines: the outer step, its encoder, and the weights the last
+  // pseudo-gradient was taken from.
+  std::unique_ptr<OuterOptimizer> outer;
+  std::unique_ptr<ErrorFeedbackEncoder> outer_encoder;
+  std::vector<torch::Tensor> outer_sent_from;
   std::unique_ptr<Dataset> dataset;  // stage 0 only
   // Flags of tensors decoded on the GPU, read after the next
   // synchronisation (the outgoing message's copy to the host, the loss).
@@ -295,12 +302,16 @@ int StageRuntime::num_eval_microbatches() const {
 }
 
 absl::StatusOr<LinkMessage> StageRuntime::LoadTrainMicrobatch(int step, int index) {
+  return LoadTrainMicrobatchById(
+      step, static_cast<int64_t>(step) * impl_->job.microbatches() + index);
+}
+
+absl::StatusOr<LinkMessage> StageRuntime::LoadTrainMicrobatchById(int step, int64_t microbatch) {
   if (!impl_->dataset) return absl::FailedPreconditionError("not stage 0");
-  const uint64_t microbatch =
-      static_cast<uint64_t>(step) * impl_->job.microbatches() + index;
+  if (microbatch < 0) return absl::InvalidArgumentError("a negative microbatch id");
   return GuardTorch("loading data", [&]() -> absl::StatusOr<LinkMessage> {
     return impl_->FromBatch(impl_->dataset->TrainMicrobatch(microbatch),
-                            v1::MESSAGE_KIND_ACTIVATION, step, microbatch);
+                            v1::MESSAGE_KIND_ACTIVATION, step, static_cast<uint64_t>(microbatch));
   });
 }
 
@@ -812,6 +823,140 @@ absl::Status StageRuntime::AverageWeights(const std::vector<v1::LayerWeights>& p
     s.stash->Publish(std::move(next));
     return absl::OkStatus();
   });
+}
+
+namespace {
+
+std::string DigestOf(const std::vector<torch::Tensor>& tensors) {
+  EVP_MD_CTX* context = EVP_MD_CTX_new();
+  EVP_DigestInit_ex(context, EVP_sha256(), nullptr);
+  for (const torch::Tensor& t : tensors) {
+    torch::Tensor host = t.detach().to(torch::kCPU).contiguous();
+    EVP_DigestUpdate(context, host.data_ptr(), host.numel() * host.element_size());
+  }
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int size = 0;
+  EVP_DigestFinal_ex(context, digest, &size);
+  EVP_MD_CTX_free(context);
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string hex;
+  for (unsigned int i = 0; i < size; ++i) {
+    hex.push_back(kHex[digest[i] >> 4]);
+    hex.push_back(kHex[digest[i] & 15]);
+  }
+  return hex;
+}
+
+}  // namespace
+
+absl::Status StageRuntime::StartOuter(const OuterSettings& settings) {
+  Impl& s = *impl_;
+  return GuardTorch("starting the outer optimizer", [&]() -> absl::Status {
+    s.outer = std::make_unique<OuterOptimizer>(
+        OuterStepOptions{settings.lr, settings.momentum, /*nesterov=*/true});
+    s.outer->Reset(s.stash->Get(s.stash->current_version()));
+    s.outer_encoder = std::make_unique<ErrorFeedbackEncoder>(settings.encoding);
+    s.outer_sent_from.clear();
+    return absl::OkStatus();
+  });
+}
+
+bool StageRuntime::outer_started() const { return impl_->outer != nullptr; }
+
+int64_t StageRuntime::outer_rounds() const {
+  return impl_->outer == nullptr ? 0 : impl_->outer->rounds();
+}
+
+absl::StatusOr<std::vector<v1::LayerWeights>> StageRuntime::ExportPseudoGradient() {
+  Impl& s = *impl_;
+  if (s.outer == nullptr) return absl::FailedPreconditionError("no outer optimizer (StartOuter)");
+  return GuardTorch("exporting a pseudo-gradient",
+                    [&]() -> absl::StatusOr<std::vector<v1::LayerWeights>> {
+    const std::vector<torch::Tensor>& params = s.stash->Get(s.stash->current_version());
+    ASSIGN_OR_RETURN(std::vector<torch::Tensor> delta, s.outer->PseudoGradient(params));
+    std::vector<v1::LayerWeights> out;
+    for (size_t i = 0; i < s.layers.size(); ++i) {
+      const auto [begin, end] = s.LayerParams(i, params.size());
+      v1::LayerWeights& layer = out.emplace_back();
+      layer.set_layer(s.placement.layer_begin + static_cast<int>(i));
+      for (size_t p = begin; p < end; ++p) {
+        RETURN_IF_ERROR(
+            s.outer_encoder->Encode(p, delta[p], layer.add_params(), layer.mutable_payload()));
+      }
+    }
+    s.outer_sent_from.clear();
+    for (const torch::Tensor& p : params) s.outer_sent_from.push_back(p.detach());
+    return out;
+  });
+}
+
+absl::Status StageRuntime::ApplyOuterStep(const std::vector<OuterContribution>& contributions,
+                                          bool keep_local_progress) {
+  Impl& s = *impl_;
+  if (s.outer == nullptr) return absl::FailedPreconditionError("no outer optimizer (StartOuter)");
+  return GuardTorch("the outer step", [&]() -> absl::Status {
+    const std::vector<torch::Tensor>& current = s.stash->Get(s.stash->current_version());
+    std::vector<PseudoGradientContribution> decoded;
+    for (const OuterContribution& c : contributions) {
+      PseudoGradientContribution& d = decoded.emplace_back();
+      d.pipeline = c.pipeline;
+      d.samples = c.samples;
+      d.tensors.resize(current.size());
+      std::vector<bool> seen(current.size(), false);
+      for (const v1::LayerWeights& layer : c.layers) {
+        const int i = layer.layer() - s.placement.layer_begin;
+        if (i < 0 || i >= static_cast<int>(s.layers.size())) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "a pseudo-gradient of layer ", layer.layer(), ", not of this stage"));
+        }
+        const auto [begin, end] = s.LayerParams(static_cast<size_t>(i), current.size());
+        if (static_cast<size_t>(layer.params_size()) != end - begin) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "the pseudo-gradient of layer ", layer.layer(), " has ", layer.params_size(),
+              " tensors, the model ", end - begin));
+        }
+        size_t offset = 0;
+        for (size_t p = begin; p < end; ++p) {
+          const v1::TensorHeader& header = layer.params(static_cast<int>(p - begin));
+          ASSIGN_OR_RETURN(torch::Tensor t, DecodeTensor(header, layer.payload(), offset));
+          offset += header.payload_bytes();
+          d.tensors[p] = std::move(t);
+          seen[p] = true;
+        }
+      }
+      if (d.samples > 0 && std::find(seen.begin(), seen.end(), false) != seen.end()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "the pseudo-gradient of pipeline ", c.pipeline, " misses some of the stage's layers"));
+      }
+    }
+    ASSIGN_OR_RETURN(std::vector<torch::Tensor> outer, s.outer->Step(std::move(decoded)));
+    std::vector<torch::Tensor> next;
+    for (size_t p = 0; p < current.size(); ++p) {
+      torch::Tensor w = outer[p].to(current[p].device(), current[p].scalar_type());
+      if (keep_local_progress && p < s.outer_sent_from.size()) {
+        w = w + (current[p].detach() - s.outer_sent_from[p]);
+      } else {
+        w = w.clone();
+      }
+      next.push_back(std::move(w));
+    }
+    s.outer_sent_from.clear();
+    s.stash->Publish(std::move(next));
+    return absl::OkStatus();
+  });
+}
+
+std::string StageRuntime::WeightsDigest() const {
+  const Impl& s = *impl_;
+  return DigestOf(s.stash->Get(s.stash->current_version()));
+}
+
+std::string StageRuntime::OuterWeightsDigest() const {
+  return impl_->outer == nullptr ? "" : DigestOf(impl_->outer->outer_weights());
+}
+
+void StageRuntime::SetMaxWeightVersions(int versions) {
+  impl_->options.max_weight_versions = versions;
 }
 
 void StageRuntime::SetActivationCodec(v1::Codec codec) {

@@ -80,6 +80,10 @@ class StageRuntime {
   // Stage 0 only: microbatch `index` of step `step` (training), or held-out
   // microbatch `index`, as an input message of tensors [inputs, targets].
   absl::StatusOr<LinkMessage> LoadTrainMicrobatch(int step, int index);
+  // Training microbatch `microbatch` (its id: its data is a function of
+  // (seed, id) alone), labelled with `step`. LoadTrainMicrobatch(step, i)
+  // is microbatch step * job.microbatches + i.
+  absl::StatusOr<LinkMessage> LoadTrainMicrobatchById(int step, int64_t microbatch);
   absl::StatusOr<LinkMessage> LoadEvalMicrobatch(int index);
   int num_eval_microbatches() const;
 
@@ -150,6 +154,45 @@ class StageRuntime {
   // entry does not fit the model, or decodes to non-finite values) nothing
   // changes.
   absl::Status AverageWeights(const std::vector<v1::LayerWeights>& peers, bool adopt = false);
+  // ---- The outer optimizer (outer_optimizer.h): this stage's replicas in
+  // other pipelines take the same outer step every round.
+  struct OuterSettings {
+    double lr = 0.7;
+    double momentum = 0.9;
+    // The pseudo-gradients' encoding on the wire (lossy codecs with error
+    // feedback).
+    WireEncoding encoding;
+  };
+  // Takes the current weights as the outer weights, momentum zero (a run's
+  // start, or a replica that takes the outer weights on its return).
+  absl::Status StartOuter(const OuterSettings& settings);
+  bool outer_started() const;
+  // This replica's pseudo-gradient since the last outer step (outer minus
+  // current weights), encoded, one entry per layer; remembers the weights
+  // it was taken from.
+  absl::StatusOr<std::vector<v1::LayerWeights>> ExportPseudoGradient();
+  struct OuterContribution {
+    int pipeline = 0;     // the order of the sum, the same on every replica
+    int64_t samples = 0;  // its weight in the mean
+    std::vector<v1::LayerWeights> layers;  // as ExportPseudoGradient wrote
+  };
+  // The outer step on the samples-weighted mean of `contributions` (this
+  // replica's own included, as encoded, so every replica computes from the
+  // same bytes). The new outer weights become this stage's weights (a new
+  // weight version; the inner optimizer's state is kept). With
+  // `keep_local_progress` (the step applied a round late, while inner steps
+  // went on) the inner steps taken since ExportPseudoGradient are added on
+  // top. INVALID_ARGUMENT (nothing changes) for a contribution that does
+  // not fit or is not finite.
+  absl::Status ApplyOuterStep(const std::vector<OuterContribution>& contributions,
+                              bool keep_local_progress = false);
+  int64_t outer_rounds() const;
+  // SHA-256 (hex) of the current weights' bytes, in parameter order: equal
+  // digests mean bit-identical weights.
+  std::string WeightsDigest() const;
+  // The same of the outer weights ("" before StartOuter).
+  std::string OuterWeightsDigest() const;
+
   // Forgets every training microbatch in flight (their graphs and stashed
   // weight references are freed), the gradients accumulated since the last
   // update and unfinished evaluation passes; returns how many training
@@ -158,6 +201,10 @@ class StageRuntime {
   int layer_begin() const;
   int layer_end() const;
   const StagePlacement& placement() const;
+
+  // The most weight versions alive at once from now on (the plan's
+  // schedule; a runtime kept across a re-plan takes the new plan's).
+  void SetMaxWeightVersions(int versions);
 
   // Changes the codec of outgoing activations or gradients from the next
   // message on (adaptive compression); receivers read it from each header.

@@ -194,7 +194,10 @@ absl::Status TrainingSession::Run(StageRuntime* runtime, bool stale_weights) {
   GT_LOG(Info) << "stage " << stage << "/" << plan_.num_stages() << ": layers ["
                << plan_.assignment().layer_begin() << "," << plan_.assignment().layer_end()
                << "), epoch " << plan_.epoch() << ", from step " << plan_.start_step();
-  // A runtime kept from an earlier plan takes the new plan's codecs too.
+  // A runtime kept from an earlier plan takes the new plan's window and
+  // codecs: every stage of a plan derives the same window from it, and a
+  // stage that kept an older one would break the others' bound.
+  runtime->SetMaxWeightVersions(plan_.schedule().max_weight_versions);
   runtime->SetActivationCodec(plan_.activation_codec());
   runtime->SetGradientCodec(plan_.gradient_codec());
   std::set<std::string> upstream_ids;

@@ -26,6 +26,23 @@ TEST(JobSpecTest, ParsesAndFillsDefaults) {
   EXPECT_DOUBLE_EQ(job->text().validation_fraction(), 0.05);
 }
 
+TEST(JobSpecTest, OuterBlockDefaultsAndAnExplicitZeroMomentum) {
+  absl::StatusOr<v1::JobSpec> job = ParseJobSpec(
+      "mlp { hidden: 8 } fashion_mnist {} steps: 10 outer { streaming: true }", "job.textproto");
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->outer().inner_steps(), 50);
+  EXPECT_DOUBLE_EQ(job->outer().lr(), 0.7);
+  EXPECT_DOUBLE_EQ(job->outer().momentum(), 0.9);
+  EXPECT_EQ(job->outer().codec(), v1::CODEC_INT8);
+  EXPECT_TRUE(job->outer().streaming());
+  absl::StatusOr<v1::JobSpec> averaging = ParseJobSpec(
+      "mlp { hidden: 8 } fashion_mnist {} steps: 10 outer { lr: 1 momentum: 0 inner_steps: 1 }",
+      "job.textproto");
+  ASSERT_TRUE(averaging.ok()) << averaging.status();
+  EXPECT_DOUBLE_EQ(averaging->outer().momentum(), 0);
+  EXPECT_FALSE(ParseJobSpec("mlp { hidden: 8 } fashion_mnist {} steps: 10", "j")->has_outer());
+}
+
 struct BadJobCase {
   const char* name;
   const char* text;
@@ -68,7 +85,20 @@ INSTANTIATE_TEST_SUITE_P(
                    "lease_ms"},
         BadJobCase{"adaptive_without_a_codec",
                    "mlp { hidden: 8 } fashion_mnist {} steps: 1 adaptive: true",
-                   "strongest codec"}),
+                   "strongest codec"},
+        BadJobCase{"outer_momentum_one",
+                   "mlp { hidden: 8 } fashion_mnist {} steps: 1 outer { momentum: 1 }",
+                   "outer.momentum"},
+        BadJobCase{"outer_negative_inner_steps",
+                   "mlp { hidden: 8 } fashion_mnist {} steps: 1 outer { inner_steps: -5 }",
+                   "outer.inner_steps"},
+        BadJobCase{"outer_topk",
+                   "mlp { hidden: 8 } fashion_mnist {} steps: 1 outer { codec: CODEC_TOPK }",
+                   "CODEC_TOPK"},
+        BadJobCase{"outer_with_replicas",
+                   "mlp { hidden: 8 } fashion_mnist {} steps: 1 schedule: SCHEDULE_ASYNC_STASH "
+                   "replicas: 2 outer {}",
+                   "do not mix"}),
     [](const testing::TestParamInfo<BadJobCase>& info) { return info.param.name; });
 
 TEST(JobSpecTest, MissingFileIsNamed) {

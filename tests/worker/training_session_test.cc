@@ -365,7 +365,8 @@ struct TestWorker {
 };
 
 // A plan of the tiny job's 4 layers on `stages` (2: layers [0,2) and
-// [2,4)), with the given workers on each stage (the first the primary).
+// [2,4); 3: [0,1), [1,2), [2,4)), with the given workers on each stage
+// (the first the primary).
 v1::Plan MakePlan(uint64_t epoch, int start_step,
                   const std::vector<std::vector<std::string>>& stages) {
   v1::Plan plan;
@@ -376,7 +377,7 @@ v1::Plan MakePlan(uint64_t epoch, int start_step,
     v1::StageAssignment* stage = plan.add_stages();
     stage->set_stage(static_cast<int>(s));
     stage->set_layer_begin(static_cast<int>(s) * layers_per_stage);
-    stage->set_layer_end(static_cast<int>(s + 1) * layers_per_stage);
+    stage->set_layer_end(s + 1 == stages.size() ? 4 : static_cast<int>(s + 1) * layers_per_stage);
     stage->set_worker_id(stages[s][0]);
     stage->set_address(stages[s][0] + ":1");
     for (size_t r = 1; r < stages[s].size(); ++r) {
@@ -553,6 +554,29 @@ TEST_F(TrainingSessionTest, AbsentReplicaMissesTheSyncAndNobodyWaitsForIt) {
   EXPECT_EQ(hub_.taken_by("w0"), 0);
   EXPECT_EQ(last.coordinator->done(), std::vector<int>({8}));
   EXPECT_EQ(last.coordinator->losses().size(), 8u);
+}
+
+// A replica joining a middle stage widens the window (one microbatch in
+// flight per worker); stage 0 keeps its runtime across the re-plan and must
+// take the new window with it, or its updates break the old bound.
+TEST_F(TrainingSessionTest, EveryStageTakesTheNewPlansWindow) {
+  job_.set_schedule(v1::SCHEDULE_ASYNC_STASH);
+  job_.set_steps(12);
+  TestWorker& first = AddWorker("w0", 0);
+  AddWorker("w1", 1);
+  TestWorker& last = AddWorker("w2", 2);
+  Start(MakePlan(1, 0, {{"w0"}, {"w1"}, {"w2"}}));
+  ASSERT_TRUE(AwaitStep(last, 2));
+  for (auto& w : workers_) w->session->Abort();
+  Join();
+  AddWorker("w1b", 1);
+  const v1::Plan wider = MakePlan(2, last.coordinator->step(), {{"w0"}, {"w1", "w1b"}, {"w2"}});
+  EXPECT_EQ(ServedPlan::For(wider, job_, "w0")->schedule().window, 4);
+  Start(wider);
+  Join();
+  for (auto& w : workers_) EXPECT_TRUE(w->result.ok()) << w->id << ": " << w->result;
+  EXPECT_EQ(last.coordinator->done(), std::vector<int>({12}));
+  EXPECT_LE(first.runtime->stash_stats().max_versions_alive, 4);
 }
 
 TEST_F(TrainingSessionTest, AbortBeforeRunCancelsWithoutOpeningLinks) {
