@@ -1,5 +1,6 @@
-// Who works on which stage of a plan: a stage's primary worker and, on
-// middle stages with job.replicas > 1, its replicas.
+// Who works on which stage of a plan: a stage's primary worker and its
+// replicas: with pipelines (Plan.pipelines > 1) one worker per pipeline,
+// else, with job.replicas > 1, workers routed to within the one pipeline.
 #ifndef GEOTRAIN_COMMON_PLAN_UTIL_H_
 #define GEOTRAIN_COMMON_PLAN_UTIL_H_
 
@@ -13,14 +14,29 @@ namespace geotrain {
 struct StageWorker {
   std::string id;
   std::string address;
+  int pipeline = 0;
 };
 
 // The stage's workers, the primary first.
 inline std::vector<StageWorker> WorkersOf(const v1::StageAssignment& stage) {
-  std::vector<StageWorker> workers = {{stage.worker_id(), stage.address()}};
-  for (const v1::Replica& r : stage.replicas()) workers.push_back({r.worker_id(), r.address()});
+  std::vector<StageWorker> workers = {{stage.worker_id(), stage.address(), stage.pipeline()}};
+  for (const v1::Replica& r : stage.replicas()) {
+    workers.push_back({r.worker_id(), r.address(), r.pipeline()});
+  }
   return workers;
 }
+
+// The stage's workers in pipeline `pipeline`, in the plan's order.
+inline std::vector<StageWorker> WorkersOf(const v1::StageAssignment& stage, int pipeline) {
+  std::vector<StageWorker> workers;
+  for (StageWorker& w : WorkersOf(stage)) {
+    if (w.pipeline == pipeline) workers.push_back(std::move(w));
+  }
+  return workers;
+}
+
+// R: the plan's pipelines (at least 1).
+inline int PipelinesOf(const v1::Plan& plan) { return plan.pipelines() > 1 ? plan.pipelines() : 1; }
 
 // The stage `worker_id` works on and, in `*index`, its place among the
 // stage's workers (0: the primary); nullptr when it has none (a standby).

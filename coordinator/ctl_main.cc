@@ -105,10 +105,12 @@ void PrintTable(const geotrain::v1::ClusterStatus& s) {
     std::string layers =
         w.stage() >= 0 ? absl::StrFormat("[%d,%d)", w.layer_begin(), w.layer_end())
                        : "-";
-    // A replica shows as STAGE.K (K > 0); the primary as the stage alone.
-    std::string stage = w.stage() < 0     ? "-"
-                         : w.replica() > 0 ? absl::StrFormat("%d.%d", w.stage(), w.replica())
-                                           : std::to_string(w.stage());
+    // With pipelines a worker shows as STAGE/pR; a replica routed to within
+    // the one pipeline as STAGE.K (K > 0); the primary as the stage alone.
+    std::string stage = w.stage() < 0          ? "-"
+                        : s.pipelines() > 1    ? absl::StrFormat("%d/p%d", w.stage(), w.pipeline())
+                        : w.replica() > 0      ? absl::StrFormat("%d.%d", w.stage(), w.replica())
+                                               : std::to_string(w.stage());
     const std::string device = w.role() == "relay" ? "relay" : w.device();
     std::printf("%-4s %-12s %-22s %-7s %8.1f %5s %-8s %-9s %5.1fs %8.1f %5d %5s\n",
                 w.id().c_str(), w.name().c_str(), w.address().c_str(),
@@ -119,6 +121,14 @@ void PrintTable(const geotrain::v1::ClusterStatus& s) {
   for (const auto& w : s.workers()) {
     if (!w.reachable()) std::printf("%-4s not reachable: %s\n", w.id().c_str(),
                                     w.reachability().c_str());
+  }
+  if (s.pipelines() > 1) {
+    std::printf("\n%-8s %6s %9s %10s  %s\n", "PIPELINE", "STEP", "LOSS", "SAMPLES/s",
+                "WORKERS (stage 0 first)");
+    for (const auto& p : s.pipeline_status()) {
+      std::printf("%-8d %6d %9.4f %10.1f  %s\n", p.pipeline(), p.step(), p.loss(),
+                  p.samples_per_s(), absl::StrJoin(p.workers(), " -> ").c_str());
+    }
   }
   if (s.links_size() > 0) {
     std::printf("\n%-6s %-10s %-10s %-10s  %s\n", "LINK", "UPSTREAM", "DOWNSTREAM", "DIALER",

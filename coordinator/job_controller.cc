@@ -14,6 +14,7 @@
 #include "common/plan_util.h"
 #include "common/status_macros.h"
 #include "coordinator/link_assigner.h"
+#include "coordinator/pipeline_repair.h"
 #include "coordinator/plan_builder.h"
 #include "coordinator/stage_series.h"
 #include "coordinator/state_sources.h"
@@ -536,6 +537,12 @@ absl::Status JobController::ReportStep(const v1::StepReport& report) {
     return absl::FailedPreconditionError(why);
   }
   if (!committed.ok()) return committed.status();
+  if (PipelinesOf(*plan_) > 1) {
+    int index = 0;
+    if (const v1::StageAssignment* last = StageOf(*plan_, report.worker_id(), &index)) {
+      pipeline_claims_[WorkersOf(*last)[index].pipeline] = {report.step(), report.loss()};
+    }
+  }
   CommitStepsLocked(*committed);
   return absl::OkStatus();
 }
@@ -1074,6 +1081,15 @@ void JobController::MaybeVoluntaryReplanLocked() {
 void JobController::PublishReplanLocked(v1::Plan next, const std::string& summary) {
   replan_policy_.Switched(options_.clock->NowMs());
   next.set_epoch(plan_->epoch() + 1);
+  // The data drawn so far: the old plan's base and its R pipelines' share
+  // of every step since its start, so that a change of R draws no index
+  // twice (StageRuntime::SetDataShard).
+  const int64_t microbatches = std::max(1, options_.job.microbatches());
+  const int64_t old_base = plan_->has_data_base()
+                               ? static_cast<int64_t>(plan_->data_base())
+                               : int64_t{plan_->start_step()} * PipelinesOf(*plan_) * microbatches;
+  next.set_data_base(static_cast<uint64_t>(
+      old_base + int64_t{step_ - plan_->start_step()} * PipelinesOf(*plan_) * microbatches));
   next.set_start_step(step_);
   AddEventLocked("replanned", "",
                  absl::StrCat("epoch ", next.epoch(), ", resuming after step ", step_, "; ",
@@ -1082,11 +1098,61 @@ void JobController::PublishReplanLocked(v1::Plan next, const std::string& summar
   PersistLocked();
 }
 
+void JobController::RepairPipelinesLocked(std::set<std::string> live, const std::string& why) {
+  std::vector<StageWorker> standbys;
+  for (const WorkerRecord& w : StandbysLocked(*plan_)) {
+    if (demoted_.count(w.id) == 0) standbys.push_back({w.id, w.address});
+  }
+  PipelineRepair repair = RepairPipelines(*plan_, live, standbys,
+                                          [this](const std::string& id) { return NameOf(id); });
+  if (!repair.changed) return;
+  const std::string reason = why.empty() ? "" : absl::StrCat(", because ", why);
+  if (!repair.none_left) {
+    waiting_for_workers_ = false;
+    PublishReplanLocked(std::move(repair.plan), repair.summary + reason);
+    return;
+  }
+  // Every pipeline lost a stage: the live workers are partitioned anew.
+  RepartitionLocked(live, absl::StrCat(repair.summary, reason, "; "));
+}
+
+void JobController::RepartitionLocked(const std::set<std::string>& live,
+                                      const std::string& why) {
+  std::vector<WorkerRecord> usable;
+  for (const WorkerRecord& w : membership_.LiveWorkers()) {
+    if (live.count(w.id) > 0 && EligibleStandbyLocked(w)) usable.push_back(w);
+  }
+  if (usable.empty()) {
+    if (!waiting_for_workers_) {
+      AddEventLocked("waiting", "", "no live worker to re-plan on; waiting for one to join");
+    }
+    waiting_for_workers_ = true;
+    return;
+  }
+  std::string partition;
+  std::optional<v1::Plan> partitioned = PartitionLocked(usable, &partition);
+  if (!partitioned.has_value()) return;
+  waiting_for_workers_ = false;
+  PublishReplanLocked(*std::move(partitioned),
+                      absl::StrCat(why, "re-partitioned over ", usable.size(), " workers: ",
+                                   partition));
+}
+
 bool JobController::ReplaceLocked(const std::string& worker_id, const std::string& why,
                                   Replacement how) {
   int index = 0;
   const v1::StageAssignment* current = StageOf(*plan_, worker_id, &index);
   if (current == nullptr) return false;
+  if (PipelinesOf(*plan_) > 1 && how != Replacement::kSwapWithStandby) {
+    // Only the worker's own pipeline stops: a standby takes its place, or
+    // the pipeline goes.
+    std::set<std::string> keep;
+    for (const WorkerRecord& w : membership_.LiveWorkers()) {
+      if (w.id != worker_id) keep.insert(w.id);
+    }
+    RepairPipelinesLocked(std::move(keep), why);
+    return true;
+  }
   const int stage = current->stage();
   v1::Plan next = *plan_;
   v1::StageAssignment* s = next.mutable_stages(stage);
@@ -1230,6 +1296,10 @@ void JobController::MaybeReplanLocked() {
   const std::vector<WorkerRecord> live = membership_.LiveWorkers();
   std::set<std::string> live_ids;
   for (const WorkerRecord& w : live) live_ids.insert(w.id);
+  if (PipelinesOf(*plan_) > 1) {
+    RepairPipelinesLocked(live_ids);
+    return;
+  }
   v1::Plan next = *plan_;
   std::string summary;
   bool changed = false;
@@ -1277,24 +1347,7 @@ void JobController::MaybeReplanLocked() {
       }
     }
     if (spares.size() < orphaned.size()) {
-      std::vector<WorkerRecord> usable;
-      for (const WorkerRecord& w : live) {
-        if (EligibleStandbyLocked(w)) usable.push_back(w);
-      }
-      if (usable.empty()) {
-        if (!waiting_for_workers_) {
-          AddEventLocked("waiting", "", "no live worker to re-plan on; waiting for one to join");
-        }
-        waiting_for_workers_ = true;
-        return;
-      }
-      std::string partition;
-      std::optional<v1::Plan> partitioned = PartitionLocked(usable, &partition);
-      if (!partitioned.has_value()) return;
-      waiting_for_workers_ = false;
-      PublishReplanLocked(*std::move(partitioned),
-                          absl::StrCat("no standby; re-partitioned over ", usable.size(),
-                                       " workers: ", partition));
+      RepartitionLocked(live_ids, "no standby; ");
       return;
     }
     for (size_t i = 0; i < orphaned.size(); ++i) {
@@ -1437,14 +1490,39 @@ void JobController::PublishLocked(v1::Plan plan) {
   progress_in_epoch_ = false;
 }
 
+void JobController::AddPipelineStatusLocked(v1::ClusterStatus* status) const {
+  const int pipelines = PipelinesOf(*plan_);
+  for (int r = 0; r < pipelines; ++r) {
+    v1::PipelineStatus* p = status->add_pipeline_status();
+    p->set_pipeline(r);
+    std::string last;
+    for (const v1::StageAssignment& stage : plan_->stages()) {
+      for (const StageWorker& w : WorkersOf(stage, r)) {
+        p->add_workers(w.id);
+        last = w.id;
+      }
+    }
+    if (auto claim = pipeline_claims_.find(r); claim != pipeline_claims_.end()) {
+      p->set_step(claim->second.first);
+      p->set_loss(claim->second.second);
+    }
+    for (const v1::WorkerStatus& w : status->workers()) {
+      if (w.id() == last) {
+        p->set_samples_per_s(w.microbatches_per_s() * options_.job.microbatch_size());
+      }
+    }
+  }
+}
+
 void JobController::StartProgressEpochLocked() {
   if (!plan_.has_value() || plan_->job_done() || plan_->stages_size() == 0) return;
-  std::set<std::string> first, last;
-  for (const StageWorker& w : WorkersOf(plan_->stages(0))) first.insert(w.id);
+  std::map<std::string, int> first, last;  // worker -> pipeline
+  for (const StageWorker& w : WorkersOf(plan_->stages(0))) first[w.id] = w.pipeline;
   for (const StageWorker& w : WorkersOf(plan_->stages(plan_->stages_size() - 1))) {
-    last.insert(w.id);
+    last[w.id] = w.pipeline;
   }
   progress_.StartEpoch(plan_->epoch(), step_, std::move(first), std::move(last));
+  pipeline_claims_.clear();
 }
 
 ProgressHistory JobController::History() const {
@@ -1464,6 +1542,7 @@ v1::ClusterStatus JobController::Status() const {
   status.set_loss(loss_);
   status.set_samples(samples_);
   status.set_epoch(plan_.has_value() ? plan_->epoch() : 0);
+  if (plan_.has_value()) status.set_pipelines(PipelinesOf(*plan_));
   status.set_schedule(ScheduleName(options_.job.schedule()));
   if (plan_.has_value()) *status.mutable_prediction() = prediction_;
   for (v1::NetworkLink& link : network_.Status(now_ms)) *status.add_network() = std::move(link);
@@ -1530,6 +1609,7 @@ v1::ClusterStatus JobController::Status() const {
       out->set_layer_begin(s->layer_begin());
       out->set_layer_end(s->layer_end());
       out->set_replica(replica);
+      out->set_pipeline(WorkersOf(*s)[replica].pipeline);
     }
     if (done_workers_.count(w.id) > 0) {
       out->set_state(v1::WORKER_STATE_DONE);
@@ -1588,6 +1668,7 @@ v1::ClusterStatus JobController::Status() const {
   traffic->set_checkpoint_bytes_sent(state_bytes_sent_);
   traffic->set_layers_received(state_layers_received_);
   traffic->set_layers_sent(state_layers_sent_);
+  if (plan_.has_value() && PipelinesOf(*plan_) > 1) AddPipelineStatusLocked(&status);
   return status;
 }
 

@@ -182,6 +182,16 @@ class JobController {
   double ElapsedS() const;
   void MaybePlanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeReplanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Status: each pipeline's members, newest step and loss, and rate.
+  void AddPipelineStatusLocked(v1::ClusterStatus* status) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A plan of several pipelines where a worker outside `live` left: a
+  // standby takes its place or its pipeline is dissolved (pipeline_repair.h).
+  void RepairPipelinesLocked(std::set<std::string> live, const std::string& why = "")
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A new partition over the eligible workers of `live` (the event says
+  // `why` first), or waiting when there are none.
+  void RepartitionLocked(const std::set<std::string>& live, const std::string& why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // How ReplaceLocked treats the worker it replaces.
   enum class Replacement {
     // Out of the plan (a lost link, a demoted replica): a replica just
@@ -323,6 +333,8 @@ class JobController {
   std::map<std::string, EventBucket> event_buckets_ ABSL_GUARDED_BY(mu_);
   // (worker, epoch) already suspected for a jump in its step reports.
   std::set<std::pair<std::string, uint64_t>> suspected_claims_ ABSL_GUARDED_BY(mu_);
+  // With pipelines: each one's newest claimed step and its loss (this epoch).
+  std::map<int, std::pair<int, double>> pipeline_claims_ ABSL_GUARDED_BY(mu_);
   // Workers demoted as stragglers: standbys, but never made replicas again.
   std::set<std::string> demoted_ ABSL_GUARDED_BY(mu_);
   // Broken links and whom they take out (coordinator/link_fault_ledger.h).

@@ -15,6 +15,7 @@ void AssignLinks(const LinkAssignerInput& input, v1::Plan* plan) {
   for (int k = 0; k + 1 < plan->stages_size(); ++k) {
     for (const StageWorker& up : WorkersOf(plan->stages(k))) {
       for (const StageWorker& down : WorkersOf(plan->stages(k + 1))) {
+        if (down.pipeline != up.pipeline) continue;  // links stay in a pipeline
         v1::PlannedLink* link = plan->add_links();
         link->set_upstream_worker(up.id);
         link->set_downstream_worker(down.id);

@@ -1,6 +1,7 @@
 #include "coordinator/network_planner.h"
 
 #include <algorithm>
+#include <set>
 #include <cmath>
 #include <deque>
 #include <functional>
@@ -494,6 +495,7 @@ void Score(const CostModel& model, PipelinePlan* plan) {
   for (const PlannedStageInfo& s : plan->stages) {
     used[s.worker] = true;
     for (int r : s.replicas) used[r] = true;
+    for (int p : s.pipeline_workers) used[p] = true;
   }
   plan->spares.clear();
   for (int w = 0; w < model.workers(); ++w) {
@@ -721,17 +723,60 @@ class JoinOrderPlanner : public Planner {
       p.training_bytes = l.training_bytes;
       layers.push_back(p);
     }
-    std::vector<PlannerWorker> workers;
-    for (const PlannerWorkerInfo& w : input.workers) {
-      workers.push_back({w.id, w.gflops, w.memory_bytes});
+    const int n = static_cast<int>(input.workers.size());
+    const int num_layers = static_cast<int>(input.layers.size());
+    // Pipelines: P stages each (max_stages, else one per worker up to the
+    // layers), as many full ones as the workers fill.
+    const int stages = std::min(num_layers, input.max_stages > 0 ? input.max_stages : n);
+    int pipelines = 1;
+    if (input.max_pipelines != 1 && stages > 0) {
+      pipelines = std::max(1, n / stages);
+      if (input.max_pipelines > 0) pipelines = std::min(pipelines, input.max_pipelines);
     }
-    absl::StatusOr<std::vector<StageRange>> ranges = PlanStages(layers, workers, input.max_stages);
+    // The fastest R x P workers in join order; pipeline r is the r-th run
+    // of P of them.
+    std::vector<int> chosen(n);
+    std::iota(chosen.begin(), chosen.end(), 0);
+    std::stable_sort(chosen.begin(), chosen.end(), [&](int a, int b) {
+      return input.workers[a].gflops > input.workers[b].gflops;
+    });
+    if (pipelines > 1) {
+      chosen.resize(static_cast<size_t>(pipelines) * stages);
+      std::sort(chosen.begin(), chosen.end());
+    }
+    // One cut for every pipeline: position k's speed and memory are the
+    // least of the pipelines' workers there.
+    std::vector<PlannerWorker> workers;
+    if (pipelines > 1) {
+      for (int k = 0; k < stages; ++k) {
+        PlannerWorker position{std::to_string(k), 1e300, UINT64_MAX};
+        for (int r = 0; r < pipelines; ++r) {
+          const PlannerWorkerInfo& w = input.workers[chosen[r * stages + k]];
+          position.gflops = std::min(position.gflops, w.gflops);
+          position.memory_bytes = std::min(position.memory_bytes, w.memory_bytes);
+        }
+        workers.push_back(position);
+      }
+    } else {
+      for (const PlannerWorkerInfo& w : input.workers) {
+        workers.push_back({w.id, w.gflops, w.memory_bytes});
+      }
+    }
+    absl::StatusOr<std::vector<StageRange>> ranges =
+        PlanStages(layers, workers, pipelines > 1 ? stages : input.max_stages);
     if (!ranges.ok()) return ranges.status();
     PipelinePlan plan;
-    for (const StageRange& r : *ranges) {
+    plan.pipelines = pipelines;
+    for (size_t k = 0; k < ranges->size(); ++k) {
+      const StageRange& r = (*ranges)[k];
       PlannedStageInfo s;
-      for (size_t w = 0; w < input.workers.size(); ++w) {
-        if (input.workers[w].id == r.worker_id) s.worker = static_cast<int>(w);
+      if (pipelines > 1) {
+        s.worker = chosen[k];
+        for (int p = 1; p < pipelines; ++p) s.pipeline_workers.push_back(chosen[p * stages + k]);
+      } else {
+        for (size_t w = 0; w < input.workers.size(); ++w) {
+          if (input.workers[w].id == r.worker_id) s.worker = static_cast<int>(w);
+        }
       }
       s.layer_begin = r.layer_begin;
       s.layer_end = r.layer_end;
@@ -741,8 +786,29 @@ class JoinOrderPlanner : public Planner {
     for (PlannedLinkInfo& link : plan.links) link.codec_index = 0;
     CostModel model(input);
     Score(model, &plan);
+    if (pipelines > 1) {
+      // The pipelines run side by side (pipeline 0's figures stand for
+      // each), and every outer_inner_steps steps each stage's replicas send
+      // their pseudo-gradients (an all-gather: R - 1 sends of the stage's
+      // weights each, at outer_ratio), over the stage's slowest link.
+      double outer_s = 0;
+      for (const PlannedStageInfo& s : plan.stages) {
+        double bytes = 0;
+        for (int l = s.layer_begin; l < s.layer_end; ++l) bytes += input.layers[l].parameter_bytes;
+        double rate = 1e300;
+        for (int p : s.pipeline_workers) rate = std::min(rate, model.Rate(s.worker, p));
+        outer_s = std::max(outer_s, bytes * input.outer_ratio * (pipelines - 1) * 8 / rate);
+      }
+      const double samples_per_round = static_cast<double>(input.outer_inner_steps) *
+                                       input.microbatches * input.microbatch_size * pipelines;
+      plan.time_per_sample_s = plan.time_per_sample_s / pipelines + outer_s / samples_per_round;
+      plan.predicted_s_per_sample =
+          plan.predicted_s_per_sample / pipelines + outer_s / samples_per_round;
+    }
     plan.planner = name();
-    Explain(model, &plan, "join order, cuts by compute");
+    Explain(model, &plan, pipelines > 1 ? absl::StrCat("join order, ", pipelines,
+                                                       " pipelines, cuts by compute")
+                                        : std::string("join order, cuts by compute"));
     return plan;
   }
 };

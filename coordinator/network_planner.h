@@ -96,6 +96,13 @@ struct PlannerInput {
   int max_replicas = 1;
   int replica_sync_every = 5;
   double replica_ratio = 0.5;
+  // Pipelines (job.outer): at most this many full pipelines; 1: one, 0: as
+  // many as the workers fill. The outer step sends each stage's
+  // pseudo-gradients at outer_ratio wire bytes per weight byte every
+  // outer_inner_steps steps.
+  int max_pipelines = 1;
+  int outer_inner_steps = 50;
+  double outer_ratio = 0.25;
 
   LinkEstimate Link(int from, int to) const;
 };
@@ -107,6 +114,9 @@ struct PlannedStageInfo {
   // Middle stages: more workers running the same layers (indices into
   // PlannerInput::workers).
   std::vector<int> replicas;
+  // With pipelines: the stage's worker in pipeline 1, 2, ... (`worker` is
+  // pipeline 0's).
+  std::vector<int> pipeline_workers;
   // Per microbatch, codec work and (with replicas) the stage's combined
   // pace and its share of weight averaging included.
   double compute_s = 0;
@@ -122,6 +132,8 @@ struct PlannedLinkInfo {
 };
 
 struct PipelinePlan {
+  // R full pipelines of these stages (PlannedStageInfo::pipeline_workers).
+  int pipelines = 1;
   std::vector<PlannedStageInfo> stages;
   std::vector<PlannedLinkInfo> links;  // stages.size() - 1
   std::vector<int> spares;             // workers outside the pipeline

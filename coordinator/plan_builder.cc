@@ -106,6 +106,11 @@ PlannerInput PlannerInputFor(const v1::JobSpec& job, const std::vector<WorkerRec
   in.max_replicas = std::max(1, job.replicas());
   in.replica_sync_every = std::max(1, job.replica_sync_every());
   in.replica_ratio = CostOf(job.replica_codec()).ratio;
+  if (job.has_outer()) {
+    in.max_pipelines = job.outer().max_pipelines();  // 0: as many as fit
+    in.outer_inner_steps = std::max(1, job.outer().inner_steps());
+    in.outer_ratio = CostOf(job.outer().codec()).ratio;
+  }
   return in;
 }
 
@@ -154,6 +159,7 @@ v1::Plan PlanProtoFor(const PipelinePlan& plan, const PlannerInput& input,
   // today's defaults (the job's W and codecs).
   const bool chosen = plan.planner == "network";
   if (chosen) proto.set_in_flight(plan.in_flight);
+  if (plan.pipelines > 1) proto.set_pipelines(plan.pipelines);
   for (size_t k = 0; k < plan.stages.size(); ++k) {
     const PlannedStageInfo& s = plan.stages[k];
     v1::StageAssignment* stage = proto.add_stages();
@@ -166,6 +172,12 @@ v1::Plan PlanProtoFor(const PipelinePlan& plan, const PlannerInput& input,
       v1::Replica* replica = stage->add_replicas();
       replica->set_worker_id(workers[r].id);
       replica->set_address(workers[r].address);
+    }
+    for (size_t p = 0; p < s.pipeline_workers.size(); ++p) {
+      v1::Replica* replica = stage->add_replicas();
+      replica->set_worker_id(workers[s.pipeline_workers[p]].id);
+      replica->set_address(workers[s.pipeline_workers[p]].address);
+      replica->set_pipeline(static_cast<int>(p) + 1);
     }
     if (chosen && k < plan.links.size()) {
       const int c = plan.links[k].codec_index;
@@ -265,6 +277,11 @@ std::string SummaryOf(const PipelinePlan& plan, const std::vector<WorkerRecord>&
       const WorkerRecord& replica = workers[r];
       absl::StrAppend(&summary, " + ", replica.name.empty() ? replica.id : replica.name,
                       " (replica)");
+    }
+    for (size_t p = 0; p < s.pipeline_workers.size(); ++p) {
+      const WorkerRecord& other = workers[s.pipeline_workers[p]];
+      absl::StrAppend(&summary, " + ", other.name.empty() ? other.id : other.name,
+                      " (pipeline ", p + 1, ")");
     }
   }
   return summary;

@@ -7,28 +7,40 @@
 namespace geotrain {
 
 void ProgressGate::StartEpoch(uint64_t epoch, int committed_step,
-                              std::set<std::string> first_stage,
-                              std::set<std::string> last_stage) {
+                              std::map<std::string, int> first_stage,
+                              std::map<std::string, int> last_stage) {
   absl::MutexLock lock(&mu_);
   epoch_ = epoch;
   committed_ = std::max(committed_, committed_step);
-  first_stage_step_ = committed_;
-  single_worker_ = std::any_of(first_stage.begin(), first_stage.end(),
-                               [&](const std::string& id) { return last_stage.count(id) > 0; });
+  int count = 1;
+  for (const auto& [id, pipeline] : first_stage) count = std::max(count, pipeline + 1);
+  for (const auto& [id, pipeline] : last_stage) count = std::max(count, pipeline + 1);
+  pipelines_.assign(count, Pipeline());
+  for (Pipeline& p : pipelines_) {
+    p.first_stage_step = committed_;
+    p.ready_step = committed_;
+  }
+  for (const auto& [id, pipeline] : first_stage) {
+    auto last = last_stage.find(id);
+    if (last != last_stage.end() && last->second == pipeline) {
+      pipelines_[pipeline].single_worker = true;
+    }
+  }
   first_stage_ = std::move(first_stage);
   last_stage_ = std::move(last_stage);
-  held_.clear();
 }
 
 absl::StatusOr<std::vector<ProgressGate::Step>> ProgressGate::Claim(const std::string& worker_id,
                                                                     uint64_t epoch,
                                                                     const Step& step) {
   absl::MutexLock lock(&mu_);
-  if (epoch != epoch_ || last_stage_.count(worker_id) == 0) {
+  auto last = last_stage_.find(worker_id);
+  if (epoch != epoch_ || last == last_stage_.end()) {
     return absl::FailedPreconditionError(
         absl::StrCat("step ", step.step, " claimed outside the last stage of epoch ", epoch_));
   }
-  if (step.step <= committed_ || held_.count(step.step) > 0) {
+  Pipeline& p = pipelines_[last->second];
+  if (step.step <= std::max(committed_, p.ready_step) || p.held.count(step.step) > 0) {
     return absl::FailedPreconditionError(
         absl::StrCat("step ", step.step, " already reported (at ", committed_, ")"));
   }
@@ -36,36 +48,68 @@ absl::StatusOr<std::vector<ProgressGate::Step>> ProgressGate::Claim(const std::s
     return absl::OutOfRangeError(absl::StrCat("step ", step.step, " of a job of ",
                                               options_.total_steps));
   }
-  if (!single_worker_) {
-    const int base = std::max(committed_, first_stage_step_);
+  if (!p.single_worker) {
+    const int base = std::max(committed_, p.first_stage_step);
     if (step.step > base + options_.max_lead_steps) {
       return absl::OutOfRangeError(absl::StrCat(
-          "step ", step.step, " claimed while stage 0 has finished step ", first_stage_step_,
+          "step ", step.step, " claimed while stage 0 has finished step ", p.first_stage_step,
           " (at most ", options_.max_lead_steps, " steps ahead)"));
     }
   }
-  held_[step.step] = step;
-  if (single_worker_) first_stage_step_ = std::max(first_stage_step_, step.step);
+  p.held[step.step] = step;
+  if (p.single_worker) p.first_stage_step = std::max(p.first_stage_step, step.step);
   return CommitLocked();
 }
 
 std::vector<ProgressGate::Step> ProgressGate::FirstStageFinished(const std::string& worker_id,
                                                                  uint64_t epoch, int step) {
   absl::MutexLock lock(&mu_);
-  if (epoch != epoch_ || first_stage_.count(worker_id) == 0 || single_worker_) return {};
-  first_stage_step_ = std::max(first_stage_step_, std::min(step, options_.total_steps));
+  auto first = first_stage_.find(worker_id);
+  if (epoch != epoch_ || first == first_stage_.end()) return {};
+  Pipeline& p = pipelines_[first->second];
+  if (p.single_worker) return {};
+  p.first_stage_step = std::max(p.first_stage_step, std::min(step, options_.total_steps));
   return CommitLocked();
 }
 
 std::vector<ProgressGate::Step> ProgressGate::CommitLocked() {
+  if (pipelines_.empty()) return {};
+  // In each pipeline a claim is corroborated once its stage 0 has finished
+  // the step. Steps whose claims never came (a report lost on the way) are
+  // passed over: the step after them was computed after them.
+  int reached = options_.total_steps;
+  for (Pipeline& p : pipelines_) {
+    while (!p.held.empty() && p.held.begin()->first <= p.first_stage_step) {
+      p.ready_step = p.held.begin()->first;
+      p.ready.insert(p.held.extract(p.held.begin()));
+    }
+    reached = std::min(reached, p.ready_step);
+  }
+  // A step of the job commits once every pipeline has finished it.
   std::vector<Step> committed;
-  // A claim commits once stage 0 has finished its step. Steps whose claims
-  // never came (a report lost on the way) are passed over: the step after
-  // them was computed after them.
-  while (!held_.empty() && held_.begin()->first <= first_stage_step_) {
-    committed.push_back(held_.begin()->second);
-    committed_ = held_.begin()->first;
-    held_.erase(held_.begin());
+  for (int step = committed_ + 1; step <= reached; ++step) {
+    Step total{step, 0, 0};
+    int claims = 0;
+    double loss_sum = 0;
+    for (Pipeline& p : pipelines_) {
+      auto it = p.ready.find(step);
+      if (it == p.ready.end()) continue;
+      ++claims;
+      total.samples += it->second.samples;
+      loss_sum += it->second.loss * static_cast<double>(std::max<int64_t>(it->second.samples, 1));
+    }
+    if (claims == 0) continue;
+    int64_t weight = 0;
+    for (Pipeline& p : pipelines_) {
+      auto it = p.ready.find(step);
+      if (it != p.ready.end()) weight += std::max<int64_t>(it->second.samples, 1);
+    }
+    total.loss = loss_sum / static_cast<double>(weight);
+    committed.push_back(total);
+  }
+  if (reached > committed_) {
+    committed_ = reached;
+    for (Pipeline& p : pipelines_) p.ready.erase(p.ready.begin(), p.ready.upper_bound(reached));
   }
   return committed;
 }
@@ -77,12 +121,38 @@ int ProgressGate::committed_step() const {
 
 int ProgressGate::claimed_step() const {
   absl::MutexLock lock(&mu_);
-  return held_.empty() ? committed_ : held_.rbegin()->first;
+  int claimed = committed_;
+  for (const Pipeline& p : pipelines_) {
+    if (!p.held.empty()) claimed = std::max(claimed, p.held.rbegin()->first);
+    claimed = std::max(claimed, p.ready_step);
+  }
+  return claimed;
+}
+
+int ProgressGate::SlowestLocked() const {
+  int slowest = 0;
+  for (size_t r = 1; r < pipelines_.size(); ++r) {
+    if (pipelines_[r].first_stage_step < pipelines_[slowest].first_stage_step) {
+      slowest = static_cast<int>(r);
+    }
+  }
+  return slowest;
+}
+
+int ProgressGate::slowest_pipeline() const {
+  absl::MutexLock lock(&mu_);
+  return SlowestLocked();
 }
 
 int ProgressGate::first_stage_step() const {
   absl::MutexLock lock(&mu_);
-  return first_stage_step_;
+  return pipelines_.empty() ? committed_ : pipelines_[SlowestLocked()].first_stage_step;
+}
+
+int ProgressGate::first_stage_step(int pipeline) const {
+  absl::MutexLock lock(&mu_);
+  if (pipeline < 0 || pipeline >= static_cast<int>(pipelines_.size())) return committed_;
+  return pipelines_[pipeline].first_stage_step;
 }
 
 }  // namespace geotrain

@@ -9,6 +9,12 @@
 // commits nothing. Where one worker holds both ends (a single-stage
 // pipeline) its claims commit at once: nobody else computed anything.
 //
+// With R pipelines (Plan.pipelines) each has its own last stage and stage
+// 0, and each pipeline's claims are corroborated by its own stage 0. A
+// step of the job is a global batch: it commits once every pipeline has
+// finished it, with the samples of all of them and their samples-weighted
+// mean loss.
+//
 // A claim more than `max_lead_steps` past what stage 0 has finished is not
 // held but refused as a jump (a worker that says it is far ahead of the
 // pipeline it is part of is lying or broken); so is a claim that repeats
@@ -49,10 +55,11 @@ class ProgressGate {
     int64_t samples = 0;
   };
 
-  // A new plan: its epoch, the workers of its first and last stages, and
-  // the committed step it resumes after. Held claims are dropped.
-  void StartEpoch(uint64_t epoch, int committed_step, std::set<std::string> first_stage,
-                  std::set<std::string> last_stage);
+  // A new plan: its epoch, the workers of its first and last stages (each
+  // with its pipeline, 0 to R-1), and the committed step it resumes after.
+  // Held claims are dropped.
+  void StartEpoch(uint64_t epoch, int committed_step, std::map<std::string, int> first_stage,
+                  std::map<std::string, int> last_stage);
 
   // A step report from a worker of the last stage (the caller checked that
   // and the report's epoch and figures). Returns the steps committed now,
@@ -71,21 +78,31 @@ class ProgressGate {
   // The newest step claimed (held or committed): what a checkpoint may be
   // of at most.
   int claimed_step() const;
-  // The newest step stage 0 has finished in this epoch.
+  // The newest step stage 0 has finished in this epoch: of the pipeline
+  // that is furthest behind, or of pipeline `pipeline`.
   int first_stage_step() const;
+  int first_stage_step(int pipeline) const;
+  // The pipeline furthest behind (the one holding the job's step back).
+  int slowest_pipeline() const;
 
  private:
+  struct Pipeline {
+    int first_stage_step = 0;
+    bool single_worker = false;  // one worker holds both ends
+    std::map<int, Step> held;    // claims stage 0 has not corroborated yet
+    std::map<int, Step> ready;   // corroborated, waiting for the others
+    int ready_step = 0;          // newest corroborated step
+  };
   std::vector<Step> CommitLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int SlowestLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const ProgressGateOptions options_;
   mutable absl::Mutex mu_;
   uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
   int committed_ ABSL_GUARDED_BY(mu_) = 0;
-  int first_stage_step_ ABSL_GUARDED_BY(mu_) = 0;
-  bool single_worker_ ABSL_GUARDED_BY(mu_) = false;
-  std::set<std::string> first_stage_ ABSL_GUARDED_BY(mu_);
-  std::set<std::string> last_stage_ ABSL_GUARDED_BY(mu_);
-  std::map<int, Step> held_ ABSL_GUARDED_BY(mu_);  // claims past committed_
+  std::map<std::string, int> first_stage_ ABSL_GUARDED_BY(mu_);  // worker -> pipeline
+  std::map<std::string, int> last_stage_ ABSL_GUARDED_BY(mu_);
+  std::vector<Pipeline> pipelines_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace geotrain

@@ -3,7 +3,8 @@
 # the fuzz targets (tests/fuzz/run.sh, with clang); then
 # builds the same code a second time against PyPI's CUDA LibTorch (the torch
 # wheel, with the CUDA codec kernels where nvcc is installed) and runs every
-# unit test that links LibTorch there too, plus the GPU check in its CPU mode,
+# unit test that links LibTorch there too, plus the GPU check in its CPU mode
+# and the outer optimizer against PyTorch (test_outer_step_reference.py),
 # then loads a model the wheel tree exported with transformers, and
 # fine-tunes a model transformers made (init_from) and exports it back.
 # Usage: ./tests/run.sh [extra ctest args for the first tree, e.g. -L unit]
@@ -54,6 +55,10 @@ export GEOTRAIN_COORDINATOR_BIN_DIR="$(cd "$BUILD_DIR/bin" && pwd)"
 phase "testing $WHEEL_BUILD_DIR"
 (cd "$WHEEL_BUILD_DIR" && ctest --output-on-failure -j2 -L torch)
 GEOTRAIN_GPU_BUILD_DIR="$WHEEL_BUILD_DIR" ./tests/gpu/run.sh --device=cpu
+# The outer optimizer against PyTorch (the wheel's torch on both sides).
+phase "the outer step against PyTorch"
+GEOTRAIN_SOURCE_DIR="$PWD" GEOTRAIN_BIN_DIR="$WHEEL_BUILD_DIR/bin" \
+  "$WHEEL_BUILD_DIR/torch-venv/bin/python" -u tests/worker/test_outer_step_reference.py
 # Hugging Face interop: transformers (PyPI) loads what --export_dir wrote.
 phase "Hugging Face interop with transformers"
 "$WHEEL_BUILD_DIR/torch-venv/bin/pip" install -q "transformers==5.24.0"

@@ -17,20 +17,41 @@ absl::StatusOr<ServedPlan> ServedPlan::For(const v1::Plan& plan, const v1::JobSp
   served.plan_ = plan;
   served.self_id_ = worker_id;
   served.stage_ = mine->stage();
-  served.replica_index_ = index;
+  served.primary_ = index == 0;
+  served.pipeline_ = WorkersOf(*mine)[index].pipeline;
+  if (served.pipeline_ < 0 || served.pipeline_ >= PipelinesOf(plan)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the plan of epoch ", plan.epoch(), " puts '", worker_id, "' in pipeline ",
+        served.pipeline_, " of ", PipelinesOf(plan)));
+  }
   if (served.stage_ < 0 || served.stage_ >= plan.stages_size() ||
       plan.stages(served.stage_).stage() != served.stage_) {
     return absl::InvalidArgumentError(
         absl::StrCat("the plan of epoch ", plan.epoch(), " lists stage ", served.stage_,
                      " out of order"));
   }
-  // The default window is one microbatch in flight per worker, replicas
-  // included (each stage derives the same figure from the same plan).
-  served.schedule_ = ConfigureSchedule(job, WorkersInPlan(plan), plan.in_flight());
   const int stage = served.stage_;
-  if (stage > 0) served.upstream_ = WorkersOf(plan.stages(stage - 1));
-  if (stage + 1 < plan.stages_size()) served.downstream_ = WorkersOf(plan.stages(stage + 1));
-  served.stage_workers_ = WorkersOf(*mine);
+  const int pipeline = served.pipeline_;
+  if (stage > 0) served.upstream_ = WorkersOf(plan.stages(stage - 1), pipeline);
+  if (stage + 1 < plan.stages_size()) {
+    served.downstream_ = WorkersOf(plan.stages(stage + 1), pipeline);
+  }
+  served.stage_workers_ = WorkersOf(*mine, pipeline);
+  for (const StageWorker& w : WorkersOf(*mine)) {
+    if (w.pipeline != pipeline) served.outer_peers_.push_back(w);
+  }
+  for (size_t i = 0; i < served.stage_workers_.size(); ++i) {
+    if (served.stage_workers_[i].id == worker_id) served.replica_index_ = static_cast<int>(i);
+  }
+  // The default window is one microbatch in flight per worker of the
+  // pipeline, routed replicas included (each of its stages derives the same
+  // figure from the same plan).
+  int pipeline_workers = 0;
+  for (const v1::StageAssignment& s : plan.stages()) {
+    pipeline_workers += static_cast<int>(WorkersOf(s, pipeline).size());
+  }
+  served.schedule_ = ConfigureSchedule(job, pipeline_workers, plan.in_flight());
+  served.schedule_microbatches_ = job.microbatches();
   served.activation_codec_ = stage + 1 < plan.stages_size()
                                  ? CapToLadder(mine->link_codec(), job.activation_codec())
                                  : job.activation_codec();
@@ -38,6 +59,12 @@ absl::StatusOr<ServedPlan> ServedPlan::For(const v1::Plan& plan, const v1::JobSp
       stage > 0 ? CapToLadder(plan.stages(stage - 1).link_codec(), job.gradient_codec())
                 : job.gradient_codec();
   return served;
+}
+
+int64_t ServedPlan::data_base() const {
+  return plan_.has_data_base()
+             ? static_cast<int64_t>(plan_.data_base())
+             : static_cast<int64_t>(plan_.start_step()) * pipelines() * schedule_microbatches_;
 }
 
 StagePlacement ServedPlan::placement() const {

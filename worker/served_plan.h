@@ -38,15 +38,25 @@ class ServedPlan {
   // The window and update rule every stage of the plan derives alike.
   const ScheduleConfig& schedule() const { return schedule_; }
 
-  // The workers of the stage before, of the stage after and of this one
-  // (the primary first), as the plan lists them.
+  // R, and the pipeline this worker serves its stage in.
+  int pipelines() const { return PipelinesOf(plan_); }
+  int pipeline() const { return pipeline_; }
+  // The workers of this pipeline on the stage before, the stage after and
+  // this one (the stage's workers routed to within the pipeline, its
+  // first listed first), as the plan lists them.
   const std::vector<StageWorker>& upstream() const { return upstream_; }
   const std::vector<StageWorker>& downstream() const { return downstream_; }
   const std::vector<StageWorker>& stage_workers() const { return stage_workers_; }
-  // This worker's place among its stage's workers (0: the primary).
+  // This stage's workers in the other pipelines: the outer step's peers.
+  const std::vector<StageWorker>& outer_peers() const { return outer_peers_; }
+  // This worker's place among its pipeline's workers of the stage.
   int replica_index() const { return replica_index_; }
-  bool primary() const { return replica_index_ == 0; }
+  // The stage's primary: it uploads the stage's checkpoints.
+  bool primary() const { return primary_; }
+  // Routed replicas within the pipeline (gossip averaging).
   bool replicated() const { return stage_workers_.size() > 1; }
+  // The data index of start_step's first microbatch (Plan.data_base).
+  int64_t data_base() const;
 
   // The plan's link between two workers; null when it lists none (an older
   // coordinator: the upstream end dials).
@@ -73,9 +83,12 @@ class ServedPlan {
   v1::Plan plan_;
   std::string self_id_;
   int stage_ = 0;
+  int pipeline_ = 0;
   int replica_index_ = 0;
+  bool primary_ = true;
   ScheduleConfig schedule_;
-  std::vector<StageWorker> upstream_, downstream_, stage_workers_;
+  int64_t schedule_microbatches_ = 1;  // job.microbatches
+  std::vector<StageWorker> upstream_, downstream_, stage_workers_, outer_peers_;
   v1::Codec activation_codec_ = v1::CODEC_UNSPECIFIED;
   v1::Codec gradient_codec_ = v1::CODEC_UNSPECIFIED;
 };

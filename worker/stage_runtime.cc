@@ -41,6 +41,9 @@ struct StageRuntime::Impl {
   std::unique_ptr<ErrorFeedbackEncoder> outer_encoder;
   std::vector<torch::Tensor> outer_sent_from;
   std::unique_ptr<Dataset> dataset;  // stage 0 only
+  // SetDataShard's figures.
+  int shard_pipelines = 1, shard_pipeline = 0, shard_start_step = 0;
+  int64_t shard_base = 0;
   // Flags of tensors decoded on the GPU, read after the next
   // synchronisation (the outgoing message's copy to the host, the loss).
   DeferredDeviceChecks device_checks;
@@ -306,11 +309,29 @@ absl::StatusOr<LinkMessage> StageRuntime::LoadTrainMicrobatch(int step, int inde
       step, static_cast<int64_t>(step) * impl_->job.microbatches() + index);
 }
 
+void StageRuntime::SetDataShard(int pipelines, int pipeline, int start_step, int64_t base) {
+  impl_->shard_pipelines = std::max(1, pipelines);
+  impl_->shard_pipeline = pipeline;
+  impl_->shard_start_step = start_step;
+  impl_->shard_base = base;
+}
+
+int64_t StageRuntime::DataIndexOf(int64_t microbatch) const {
+  const Impl& s = *impl_;
+  const int64_t m = s.job.microbatches();
+  return s.shard_base + (microbatch / m - s.shard_start_step) * s.shard_pipelines * m +
+         (microbatch % m) * s.shard_pipelines + s.shard_pipeline;
+}
+
 absl::StatusOr<LinkMessage> StageRuntime::LoadTrainMicrobatchById(int step, int64_t microbatch) {
   if (!impl_->dataset) return absl::FailedPreconditionError("not stage 0");
-  if (microbatch < 0) return absl::InvalidArgumentError("a negative microbatch id");
+  const int64_t index = DataIndexOf(microbatch);
+  if (microbatch < 0 || microbatch / impl_->job.microbatches() < impl_->shard_start_step) {
+    return absl::InvalidArgumentError(absl::StrCat("microbatch ", microbatch,
+                                                   " is before this pipeline's data"));
+  }
   return GuardTorch("loading data", [&]() -> absl::StatusOr<LinkMessage> {
-    return impl_->FromBatch(impl_->dataset->TrainMicrobatch(microbatch),
+    return impl_->FromBatch(impl_->dataset->TrainMicrobatch(index),
                             v1::MESSAGE_KIND_ACTIVATION, step, static_cast<uint64_t>(microbatch));
   });
 }

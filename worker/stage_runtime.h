@@ -80,10 +80,19 @@ class StageRuntime {
   // Stage 0 only: microbatch `index` of step `step` (training), or held-out
   // microbatch `index`, as an input message of tensors [inputs, targets].
   absl::StatusOr<LinkMessage> LoadTrainMicrobatch(int step, int index);
-  // Training microbatch `microbatch` (its id: its data is a function of
-  // (seed, id) alone), labelled with `step`. LoadTrainMicrobatch(step, i)
-  // is microbatch step * job.microbatches + i.
+  // Training microbatch `microbatch` of this pipeline, labelled with `step`
+  // and that id; its data is the dataset's index DataIndexOf(microbatch),
+  // a function of (seed, index) alone. LoadTrainMicrobatch(step, i) is
+  // microbatch step * job.microbatches + i.
   absl::StatusOr<LinkMessage> LoadTrainMicrobatchById(int step, int64_t microbatch);
+  // Pipeline `pipeline` of `pipelines` from step `start_step`, whose first
+  // microbatch is data index `base`: microbatch id l (of step s = l / M,
+  // M = job.microbatches) is index base + (s - start_step) * R * M +
+  // (l % M) * R + pipeline, so the pipelines draw disjoint indices and
+  // together every one. The default (one pipeline from step 0, base 0) is
+  // the identity.
+  void SetDataShard(int pipelines, int pipeline, int start_step, int64_t base);
+  int64_t DataIndexOf(int64_t microbatch) const;
   absl::StatusOr<LinkMessage> LoadEvalMicrobatch(int index);
   int num_eval_microbatches() const;
 

@@ -198,6 +198,9 @@ absl::Status TrainingSession::Run(StageRuntime* runtime, bool stale_weights) {
   // codecs: every stage of a plan derives the same window from it, and a
   // stage that kept an older one would break the others' bound.
   runtime->SetMaxWeightVersions(plan_.schedule().max_weight_versions);
+  // Pipeline r of R draws its own share of each global step's data.
+  runtime->SetDataShard(plan_.pipelines(), plan_.pipeline(), plan_.start_step(),
+                        plan_.data_base());
   runtime->SetActivationCodec(plan_.activation_codec());
   runtime->SetGradientCodec(plan_.gradient_codec());
   std::set<std::string> upstream_ids;

@@ -16,6 +16,7 @@
 #include "absl/time/clock.h"
 #include "common/job_spec.h"
 #include "common/model_profile.h"
+#include "common/plan_util.h"
 #include "common/rpc_options.h"
 
 namespace geotrain {
@@ -755,6 +756,57 @@ TEST_F(ReplicaPlanTest, ExtraWorkersReplicateTheMiddleStage) {
   EXPECT_EQ(with_e.stages(2).replicas_size(), 0);
   Join("f");
   EXPECT_EQ(Plan().epoch(), 2u);
+}
+
+// Pipelines (job.outer): 4 workers, 2 stages each, become 2 pipelines; a
+// lost worker stops only its own pipeline.
+class PipelinesPlanTest : public ReplanTest {
+ protected:
+  void SetUp() override {
+    Start("gpt { context: 8 d_model: 16 heads: 2 blocks: 2 } text {} steps: 3 "
+          "schedule: SCHEDULE_ASYNC_STASH min_workers: 4 max_stages: 2 lease_ms: 1000 "
+          "microbatches: 2 outer { inner_steps: 5 }");
+  }
+};
+
+TEST_F(PipelinesPlanTest, FullPipelinesAndALostWorkerDissolvesOnlyItsOwn) {
+  std::vector<std::string> ids;
+  for (const char* name : {"a", "b", "c", "d"}) ids.push_back(Join(name).worker_id());
+  const v1::Plan plan = Plan();
+  ASSERT_EQ(plan.pipelines(), 2);
+  ASSERT_EQ(plan.stages_size(), 2);
+  // Join order: pipeline 0 is a -> b, pipeline 1 is c -> d.
+  EXPECT_EQ(WorkersOf(plan.stages(0), 0)[0].id, ids[0]);
+  EXPECT_EQ(WorkersOf(plan.stages(1), 0)[0].id, ids[1]);
+  EXPECT_EQ(WorkersOf(plan.stages(0), 1)[0].id, ids[2]);
+  EXPECT_EQ(WorkersOf(plan.stages(1), 1)[0].id, ids[3]);
+  EXPECT_EQ(plan.links_size(), 2);  // a->b, c->d
+  v1::ClusterStatus status = controller_->Status();
+  EXPECT_EQ(status.pipelines(), 2);
+  ASSERT_EQ(status.pipeline_status_size(), 2);
+  EXPECT_EQ(status.pipeline_status(1).workers_size(), 2);
+  for (const v1::WorkerStatus& w : status.workers()) {
+    EXPECT_EQ(w.pipeline(), w.id() == ids[2] || w.id() == ids[3] ? 1 : 0) << w.name();
+  }
+  // d (pipeline 1's last stage) falls silent; no standby: pipeline 1 goes,
+  // pipeline 0 keeps its workers and places.
+  for (int t = 0; t < 15; ++t) {
+    clock_.AdvanceMs(100);
+    for (const std::string& id : ids) {
+      if (id != ids[3]) Heartbeat(id, 0);
+    }
+    controller_->Tick();
+  }
+  const v1::Plan after = Plan();
+  EXPECT_EQ(after.epoch(), 2u);
+  EXPECT_LE(after.pipelines(), 1);
+  EXPECT_EQ(after.stages(0).worker_id(), ids[0]);
+  EXPECT_EQ(after.stages(1).worker_id(), ids[1]);
+  EXPECT_EQ(WorkersInPlan(after), 2);
+  EXPECT_TRUE(after.has_data_base());  // where the next plan's data begins
+  EXPECT_TRUE(HasEvent("replanned"));
+  // A newcomer stands by, and c is a standby again.
+  EXPECT_EQ(StageOf(after, ids[2]), nullptr);
 }
 
 TEST_F(ReplicaPlanTest, ALostReplicaLeavesItsStageToTheOther) {

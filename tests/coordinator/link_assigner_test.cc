@@ -39,6 +39,25 @@ TEST(LinkAssignerTest, TheReachableEndIsDialed) {
   EXPECT_EQ(plan.links(3).dialer(), v1::LINK_DIALER_UPSTREAM);
 }
 
+TEST(LinkAssignerTest, PipelinesAreLinkedOnlyWithinThemselves) {
+  v1::Plan plan;
+  plan.set_pipelines(2);
+  for (const char* id : {"a", "b"}) {
+    v1::StageAssignment* stage = plan.add_stages();
+    stage->set_stage(plan.stages_size() - 1);
+    stage->set_worker_id(id);
+    v1::Replica* other = stage->add_replicas();
+    other->set_worker_id(std::string(id) + "1");
+    other->set_pipeline(1);
+  }
+  AssignLinks(Reachable({}), &plan);
+  ASSERT_EQ(plan.links_size(), 2);  // a->b and a1->b1, not a->b1 or a1->b
+  EXPECT_EQ(plan.links(0).upstream_worker(), "a");
+  EXPECT_EQ(plan.links(0).downstream_worker(), "b");
+  EXPECT_EQ(plan.links(1).upstream_worker(), "a1");
+  EXPECT_EQ(plan.links(1).downstream_worker(), "b1");
+}
+
 TEST(LinkAssignerTest, TwoUnreachableEndsMeetAtTheLeastLoadedRelay) {
   v1::Plan plan = ThreeStages();
   LinkAssignerInput input = Reachable({"a", "b", "b2", "c"});

@@ -521,6 +521,46 @@ TEST(NetworkPlannerTest, BadInputIsAnError) {
 namespace geotrain {
 namespace {
 
+// Pipelines (job.outer): R full chains of P stages, from the fastest R x P
+// workers in join order, with one cut for all of them; the rest spares.
+TEST(JoinOrderPipelinesTest, FullPipelinesOfMaxStagesWithOneCut) {
+  PlannerInput in;
+  for (int w = 0; w < 7; ++w) in.workers.push_back(Worker("w" + std::to_string(w), w == 6 ? 1 : 5));
+  for (int l = 0; l < 6; ++l) in.layers.push_back(Layer(1e8, 1000));
+  for (PlannerLayer& l : in.layers) l.parameter_bytes = 4000;
+  in.links.assign(49, {0.001, 1e9});
+  in.codecs = Ladder();
+  in.max_stages = 3;
+  in.max_pipelines = 0;  // as many as fill
+  in.outer_inner_steps = 50;
+  absl::StatusOr<PipelinePlan> plan = MakeJoinOrderPlanner()->Plan(in);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->pipelines, 2);
+  ASSERT_EQ(plan->stages.size(), 3u);
+  // Pipeline 0: w0 w1 w2; pipeline 1: w3 w4 w5; w6 (slowest) is spare.
+  for (int k = 0; k < 3; ++k) {
+    EXPECT_EQ(plan->stages[k].worker, k);
+    ASSERT_EQ(plan->stages[k].pipeline_workers.size(), 1u);
+    EXPECT_EQ(plan->stages[k].pipeline_workers[0], 3 + k);
+  }
+  EXPECT_EQ(plan->spares, std::vector<int>({6}));
+  // Two pipelines: about half the time per sample of one, plus the outer
+  // sync's share.
+  in.max_pipelines = 1;
+  absl::StatusOr<PipelinePlan> one = MakeJoinOrderPlanner()->Plan(in);
+  ASSERT_TRUE(one.ok());
+  EXPECT_EQ(one->pipelines, 1);
+  EXPECT_GT(plan->time_per_sample_s, one->time_per_sample_s / 2);
+  EXPECT_LT(plan->time_per_sample_s, one->time_per_sample_s * 0.6);
+  // At most max_pipelines.
+  in.max_pipelines = 2;
+  in.max_stages = 2;
+  absl::StatusOr<PipelinePlan> capped = MakeJoinOrderPlanner()->Plan(in);
+  ASSERT_TRUE(capped.ok());
+  EXPECT_EQ(capped->pipelines, 2);
+  EXPECT_EQ(capped->spares.size(), 3u);
+}
+
 TEST(ReplicableStagesTest, MiddleStagesThenTheFirstNeverTheLast) {
   EXPECT_TRUE(ReplicableStages(1).empty());
   EXPECT_EQ(ReplicableStages(2), (std::vector<int>{0}));

@@ -16,7 +16,7 @@ std::vector<int> Steps(const std::vector<ProgressGate::Step>& steps) {
 class ProgressGateTest : public testing::Test {
  protected:
   ProgressGateTest() : gate_(ProgressGateOptions{/*total_steps=*/1000, /*max_lead_steps=*/8}) {
-    gate_.StartEpoch(1, 0, {"first", "first-replica"}, {"last"});
+    gate_.StartEpoch(1, 0, {{"first", 0}, {"first-replica", 0}}, {{"last", 0}});
   }
   ProgressGate gate_;
 };
@@ -66,7 +66,7 @@ TEST_F(ProgressGateTest, ANewEpochDropsHeldClaimsAndKeepsWhatCommitted) {
   ASSERT_TRUE(gate_.Claim("last", 1, Step(1)).ok());
   ASSERT_TRUE(gate_.Claim("last", 1, Step(2)).ok());
   gate_.FirstStageFinished("first", 1, 1);
-  gate_.StartEpoch(2, 1, {"first"}, {"new-last"});
+  gate_.StartEpoch(2, 1, {{"first", 0}}, {{"new-last", 0}});
   EXPECT_EQ(gate_.committed_step(), 1);
   EXPECT_EQ(gate_.claimed_step(), 1);
   EXPECT_TRUE(gate_.FirstStageFinished("first", 2, 2).empty()) << "step 2's claim was dropped";
@@ -74,9 +74,41 @@ TEST_F(ProgressGateTest, ANewEpochDropsHeldClaimsAndKeepsWhatCommitted) {
 }
 
 TEST_F(ProgressGateTest, OneWorkerHoldingBothEndsCommitsAtOnce) {
-  gate_.StartEpoch(1, 0, {"solo"}, {"solo"});
+  gate_.StartEpoch(1, 0, {{"solo", 0}}, {{"solo", 0}});
   EXPECT_EQ(Steps(*gate_.Claim("solo", 1, Step(1))), std::vector<int>{1});
   EXPECT_EQ(gate_.committed_step(), 1);
+}
+
+// Two pipelines: each one's claims are corroborated by its own stage 0, and
+// a step of the job is the global batch of both.
+TEST(ProgressGatePipelinesTest, AStepCommitsOnceEveryPipelineHasFinishedIt) {
+  ProgressGate gate(ProgressGateOptions{1000, 8});
+  gate.StartEpoch(3, 0, {{"a0", 0}, {"b0", 1}}, {{"a1", 0}, {"b1", 1}});
+  ASSERT_TRUE(gate.Claim("a1", 3, {1, 2.0, 8}).ok());
+  EXPECT_TRUE(gate.FirstStageFinished("a0", 3, 1).empty());  // pipeline 1 has not
+  // Pipeline 1's stage 0 cannot vouch for pipeline 0, nor pipeline 0's for 1.
+  ASSERT_TRUE(gate.Claim("b1", 3, {1, 4.0, 24}).ok());
+  EXPECT_TRUE(gate.FirstStageFinished("a0", 3, 1).empty());
+  std::vector<ProgressGate::Step> committed = gate.FirstStageFinished("b0", 3, 1);
+  ASSERT_EQ(committed.size(), 1u);
+  EXPECT_EQ(committed[0].step, 1);
+  EXPECT_EQ(committed[0].samples, 32);
+  EXPECT_DOUBLE_EQ(committed[0].loss, (2.0 * 8 + 4.0 * 24) / 32);  // samples-weighted
+  // The same step from the other pipeline is not a duplicate; from the
+  // same, it is.
+  ASSERT_TRUE(gate.Claim("a1", 3, {2, 2.0, 8}).ok());
+  EXPECT_EQ(gate.Claim("a1", 3, {2, 2.0, 8}).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(gate.Claim("b1", 3, {2, 2.0, 8}).ok());
+  // A pipeline that runs ahead waits for the slowest.
+  EXPECT_TRUE(gate.FirstStageFinished("a0", 3, 5).empty());
+  EXPECT_EQ(gate.slowest_pipeline(), 1);
+  EXPECT_EQ(gate.first_stage_step(), 1);
+  EXPECT_EQ(gate.first_stage_step(0), 5);
+  EXPECT_EQ(Steps(gate.FirstStageFinished("b0", 3, 2)), std::vector<int>{2});
+  // Each pipeline's lead is measured against its own stage 0.
+  EXPECT_EQ(gate.Claim("b1", 3, {12, 2.0, 8}).status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_TRUE(gate.Claim("a1", 3, {12, 2.0, 8}).ok());  // a0 finished step 5
 }
 
 }  // namespace

@@ -35,6 +35,14 @@ class BadJobFileTest(unittest.TestCase):
         "eval_batches.textproto": (
             'mlp { hidden: 8 }\nfashion_mnist {}\nsteps: 3\neval_batches: 2000000000\n',
             "eval_batches at most"),
+        # Pipelines that never sync would train R models: refused until the
+        # outer sync between them exists (docs/pipelines.md).
+        "outer.textproto": (
+            'mlp { hidden: 8 }\nfashion_mnist {}\nsteps: 3\nouter { inner_steps: 10 }\n',
+            "not available yet"),
+        "outer_momentum.textproto": (
+            'mlp { hidden: 8 }\nfashion_mnist {}\nsteps: 3\nouter { momentum: 1.5 }\n',
+            "outer.momentum"),
     }
 
     def test_coordinator_names_file_and_problem(self):

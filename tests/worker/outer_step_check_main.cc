@@ -4,18 +4,20 @@
 // round, for tests/worker/test_outer_step_reference.py to compare with the
 // same maths in PyTorch.
 //
-// Pipeline r of R trains, at its inner step g, the microbatch ids
-// g*R*M + j*R + r (j < M): the ids of a global step of R*M microbatches
-// that are r modulo R, as the pipelines of a plan draw them. Each inner
+// Pipeline r of R trains, at its inner step g, the data indices
+// g*R*M + j*R + r (j < M): those of a global step of R*M microbatches that
+// are r modulo R, through StageRuntime::SetDataShard as the pipelines of a
+// plan draw them. Each inner
 // step is the sync schedule's: M forward/backwards, one AdamW (or SGD)
 // update at progress (g + 1) / steps.
 //
 // Usage: outer_step_check --job=FILE --pipelines=R --inner_steps=H
 //          --rounds=N --lr=0.7 --momentum=0.9 --out=FILE
 // The output: per round, "round <n> <digest>" lines on stdout (the digest
-// of each pipeline's weights, which must all be equal), and in --out the
-// final weights: int32 count, then per tensor int32 ndim, int64 dims and
-// float32 data, little-endian.
+// of each pipeline's weights, which must all be equal), and in --out, per
+// round, each pipeline's weights before the outer step and the outer weights
+// after it; each set is int32 count, then per tensor int32 ndim, int64 dims
+// and float32 data, little-endian.
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -46,7 +48,7 @@ int Fail(const absl::Status& status) {
   return 1;
 }
 
-absl::Status WriteWeights(const std::vector<v1::LayerWeights>& layers, const std::string& path) {
+absl::Status WriteWeights(const std::vector<v1::LayerWeights>& layers, std::ofstream& out) {
   std::vector<std::pair<std::vector<int64_t>, std::vector<float>>> tensors;
   for (const v1::LayerWeights& layer : layers) {
     size_t offset = 0;
@@ -59,7 +61,6 @@ absl::Status WriteWeights(const std::vector<v1::LayerWeights>& layers, const std
       tensors.push_back({flat.sizes().vec(), std::vector<float>(data, data + flat.numel())});
     }
   }
-  std::ofstream out(path, std::ios::binary);
   const int32_t count = static_cast<int32_t>(tensors.size());
   out.write(reinterpret_cast<const char*>(&count), sizeof(count));
   for (const auto& [dims, values] : tensors) {
@@ -68,7 +69,7 @@ absl::Status WriteWeights(const std::vector<v1::LayerWeights>& layers, const std
     out.write(reinterpret_cast<const char*>(dims.data()), dims.size() * sizeof(int64_t));
     out.write(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(float));
   }
-  return out ? absl::OkStatus() : absl::InternalError("cannot write " + path);
+  return out ? absl::OkStatus() : absl::InternalError("cannot write the weights");
 }
 
 int Run() {
@@ -79,6 +80,8 @@ int Run() {
   const int rounds = absl::GetFlag(FLAGS_rounds);
   const int microbatches = job->microbatches();
   const int layers = NumLayers(*job);
+  std::ofstream out(absl::GetFlag(FLAGS_out), std::ios::binary);
+  if (!out) return Fail(absl::InvalidArgumentError("cannot write --out"));
   std::vector<std::unique_ptr<StageRuntime>> runtimes;
   for (int r = 0; r < pipelines; ++r) {
     absl::StatusOr<std::unique_ptr<StageRuntime>> runtime =
@@ -90,6 +93,7 @@ int Run() {
     if (absl::Status started = (*runtime)->StartOuter(settings); !started.ok()) {
       return Fail(started);
     }
+    (*runtime)->SetDataShard(pipelines, r, /*start_step=*/0, /*base=*/0);
     runtimes.push_back(*std::move(runtime));
   }
   for (int round = 0; round < rounds; ++round) {
@@ -98,9 +102,7 @@ int Run() {
       for (int k = 0; k < inner; ++k) {
         const int step = round * inner + k;
         for (int j = 0; j < microbatches; ++j) {
-          const int64_t id =
-              (static_cast<int64_t>(step) * pipelines * microbatches) + j * pipelines + r;
-          absl::StatusOr<LinkMessage> input = runtimes[r]->LoadTrainMicrobatchById(step, id);
+          absl::StatusOr<LinkMessage> input = runtimes[r]->LoadTrainMicrobatch(step, j);
           if (!input.ok()) return Fail(input.status());
           absl::StatusOr<LastStageResult> result = runtimes[r]->ForwardLoss(*input);
           if (!result.ok()) return Fail(result.status());
@@ -115,6 +117,11 @@ int Run() {
       contributions.push_back(
           {r, static_cast<int64_t>(inner) * microbatches * job->microbatch_size(), *delta});
     }
+    for (int r = 0; r < pipelines; ++r) {
+      absl::StatusOr<std::vector<v1::LayerWeights>> inner = runtimes[r]->ExportWeights({});
+      if (!inner.ok()) return Fail(inner.status());
+      if (absl::Status written = WriteWeights(*inner, out); !written.ok()) return Fail(written);
+    }
     std::cout << "round " << round + 1;
     for (int r = 0; r < pipelines; ++r) {
       if (absl::Status applied = runtimes[r]->ApplyOuterStep(contributions); !applied.ok()) {
@@ -123,11 +130,9 @@ int Run() {
       std::cout << " " << runtimes[r]->WeightsDigest();
     }
     std::cout << "\n";
-  }
-  absl::StatusOr<std::vector<v1::LayerWeights>> weights = runtimes[0]->ExportWeights({});
-  if (!weights.ok()) return Fail(weights.status());
-  if (absl::Status written = WriteWeights(*weights, absl::GetFlag(FLAGS_out)); !written.ok()) {
-    return Fail(written);
+    absl::StatusOr<std::vector<v1::LayerWeights>> outer = runtimes[0]->ExportWeights({});
+    if (!outer.ok()) return Fail(outer.status());
+    if (absl::Status written = WriteWeights(*outer, out); !written.ok()) return Fail(written);
   }
   return 0;
 }

@@ -9,6 +9,7 @@
 
 #include <cstring>
 #include <fstream>
+#include <set>
 #include <future>
 #include <thread>
 
@@ -69,6 +70,33 @@ TEST_F(StageRuntimeTest, LayerWeightsDependOnlyOnSeedAndIndex) {
 
 // Two stages exchanging messages compute the same losses, for several
 // optimizer steps, as one stage holding every layer.
+// Pipelines draw disjoint data indices that together cover every one, and
+// a change of R with the plan's data base draws none twice.
+TEST_F(StageRuntimeTest, DataShardsOfPipelinesAreDisjointAndComplete) {
+  auto runtime = Make(0, 2, 0, 2);
+  EXPECT_EQ(runtime->DataIndexOf(5), 5);  // one pipeline: the identity
+  std::set<int64_t> drawn;
+  const int m = job_.microbatches();
+  for (int r = 0; r < 3; ++r) {
+    runtime->SetDataShard(3, r, /*start_step=*/0, /*base=*/0);
+    for (int64_t id = 0; id < 4 * m; ++id) {
+      EXPECT_TRUE(drawn.insert(runtime->DataIndexOf(id)).second) << "pipeline " << r;
+    }
+  }
+  EXPECT_EQ(*drawn.begin(), 0);
+  EXPECT_EQ(*drawn.rbegin(), 3 * 4 * m - 1);  // steps 0-3 of R=3: all of [0, 12m)
+  // From step 4, one pipeline (R 3 -> 1), its first index where R=3 ended.
+  runtime->SetDataShard(1, 0, /*start_step=*/4, /*base=*/3 * 4 * m);
+  for (int64_t id = 4 * m; id < 6 * m; ++id) {
+    EXPECT_TRUE(drawn.insert(runtime->DataIndexOf(id)).second) << id;
+  }
+  // The message says which id it is and where its data came from.
+  auto input = runtime->LoadTrainMicrobatchById(4, 4 * m);
+  ASSERT_TRUE(input.ok()) << input.status();
+  EXPECT_EQ(input->header.microbatch(), static_cast<uint64_t>(4 * m));
+  EXPECT_FALSE(runtime->LoadTrainMicrobatchById(0, 0).ok());  // before this pipeline's data
+}
+
 TEST_F(StageRuntimeTest, TwoStagesMatchOneStage) {
   auto single = Make(0, 1, 0, 4);
   auto first = Make(0, 2, 0, 2);

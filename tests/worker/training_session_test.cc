@@ -389,6 +389,22 @@ v1::Plan MakePlan(uint64_t epoch, int start_step,
   return plan;
 }
 
+// R pipelines of the tiny job's 4 layers on two stages: stages[s][r] is
+// pipeline r's worker on stage s.
+v1::Plan MakePipelinesPlan(uint64_t epoch, const std::vector<std::vector<std::string>>& stages) {
+  v1::Plan plan = MakePlan(epoch, 0, {{stages[0][0]}, {stages[1][0]}});
+  plan.set_pipelines(static_cast<int>(stages[0].size()));
+  for (size_t s = 0; s < stages.size(); ++s) {
+    for (size_t r = 1; r < stages[s].size(); ++r) {
+      v1::Replica* other = plan.mutable_stages(s)->add_replicas();
+      other->set_worker_id(stages[s][r]);
+      other->set_address(stages[s][r] + ":1");
+      other->set_pipeline(static_cast<int>(r));
+    }
+  }
+  return plan;
+}
+
 class TrainingSessionTest : public ::testing::Test {
  protected:
   TrainingSessionTest() : job_(TinyJob()) {}
@@ -579,6 +595,33 @@ TEST_F(TrainingSessionTest, EveryStageTakesTheNewPlansWindow) {
   EXPECT_LE(first.runtime->stash_stats().max_versions_alive, 4);
 }
 
+// Two pipelines: each is linked only within itself, each last stage
+// reports its own losses, and the two draw disjoint data.
+TEST_F(TrainingSessionTest, PipelinesTrainSideBySideOnDisjointData) {
+  TestWorker& a0 = AddWorker("a0", 0);
+  TestWorker& b0 = AddWorker("b0", 0);
+  TestWorker& a1 = AddWorker("a1", 1);
+  TestWorker& b1 = AddWorker("b1", 1);
+  Start(MakePipelinesPlan(1, {{"a0", "b0"}, {"a1", "b1"}}));
+  Join();
+  for (auto& w : workers_) ASSERT_TRUE(w->result.ok()) << w->id << ": " << w->result;
+  for (TestWorker* last : {&a1, &b1}) {
+    EXPECT_EQ(last->coordinator->losses().size(), 8u) << last->id;
+    EXPECT_EQ(last->coordinator->done(), std::vector<int>({8}));
+  }
+  ASSERT_EQ(a0.links->dialled().size(), 1u);  // a0 -> a1 only
+  ASSERT_EQ(b0.links->dialled().size(), 1u);  // b0 -> b1 only
+  std::set<int64_t> drawn;
+  for (TestWorker* first : {&a0, &b0}) {
+    for (int64_t id = 0; id < 8 * job_.microbatches(); ++id) {
+      EXPECT_TRUE(drawn.insert(first->runtime->DataIndexOf(id)).second) << first->id << " " << id;
+    }
+  }
+  EXPECT_EQ(*drawn.rbegin(), 2 * 8 * job_.microbatches() - 1);  // and every index
+  // Different data: the pipelines' losses differ.
+  EXPECT_NE(a1.coordinator->losses()[1], b1.coordinator->losses()[1]);
+}
+
 TEST_F(TrainingSessionTest, AbortBeforeRunCancelsWithoutOpeningLinks) {
   TestWorker& first = AddWorker("w0", 0);
   AddWorker("w1", 1);
@@ -622,6 +665,20 @@ TEST(ServedPlanTest, DerivesNeighboursCodecsAndDialers) {
   EXPECT_TRUE(b->last());
   EXPECT_EQ(b->upstream().size(), 2u);
   EXPECT_EQ(ServedPlan::For(plan, job, "standby").status().code(), absl::StatusCode::kNotFound);
+  // With pipelines, neighbours and the window are the pipeline's own; the
+  // stage's workers in the other pipelines are the outer step's peers.
+  v1::Plan pipelines = MakePipelinesPlan(4, {{"p0", "q0"}, {"p1", "q1"}});
+  absl::StatusOr<ServedPlan> q0 = ServedPlan::For(pipelines, job, "q0");
+  ASSERT_TRUE(q0.ok()) << q0.status();
+  EXPECT_EQ(q0->pipelines(), 2);
+  EXPECT_EQ(q0->pipeline(), 1);
+  EXPECT_FALSE(q0->primary());
+  EXPECT_FALSE(q0->replicated());
+  ASSERT_EQ(q0->downstream().size(), 1u);
+  EXPECT_EQ(q0->downstream()[0].id, "q1");
+  ASSERT_EQ(q0->outer_peers().size(), 1u);
+  EXPECT_EQ(q0->outer_peers()[0].id, "p0");
+  EXPECT_EQ(q0->schedule().window, ServedPlan::For(pipelines, job, "p1")->schedule().window);
   // Every worker of one plan derives the same window.
   EXPECT_EQ(a2->schedule().window, b->schedule().window);
 }
