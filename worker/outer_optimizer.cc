@@ -52,6 +52,14 @@ absl::StatusOr<std::vector<torch::Tensor>> OuterOptimizer::PseudoGradient(
 
 absl::StatusOr<std::vector<torch::Tensor>> OuterOptimizer::Step(
     std::vector<PseudoGradientContribution> contributions) {
+  absl::StatusOr<std::vector<torch::Tensor>> mean = Mean(std::move(contributions));
+  if (!mean.ok()) return mean.status();
+  if (mean->empty()) return outer_;
+  return StepWithMean(*mean);
+}
+
+absl::StatusOr<std::vector<torch::Tensor>> OuterOptimizer::Mean(
+    std::vector<PseudoGradientContribution> contributions) const {
   if (!started()) return absl::FailedPreconditionError("no outer weights yet");
   torch::NoGradGuard no_grad;
   std::sort(contributions.begin(), contributions.end(),
@@ -69,8 +77,8 @@ absl::StatusOr<std::vector<torch::Tensor>> OuterOptimizer::Step(
     }
     total += c.samples;
   }
-  if (total == 0) return outer_;
   std::vector<torch::Tensor> mean;
+  if (total == 0) return mean;
   for (size_t i = 0; i < outer_.size(); ++i) {
     torch::Tensor sum = torch::zeros_like(outer_[i]);
     for (const PseudoGradientContribution& c : contributions) {
@@ -80,16 +88,30 @@ absl::StatusOr<std::vector<torch::Tensor>> OuterOptimizer::Step(
     }
     mean.push_back(std::move(sum));
   }
+  return mean;
+}
+
+absl::StatusOr<std::vector<torch::Tensor>> OuterOptimizer::StepWithMean(
+    const std::vector<torch::Tensor>& mean) {
+  if (!started()) return absl::FailedPreconditionError("no outer weights yet");
+  if (absl::Status fits = CheckFits(mean, "mean pseudo-gradient"); !fits.ok()) return fits;
+  torch::NoGradGuard no_grad;
+  for (const torch::Tensor& t : mean) {
+    if (!torch::isfinite(t).all().item<bool>()) {
+      return absl::InvalidArgumentError("the mean pseudo-gradient is not finite");
+    }
+  }
   const bool first = momentum_.empty();
   for (size_t i = 0; i < outer_.size(); ++i) {
-    torch::Tensor update = mean[i];
+    const torch::Tensor m = mean[i].to(torch::kCPU, torch::kFloat32);
+    torch::Tensor update = m;
     if (options_.momentum != 0) {
       if (first) {
-        momentum_.push_back(mean[i].clone());
+        momentum_.push_back(m.clone());
       } else {
-        momentum_[i].mul_(options_.momentum).add_(mean[i]);
+        momentum_[i].mul_(options_.momentum).add_(m);
       }
-      update = options_.nesterov ? mean[i].add(momentum_[i], options_.momentum) : momentum_[i];
+      update = options_.nesterov ? m.add(momentum_[i], options_.momentum) : momentum_[i];
     }
     outer_[i].add_(update, -options_.lr);
   }

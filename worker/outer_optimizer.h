@@ -63,6 +63,12 @@ class OuterOptimizer {
   // does not fit the weights or is not finite (nothing changes then).
   absl::StatusOr<std::vector<torch::Tensor>> Step(
       std::vector<PseudoGradientContribution> contributions);
+  // The two halves of Step: the samples-weighted mean (empty when no
+  // contribution has samples), and the outer step on a mean (a reducer's,
+  // as every replica received it).
+  absl::StatusOr<std::vector<torch::Tensor>> Mean(
+      std::vector<PseudoGradientContribution> contributions) const;
+  absl::StatusOr<std::vector<torch::Tensor>> StepWithMean(const std::vector<torch::Tensor>& mean);
 
   const std::vector<torch::Tensor>& outer_weights() const { return outer_; }
   // Empty before the first Step().

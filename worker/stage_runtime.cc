@@ -39,6 +39,7 @@ struct StageRuntime::Impl {
   // pseudo-gradient was taken from.
   std::unique_ptr<OuterOptimizer> outer;
   std::unique_ptr<ErrorFeedbackEncoder> outer_encoder;
+  std::unique_ptr<ErrorFeedbackEncoder> mean_encoder;  // the reducer's means
   std::vector<torch::Tensor> outer_sent_from;
   std::unique_ptr<Dataset> dataset;  // stage 0 only
   // SetDataShard's figures.
@@ -877,6 +878,7 @@ absl::Status StageRuntime::StartOuter(const OuterSettings& settings) {
         OuterStepOptions{settings.lr, settings.momentum, /*nesterov=*/true});
     s.outer->Reset(s.stash->Get(s.stash->current_version()));
     s.outer_encoder = std::make_unique<ErrorFeedbackEncoder>(settings.encoding);
+    s.mean_encoder = std::make_unique<ErrorFeedbackEncoder>(settings.encoding);
     s.outer_sent_from.clear();
     return absl::OkStatus();
   });
@@ -911,59 +913,126 @@ absl::StatusOr<std::vector<v1::LayerWeights>> StageRuntime::ExportPseudoGradient
   });
 }
 
+// The tensors of every parameter of this stage from `layers` (entries of
+// this stage's layers; params in order); undefined where no entry had them.
+absl::StatusOr<std::vector<torch::Tensor>> StageRuntime::DecodeStageTensors(
+    const std::vector<v1::LayerWeights>& layers, const char* what) const {
+  const Impl& s = *impl_;
+  const std::vector<torch::Tensor>& current = s.stash->Get(s.stash->current_version());
+  std::vector<torch::Tensor> out(current.size());
+  for (const v1::LayerWeights& layer : layers) {
+    const int i = layer.layer() - s.placement.layer_begin;
+    if (i < 0 || i >= static_cast<int>(s.layers.size())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, " of layer ", layer.layer(), ", not of this stage"));
+    }
+    const auto [begin, end] = s.LayerParams(static_cast<size_t>(i), current.size());
+    if (static_cast<size_t>(layer.params_size()) != end - begin) {
+      return absl::InvalidArgumentError(absl::StrCat(what, " of layer ", layer.layer(), " has ",
+                                                     layer.params_size(), " tensors, the model ",
+                                                     end - begin));
+    }
+    size_t offset = 0;
+    for (size_t p = begin; p < end; ++p) {
+      const v1::TensorHeader& header = layer.params(static_cast<int>(p - begin));
+      ASSIGN_OR_RETURN(torch::Tensor t, DecodeTensor(header, layer.payload(), offset));
+      offset += header.payload_bytes();
+      out[p] = std::move(t);
+    }
+  }
+  return out;
+}
+
+absl::Status StageRuntime::PublishOuterWeights(const std::vector<torch::Tensor>& outer,
+                                               bool keep_local_progress) {
+  Impl& s = *impl_;
+  const std::vector<torch::Tensor>& current = s.stash->Get(s.stash->current_version());
+  std::vector<torch::Tensor> next;
+  for (size_t p = 0; p < current.size(); ++p) {
+    torch::Tensor w = outer[p].to(current[p].device(), current[p].scalar_type());
+    if (keep_local_progress && p < s.outer_sent_from.size()) {
+      w = w + (current[p].detach() - s.outer_sent_from[p]);
+    } else {
+      w = w.clone();
+    }
+    next.push_back(std::move(w));
+  }
+  s.outer_sent_from.clear();
+  s.stash->Publish(std::move(next));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<PseudoGradientContribution>> StageRuntime::DecodeContributions(
+    const std::vector<OuterContribution>& contributions) const {
+  std::vector<PseudoGradientContribution> decoded;
+  for (const OuterContribution& c : contributions) {
+    PseudoGradientContribution& d = decoded.emplace_back();
+    d.pipeline = c.pipeline;
+    d.samples = c.samples;
+    ASSIGN_OR_RETURN(d.tensors, DecodeStageTensors(c.layers, "a pseudo-gradient"));
+    for (const torch::Tensor& t : d.tensors) {
+      if (d.samples > 0 && !t.defined()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "the pseudo-gradient of pipeline ", c.pipeline, " misses some of the stage's layers"));
+      }
+    }
+  }
+  return decoded;
+}
+
 absl::Status StageRuntime::ApplyOuterStep(const std::vector<OuterContribution>& contributions,
                                           bool keep_local_progress) {
   Impl& s = *impl_;
   if (s.outer == nullptr) return absl::FailedPreconditionError("no outer optimizer (StartOuter)");
   return GuardTorch("the outer step", [&]() -> absl::Status {
-    const std::vector<torch::Tensor>& current = s.stash->Get(s.stash->current_version());
-    std::vector<PseudoGradientContribution> decoded;
-    for (const OuterContribution& c : contributions) {
-      PseudoGradientContribution& d = decoded.emplace_back();
-      d.pipeline = c.pipeline;
-      d.samples = c.samples;
-      d.tensors.resize(current.size());
-      std::vector<bool> seen(current.size(), false);
-      for (const v1::LayerWeights& layer : c.layers) {
-        const int i = layer.layer() - s.placement.layer_begin;
-        if (i < 0 || i >= static_cast<int>(s.layers.size())) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "a pseudo-gradient of layer ", layer.layer(), ", not of this stage"));
-        }
-        const auto [begin, end] = s.LayerParams(static_cast<size_t>(i), current.size());
-        if (static_cast<size_t>(layer.params_size()) != end - begin) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "the pseudo-gradient of layer ", layer.layer(), " has ", layer.params_size(),
-              " tensors, the model ", end - begin));
-        }
-        size_t offset = 0;
-        for (size_t p = begin; p < end; ++p) {
-          const v1::TensorHeader& header = layer.params(static_cast<int>(p - begin));
-          ASSIGN_OR_RETURN(torch::Tensor t, DecodeTensor(header, layer.payload(), offset));
-          offset += header.payload_bytes();
-          d.tensors[p] = std::move(t);
-          seen[p] = true;
-        }
-      }
-      if (d.samples > 0 && std::find(seen.begin(), seen.end(), false) != seen.end()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "the pseudo-gradient of pipeline ", c.pipeline, " misses some of the stage's layers"));
-      }
-    }
+    ASSIGN_OR_RETURN(std::vector<PseudoGradientContribution> decoded,
+                     DecodeContributions(contributions));
     ASSIGN_OR_RETURN(std::vector<torch::Tensor> outer, s.outer->Step(std::move(decoded)));
-    std::vector<torch::Tensor> next;
-    for (size_t p = 0; p < current.size(); ++p) {
-      torch::Tensor w = outer[p].to(current[p].device(), current[p].scalar_type());
-      if (keep_local_progress && p < s.outer_sent_from.size()) {
-        w = w + (current[p].detach() - s.outer_sent_from[p]);
-      } else {
-        w = w.clone();
-      }
-      next.push_back(std::move(w));
+    return PublishOuterWeights(outer, keep_local_progress);
+  });
+}
+
+absl::StatusOr<std::vector<v1::LayerWeights>> StageRuntime::ReduceOuterContributions(
+    const std::vector<OuterContribution>& contributions) {
+  Impl& s = *impl_;
+  if (s.outer == nullptr) return absl::FailedPreconditionError("no outer optimizer (StartOuter)");
+  return GuardTorch("reducing pseudo-gradients",
+                    [&]() -> absl::StatusOr<std::vector<v1::LayerWeights>> {
+    ASSIGN_OR_RETURN(std::vector<PseudoGradientContribution> decoded,
+                     DecodeContributions(contributions));
+    ASSIGN_OR_RETURN(std::vector<torch::Tensor> mean, s.outer->Mean(std::move(decoded)));
+    if (mean.empty()) {  // nobody trained: a zero step
+      for (const torch::Tensor& o : s.outer->outer_weights()) mean.push_back(torch::zeros_like(o));
     }
-    s.outer_sent_from.clear();
-    s.stash->Publish(std::move(next));
-    return absl::OkStatus();
+    const std::vector<torch::Tensor>& params = s.stash->Get(s.stash->current_version());
+    std::vector<v1::LayerWeights> out;
+    for (size_t i = 0; i < s.layers.size(); ++i) {
+      const auto [begin, end] = s.LayerParams(i, params.size());
+      v1::LayerWeights& layer = out.emplace_back();
+      layer.set_layer(s.placement.layer_begin + static_cast<int>(i));
+      for (size_t p = begin; p < end; ++p) {
+        RETURN_IF_ERROR(
+            s.mean_encoder->Encode(p, mean[p], layer.add_params(), layer.mutable_payload()));
+      }
+    }
+    return out;
+  });
+}
+
+absl::Status StageRuntime::ApplyOuterMean(const std::vector<v1::LayerWeights>& mean,
+                                          bool keep_local_progress) {
+  Impl& s = *impl_;
+  if (s.outer == nullptr) return absl::FailedPreconditionError("no outer optimizer (StartOuter)");
+  return GuardTorch("the outer step", [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(std::vector<torch::Tensor> tensors,
+                     DecodeStageTensors(mean, "a mean pseudo-gradient"));
+    for (const torch::Tensor& t : tensors) {
+      if (!t.defined()) {
+        return absl::InvalidArgumentError("a mean pseudo-gradient misses some of the stage's layers");
+      }
+    }
+    ASSIGN_OR_RETURN(std::vector<torch::Tensor> outer, s.outer->StepWithMean(tensors));
+    return PublishOuterWeights(outer, keep_local_progress);
   });
 }
 

@@ -27,6 +27,8 @@
 
 namespace geotrain {
 
+struct PseudoGradientContribution;  // worker/outer_optimizer.h
+
 struct StagePlacement {
   int stage = 0;
   int num_stages = 1;
@@ -195,6 +197,14 @@ class StageRuntime {
   // not fit or is not finite.
   absl::Status ApplyOuterStep(const std::vector<OuterContribution>& contributions,
                               bool keep_local_progress = false);
+  // The same in two halves, for a stage whose replicas sync through a
+  // reducer (outer_sync.h): the reducer's samples-weighted mean of the
+  // contributions, encoded with the outer codec (error feedback of its
+  // own); and the outer step on such a mean, as every replica received it.
+  absl::StatusOr<std::vector<v1::LayerWeights>> ReduceOuterContributions(
+      const std::vector<OuterContribution>& contributions);
+  absl::Status ApplyOuterMean(const std::vector<v1::LayerWeights>& mean,
+                              bool keep_local_progress = false);
   int64_t outer_rounds() const;
   // SHA-256 (hex) of the current weights' bytes, in parameter order: equal
   // digests mean bit-identical weights.
@@ -227,6 +237,12 @@ class StageRuntime {
  private:
   struct Impl;
   explicit StageRuntime(std::unique_ptr<Impl> impl);
+  // The outer step's helpers.
+  absl::StatusOr<std::vector<at::Tensor>> DecodeStageTensors(
+      const std::vector<v1::LayerWeights>& layers, const char* what) const;
+  absl::Status PublishOuterWeights(const std::vector<at::Tensor>& outer, bool keep_local_progress);
+  absl::StatusOr<std::vector<PseudoGradientContribution>> DecodeContributions(
+      const std::vector<OuterContribution>& contributions) const;
   std::unique_ptr<Impl> impl_;
 };
 

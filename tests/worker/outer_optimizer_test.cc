@@ -161,6 +161,48 @@ TEST(OuterStepRuntimeTest, ReplicasEndEveryRoundBitIdentical) {
   }
 }
 
+// Through a reducer (outer_sync.h): its encoded mean, applied by every
+// replica, leaves them bit-identical; without a codec it is the same step
+// as ApplyOuterStep's.
+TEST(OuterStepRuntimeTest, AReducersMeanLeavesEveryReplicaIdentical) {
+  for (v1::Codec codec : {v1::CODEC_NONE, v1::CODEC_INT8}) {
+    const v1::JobSpec job = Job(2, v1::Optimizer::KIND_ADAMW);
+    std::vector<std::unique_ptr<StageRuntime>> replicas;
+    for (int r = 0; r < 3; ++r) {
+      replicas.push_back(Runtime(job));
+      StageRuntime::OuterSettings settings;
+      settings.encoding.codec = codec;
+      ASSERT_TRUE(replicas.back()->StartOuter(settings).ok());
+    }
+    auto direct = Runtime(job);  // ApplyOuterStep with the same contributions
+    StageRuntime::OuterSettings settings;
+    settings.encoding.codec = codec;
+    ASSERT_TRUE(direct->StartOuter(settings).ok());
+    for (int round = 0; round < 2; ++round) {
+      std::vector<StageRuntime::OuterContribution> contributions;
+      for (int r = 0; r < 3; ++r) {
+        InnerStep(*replicas[r], job, round, r, 3);
+        auto delta = replicas[r]->ExportPseudoGradient();
+        ASSERT_TRUE(delta.ok());
+        contributions.push_back({r, 8, *delta});
+      }
+      auto mean = replicas[0]->ReduceOuterContributions(contributions);
+      ASSERT_TRUE(mean.ok()) << mean.status();
+      for (auto& r : replicas) ASSERT_TRUE(r->ApplyOuterMean(*mean).ok());
+      EXPECT_EQ(replicas[0]->WeightsDigest(), replicas[1]->WeightsDigest());
+      EXPECT_EQ(replicas[0]->WeightsDigest(), replicas[2]->WeightsDigest());
+      ASSERT_TRUE(direct->ApplyOuterStep(contributions).ok());
+      if (codec == v1::CODEC_NONE) {
+        EXPECT_EQ(direct->OuterWeightsDigest(), replicas[1]->OuterWeightsDigest());
+      }
+    }
+    // A mean that misses a layer, or is not finite, changes nothing.
+    auto before = replicas[1]->WeightsDigest();
+    EXPECT_EQ(replicas[1]->ApplyOuterMean({}).code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(replicas[1]->WeightsDigest(), before);
+  }
+}
+
 TEST(OuterStepRuntimeTest, AppliedARoundLateKeepsTheInnerStepsSince) {
   const v1::JobSpec job = Job(2, v1::Optimizer::KIND_SGD);
   auto a = Runtime(job);

@@ -1,0 +1,239 @@
+// The outer sync's rounds among a stage's replicas, with a fake outer
+// optimizer (payloads are strings naming what they hold) and a fake
+// transport the test delivers by hand: every replica applies the same mean
+// whether or not its own contribution made it, a replica absent for a round
+// contributes nothing, streaming closes a round a round late and keeps the
+// local progress, and messages that do not belong are refused.
+#include "worker/outer_sync.h"
+
+#include <gtest/gtest.h>
+
+#include <deque>
+#include <memory>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace geotrain {
+namespace {
+
+std::vector<v1::LayerWeights> Payload(const std::string& text) {
+  std::vector<v1::LayerWeights> layers(1);
+  layers[0].set_payload(text);
+  return layers;
+}
+
+class FakeCompute : public OuterCompute {
+ public:
+  explicit FakeCompute(int pipeline) : pipeline_(pipeline) {}
+  absl::StatusOr<std::vector<v1::LayerWeights>> ExportPseudoGradient() override {
+    return Payload(absl::StrCat("d", pipeline_, ".", ++exports_));
+  }
+  absl::StatusOr<std::vector<v1::LayerWeights>> Reduce(
+      const std::vector<Contribution>& contributions) override {
+    std::vector<std::string> parts;
+    for (const Contribution& c : contributions) {
+      parts.push_back(absl::StrCat(c.layers[0].payload(), "x", c.samples));
+    }
+    return Payload("mean(" + absl::StrJoin(parts, ",") + ")");
+  }
+  absl::Status ApplyMean(const std::vector<v1::LayerWeights>& mean,
+                         bool keep_local_progress) override {
+    applied.push_back(mean[0].payload());
+    kept_progress.push_back(keep_local_progress);
+    return absl::OkStatus();
+  }
+  std::vector<std::string> applied;
+  std::vector<bool> kept_progress;
+
+ private:
+  const int pipeline_;
+  int exports_ = 0;
+};
+
+struct Sent {
+  int from, to;
+  OuterMessage message;
+};
+
+class Wire : public OuterTransport {
+ public:
+  Wire(std::deque<Sent>* queue, int from) : queue_(queue), from_(from) {}
+  absl::Status Send(int to, OuterMessage message) override {
+    queue_->push_back({from_, to, std::move(message)});
+    return absl::OkStatus();
+  }
+
+ private:
+  std::deque<Sent>* queue_;
+  int from_;
+};
+
+OuterSyncOptions Options(uint64_t epoch, int stage, int stages, int inner_steps,
+                         bool streaming = false, int start_step = 0,
+                         absl::Duration deadline = absl::Seconds(10)) {
+  OuterSyncOptions options;
+  options.epoch = epoch;
+  options.stage = stage;
+  options.stages = stages;
+  options.inner_steps = inner_steps;
+  options.streaming = streaming;
+  options.start_step = start_step;
+  options.deadline = deadline;
+  return options;
+}
+
+class OuterSyncTest : public testing::Test {
+ protected:
+  void Make(int replicas, OuterSyncOptions options) {
+    std::set<int> pipelines;
+    for (int p = 0; p < replicas; ++p) pipelines.insert(p);
+    for (int p = 0; p < replicas; ++p) {
+      computes_.push_back(std::make_unique<FakeCompute>(p));
+      wires_.push_back(std::make_unique<Wire>(&queue_, p));
+      syncs_.push_back(std::make_unique<OuterSync>(options, p, pipelines, computes_[p].get(),
+                                                   wires_[p].get()));
+    }
+  }
+  // Delivers what is on the wire, except to and from `cut`.
+  void Deliver(int cut = -1) {
+    while (!queue_.empty()) {
+      Sent sent = std::move(queue_.front());
+      queue_.pop_front();
+      if (sent.to == cut || sent.from == cut) continue;
+      ASSERT_TRUE(syncs_[sent.to]->OnMessage(sent.message, now_).ok());
+    }
+  }
+  absl::Time now_ = absl::FromUnixSeconds(1000);
+  std::deque<Sent> queue_;
+  std::vector<std::unique_ptr<FakeCompute>> computes_;
+  std::vector<std::unique_ptr<Wire>> wires_;
+  std::vector<std::unique_ptr<OuterSync>> syncs_;
+};
+
+TEST_F(OuterSyncTest, EveryReplicaAppliesTheSameMeanOfAll) {
+  Make(3, Options(4, 1, 2, 5));
+  for (int step = 1; step <= 4; ++step) {
+    for (auto& s : syncs_) ASSERT_TRUE(s->AfterStep(step, 10, now_).ok());
+  }
+  EXPECT_TRUE(queue_.empty());  // no round ends before step 5
+  for (int p = 0; p < 3; ++p) ASSERT_TRUE(syncs_[p]->AfterStep(5, 10 + p, now_).ok());
+  EXPECT_TRUE(syncs_[1]->MustWait());  // blocking: the mean is owed
+  Deliver();
+  for (int p = 0; p < 3; ++p) {
+    ASSERT_EQ(computes_[p]->applied.size(), 1u) << p;
+    EXPECT_EQ(computes_[p]->applied[0], "mean(d0.1x10,d1.1x11,d2.1x12)") << p;
+    EXPECT_FALSE(computes_[p]->kept_progress[0]);
+    EXPECT_FALSE(syncs_[p]->MustWait());
+    EXPECT_EQ(syncs_[p]->rounds_applied(), 1);
+    EXPECT_EQ(syncs_[p]->members().at(1), std::vector<int>({0, 1, 2}));
+  }
+}
+
+TEST_F(OuterSyncTest, AnAbsentReplicaContributesNothingButTakesTheSameMean) {
+  Make(3, Options(4, 0, 2, 2, false, 0, absl::Seconds(10)));
+  for (int step = 1; step <= 2; ++step) {
+    for (int p : {0, 1}) ASSERT_TRUE(syncs_[p]->AfterStep(step, 8, now_).ok());
+  }
+  Deliver();
+  EXPECT_TRUE(computes_[0]->applied.empty());  // the reducer waits for pipeline 2
+  EXPECT_EQ(syncs_[0]->NextDeadline(), now_ + absl::Seconds(10));
+  now_ += absl::Seconds(11);
+  ASSERT_TRUE(syncs_[0]->OnTime(now_).ok());
+  // Pipeline 2 ends its round late: its contribution is dropped, and it
+  // applies the same mean as the others.
+  for (int step = 1; step <= 2; ++step) ASSERT_TRUE(syncs_[2]->AfterStep(step, 8, now_).ok());
+  Deliver();
+  for (int p = 0; p < 3; ++p) {
+    ASSERT_EQ(computes_[p]->applied.size(), 1u) << p;
+    EXPECT_EQ(computes_[p]->applied[0], "mean(d0.1x8,d1.1x8)") << p;
+  }
+  EXPECT_EQ(syncs_[0]->members().at(1), std::vector<int>({0, 1}));
+}
+
+TEST_F(OuterSyncTest, AMeanThatComesEarlyWaitsForItsRoundToEnd) {
+  Make(2, Options(1, 0, 1, 1, false, 0, absl::Seconds(1)));
+  ASSERT_TRUE(syncs_[0]->AfterStep(1, 4, now_).ok());
+  now_ += absl::Seconds(2);
+  ASSERT_TRUE(syncs_[0]->OnTime(now_).ok());  // closes round 1 without pipeline 1
+  Deliver();  // pipeline 1 has the mean of a round it has not ended
+  EXPECT_TRUE(computes_[1]->applied.empty());
+  ASSERT_TRUE(syncs_[1]->AfterStep(1, 4, now_).ok());
+  EXPECT_EQ(computes_[1]->applied, std::vector<std::string>({"mean(d0.1x4)"}));
+  Deliver();  // its late contribution is dropped by the reducer
+  EXPECT_EQ(computes_[0]->applied.size(), 1u);
+}
+
+TEST_F(OuterSyncTest, StreamingSyncsEachStageAtItsOffsetAndAppliesARoundLate) {
+  // Stage 1 of 2 with H = 4: its rounds end half a round late, at steps 6,
+  // 10, ... (stage 0's at 4, 8, ...).
+  Make(2, Options(1, 1, 2, 4, /*streaming=*/true));
+  EXPECT_FALSE(syncs_[0]->RoundEndingAt(2).has_value());
+  EXPECT_FALSE(syncs_[0]->RoundEndingAt(4).has_value());
+  EXPECT_EQ(syncs_[0]->RoundEndingAt(6), 1);
+  EXPECT_EQ(syncs_[0]->RoundEndingAt(10), 2);
+  // The reducer ends round 1 alone (the replica's contribution is late) and
+  // nobody waits; it closes round 1 when its own round 2 ends.
+  for (int step = 1; step <= 6; ++step) ASSERT_TRUE(syncs_[0]->AfterStep(step, 4, now_).ok());
+  EXPECT_FALSE(syncs_[0]->MustWait());
+  EXPECT_TRUE(computes_[0]->applied.empty());
+  for (int step = 7; step <= 10; ++step) ASSERT_TRUE(syncs_[0]->AfterStep(step, 4, now_).ok());
+  EXPECT_EQ(computes_[0]->applied, std::vector<std::string>({"mean(d0.1x4)"}));
+  EXPECT_TRUE(computes_[0]->kept_progress[0]);  // the inner steps since stay
+  for (int step = 1; step <= 10; ++step) ASSERT_TRUE(syncs_[1]->AfterStep(step, 4, now_).ok());
+  EXPECT_FALSE(syncs_[1]->MustWait());
+  Deliver();
+  // Round 1's late contribution was dropped; round 2 has both.
+  EXPECT_EQ(syncs_[0]->members().at(1), std::vector<int>({0}));
+  EXPECT_EQ(syncs_[0]->members().at(2), std::vector<int>({0, 1}));
+  const std::vector<std::string> both = {"mean(d0.1x4)", "mean(d0.2x4,d1.2x4)"};
+  EXPECT_EQ(computes_[0]->applied, both);
+  EXPECT_EQ(computes_[1]->applied, both);
+}
+
+TEST_F(OuterSyncTest, AStartStepAfterSomeRoundsStartsThere) {
+  Make(2, Options(2, 0, 1, 3, false, /*start_step=*/7));
+  for (int step = 8; step <= 9; ++step) {
+    for (auto& s : syncs_) ASSERT_TRUE(s->AfterStep(step, 1, now_).ok());
+  }
+  Deliver();
+  EXPECT_EQ(computes_[1]->applied.size(), 1u);
+  EXPECT_EQ(syncs_[1]->members().count(3), 1u);  // round 3: steps 7-9
+}
+
+TEST_F(OuterSyncTest, MessagesThatDoNotBelongAreRefused) {
+  Make(3, Options(4, 1, 2, 1));
+  OuterMessage delta;
+  delta.kind = OuterMessage::Kind::kDelta;
+  delta.epoch = 4;
+  delta.stage = 1;
+  delta.round = 1;
+  delta.pipeline = 1;
+  delta.layers = Payload("d");
+  ASSERT_TRUE(syncs_[0]->OnMessage(delta, now_).ok());
+  EXPECT_EQ(syncs_[0]->OnMessage(delta, now_).code(), absl::StatusCode::kInvalidArgument)
+      << "a second contribution";
+  OuterMessage other = delta;
+  other.epoch = 3;
+  EXPECT_EQ(syncs_[0]->OnMessage(other, now_).code(), absl::StatusCode::kInvalidArgument);
+  other = delta;
+  other.pipeline = 7;
+  EXPECT_EQ(syncs_[0]->OnMessage(other, now_).code(), absl::StatusCode::kInvalidArgument);
+  other = delta;
+  other.round = 40;
+  other.pipeline = 2;
+  EXPECT_EQ(syncs_[0]->OnMessage(other, now_).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(syncs_[2]->OnMessage(delta, now_).code(), absl::StatusCode::kInvalidArgument)
+      << "a contribution to a replica that does not reduce";
+  OuterMessage mean = delta;
+  mean.kind = OuterMessage::Kind::kMean;
+  EXPECT_EQ(syncs_[2]->OnMessage(mean, now_).code(), absl::StatusCode::kInvalidArgument)
+      << "a mean not from the reducer";
+  mean.pipeline = 0;
+  mean.contributors = {0, 9};
+  EXPECT_EQ(syncs_[2]->OnMessage(mean, now_).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(computes_[2]->applied.empty());
+}
+
+}  // namespace
+}  // namespace geotrain

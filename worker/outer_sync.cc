@@ -1,0 +1,192 @@
+#include "worker/outer_sync.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
+
+namespace geotrain {
+namespace {
+
+// A replica's contributions may run this many rounds ahead of the reducer
+// (streaming); more is refused (each holds a stage's pseudo-gradient).
+constexpr int kMaxRoundsAhead = 2;
+
+}  // namespace
+
+OuterSync::OuterSync(OuterSyncOptions options, int self_pipeline, std::set<int> pipelines,
+                     OuterCompute* compute, OuterTransport* transport)
+    : options_(options),
+      self_(self_pipeline),
+      pipelines_(std::move(pipelines)),
+      compute_(compute),
+      transport_(transport) {
+  ended_ = applied_ = closed_ = RoundsEndedBy(options_.start_step);
+}
+
+int OuterSync::RoundsEndedBy(int step) const {
+  const int h = std::max(1, options_.inner_steps);
+  const int offset =
+      options_.streaming ? options_.stage * h / std::max(1, options_.stages) : 0;
+  return step - offset <= 0 ? 0 : (step - offset) / h;
+}
+
+std::optional<int> OuterSync::RoundEndingAt(int step) const {
+  // Streaming: stage k syncs k/P of the way into the round (RoundsEndedBy).
+  const int round = RoundsEndedBy(step);
+  if (round == 0 || RoundsEndedBy(step - 1) == round) return std::nullopt;
+  return round;
+}
+
+absl::Status OuterSync::AfterStep(int step, int64_t samples, absl::Time now) {
+  const std::optional<int> round = RoundEndingAt(step);
+  if (!round.has_value() || *round <= ended_) return absl::OkStatus();
+  absl::StatusOr<std::vector<v1::LayerWeights>> delta = compute_->ExportPseudoGradient();
+  if (!delta.ok()) return delta.status();
+  ended_ = *round;
+  if (reducer()) {
+    Round& r = open_[*round];
+    r.contributions[self_] = {self_, samples, *std::move(delta)};
+    // Blocking: the others have `deadline` from now. Streaming: until this
+    // replica's next round ends (below), so nobody waits for the network.
+    r.deadline = options_.streaming ? absl::InfiniteFuture() : now + options_.deadline;
+    if (options_.streaming) {
+      for (auto& [earlier, open] : open_) {
+        if (earlier < *round) open.deadline = now;
+      }
+    }
+    RETURN_IF_ERROR(OnTime(now));
+    if (open_.count(*round) > 0 && r.contributions.size() == pipelines_.size()) {
+      RETURN_IF_ERROR(Close(*round));
+    }
+  } else {
+    OuterMessage message;
+    message.kind = OuterMessage::Kind::kDelta;
+    message.epoch = options_.epoch;
+    message.stage = options_.stage;
+    message.round = *round;
+    message.pipeline = self_;
+    message.samples = samples;
+    message.layers = *std::move(delta);
+    RETURN_IF_ERROR(transport_->Send(0, std::move(message)));
+  }
+  return ApplyPending();
+}
+
+absl::Status OuterSync::OnMessage(const OuterMessage& message, absl::Time now) {
+  auto refuse = [&](absl::string_view why) {
+    return absl::InvalidArgumentError(absl::StrCat("outer sync message from pipeline ",
+                                                   message.pipeline, " refused: ", why));
+  };
+  if (message.epoch != options_.epoch || message.stage != options_.stage) {
+    return refuse("another epoch or stage");
+  }
+  if (message.pipeline == self_ || pipelines_.count(message.pipeline) == 0) {
+    return refuse("not a replica of this stage in the plan");
+  }
+  if (message.round < 1) return refuse("round before the first");
+  if (message.kind == OuterMessage::Kind::kDelta) {
+    if (!reducer()) return refuse("a contribution to a replica that does not reduce");
+    if (message.samples < 0) return refuse("negative samples");
+    if (message.round <= closed_) return absl::OkStatus();  // too late: round closed
+    if (message.round > ended_ + kMaxRoundsAhead) return refuse("too many rounds ahead");
+    Round& r = open_[message.round];
+    if (r.contributions.count(message.pipeline) > 0) return refuse("a second contribution");
+    r.contributions[message.pipeline] = {message.pipeline, message.samples, message.layers};
+    if (message.round <= ended_ && r.contributions.size() == pipelines_.size()) {
+      RETURN_IF_ERROR(Close(message.round));
+    }
+    return OnTime(now);
+  }
+  if (message.pipeline != 0 || reducer()) return refuse("a mean not from the reducer");
+  if (message.round <= applied_ || pending_means_.count(message.round) > 0) {
+    return refuse("a mean for a round already applied");
+  }
+  if (message.round > ended_ + kMaxRoundsAhead) return refuse("a mean too many rounds ahead");
+  for (int p : message.contributors) {
+    if (pipelines_.count(p) == 0) return refuse("a contributor not in the plan");
+  }
+  pending_means_[message.round] = message;
+  return ApplyPending();
+}
+
+absl::Status OuterSync::OnTime(absl::Time now) {
+  while (!open_.empty()) {
+    const int round = open_.begin()->first;
+    // A round closes only once this replica (the reducer) has contributed.
+    if (round > ended_ || open_.begin()->second.deadline > now) break;
+    RETURN_IF_ERROR(Close(round));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status OuterSync::Close(int round) {
+  auto it = open_.find(round);
+  if (it == open_.end()) return absl::InternalError(absl::StrCat("round ", round, " not open"));
+  // Earlier rounds first: means are applied in order.
+  while (open_.begin()->first < round) RETURN_IF_ERROR(Close(open_.begin()->first));
+  std::vector<OuterCompute::Contribution> contributions;
+  std::vector<int> contributors;
+  int64_t samples = 0;
+  for (auto& [pipeline, c] : it->second.contributions) {  // in pipeline order
+    contributors.push_back(pipeline);
+    samples += c.samples;
+    contributions.push_back(std::move(c));
+  }
+  open_.erase(it);
+  closed_ = round;
+  absl::StatusOr<std::vector<v1::LayerWeights>> mean = compute_->Reduce(contributions);
+  if (!mean.ok()) return mean.status();
+  for (int p : pipelines_) {
+    if (p == self_) continue;
+    OuterMessage message;
+    message.kind = OuterMessage::Kind::kMean;
+    message.epoch = options_.epoch;
+    message.stage = options_.stage;
+    message.round = round;
+    message.pipeline = self_;
+    message.samples = samples;
+    message.contributors = contributors;
+    message.layers = *mean;
+    RETURN_IF_ERROR(transport_->Send(p, std::move(message)));
+  }
+  return Apply(round, *mean, std::move(contributors));
+}
+
+absl::Status OuterSync::Apply(int round, const std::vector<v1::LayerWeights>& mean,
+                              std::vector<int> contributors) {
+  if (round != applied_ + 1) {
+    return absl::InternalError(absl::StrCat("round ", round, "'s mean after round ", applied_));
+  }
+  RETURN_IF_ERROR(compute_->ApplyMean(mean, /*keep_local_progress=*/options_.streaming));
+  applied_ = round;
+  members_[round] = std::move(contributors);
+  return absl::OkStatus();
+}
+
+absl::Status OuterSync::ApplyPending() {
+  while (!pending_means_.empty()) {
+    auto it = pending_means_.begin();
+    // A mean waits until this replica has ended its round (taken the
+    // pseudo-gradient the mean replaces) and applied the ones before.
+    if (it->first > ended_ || it->first != applied_ + 1) break;
+    OuterMessage mean = std::move(it->second);
+    pending_means_.erase(it);
+    RETURN_IF_ERROR(Apply(mean.round, mean.layers, std::move(mean.contributors)));
+  }
+  return absl::OkStatus();
+}
+
+bool OuterSync::MustWait() const { return !options_.streaming && ended_ > applied_; }
+
+absl::Time OuterSync::NextDeadline() const {
+  absl::Time next = absl::InfiniteFuture();
+  for (const auto& [round, r] : open_) {
+    if (round <= ended_) next = std::min(next, r.deadline);
+  }
+  return next;
+}
+
+}  // namespace geotrain

@@ -1,0 +1,157 @@
+// The outer step's rounds among the replicas of one stage (the same stage in
+// the plan's R pipelines), as a star whose centre, the reducer, is pipeline
+// 0's worker (docs/pipelines.md, "The outer sync"):
+//
+//   - a replica ends its round t after the update of its step t * H (with
+//     streaming, stage k of P at t * H + k * H / P, so the stages' syncs do
+//     not share the uplink at once) and sends its pseudo-gradient (DELTA)
+//     to the reducer; the reducer keeps its own;
+//   - the reducer closes round t once every replica has contributed, or at
+//     its deadline (blocking: `deadline` after its own contribution;
+//     streaming: when its own round t + 1 ends), reduces what arrived in
+//     pipeline order and sends the mean (MEAN, naming the contributors) to
+//     every replica, applying the same bytes itself;
+//   - every replica applies round t's mean once it has it: blocking, before
+//     its next step (the driver waits, MustWait()); streaming, when it
+//     arrives, keeping the inner steps taken since (one round late).
+//
+// The reducer alone decides a round's members, so every replica applies the
+// same mean and ends each round on the same outer weights, whether or not
+// its own contribution made it: a replica absent for a round contributes
+// nothing to it. Contributions for a closed round are dropped; a mean that
+// does not come is the caller's to time out (a lost link).
+//
+// Torch-free: the stage's outer optimizer is behind OuterCompute
+// (StageRuntime's outer API), the links behind OuterTransport. Not
+// thread-safe: the pipeline driver's thread calls everything.
+#ifndef GEOTRAIN_WORKER_OUTER_SYNC_H_
+#define GEOTRAIN_WORKER_OUTER_SYNC_H_
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "geotrain/v1/stage.pb.h"
+
+namespace geotrain {
+
+struct OuterMessage {
+  enum class Kind { kDelta, kMean };
+  Kind kind = Kind::kDelta;
+  uint64_t epoch = 0;
+  int stage = 0;
+  int round = 0;
+  int pipeline = 0;              // the sender's
+  int64_t samples = 0;           // DELTA: its samples; MEAN: all contributors'
+  std::vector<int> contributors;  // MEAN: their pipelines, in order
+  std::vector<v1::LayerWeights> layers;
+};
+
+// The stage's outer optimizer.
+class OuterCompute {
+ public:
+  struct Contribution {
+    int pipeline = 0;
+    int64_t samples = 0;
+    std::vector<v1::LayerWeights> layers;
+  };
+  virtual ~OuterCompute() = default;
+  // This replica's encoded pseudo-gradient since the last outer step.
+  virtual absl::StatusOr<std::vector<v1::LayerWeights>> ExportPseudoGradient() = 0;
+  // The reducer: the samples-weighted mean of `contributions` (in pipeline
+  // order), encoded for the wire.
+  virtual absl::StatusOr<std::vector<v1::LayerWeights>> Reduce(
+      const std::vector<Contribution>& contributions) = 0;
+  // Every replica: the outer step on `mean` (as sent); with
+  // `keep_local_progress` the inner steps since the export stay on top.
+  virtual absl::Status ApplyMean(const std::vector<v1::LayerWeights>& mean,
+                                 bool keep_local_progress) = 0;
+};
+
+// Sends to the replica of pipeline `to` (the reducer is pipeline 0).
+class OuterTransport {
+ public:
+  virtual ~OuterTransport() = default;
+  virtual absl::Status Send(int to, OuterMessage message) = 0;
+};
+
+struct OuterSyncOptions {
+  uint64_t epoch = 0;
+  int stage = 0;
+  int stages = 1;
+  int inner_steps = 50;  // H
+  bool streaming = false;
+  // The plan's start step: rounds that ended before it are behind every
+  // replica of the stage (the next to end is the first this sync sees).
+  int start_step = 0;
+  // Blocking: how long the reducer waits for the others after its own
+  // contribution.
+  absl::Duration deadline = absl::Seconds(10);
+};
+
+class OuterSync {
+ public:
+  // `pipelines`: every pipeline with a replica of this stage in the plan,
+  // this one's included; the reducer is pipeline 0's.
+  OuterSync(OuterSyncOptions options, int self_pipeline, std::set<int> pipelines,
+            OuterCompute* compute, OuterTransport* transport);
+
+  bool reducer() const { return self_ == 0; }
+  // The round that ends with the update of `step` (1-based), if one does.
+  std::optional<int> RoundEndingAt(int step) const;
+  // The newest round that ended at or before `step` (0: none).
+  int RoundsEndedBy(int step) const;
+  // After the update that ended `step`, having trained `samples` samples
+  // since the last round ended: ends a round if one ends here.
+  absl::Status AfterStep(int step, int64_t samples, absl::Time now);
+  // A message from another replica of the stage. INVALID_ARGUMENT for one
+  // that does not belong (another epoch or stage, a stranger's pipeline, a
+  // DELTA to a non-reducer, a MEAN from one): the caller treats it as a
+  // failing link.
+  absl::Status OnMessage(const OuterMessage& message, absl::Time now);
+  // Time passes (the driver calls it while it waits and between messages):
+  // the reducer closes rounds past their deadline.
+  absl::Status OnTime(absl::Time now);
+  // Blocking mode: a round's mean is owed before the next step.
+  bool MustWait() const;
+  // When the driver must call OnTime next (InfiniteFuture: nothing due).
+  absl::Time NextDeadline() const;
+
+  int rounds_applied() const { return applied_; }
+  // Per closed round (the reducer) or applied round: its contributors.
+  const std::map<int, std::vector<int>>& members() const { return members_; }
+
+ private:
+  struct Round {
+    std::map<int, OuterCompute::Contribution> contributions;  // by pipeline
+    absl::Time deadline = absl::InfiniteFuture();
+  };
+  absl::Status Close(int round);
+  absl::Status Apply(int round, const std::vector<v1::LayerWeights>& mean,
+                     std::vector<int> contributors);
+  absl::Status ApplyPending();
+
+  const OuterSyncOptions options_;
+  const int self_;
+  const std::set<int> pipelines_;
+  OuterCompute* const compute_;
+  OuterTransport* const transport_;
+  int ended_ = 0;    // the newest round this replica ended
+  int applied_ = 0;  // the newest round whose mean it applied
+  int closed_ = 0;   // the reducer: the newest round it closed
+  std::map<int, Round> open_;  // the reducer's rounds not yet closed
+  // Means that came before this replica ended their round (a replica may
+  // trail the reducer), applied in order once it has.
+  std::map<int, OuterMessage> pending_means_;
+  std::map<int, std::vector<int>> members_;
+};
+
+}  // namespace geotrain
+
+#endif  // GEOTRAIN_WORKER_OUTER_SYNC_H_
