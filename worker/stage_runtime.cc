@@ -897,16 +897,8 @@ absl::StatusOr<std::vector<v1::LayerWeights>> StageRuntime::ExportPseudoGradient
                     [&]() -> absl::StatusOr<std::vector<v1::LayerWeights>> {
     const std::vector<torch::Tensor>& params = s.stash->Get(s.stash->current_version());
     ASSIGN_OR_RETURN(std::vector<torch::Tensor> delta, s.outer->PseudoGradient(params));
-    std::vector<v1::LayerWeights> out;
-    for (size_t i = 0; i < s.layers.size(); ++i) {
-      const auto [begin, end] = s.LayerParams(i, params.size());
-      v1::LayerWeights& layer = out.emplace_back();
-      layer.set_layer(s.placement.layer_begin + static_cast<int>(i));
-      for (size_t p = begin; p < end; ++p) {
-        RETURN_IF_ERROR(
-            s.outer_encoder->Encode(p, delta[p], layer.add_params(), layer.mutable_payload()));
-      }
-    }
+    ASSIGN_OR_RETURN(std::vector<v1::LayerWeights> out,
+                     EncodeStageTensors(delta, s.outer_encoder.get()));
     s.outer_sent_from.clear();
     for (const torch::Tensor& p : params) s.outer_sent_from.push_back(p.detach());
     return out;
@@ -938,6 +930,21 @@ absl::StatusOr<std::vector<torch::Tensor>> StageRuntime::DecodeStageTensors(
       ASSIGN_OR_RETURN(torch::Tensor t, DecodeTensor(header, layer.payload(), offset));
       offset += header.payload_bytes();
       out[p] = std::move(t);
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<v1::LayerWeights>> StageRuntime::EncodeStageTensors(
+    const std::vector<torch::Tensor>& tensors, ErrorFeedbackEncoder* encoder) const {
+  const Impl& s = *impl_;
+  std::vector<v1::LayerWeights> out;
+  for (size_t i = 0; i < s.layers.size(); ++i) {
+    const auto [begin, end] = s.LayerParams(i, tensors.size());
+    v1::LayerWeights& layer = out.emplace_back();
+    layer.set_layer(s.placement.layer_begin + static_cast<int>(i));
+    for (size_t p = begin; p < end; ++p) {
+      RETURN_IF_ERROR(encoder->Encode(p, tensors[p], layer.add_params(), layer.mutable_payload()));
     }
   }
   return out;
@@ -1004,18 +1011,7 @@ absl::StatusOr<std::vector<v1::LayerWeights>> StageRuntime::ReduceOuterContribut
     if (mean.empty()) {  // nobody trained: a zero step
       for (const torch::Tensor& o : s.outer->outer_weights()) mean.push_back(torch::zeros_like(o));
     }
-    const std::vector<torch::Tensor>& params = s.stash->Get(s.stash->current_version());
-    std::vector<v1::LayerWeights> out;
-    for (size_t i = 0; i < s.layers.size(); ++i) {
-      const auto [begin, end] = s.LayerParams(i, params.size());
-      v1::LayerWeights& layer = out.emplace_back();
-      layer.set_layer(s.placement.layer_begin + static_cast<int>(i));
-      for (size_t p = begin; p < end; ++p) {
-        RETURN_IF_ERROR(
-            s.mean_encoder->Encode(p, mean[p], layer.add_params(), layer.mutable_payload()));
-      }
-    }
-    return out;
+    return EncodeStageTensors(mean, s.mean_encoder.get());
   });
 }
 

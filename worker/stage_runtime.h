@@ -28,6 +28,7 @@
 namespace geotrain {
 
 struct PseudoGradientContribution;  // worker/outer_optimizer.h
+class ErrorFeedbackEncoder;         // worker/outer_optimizer.h
 
 struct StagePlacement {
   int stage = 0;
@@ -241,6 +242,9 @@ class StageRuntime {
   absl::StatusOr<std::vector<at::Tensor>> DecodeStageTensors(
       const std::vector<v1::LayerWeights>& layers, const char* what) const;
   absl::Status PublishOuterWeights(const std::vector<at::Tensor>& outer, bool keep_local_progress);
+  // One entry per layer of this stage, each parameter through `encoder`.
+  absl::StatusOr<std::vector<v1::LayerWeights>> EncodeStageTensors(
+      const std::vector<at::Tensor>& tensors, ErrorFeedbackEncoder* encoder) const;
   absl::StatusOr<std::vector<PseudoGradientContribution>> DecodeContributions(
       const std::vector<OuterContribution>& contributions) const;
   std::unique_ptr<Impl> impl_;

@@ -115,6 +115,19 @@ std::unique_ptr<StageRuntime> Runtime(const v1::JobSpec& job) {
   return *std::move(runtime);
 }
 
+// `count` runtimes of `job` with the outer optimizer started, codec `codec`.
+std::vector<std::unique_ptr<StageRuntime>> OuterReplicas(const v1::JobSpec& job, v1::Codec codec,
+                                                         int count) {
+  std::vector<std::unique_ptr<StageRuntime>> replicas;
+  for (int r = 0; r < count; ++r) {
+    replicas.push_back(Runtime(job));
+    StageRuntime::OuterSettings settings;
+    settings.encoding.codec = codec;
+    EXPECT_TRUE(replicas.back()->StartOuter(settings).ok());
+  }
+  return replicas;
+}
+
 // One inner step of pipeline r of R on ids step*R*M + j*R + r; its mean loss.
 double InnerStep(StageRuntime& runtime, const v1::JobSpec& job, int step, int r, int pipelines) {
   double loss = 0;
@@ -132,13 +145,7 @@ double InnerStep(StageRuntime& runtime, const v1::JobSpec& job, int step, int r,
 TEST(OuterStepRuntimeTest, ReplicasEndEveryRoundBitIdentical) {
   for (v1::Codec codec : {v1::CODEC_NONE, v1::CODEC_INT8}) {
     const v1::JobSpec job = Job(2, v1::Optimizer::KIND_ADAMW);
-    std::vector<std::unique_ptr<StageRuntime>> replicas;
-    for (int r = 0; r < 3; ++r) {
-      replicas.push_back(Runtime(job));
-      StageRuntime::OuterSettings settings;
-      settings.encoding.codec = codec;
-      ASSERT_TRUE(replicas.back()->StartOuter(settings).ok());
-    }
+    std::vector<std::unique_ptr<StageRuntime>> replicas = OuterReplicas(job, codec, 3);
     for (int round = 0; round < 3; ++round) {
       std::vector<StageRuntime::OuterContribution> contributions;
       for (int r = 0; r < 3; ++r) {
@@ -167,17 +174,9 @@ TEST(OuterStepRuntimeTest, ReplicasEndEveryRoundBitIdentical) {
 TEST(OuterStepRuntimeTest, AReducersMeanLeavesEveryReplicaIdentical) {
   for (v1::Codec codec : {v1::CODEC_NONE, v1::CODEC_INT8}) {
     const v1::JobSpec job = Job(2, v1::Optimizer::KIND_ADAMW);
-    std::vector<std::unique_ptr<StageRuntime>> replicas;
-    for (int r = 0; r < 3; ++r) {
-      replicas.push_back(Runtime(job));
-      StageRuntime::OuterSettings settings;
-      settings.encoding.codec = codec;
-      ASSERT_TRUE(replicas.back()->StartOuter(settings).ok());
-    }
-    auto direct = Runtime(job);  // ApplyOuterStep with the same contributions
-    StageRuntime::OuterSettings settings;
-    settings.encoding.codec = codec;
-    ASSERT_TRUE(direct->StartOuter(settings).ok());
+    std::vector<std::unique_ptr<StageRuntime>> replicas = OuterReplicas(job, codec, 3);
+    // ApplyOuterStep with the same contributions.
+    std::unique_ptr<StageRuntime> direct = std::move(OuterReplicas(job, codec, 1)[0]);
     for (int round = 0; round < 2; ++round) {
       std::vector<StageRuntime::OuterContribution> contributions;
       for (int r = 0; r < 3; ++r) {
