@@ -26,6 +26,9 @@ struct LinkAssignerInput {
 // reachable, else the downstream one when the upstream one is, else both
 // dial a relay (the least loaded so far; a fresh random rendezvous), else
 // none can (LINK_DIALER_NONE) and the link's reason says what to do.
+// With several pipelines, also the outer sync's links (PlannedLink.outer):
+// each stage's worker in pipeline r > 0 (as the upstream end) to the
+// stage's worker in pipeline 0, chosen the same way.
 void AssignLinks(const LinkAssignerInput& input, v1::Plan* plan);
 
 // The plan as `viewer` may see it: a link's rendezvous is a secret of its

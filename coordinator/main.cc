@@ -148,15 +148,6 @@ int main(int argc, char** argv) {
   if (job_path.empty()) return Fail("--job=FILE is required");
   absl::StatusOr<geotrain::v1::JobSpec> job = geotrain::LoadJobSpec(job_path);
   if (!job.ok()) return Fail(std::string(job.status().message()));
-  if (job->has_outer()) {
-    // The plan, planner, progress and churn handle pipelines, and the
-    // workers' StageRuntime takes the outer step (docs/pipelines.md); the
-    // transport that carries pseudo-gradients between a stage's replicas is
-    // not built yet, and pipelines that never sync would train R models.
-    return Fail(absl::StrCat(job_path, ": outer { } (several pipelines with an outer optimizer) "
-                             "is not available yet: the outer sync between pipelines is still "
-                             "being built; remove the block to train one pipeline"));
-  }
   if (std::optional<int> min_workers = absl::GetFlag(FLAGS_min_workers)) {
     if (*min_workers < 1) return Fail("--min_workers must be >= 1");
     job->set_min_workers(*min_workers);

@@ -126,7 +126,7 @@ absl::StatusOr<Opened> DialRelay(const DialTarget& target, const LinkOptions& op
                                  const std::atomic<bool>* stop) {
   const v1::PlannedLink& planned = *target.planned;
   const std::string& relay = planned.relay_address();
-  const bool upstream_end = target.peer.side == PeerSide::kDownstream;
+  const bool upstream_end = PlaysUpstreamEnd(target);
   const std::string what = absl::StrCat("the relay '", planned.relay_worker(), "' at ", relay,
                                         " for the ", PeerSideName(target.peer.side),
                                         " link to '", target.peer.id, "'");
@@ -200,6 +200,16 @@ absl::StatusOr<Opened> DialRelay(const DialTarget& target, const LinkOptions& op
 
 }  // namespace
 
+bool PlaysUpstreamEnd(const DialTarget& target) {
+  switch (target.peer.side) {
+    case PeerSide::kDownstream: return true;
+    case PeerSide::kUpstream: return false;
+    case PeerSide::kReplica:
+      return target.planned != nullptr && target.planned->upstream_worker() == target.self_id;
+  }
+  return false;
+}
+
 absl::StatusOr<std::shared_ptr<LinkEnd>> OpenLink(
     const DialTarget& target, std::shared_ptr<const LinkValidator> validator,
     std::shared_ptr<Inbox> inbox, const LinkOptions& options, LinkService* service,
@@ -211,14 +221,16 @@ absl::StatusOr<std::shared_ptr<LinkEnd>> OpenLink(
   std::shared_ptr<LinkEnd> end;
   if (relayed) {
     ASSIGN_OR_RETURN(Opened opened, DialRelay(target, options, stop));
-    if (target.peer.side == PeerSide::kUpstream) {
+    if (!PlaysUpstreamEnd(target)) {
       // The upstream end speaks first; answer it as if it had dialled.
       ASSIGN_OR_RETURN(end, service->Answer(std::move(opened.transport), opened.identity,
                                             opened.identity.empty() ? target.peer.id
                                                                     : opened.identity));
-      if (end->peer().id != target.peer.id) {
+      if (end->peer().id != target.peer.id || end->peer().side != target.peer.side) {
         end->EndOnPurpose();
-        service->upstream_links()->Unregister(end.get());
+        if (end->peer().side == PeerSide::kUpstream) {
+          service->upstream_links()->Unregister(end.get());
+        }
         return absl::PermissionDeniedError(absl::StrCat(
             "the relayed link meant for '", target.peer.id, "' came from '", end->peer().id, "'"));
       }
@@ -228,7 +240,8 @@ absl::StatusOr<std::shared_ptr<LinkEnd>> OpenLink(
     if (absl::Status exchanged = ExchangeHello(opened.transport.get(), hello, options);
         !exchanged.ok()) {
       return absl::Status(exchanged.code(),
-                          absl::StrCat("the downstream link to '", target.peer.id, "' ",
+                          absl::StrCat("the ", PeerSideName(target.peer.side), " link to '",
+                                       target.peer.id, "' ",
                                        opened.transport->description(), ": ",
                                        exchanged.message()));
     }

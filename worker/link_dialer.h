@@ -26,6 +26,12 @@ struct DialTarget {
   const v1::PlannedLink* planned = nullptr;  // null: direct, upstream dials
 };
 
+// Whether this worker plays the planned link's upstream end: the end that
+// opens the TLS session through a relay and speaks first. The upstream
+// neighbour on a pipeline link; the contributing replica (not the
+// reducer) on an outer-sync link.
+bool PlaysUpstreamEnd(const DialTarget& target);
+
 // Opens the link to `target.peer` that the plan says this worker opens:
 // direct (a gRPC stream to the peer's address, or its route), retrying
 // while the peer has not yet started the plan (up to connect_timeout) or

@@ -134,11 +134,16 @@ void LinkEnd::StartReader() {
 }
 
 absl::Status LinkEnd::ReadUntilEnd() {
-  const bool from_upstream = peer_.side == PeerSide::kUpstream;
+  const PeerSide side = peer_.side;
+  const bool from_upstream = side == PeerSide::kUpstream;
   const LinkValidator* validator = validator_.get();
-  FrameAssembler assembler(kMaxMessageBytes, [validator, from_upstream](const v1::LinkHeader& h) {
-    return from_upstream ? validator->CheckHeaderFromUpstream(h)
-                         : validator->CheckHeaderFromDownstream(h);
+  FrameAssembler assembler(kMaxMessageBytes, [validator, side](const v1::LinkHeader& h) {
+    switch (side) {
+      case PeerSide::kUpstream: return validator->CheckHeaderFromUpstream(h);
+      case PeerSide::kDownstream: return validator->CheckHeaderFromDownstream(h);
+      case PeerSide::kReplica: return validator->CheckHeaderFromReplica(h);
+    }
+    return absl::InternalError("no such side");
   });
   IncomingFrame frame;
   absl::Status failure;
@@ -169,8 +174,9 @@ absl::Status LinkEnd::ReadUntilEnd() {
     if (!added->has_value()) continue;
     LinkMessage& message = **added;
     const TrainTiming train = TimeTrain(arrivals);
-    failure = from_upstream ? validator->CheckFromUpstream(message)
-                            : validator->CheckFromDownstream(message);
+    failure = side == PeerSide::kUpstream     ? validator->CheckFromUpstream(message)
+              : side == PeerSide::kDownstream ? validator->CheckFromDownstream(message)
+                                              : validator->CheckFromReplica(message);
     if (!failure.ok()) break;
     if (from_upstream && on_forward_ &&
         (message.header.kind() == v1::MESSAGE_KIND_ACTIVATION ||
@@ -181,6 +187,7 @@ absl::Status LinkEnd::ReadUntilEnd() {
     InboundMessage in{from_upstream, std::move(message), absl::OkStatus(),
                       train.trailing_bytes, train.dispersion, after_stall};
     in.peer = peer_.id;
+    in.from_replica = side == PeerSide::kReplica;
     if (!inbox_->Push(std::move(in))) {
       stopping = true;  // the worker is ending this attempt
       break;
@@ -225,6 +232,7 @@ absl::Status LinkEnd::ReadUntilEnd() {
     GT_LOG(Error) << why;
     InboundMessage message{from_upstream, LinkMessage(), absl::UnavailableError(why)};
     message.peer = peer_.id;
+    message.from_replica = side == PeerSide::kReplica;
     inbox_->TryPush(std::move(message));
   }
   const std::function<void()> on_end = on_end_;

@@ -32,12 +32,12 @@ LinkService::LinkService(LinkOptions options) : options_(std::move(options)) {
 
 LinkService::~LinkService() {
   Shutdown();
-  std::map<std::string, std::shared_ptr<LinkEnd>> downstream;
+  std::map<DialledIn, std::shared_ptr<LinkEnd>> dialled_in;
   {
     absl::MutexLock lock(&mu_);
-    downstream.swap(downstream_);
+    dialled_in.swap(dialled_in_);
   }
-  for (auto& [worker, end] : downstream) end->WaitServed(absl::InfiniteDuration());
+  for (auto& [key, end] : dialled_in) end->WaitServed(absl::InfiniteDuration());
 }
 
 void LinkService::SetWorkerId(const std::string& id) {
@@ -60,8 +60,8 @@ void LinkService::Deactivate() {
     validator_ = nullptr;
     inbox_ = nullptr;
     dialling_downstream_.clear();
-    for (auto& [worker, end] : downstream_) end->EndOnPurpose();
-    downstream_.clear();
+    for (auto& [key, end] : dialled_in_) end->EndOnPurpose();
+    dialled_in_.clear();
   }
   upstream_links_.EndAll();
 }
@@ -155,13 +155,15 @@ absl::StatusOr<std::shared_ptr<LinkEnd>> LinkService::Answer(
                      absl::StrCat("HELLO as '", h.from_worker().substr(0, 128),
                                   "' from a peer whose certificate names '", identity, "'"));
     }
-    side = h.from_stage() == validator_->stage() + 1 && h.kind() == v1::MESSAGE_KIND_HELLO
-               ? PeerSide::kDownstream
-               : PeerSide::kUpstream;
-    absl::Status valid = side == PeerSide::kUpstream
-                             ? validator_->CheckHello(h)
-                             : validator_->CheckHelloFromDownstream(h, dialling_downstream_,
-                                                                    worker_id_);
+    const bool hello = h.kind() == v1::MESSAGE_KIND_HELLO;
+    side = hello && h.from_stage() == validator_->stage() + 1 ? PeerSide::kDownstream
+           : hello && h.from_stage() == validator_->stage()   ? PeerSide::kReplica
+                                                              : PeerSide::kUpstream;
+    absl::Status valid =
+        side == PeerSide::kUpstream   ? validator_->CheckHello(h)
+        : side == PeerSide::kReplica ? validator_->CheckHelloFromReplica(h, worker_id_)
+                                     : validator_->CheckHelloFromDownstream(
+                                           h, dialling_downstream_, worker_id_);
     if (!valid.ok()) {
       // INVALID_ARGUMENT, or FAILED_PRECONDITION (the dialler retries) for a
       // plan epoch this worker has not started yet.
@@ -212,9 +214,9 @@ absl::StatusOr<std::shared_ptr<LinkEnd>> LinkService::Answer(
   } else {
     end->SetHooks(nullptr, [this, raw] {
       absl::MutexLock lock(&mu_);
-      if (auto it = downstream_.find(raw->peer().id);
-          it != downstream_.end() && it->second.get() == raw) {
-        downstream_.erase(it);
+      if (auto it = dialled_in_.find({raw->peer().side, raw->peer().id});
+          it != dialled_in_.end() && it->second.get() == raw) {
+        dialled_in_.erase(it);
       }
     });
   }
@@ -224,24 +226,24 @@ absl::StatusOr<std::shared_ptr<LinkEnd>> LinkService::Answer(
     // Only for the plan it was checked against: a re-plan meanwhile ends it.
     absl::MutexLock lock(&mu_);
     stale = validator_ != validator;
-    if (!stale && side == PeerSide::kDownstream) {
+    if (!stale && side != PeerSide::kUpstream) {
       // As for upstream links: a live link of the same worker stays.
-      const std::string id = end->peer().id;
-      auto old_gone = [this, &id, &validator]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return downstream_.count(id) == 0 || validator_ != validator || shutdown_;
+      const DialledIn key{side, end->peer().id};
+      auto old_gone = [this, &key, &validator]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return dialled_in_.count(key) == 0 || validator_ != validator || shutdown_;
       };
       mu_.AwaitWithTimeout(absl::Condition(&old_gone), options_.duplicate_link_wait);
       stale = validator_ != validator || shutdown_;
-      duplicate = !stale && downstream_.count(id) > 0;
-      if (!stale && !duplicate) downstream_[id] = end;
+      duplicate = !stale && dialled_in_.count(key) > 0;
+      if (!stale && !duplicate) dialled_in_[key] = end;
     }
   }
   if (duplicate) {
     end->EndOnPurpose();
     const std::string why = absl::StrCat("key in use twice: worker '",
                                          end->peer().id.substr(0, 128),
-                                         "' already has a live downstream link here; the "
-                                         "second one is refused");
+                                         "' already has a live ", PeerSideName(side),
+                                         " link here; the second one is refused");
     if (options_.on_key_in_use_twice) {
       options_.on_key_in_use_twice(end->peer().id,
                                    absl::StrCat("a second link from ", peer_name, ": ", why));
@@ -258,25 +260,26 @@ absl::StatusOr<std::shared_ptr<LinkEnd>> LinkService::Answer(
   return end;
 }
 
-absl::StatusOr<std::shared_ptr<LinkEnd>> LinkService::AwaitDownstream(
-    const std::string& id, absl::Duration timeout, const std::atomic<bool>* stop) {
+absl::StatusOr<std::shared_ptr<LinkEnd>> LinkService::AwaitDialIn(
+    PeerSide side, const std::string& id, absl::Duration timeout, const std::atomic<bool>* stop) {
   const absl::Time deadline = absl::Now() + timeout;
+  const DialledIn key{side, id};
   absl::MutexLock lock(&mu_);
-  auto arrived = [this, &id]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return shutdown_ || downstream_.count(id) > 0;
+  auto arrived = [this, &key]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return shutdown_ || dialled_in_.count(key) > 0;
   };
   while (!mu_.AwaitWithTimeout(absl::Condition(&arrived), absl::Milliseconds(200))) {
     if (stop != nullptr && *stop) return absl::CancelledError("stopped while waiting for a link");
     if (absl::Now() > deadline) {
       return absl::UnavailableError(absl::StrCat(
-          "the downstream worker '", id, "' did not dial in within ",
+          "the ", PeerSideName(side), " worker '", id, "' did not dial in within ",
           absl::FormatDuration(timeout),
           " (the plan has it dial this worker because it is not reachable itself): check that "
           "it can reach this worker's advertised address"));
     }
   }
   if (shutdown_) return absl::CancelledError("shutting down");
-  return downstream_[id];
+  return dialled_in_[key];
 }
 
 grpc::Status LinkService::LinkRaw(grpc::ServerContext* context, RawLinkStream* stream) {

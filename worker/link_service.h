@@ -1,5 +1,6 @@
 // The Stage service: accepts Link streams from either neighbouring stage
-// (the HELLO's stage says which), bounded in number and time before their
+// or from a replica of this stage in another pipeline (the HELLO's stage
+// says which), bounded in number and time before their
 // HELLO, and answers reachability probes and measurements.
 //
 // Threading: gRPC's sync API; the handler thread of a stream is its link's
@@ -30,7 +31,9 @@ namespace geotrain {
 // probes. Until Activate() every stream is refused with FAILED_PRECONDITION.
 // A stream from upstream (HELLO from stage - 1, a worker the plan puts
 // there) joins UpstreamLinks; one from downstream (stage + 1, a worker the
-// plan says dials this one) waits for AwaitDownstream(). Malformed or
+// plan says dials this one) waits for AwaitDialIn(kDownstream); one from
+// a replica of this stage (the same stage, a worker the plan links with
+// this one for the outer sync) waits for AwaitDialIn(kReplica). Malformed or
 // inconsistent messages end that stream with INVALID_ARGUMENT; the worker
 // keeps running. With TLS a HELLO must come from the worker its certificate
 // names (PERMISSION_DENIED otherwise); streams without a HELLO are bounded
@@ -62,11 +65,12 @@ class LinkService final : public v1::Stage::Service {
   absl::StatusOr<std::shared_ptr<LinkEnd>> Answer(std::unique_ptr<LinkTransport> transport,
                                                   const std::string& identity,
                                                   const std::string& peer_name);
-  // The link the downstream worker `id` dialled for the active plan, waiting
-  // up to `timeout` (UNAVAILABLE then) or until `*stop`.
-  absl::StatusOr<std::shared_ptr<LinkEnd>> AwaitDownstream(const std::string& id,
-                                                           absl::Duration timeout,
-                                                           const std::atomic<bool>* stop);
+  // The link the downstream worker (or replica) `id` dialled for the active
+  // plan, waiting up to `timeout` (UNAVAILABLE then) or until `*stop`.
+  // REQUIRES: `side` is kDownstream or kReplica.
+  absl::StatusOr<std::shared_ptr<LinkEnd>> AwaitDialIn(PeerSide side, const std::string& id,
+                                                       absl::Duration timeout,
+                                                       const std::atomic<bool>* stop);
 
   // The Link method, on raw frames (link_transport.h): registered in place
   // of the generated LinkFrame handler.
@@ -92,7 +96,9 @@ class LinkService final : public v1::Stage::Service {
   std::shared_ptr<const LinkValidator> validator_ ABSL_GUARDED_BY(mu_);
   std::shared_ptr<Inbox> inbox_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> dialling_downstream_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, std::shared_ptr<LinkEnd>> downstream_ ABSL_GUARDED_BY(mu_);
+  // The links downstream workers and replicas dialled in, by side and id.
+  using DialledIn = std::pair<PeerSide, std::string>;
+  std::map<DialledIn, std::shared_ptr<LinkEnd>> dialled_in_ ABSL_GUARDED_BY(mu_);
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
   std::map<std::string, int> pending_hellos_ ABSL_GUARDED_BY(mu_);
   int pending_total_ ABSL_GUARDED_BY(mu_) = 0;

@@ -26,13 +26,15 @@ absl::Status CheckZstdFrame(const v1::TensorHeader& header, const std::string& p
 
 LinkValidator::LinkValidator(const v1::JobSpec& job, uint64_t epoch, int stage,
                              int layer_begin, int layer_end,
-                             std::set<std::string> upstream_workers)
+                             std::set<std::string> upstream_workers,
+                             std::set<std::string> replica_peers)
     : job_(job),
       epoch_(epoch),
       stage_(stage),
       layer_begin_(layer_begin),
       layer_end_(layer_end),
-      upstream_workers_(std::move(upstream_workers)) {}
+      upstream_workers_(std::move(upstream_workers)),
+      replica_peers_(std::move(replica_peers)) {}
 
 absl::Status LinkValidator::CheckEpoch(const v1::LinkHeader& header) const {
   if (header.epoch() != epoch_) {
@@ -184,6 +186,86 @@ absl::Status LinkValidator::CheckFromUpstream(const LinkMessage& message) const 
     default:
       return absl::OkStatus();  // control messages: the header is all
   }
+}
+
+absl::Status LinkValidator::CheckHelloFromReplica(const v1::LinkHeader& hello,
+                                                  const std::string& self_id) const {
+  RETURN_IF_ERROR(CheckHelloEpoch(hello));
+  if (hello.from_stage() != stage_) {
+    return absl::InvalidArgumentError(absl::StrCat("HELLO from stage ", hello.from_stage(),
+                                                   ": not a replica of stage ", stage_));
+  }
+  if (replica_peers_.count(hello.from_worker()) == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "HELLO from worker '", hello.from_worker().substr(0, 128), "', which the plan of epoch ",
+        epoch_, " does not link with this one for the outer sync of stage ", stage_));
+  }
+  if (hello.to_worker() != self_id) {
+    return absl::InvalidArgumentError(absl::StrCat("HELLO for worker '",
+                                                   hello.to_worker().substr(0, 128),
+                                                   "' reached ", self_id));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LinkValidator::CheckHeaderFromReplica(const v1::LinkHeader& h) const {
+  RETURN_IF_ERROR(CheckEpoch(h));
+  if (h.kind() != v1::MESSAGE_KIND_OUTER_DELTA && h.kind() != v1::MESSAGE_KIND_OUTER_MEAN) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "message kind ", v1::MessageKind_Name(h.kind()), " may not flow between replicas"));
+  }
+  if (!h.has_outer()) return absl::InvalidArgumentError("an outer message without its header");
+  const v1::OuterHeader& outer = h.outer();
+  if (outer.round() < 1 || outer.samples() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("outer message of round ", outer.round(),
+                                                   " with ", outer.samples(), " samples"));
+  }
+  if (outer.layers_size() != layer_end_ - layer_begin_) {
+    return absl::InvalidArgumentError(absl::StrCat("outer message with ", outer.layers_size(),
+                                                   " layers; stage ", stage_, " has ",
+                                                   layer_end_ - layer_begin_));
+  }
+  int tensor = 0;
+  for (int i = 0; i < outer.layers_size(); ++i) {
+    const int layer = layer_begin_ + i;
+    if (outer.layers(i).layer() != layer) {
+      return absl::InvalidArgumentError(absl::StrCat("outer message lists layer ",
+                                                     outer.layers(i).layer(), " where ", layer,
+                                                     " belongs"));
+    }
+    const std::vector<ParameterSpec> params = LayerParameters(job_, layer);
+    if (outer.layers(i).params() != static_cast<int>(params.size()) ||
+        h.tensors_size() - tensor < static_cast<int>(params.size())) {
+      return absl::InvalidArgumentError(absl::StrCat("outer message gives layer ", layer, " ",
+                                                     outer.layers(i).params(),
+                                                     " tensors; the model has ", params.size()));
+    }
+    for (const ParameterSpec& param : params) {
+      const v1::TensorHeader& t = h.tensors(tensor++);
+      RETURN_IF_ERROR(CheckTensorMatches(t, TensorSpec{param.shape}, param.name.c_str()));
+      if (!param.shape.empty() && t.shape(0) != param.shape[0]) {
+        return absl::InvalidArgumentError(absl::StrCat(param.name, " of layer ", layer,
+                                                       " has dimension 0 of ", t.shape(0),
+                                                       ", the model ", param.shape[0]));
+      }
+    }
+  }
+  if (tensor != h.tensors_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("outer message with ", h.tensors_size(),
+                                                   " tensors; stage ", stage_, " has ", tensor));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LinkValidator::CheckFromReplica(const LinkMessage& message) const {
+  RETURN_IF_ERROR(CheckHeaderFromReplica(message.header));
+  size_t offset = 0;
+  for (const v1::TensorHeader& t : message.header.tensors()) {
+    RETURN_IF_ERROR(CheckZstdFrame(t, message.payload, offset));
+    RETURN_IF_ERROR(CheckFinite(t, message.payload, offset));
+    offset += t.payload_bytes();
+  }
+  return absl::OkStatus();
 }
 
 absl::Status LinkValidator::CheckFromDownstream(const LinkMessage& message) const {

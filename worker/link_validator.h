@@ -20,9 +20,13 @@ class LinkValidator {
   // `upstream_workers`: the ids of the workers the plan puts on the stage
   // before (one, or several with replicas); a HELLO must name one of them.
   // Empty: any sender id is accepted (tools and tests).
+  // `replica_peers`: the workers of this stage in other pipelines that hold
+  // an outer-sync link with this one (job.outer); a replica's HELLO must
+  // name one of them.
   LinkValidator(const v1::JobSpec& job, uint64_t epoch, int stage,
                 int layer_begin, int layer_end,
-                std::set<std::string> upstream_workers = {});
+                std::set<std::string> upstream_workers = {},
+                std::set<std::string> replica_peers = {});
 
   // A message from the upstream neighbour (activations, eval, control).
   absl::Status CheckFromUpstream(const LinkMessage& message) const;
@@ -43,6 +47,17 @@ class LinkValidator {
                                         const std::set<std::string>& dialling_downstream,
                                         const std::string& self_id) const;
 
+  // The HELLO of another replica of this stage opening an outer-sync link:
+  // from this stage, one of `replica_peers`, addressed to `self_id`.
+  absl::Status CheckHelloFromReplica(const v1::LinkHeader& hello,
+                                     const std::string& self_id) const;
+  // An outer-sync message (OUTER_DELTA, OUTER_MEAN): its header lists every
+  // layer of this stage in order, each with the model's parameters, and
+  // every tensor is float32 of its parameter's exact shape, so the payload
+  // it announces is bounded by the stage's size before anything is kept.
+  absl::Status CheckHeaderFromReplica(const v1::LinkHeader& header) const;
+  absl::Status CheckFromReplica(const LinkMessage& message) const;
+
   uint64_t epoch() const { return epoch_; }
   int stage() const { return stage_; }
 
@@ -55,6 +70,7 @@ class LinkValidator {
   int stage_;
   int layer_begin_, layer_end_;
   std::set<std::string> upstream_workers_;
+  std::set<std::string> replica_peers_;
 };
 
 }  // namespace geotrain

@@ -17,9 +17,16 @@
 
 namespace geotrain {
 
-enum class PeerSide { kUpstream, kDownstream };
-inline const char* PeerSideName(PeerSide side) {  // "upstream", "downstream"
-  return side == PeerSide::kUpstream ? "upstream" : "downstream";
+// Who is at a link's other end: a neighbour on the stage before or after,
+// or a replica of this stage in another pipeline (the outer sync's links).
+enum class PeerSide { kUpstream, kDownstream, kReplica };
+inline const char* PeerSideName(PeerSide side) {  // "upstream", "downstream", "replica"
+  switch (side) {
+    case PeerSide::kUpstream: return "upstream";
+    case PeerSide::kDownstream: return "downstream";
+    case PeerSide::kReplica: return "replica";
+  }
+  return "?";
 }
 
 struct InboundMessage {
@@ -33,6 +40,7 @@ struct InboundMessage {
   absl::Duration dispersion;
   bool after_stall = false;
   std::string peer;  // worker id at the other end of the link, when known
+  bool from_replica = false;  // an outer-sync link (from_upstream is false)
 };
 using Inbox = BoundedQueue<InboundMessage>;
 

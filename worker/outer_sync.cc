@@ -23,14 +23,23 @@ OuterSync::OuterSync(OuterSyncOptions options, int self_pipeline, std::set<int> 
       pipelines_(std::move(pipelines)),
       compute_(compute),
       transport_(transport) {
-  ended_ = applied_ = closed_ = RoundsEndedBy(options_.start_step);
+  due_ = ended_ = applied_ = closed_ = RoundsEndedBy(options_.start_step);
 }
 
-int OuterSync::RoundsEndedBy(int step) const {
+int OuterSync::ScheduledRoundsEndedBy(int step) const {
   const int h = std::max(1, options_.inner_steps);
   const int offset =
       options_.streaming ? options_.stage * h / std::max(1, options_.stages) : 0;
   return step - offset <= 0 ? 0 : (step - offset) / h;
+}
+
+int OuterSync::final_round() const {
+  return options_.final_step > 0 ? ScheduledRoundsEndedBy(options_.final_step - 1) + 1 : 0;
+}
+
+int OuterSync::RoundsEndedBy(int step) const {
+  if (options_.final_step > 0 && step >= options_.final_step) return final_round();
+  return ScheduledRoundsEndedBy(step);
 }
 
 std::optional<int> OuterSync::RoundEndingAt(int step) const {
@@ -42,36 +51,47 @@ std::optional<int> OuterSync::RoundEndingAt(int step) const {
 
 absl::Status OuterSync::AfterStep(int step, int64_t samples, absl::Time now) {
   const std::optional<int> round = RoundEndingAt(step);
-  if (!round.has_value() || *round <= ended_) return absl::OkStatus();
+  if (detached_ || !round.has_value() || *round <= due_) return absl::OkStatus();
+  due_ = *round;
+  due_samples_ = samples;
+  if (reducer() && options_.streaming) {
+    // The earlier rounds close now at the latest, so that their means are
+    // applied before this round's pseudo-gradient is taken.
+    for (auto& [earlier, open] : open_) {
+      if (earlier < due_) open.deadline = std::min(open.deadline, now);
+    }
+    RETURN_IF_ERROR(CloseDue(now));
+  }
+  return Advance(now);
+}
+
+absl::Status OuterSync::Advance(absl::Time now) {
+  RETURN_IF_ERROR(ApplyPending());
+  // A round's pseudo-gradient is taken from the outer weights of the round
+  // before: once that round's mean is applied (with streaming, it usually
+  // came during this round's inner steps).
+  if (detached_ || due_ <= ended_ || applied_ < due_ - 1) return absl::OkStatus();
+  const int round = due_;
   absl::StatusOr<std::vector<v1::LayerWeights>> delta = compute_->ExportPseudoGradient();
   if (!delta.ok()) return delta.status();
-  ended_ = *round;
+  ended_ = round;
   if (reducer()) {
-    Round& r = open_[*round];
-    r.contributions[self_] = {self_, samples, *std::move(delta)};
+    Round& r = open_[round];
+    r.contributions[self_] = {self_, due_samples_, *std::move(delta)};
     // Blocking: the others have `deadline` from now. Streaming: until this
-    // replica's next round ends (below), so nobody waits for the network.
-    r.deadline = options_.streaming ? absl::InfiniteFuture() : now + options_.deadline;
-    if (options_.streaming) {
-      for (auto& [earlier, open] : open_) {
-        if (earlier < *round) open.deadline = now;
-      }
+    // replica's next round ends, so nobody waits for the network; the
+    // final round is blocking in either mode.
+    r.deadline = options_.streaming && round != final_round() ? absl::InfiniteFuture()
+                                                              : now + options_.deadline;
+    RETURN_IF_ERROR(CloseDue(now));
+    if (open_.count(round) > 0 && r.contributions.size() == pipelines_.size()) {
+      RETURN_IF_ERROR(Close(round));
     }
-    RETURN_IF_ERROR(OnTime(now));
-    if (open_.count(*round) > 0 && r.contributions.size() == pipelines_.size()) {
-      RETURN_IF_ERROR(Close(*round));
-    }
-  } else {
-    OuterMessage message;
-    message.kind = OuterMessage::Kind::kDelta;
-    message.epoch = options_.epoch;
-    message.stage = options_.stage;
-    message.round = *round;
-    message.pipeline = self_;
-    message.samples = samples;
-    message.layers = *std::move(delta);
-    RETURN_IF_ERROR(transport_->Send(0, std::move(message)));
+    return absl::OkStatus();
   }
+  OuterMessage message = MessageOf(OuterMessage::Kind::kDelta, round, due_samples_);
+  message.layers = *std::move(delta);
+  RETURN_IF_ERROR(transport_->Send(0, std::move(message)));
   return ApplyPending();
 }
 
@@ -83,6 +103,8 @@ absl::Status OuterSync::OnMessage(const OuterMessage& message, absl::Time now) {
   if (message.epoch != options_.epoch || message.stage != options_.stage) {
     return refuse("another epoch or stage");
   }
+  // What was in flight on a link that since broke.
+  if (detached_ || dropped_.count(message.pipeline) > 0) return absl::OkStatus();
   if (message.pipeline == self_ || pipelines_.count(message.pipeline) == 0) {
     return refuse("not a replica of this stage in the plan");
   }
@@ -104,15 +126,44 @@ absl::Status OuterSync::OnMessage(const OuterMessage& message, absl::Time now) {
   if (message.round <= applied_ || pending_means_.count(message.round) > 0) {
     return refuse("a mean for a round already applied");
   }
-  if (message.round > ended_ + kMaxRoundsAhead) return refuse("a mean too many rounds ahead");
+  if (message.round > std::max(ended_, due_) + kMaxRoundsAhead) {
+    return refuse("a mean too many rounds ahead");
+  }
   for (int p : message.contributors) {
     if (pipelines_.count(p) == 0) return refuse("a contributor not in the plan");
   }
   pending_means_[message.round] = message;
-  return ApplyPending();
+  return Advance(now);
+}
+
+absl::Status OuterSync::Detach(int pipeline, absl::Time now) {
+  if (pipeline == self_ || pipelines_.count(pipeline) == 0) return absl::OkStatus();
+  if (!reducer()) {
+    if (pipeline != 0) return absl::OkStatus();
+    detached_ = true;
+    pending_means_.clear();
+    return absl::OkStatus();
+  }
+  pipelines_.erase(pipeline);
+  dropped_.insert(pipeline);
+  // Rounds that waited only for it are complete now.
+  std::vector<int> complete;
+  for (auto& [round, r] : open_) {
+    r.contributions.erase(pipeline);
+    if (round <= ended_ && r.contributions.size() == pipelines_.size()) complete.push_back(round);
+  }
+  for (int round : complete) {
+    if (open_.count(round) > 0) RETURN_IF_ERROR(Close(round));
+  }
+  return OnTime(now);  // and a waiting export may go on
 }
 
 absl::Status OuterSync::OnTime(absl::Time now) {
+  RETURN_IF_ERROR(CloseDue(now));
+  return Advance(now);
+}
+
+absl::Status OuterSync::CloseDue(absl::Time now) {
   while (!open_.empty()) {
     const int round = open_.begin()->first;
     // A round closes only once this replica (the reducer) has contributed.
@@ -141,18 +192,23 @@ absl::Status OuterSync::Close(int round) {
   if (!mean.ok()) return mean.status();
   for (int p : pipelines_) {
     if (p == self_) continue;
-    OuterMessage message;
-    message.kind = OuterMessage::Kind::kMean;
-    message.epoch = options_.epoch;
-    message.stage = options_.stage;
-    message.round = round;
-    message.pipeline = self_;
-    message.samples = samples;
+    OuterMessage message = MessageOf(OuterMessage::Kind::kMean, round, samples);
     message.contributors = contributors;
     message.layers = *mean;
     RETURN_IF_ERROR(transport_->Send(p, std::move(message)));
   }
   return Apply(round, *mean, std::move(contributors));
+}
+
+OuterMessage OuterSync::MessageOf(OuterMessage::Kind kind, int round, int64_t samples) const {
+  OuterMessage message;
+  message.kind = kind;
+  message.epoch = options_.epoch;
+  message.stage = options_.stage;
+  message.round = round;
+  message.pipeline = self_;
+  message.samples = samples;
+  return message;
 }
 
 absl::Status OuterSync::Apply(int round, const std::vector<v1::LayerWeights>& mean,
@@ -179,7 +235,15 @@ absl::Status OuterSync::ApplyPending() {
   return absl::OkStatus();
 }
 
-bool OuterSync::MustWait() const { return !options_.streaming && ended_ > applied_; }
+bool OuterSync::MustWait() const {
+  if (detached_) return false;
+  return due_ > ended_ ||
+         (ended_ > applied_ && (!options_.streaming || ended_ == final_round()));
+}
+
+bool OuterSync::finished() const {
+  return detached_ || (options_.final_step > 0 && applied_ >= final_round());
+}
 
 absl::Time OuterSync::NextDeadline() const {
   absl::Time next = absl::InfiniteFuture();

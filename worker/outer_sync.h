@@ -13,7 +13,11 @@
 //     every replica, applying the same bytes itself;
 //   - every replica applies round t's mean once it has it: blocking, before
 //     its next step (the driver waits, MustWait()); streaming, when it
-//     arrives, keeping the inner steps taken since (one round late).
+//     arrives, keeping the inner steps taken since (one round late), and
+//     always before it takes round t + 1's pseudo-gradient, which is
+//     measured from round t's outer weights (a replica whose mean is that
+//     late waits for it; the reducer closes round t at its own round
+//     t + 1's end at the latest).
 //
 // The reducer alone decides a round's members, so every replica applies the
 // same mean and ends each round on the same outer weights, whether or not
@@ -79,6 +83,8 @@ class OuterTransport {
  public:
   virtual ~OuterTransport() = default;
   virtual absl::Status Send(int to, OuterMessage message) = 0;
+  // The bytes of the messages sent so far (statistics).
+  virtual uint64_t bytes_sent() const { return 0; }
 };
 
 struct OuterSyncOptions {
@@ -93,6 +99,10 @@ struct OuterSyncOptions {
   // Blocking: how long the reducer waits for the others after its own
   // contribution.
   absl::Duration deadline = absl::Seconds(10);
+  // The job's last step (0: none): a final round ends there, on schedule
+  // or not, and is blocking in either mode, so every replica finishes on
+  // the same outer weights.
+  int final_step = 0;
 };
 
 class OuterSync {
@@ -115,15 +125,27 @@ class OuterSync {
   // DELTA to a non-reducer, a MEAN from one): the caller treats it as a
   // failing link.
   absl::Status OnMessage(const OuterMessage& message, absl::Time now);
+  // The link to pipeline `pipeline`'s replica broke. The reducer goes on
+  // without it (its rounds close on the others; it may come back only in a
+  // new plan); a replica that lost the reducer trains on alone, ending no
+  // more rounds, until the coordinator re-plans. Either way this pipeline
+  // waits for nobody.
+  absl::Status Detach(int pipeline, absl::Time now);
+  bool detached() const { return detached_; }
   // Time passes (the driver calls it while it waits and between messages):
   // the reducer closes rounds past their deadline.
   absl::Status OnTime(absl::Time now);
-  // Blocking mode: a round's mean is owed before the next step.
+  // The driver must wait before its next step: a round's mean is owed
+  // (blocking mode, or the final round), or a round is due to end but the
+  // mean of the one before has not come.
   bool MustWait() const;
+  // The final round's mean is applied: nothing more will come.
+  bool finished() const;
   // When the driver must call OnTime next (InfiniteFuture: nothing due).
   absl::Time NextDeadline() const;
 
   int rounds_applied() const { return applied_; }
+  const OuterTransport& transport() const { return *transport_; }
   // Per closed round (the reducer) or applied round: its contributors.
   const std::map<int, std::vector<int>>& members() const { return members_; }
 
@@ -132,17 +154,32 @@ class OuterSync {
     std::map<int, OuterCompute::Contribution> contributions;  // by pipeline
     absl::Time deadline = absl::InfiniteFuture();
   };
+  // Takes and sends (or keeps, the reducer) the due round's
+  // pseudo-gradient once the round before is applied; applies the means
+  // that can be.
+  absl::Status Advance(absl::Time now);
+  // The reducer: closes the rounds past their deadline.
+  absl::Status CloseDue(absl::Time now);
   absl::Status Close(int round);
+  // This replica's message of `kind` for `round` (no layers yet).
+  OuterMessage MessageOf(OuterMessage::Kind kind, int round, int64_t samples) const;
   absl::Status Apply(int round, const std::vector<v1::LayerWeights>& mean,
                      std::vector<int> contributors);
   absl::Status ApplyPending();
+  // RoundsEndedBy without the final round.
+  int ScheduledRoundsEndedBy(int step) const;
+  int final_round() const;
 
   const OuterSyncOptions options_;
   const int self_;
-  const std::set<int> pipelines_;
+  std::set<int> pipelines_;
+  bool detached_ = false;  // a replica that lost the reducer
+  std::set<int> dropped_;  // the reducer: pipelines detached
   OuterCompute* const compute_;
   OuterTransport* const transport_;
-  int ended_ = 0;    // the newest round this replica ended
+  int due_ = 0;      // the newest round whose end step passed
+  int64_t due_samples_ = 0;  // the samples trained in it
+  int ended_ = 0;    // the newest round this replica ended (sent its pseudo-gradient)
   int applied_ = 0;  // the newest round whose mean it applied
   int closed_ = 0;   // the reducer: the newest round it closed
   std::map<int, Round> open_;  // the reducer's rounds not yet closed

@@ -9,6 +9,7 @@
 #include "common/logging.h"
 #include "common/process_stats.h"
 #include "common/status_macros.h"
+#include "worker/outer_links.h"
 
 namespace geotrain {
 
@@ -111,7 +112,8 @@ absl::StatusOr<InboundMessage> PipelineDriver::NextMessage() {
   bool announced = false;
   while (true) {
     const absl::Duration left = timeout - (absl::Now() - waiting);
-    in = inbox_->Pop(std::min(left, absl::Seconds(1)));
+    in = PopMessage(std::min(left, absl::Seconds(1)));
+    if (!outer_failure_.ok()) return outer_failure_;
     if (in.has_value() || inbox_->closed() || absl::Now() - waiting >= timeout) break;
     if (pending_down_ > 0 && downstream_ != nullptr && stats_ != nullptr && !announced) {
       std::string peer = downstream_->oldest_pending_peer();
@@ -146,6 +148,109 @@ absl::StatusOr<InboundMessage> PipelineDriver::NextMessage() {
   }
   CountReceived(*in);
   return *std::move(in);
+}
+
+std::optional<InboundMessage> PipelineDriver::PopMessage(absl::Duration timeout) {
+  if (!set_aside_.empty()) {
+    InboundMessage in = std::move(set_aside_.front());
+    set_aside_.pop_front();
+    return in;
+  }
+  OuterSync* outer = options_.outer;
+  const absl::Time until = absl::Now() + timeout;
+  while (true) {
+    absl::Time wake = until;
+    if (outer != nullptr) {
+      if (outer->NextDeadline() <= absl::Now()) {
+        outer_failure_ = outer->OnTime(absl::Now());
+        if (!outer_failure_.ok()) return std::nullopt;
+      }
+      wake = std::min(wake, outer->NextDeadline());
+    }
+    std::optional<InboundMessage> in =
+        inbox_->Pop(std::max(absl::ZeroDuration(), wake - absl::Now()));
+    if (!in.has_value()) {
+      if (absl::Now() >= until || inbox_->closed()) return std::nullopt;
+      continue;  // an outer deadline
+    }
+    if (!in->from_replica) return in;
+    outer_failure_ = HandleOuter(*std::move(in));
+    if (!outer_failure_.ok()) return std::nullopt;
+  }
+}
+
+absl::Status PipelineDriver::HandleOuter(InboundMessage in) {
+  OuterSync* outer = options_.outer;
+  if (outer == nullptr) {
+    failed_link_ = FailedLink::kReplica;
+    failed_peer_ = in.peer;
+    return absl::UnavailableError(
+        absl::StrCat("an outer-sync message from ", in.peer, " to a stage that has none"));
+  }
+  if (!in.error.ok()) {
+    // Once the final round is applied the replicas' links may end as they
+    // finish: nothing more is owed on them.
+    if (outer->finished()) return absl::OkStatus();
+    return LoseReplica(in.peer, std::string(in.error.message()));
+  }
+  outer_bytes_received_ += in.message.payload.size();
+  absl::StatusOr<OuterMessage> message = FromLinkMessage(in.message);
+  absl::Status handled =
+      message.ok() ? outer->OnMessage(*message, absl::Now()) : message.status();
+  if (absl::IsInvalidArgument(handled)) {
+    return LoseReplica(in.peer, absl::StrCat("its message was refused: ", handled.message()));
+  }
+  return handled;
+}
+
+absl::Status PipelineDriver::LoseReplica(const std::string& peer, const std::string& why) {
+  OuterSync* outer = options_.outer;
+  auto pipeline = options_.outer_peer_pipelines.find(peer);
+  if (pipeline == options_.outer_peer_pipelines.end()) {
+    return absl::InternalError(absl::StrCat("an outer-sync link to '", peer, "', not a replica"));
+  }
+  GT_LOG(Warning) << "outer sync: lost the replica '" << peer << "' of pipeline "
+                  << pipeline->second << " (" << why << "); this pipeline goes on without it";
+  RETURN_IF_ERROR(outer->Detach(pipeline->second, absl::Now()));
+  if (options_.on_replica_lost) options_.on_replica_lost(peer, why);
+  return absl::OkStatus();
+}
+
+absl::Status PipelineDriver::AwaitOuterMean() {
+  OuterSync* outer = options_.outer;
+  if (outer == nullptr) return absl::OkStatus();
+  const absl::Time start = absl::Now();
+  // Take what has arrived (a streaming replica applies the means that
+  // came during its inner steps), then wait while a mean is owed.
+  while (true) {
+    const bool waiting = outer->MustWait();
+    if (waiting && absl::Now() - start > options_.outer_timeout) {
+      RETURN_IF_ERROR(LoseReplica(
+          options_.outer_reducer,
+          absl::StrCat("no outer mean for round ", outer->rounds_applied() + 1, " within ",
+                       absl::FormatDuration(options_.outer_timeout))));
+      continue;
+    }
+    absl::Duration wait = absl::ZeroDuration();
+    if (waiting) {
+      wait = std::clamp(outer->NextDeadline() - absl::Now(), absl::ZeroDuration(),
+                        absl::Seconds(1));
+    }
+    std::optional<InboundMessage> in = inbox_->Pop(wait);
+    RETURN_IF_ERROR(outer->OnTime(absl::Now()));
+    if (in.has_value()) {
+      if (in->from_replica) {
+        RETURN_IF_ERROR(HandleOuter(*std::move(in)));
+      } else {
+        set_aside_.push_back(*std::move(in));
+      }
+      continue;
+    }
+    if (inbox_->closed()) return absl::CancelledError("worker is stopping");
+    if (!waiting && !outer->MustWait()) break;
+  }
+  idle_ += absl::Now() - start;
+  return absl::OkStatus();
 }
 
 namespace {
@@ -323,6 +428,15 @@ absl::Status PipelineDriver::AtStep(int step) {
   }
   progress_->StageProgress(step);
   if (options_.stage == 0 && !runtime_->is_last()) progress_->FirstStageFinished(step);
+  if (options_.outer != nullptr) {
+    // Before the checkpoint and the evaluation of this step: both see the
+    // outer weights when a round ends here.
+    samples_since_round_ += static_cast<int64_t>(microbatches) * job_.microbatch_size();
+    const bool round_ends = options_.outer->RoundEndingAt(step).has_value();
+    RETURN_IF_ERROR(options_.outer->AfterStep(step, samples_since_round_, absl::Now()));
+    if (round_ends) samples_since_round_ = 0;
+    RETURN_IF_ERROR(AwaitOuterMean());
+  }
   if (options_.primary && job_.checkpoint_every() > 0 && step % job_.checkpoint_every() == 0) {
     checkpoint_due_ = step;  // taken at this update, or (a replica) the next
   }
@@ -576,6 +690,11 @@ void PipelineDriver::PublishStats() {
   stats.set_peak_rss_bytes(PeakResidentBytes());
   stats.set_dropped_microbatches(options_.dropped_microbatches);
   stats.set_weight_averages(weight_averages_);
+  if (options_.outer != nullptr) {
+    stats.set_outer_rounds(options_.outer->rounds_applied());
+    stats.set_outer_bytes_sent(options_.outer->transport().bytes_sent());
+    stats.set_outer_bytes_received(outer_bytes_received_);
+  }
   if (options_.router != nullptr) {
     for (v1::RouteStats& route : options_.router->Stats()) *stats.add_routes() = std::move(route);
   }

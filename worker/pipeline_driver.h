@@ -25,6 +25,8 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
+#include <map>
 #include <optional>
 #include <set>
 #include <string>
@@ -37,6 +39,7 @@
 #include "geotrain/v1/coordinator.pb.h"
 #include "geotrain/v1/job.pb.h"
 #include "worker/message_sink.h"
+#include "worker/outer_sync.h"
 #include "worker/stage_replicas.h"
 #include "worker/tied_gradient_exchange.h"
 #include "worker/replica_router.h"
@@ -183,6 +186,23 @@ struct PipelineDriverOptions {
   // run ends UNAVAILABLE on that link, naming the peer, as if it broke.
   // ReplyTimeoutFor scales it so the stage next to a stall notices first.
   absl::Duration reply_timeout = absl::InfiniteDuration();
+  // Several pipelines (job.outer): the outer sync of this stage's replicas.
+  // The driver ends its rounds after the updates that end them, feeds it
+  // the messages of the replica links, keeps its deadlines and, while a
+  // mean is owed (OuterSync::MustWait), takes only those messages (the
+  // others wait their turn). Not owned; null without one.
+  OuterSync* outer = nullptr;
+  // How long a stage waits for an owed mean before it takes the link to
+  // the reducer as stalled.
+  absl::Duration outer_timeout = absl::Minutes(2);
+  std::string outer_reducer;  // the stage's reducer (blamed for a mean that never comes)
+  // The pipeline of each replica at the other end of an outer-sync link.
+  std::map<std::string, int> outer_peer_pipelines;
+  // Told when an outer-sync link broke, a replica's message was refused, or
+  // a mean never came: the sync goes on without that replica (its
+  // pipeline, or this one when it was the reducer, is the coordinator's to
+  // re-plan); this pipeline keeps training. May be empty.
+  std::function<void(const std::string& peer, const std::string& why)> on_replica_lost;
 };
 
 // A stage's reply timeout: `base` times the stages between it and the last
@@ -205,7 +225,7 @@ class PipelineDriver {
 
   // After Run() failed: which link broke, if one did, and the worker at its
   // other end when known.
-  enum class FailedLink { kNone, kUpstream, kDownstream };
+  enum class FailedLink { kNone, kUpstream, kDownstream, kReplica };
   FailedLink failed_link() const { return failed_link_; }
   const std::string& failed_peer() const { return failed_peer_; }
 
@@ -228,6 +248,15 @@ class PipelineDriver {
   // Replicas: mixes in the weights the other replicas pushed.
   void AverageReceivedWeights();
   absl::StatusOr<InboundMessage> NextMessage();
+  // The next message from the inbox, or one set aside while a mean was
+  // owed; outer-sync messages are handled here and never returned.
+  std::optional<InboundMessage> PopMessage(absl::Duration timeout);
+  // Hands a replica link's message to the outer sync; a broken link or a
+  // refused message detaches that replica (LoseReplica).
+  absl::Status HandleOuter(InboundMessage in);
+  absl::Status LoseReplica(const std::string& peer, const std::string& why);
+  // Waits while the outer sync owes this stage a mean.
+  absl::Status AwaitOuterMean();
   // What the runtime refused of a received message (INVALID_ARGUMENT: its
   // tensors do not decode, or are not finite) is the sender's fault: the
   // run ends as the link it came on failing, naming the sender, so a bad
@@ -266,6 +295,11 @@ class PipelineDriver {
   std::set<std::string> done_from_;     // ... from these upstream workers
   int backwards_since_update_ = 0;
   int eval_due_ = 0;                    // stage 0: step to evaluate at, or 0
+  // Messages that came while a mean was owed, in order.
+  std::deque<InboundMessage> set_aside_;
+  absl::Status outer_failure_;          // from HandleOuter inside PopMessage
+  int64_t samples_since_round_ = 0;     // trained since the last outer round ended
+  uint64_t outer_bytes_received_ = 0;
   // Stage 0: the evaluation pass being sent (its step, 0: none) and its
   // next microbatch. Its microbatches count in the window until the last
   // stage acknowledges them (EVAL_ACK).

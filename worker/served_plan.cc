@@ -40,6 +40,12 @@ absl::StatusOr<ServedPlan> ServedPlan::For(const v1::Plan& plan, const v1::JobSp
   for (const StageWorker& w : WorkersOf(*mine)) {
     if (w.pipeline != pipeline) served.outer_peers_.push_back(w);
   }
+  served.outer_ = job.has_outer() && PipelinesOf(plan) > 1;
+  if (served.outer_) {
+    for (const StageWorker& w : served.outer_peers_) {
+      if (pipeline == 0 || w.pipeline == 0) served.outer_link_peers_.push_back(w);
+    }
+  }
   for (size_t i = 0; i < served.stage_workers_.size(); ++i) {
     if (served.stage_workers_[i].id == worker_id) served.replica_index_ = static_cast<int>(i);
   }
@@ -81,6 +87,10 @@ const v1::PlannedLink* ServedPlan::LinkBetween(const std::string& upstream_worke
     }
   }
   return nullptr;
+}
+
+const v1::PlannedLink* ServedPlan::LinkTo(const StageWorker& peer, PeerSide side) const {
+  return UpstreamEndOf(side) ? LinkBetween(self_id_, peer.id) : LinkBetween(peer.id, self_id_);
 }
 
 v1::LinkDialer ServedPlan::DialerBetween(const std::string& upstream_worker,

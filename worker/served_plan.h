@@ -14,6 +14,7 @@
 #include "common/plan_util.h"
 #include "geotrain/v1/coordinator.pb.h"
 #include "geotrain/v1/job.pb.h"
+#include "worker/message_sink.h"
 #include "worker/pipeline_driver.h"
 #include "worker/stage_runtime.h"
 
@@ -49,6 +50,21 @@ class ServedPlan {
   const std::vector<StageWorker>& stage_workers() const { return stage_workers_; }
   // This stage's workers in the other pipelines: the outer step's peers.
   const std::vector<StageWorker>& outer_peers() const { return outer_peers_; }
+  // Whether the stage's replicas take outer steps (job.outer, R > 1).
+  bool outer() const { return outer_; }
+  // The replicas this worker holds an outer-sync link with: the outer
+  // sync is a star around the stage's reducer, its worker in pipeline 0,
+  // so the reducer's are every other replica and a replica's the reducer.
+  const std::vector<StageWorker>& outer_link_peers() const { return outer_link_peers_; }
+  // The planned link to `peer` on `side` (an outer-sync link: between the
+  // contributing replica and the reducer, whichever this worker is); null
+  // when the plan lists none.
+  const v1::PlannedLink* LinkTo(const StageWorker& peer, PeerSide side) const;
+  // Whether this worker plays that link's upstream end (see
+  // PlaysUpstreamEnd in link_dialer.h).
+  bool UpstreamEndOf(PeerSide side) const {
+    return side == PeerSide::kDownstream || (side == PeerSide::kReplica && pipeline_ != 0);
+  }
   // This worker's place among its pipeline's workers of the stage.
   int replica_index() const { return replica_index_; }
   // The stage's primary: it uploads the stage's checkpoints.
@@ -89,6 +105,8 @@ class ServedPlan {
   ScheduleConfig schedule_;
   int64_t schedule_microbatches_ = 1;  // job.microbatches
   std::vector<StageWorker> upstream_, downstream_, stage_workers_, outer_peers_;
+  std::vector<StageWorker> outer_link_peers_;
+  bool outer_ = false;
   v1::Codec activation_codec_ = v1::CODEC_UNSPECIFIED;
   v1::Codec gradient_codec_ = v1::CODEC_UNSPECIFIED;
 };

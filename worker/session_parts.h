@@ -41,9 +41,9 @@ class SessionCoordinator : public ProgressSink {
 class SessionLinks {
  public:
   virtual ~SessionLinks() = default;
-  // Accepts neighbours' links for `validator`'s plan, delivering to
-  // `inbox`; `dialling_downstream`: the next stage's workers that dial
-  // this one.
+  // Accepts neighbours' (and outer-sync replicas') links for
+  // `validator`'s plan, delivering to `inbox`; `dialling_downstream`: the
+  // next stage's workers that dial this one.
   virtual void Activate(std::shared_ptr<const LinkValidator> validator,
                         std::shared_ptr<Inbox> inbox,
                         std::set<std::string> dialling_downstream) = 0;
@@ -54,9 +54,10 @@ class SessionLinks {
   virtual absl::StatusOr<std::shared_ptr<PipelineLink>> Dial(
       const DialTarget& target, std::shared_ptr<const LinkValidator> validator,
       std::shared_ptr<Inbox> inbox, const std::atomic<bool>* stop) = 0;
-  // The link the downstream worker `peer_id` dials in, once it has.
+  // The link the downstream worker (or the replica, `side`) `peer_id`
+  // dials in, once it has.
   virtual absl::StatusOr<std::shared_ptr<PipelineLink>> AwaitDialIn(
-      const std::string& peer_id, const std::atomic<bool>* stop) = 0;
+      PeerSide side, const std::string& peer_id, const std::atomic<bool>* stop) = 0;
   // Where gradients go: back on the link each activation came on.
   virtual MessageSink* upstream() = 0;
   // How long a clean close waits for a peer.

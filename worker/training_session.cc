@@ -11,6 +11,7 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "worker/link_validator.h"
+#include "worker/outer_links.h"
 #include "worker/replica_router.h"
 
 namespace geotrain {
@@ -56,33 +57,38 @@ void TrainingSession::Finish() {
   }
   // A reader keeps its end alive until the link ends.
   for (const std::shared_ptr<PipelineLink>& link : links) link->EndOnPurpose();
+  // Its sends fail once the links have ended.
+  outer_links_.reset();
   if (parts_.replicas != nullptr) parts_.replicas->Deactivate();
   if (parts_.tied != nullptr) parts_.tied->Deactivate();
 }
 
 absl::StatusOr<std::shared_ptr<PipelineLink>> TrainingSession::Open(
     const StageWorker& peer, PeerSide side, std::shared_ptr<const LinkValidator> validator) {
-  const bool to_downstream = side == PeerSide::kDownstream;
-  const std::string& self = plan_.self_id();
-  const v1::PlannedLink* planned =
-      to_downstream ? plan_.LinkBetween(self, peer.id) : plan_.LinkBetween(peer.id, self);
+  const bool upstream_end = plan_.UpstreamEndOf(side);
+  const v1::PlannedLink* planned = plan_.LinkTo(peer, side);
   const v1::LinkDialer dialer =
-      to_downstream ? plan_.DialerBetween(self, peer.id) : plan_.DialerBetween(peer.id, self);
+      planned == nullptr || planned->dialer() == v1::LINK_DIALER_UNSPECIFIED
+          ? v1::LINK_DIALER_UPSTREAM
+          : planned->dialer();
+  // The plan's upstream end dials, or its downstream end, or both a relay.
+  const bool peer_dials = (dialer == v1::LINK_DIALER_UPSTREAM && !upstream_end) ||
+                          (dialer == v1::LINK_DIALER_DOWNSTREAM && upstream_end);
   absl::StatusOr<std::shared_ptr<PipelineLink>> end;
   std::string accused = peer.id;
   if (dialer == v1::LINK_DIALER_NONE) {
     end = absl::FailedPreconditionError(
         absl::StrCat("no way to open the ", PeerSideName(side), " link to '", peer.id,
                      "': ", planned != nullptr ? planned->reason() : "the plan says so"));
-  } else if (dialer == v1::LINK_DIALER_UPSTREAM && !to_downstream) {
+  } else if (peer_dials && side == PeerSide::kUpstream) {
     return std::shared_ptr<PipelineLink>();  // it dials in
-  } else if (dialer == v1::LINK_DIALER_DOWNSTREAM && to_downstream) {
+  } else if (peer_dials) {
     GT_LOG(Info) << "waiting for '" << peer.id << "' to dial in ("
                  << (planned != nullptr ? planned->reason() : "") << ")";
-    end = parts_.links->AwaitDialIn(peer.id, &aborted_);
+    end = parts_.links->AwaitDialIn(side, peer.id, &aborted_);
   } else {
     if (dialer == v1::LINK_DIALER_RELAY) accused = planned->relay_worker();
-    DialTarget target{self, plan_.stage(), {peer.id, peer.address, side}, planned};
+    DialTarget target{plan_.self_id(), plan_.stage(), {peer.id, peer.address, side}, planned};
     end = parts_.links->Dial(target, std::move(validator), inbox_, &aborted_);
   }
   if (!end.ok()) {
@@ -123,6 +129,49 @@ void TrainingSession::ActivateReplicas() {
   GT_LOG(Info) << "stage " << plan_.stage() << " has " << plan_.stage_workers().size()
                << " workers; this one is " << (plan_.primary() ? "the primary" : "a replica");
   parts_.replicas->Activate(std::move(target));
+}
+
+absl::Status TrainingSession::StartOuterSync(StageRuntime* runtime,
+                                             std::shared_ptr<const LinkValidator> validator) {
+  const v1::OuterOptimizer& job_outer = job_.outer();
+  if (!runtime->outer_started()) {
+    // A fresh run: every replica holds the same initial weights (seeded
+    // per layer), which become the first outer weights.
+    StageRuntime::OuterSettings settings;
+    settings.lr = job_outer.lr();
+    settings.momentum = job_outer.momentum();
+    settings.encoding.codec = job_outer.codec();
+    settings.encoding.block_size = job_.codec_block_size();
+    RETURN_IF_ERROR(runtime->StartOuter(settings));
+  }
+  std::map<int, std::shared_ptr<PipelineLink>> links;
+  std::set<int> pipelines{plan_.pipeline()};
+  for (const StageWorker& peer : plan_.outer_peers()) pipelines.insert(peer.pipeline);
+  for (const StageWorker& peer : plan_.outer_link_peers()) {
+    ASSIGN_OR_RETURN(std::shared_ptr<PipelineLink> link,
+                     Open(peer, PeerSide::kReplica, validator));
+    links[peer.pipeline] = std::move(link);
+    if (peer.pipeline == 0) outer_reducer_ = peer.id;
+  }
+  OuterSyncOptions o;
+  o.epoch = plan_.epoch();
+  o.stage = plan_.stage();
+  o.stages = plan_.num_stages();
+  o.inner_steps = job_outer.inner_steps();
+  o.streaming = job_outer.streaming();
+  o.start_step = plan_.start_step();
+  o.final_step = job_.steps();
+  // Two leases: as long as the coordinator gives a silent worker.
+  o.deadline = std::max(absl::Seconds(10), absl::Milliseconds(2 * job_.lease_ms()));
+  outer_links_ = std::make_unique<OuterLinks>(std::move(links), plan_.stage());
+  outer_compute_ = std::make_unique<RuntimeOuterCompute>(runtime);
+  outer_sync_ = std::make_unique<OuterSync>(o, plan_.pipeline(), std::move(pipelines),
+                                            outer_compute_.get(), outer_links_.get());
+  GT_LOG(Info) << "outer sync of stage " << plan_.stage() << ": pipeline " << plan_.pipeline()
+               << " of " << plan_.pipelines() << (plan_.pipeline() == 0 ? " (the reducer)" : "")
+               << ", every " << o.inner_steps << " steps"
+               << (o.streaming ? ", streaming" : ", blocking");
+  return absl::OkStatus();
 }
 
 absl::Status TrainingSession::ActivateTiedExchange(const StageRuntime& runtime) {
@@ -180,6 +229,14 @@ PipelineDriverOptions TrainingSession::DriverOptions(const StageRuntime& runtime
   o.upstream_peer = Addresses(plan_.upstream());
   o.downstream_peer = Addresses(plan_.downstream());
   if (plan_.downstream().size() == 1) o.downstream_worker = plan_.downstream()[0].id;
+  o.outer = outer_sync_.get();
+  o.outer_reducer = outer_reducer_;
+  for (const StageWorker& peer : plan_.outer_link_peers()) {
+    o.outer_peer_pipelines[peer.id] = peer.pipeline;
+  }
+  o.on_replica_lost = [this](const std::string& peer, const std::string& why) {
+    ReportLostLink(peer, PeerSide::kReplica, why);
+  };
   return o;
 }
 
@@ -203,11 +260,12 @@ absl::Status TrainingSession::Run(StageRuntime* runtime, bool stale_weights) {
                         plan_.data_base());
   runtime->SetActivationCodec(plan_.activation_codec());
   runtime->SetGradientCodec(plan_.gradient_codec());
-  std::set<std::string> upstream_ids;
+  std::set<std::string> upstream_ids, replica_ids;
   for (const StageWorker& w : plan_.upstream()) upstream_ids.insert(w.id);
+  for (const StageWorker& w : plan_.outer_link_peers()) replica_ids.insert(w.id);
   auto validator = std::make_shared<const LinkValidator>(
       job_, plan_.epoch(), stage, plan_.assignment().layer_begin(),
-      plan_.assignment().layer_end(), std::move(upstream_ids));
+      plan_.assignment().layer_end(), std::move(upstream_ids), std::move(replica_ids));
   parts_.coordinator->SetEpoch(plan_.epoch());
   parts_.links->Activate(validator, inbox_, plan_.DiallingDownstream());
   if (plan_.replicated()) ActivateReplicas();
@@ -225,6 +283,8 @@ absl::Status TrainingSession::Run(StageRuntime* runtime, bool stale_weights) {
   for (const StageWorker& previous : plan_.upstream()) {
     RETURN_IF_ERROR(Open(previous, PeerSide::kUpstream, validator).status());
   }
+  // Then the outer sync's, once this worker's pipeline can run.
+  if (plan_.outer()) RETURN_IF_ERROR(StartOuterSync(runtime, validator));
   std::optional<ReplicaRouter> router;
   if (!routes.empty()) router.emplace(std::move(routes));
   const ScheduleConfig& schedule = plan_.schedule();
@@ -262,6 +322,15 @@ absl::Status TrainingSession::Run(StageRuntime* runtime, bool stale_weights) {
     parts_.links->Deactivate();
     return ran;
   }
+  // The final round's means are on their way to the replicas before any
+  // link closes.
+  if (outer_links_ != nullptr) {
+    outer_links_->Flush();
+    // The stage's replicas end on the same bytes: what a run's check reads.
+    GT_LOG(Info) << "outer sync of stage " << stage << ": " << runtime->outer_rounds()
+                 << " rounds applied; final weights sha256 " << runtime->WeightsDigest()
+                 << ", outer weights sha256 " << runtime->OuterWeightsDigest();
+  }
   CloseLinks();
   GT_LOG(Info) << "stage " << stage << " finished " << job_.steps() << " steps";
   parts_.coordinator->ReportFinalStats(parts_.stats->Get());
@@ -278,21 +347,30 @@ void TrainingSession::ReportFailedLink(const PipelineDriver& driver, const absl:
   // worker instead of the peer that failed.
   const PipelineDriver::FailedLink failed = driver.failed_link();
   if (failed == PipelineDriver::FailedLink::kNone || aborted_) return;
-  const bool up = failed == PipelineDriver::FailedLink::kUpstream;
-  const std::vector<StageWorker>& neighbours = up ? plan_.upstream() : plan_.downstream();
+  const PeerSide side = failed == PipelineDriver::FailedLink::kUpstream     ? PeerSide::kUpstream
+                        : failed == PipelineDriver::FailedLink::kDownstream ? PeerSide::kDownstream
+                                                                            : PeerSide::kReplica;
+  ReportLostLink(driver.failed_peer(), side, ran.message());
+}
+
+void TrainingSession::ReportLostLink(const std::string& peer_id, PeerSide side,
+                                     absl::string_view why) const {
+  if (aborted_) return;
+  const std::vector<StageWorker>& neighbours = side == PeerSide::kUpstream   ? plan_.upstream()
+                                               : side == PeerSide::kDownstream ? plan_.downstream()
+                                                                             : plan_.outer_link_peers();
   StageWorker peer = neighbours.empty() ? StageWorker() : neighbours[0];
   for (const StageWorker& w : neighbours) {
-    if (w.id == driver.failed_peer()) peer = w;
+    if (w.id == peer_id) peer = w;
   }
   // Through a relay, the relay is what is reported: the coordinator
   // re-links the pair through another (see JobController).
-  const v1::PlannedLink* planned = up ? plan_.LinkBetween(peer.id, plan_.self_id())
-                                      : plan_.LinkBetween(plan_.self_id(), peer.id);
+  const v1::PlannedLink* planned = plan_.LinkTo(peer, side);
   const bool relayed = planned != nullptr && planned->dialer() == v1::LINK_DIALER_RELAY;
   parts_.coordinator->ReportEvent(
       "link_lost",
-      absl::StrCat(up ? "upstream" : "downstream", " link to ", peer.address,
-                   relayed ? " via relay " + planned->relay_address() : "", ": ", ran.message()),
+      absl::StrCat(PeerSideName(side), " link to ", peer.address,
+                   relayed ? " via relay " + planned->relay_address() : "", ": ", why),
       relayed ? planned->relay_worker() : peer.id);
 }
 
@@ -303,7 +381,7 @@ void TrainingSession::CloseLinks() {
     absl::MutexLock lock(&mu_);
     links = links_;
   }
-  for (PeerSide side : {PeerSide::kDownstream, PeerSide::kUpstream}) {
+  for (PeerSide side : {PeerSide::kDownstream, PeerSide::kUpstream, PeerSide::kReplica}) {
     for (const std::shared_ptr<PipelineLink>& link : links) {
       if (link->side() != side) continue;
       absl::Status closed = link->Close(parts_.links->close_timeout());

@@ -10,6 +10,8 @@
 //     (SessionLinks; the real one is WorkerLinks);
 //   - the stage's runtime (StageRuntime, prepared by the caller);
 //   - the stage's replicas (StageReplicas; the real one is ReplicaAverager);
+//   - with several pipelines, the outer sync (OuterSync) over replica links
+//     this session opens like its neighbours' (SessionLinks);
 //   - the coordinator calls (SessionCoordinator; CoordinatorClient).
 // The Worker owns the parts, prepares the runtime, and ends a session from
 // its plan-watch or heartbeat thread with Abort().
@@ -31,6 +33,8 @@
 #include "absl/time/time.h"
 #include "geotrain/v1/job.pb.h"
 #include "worker/message_sink.h"
+#include "worker/outer_links.h"
+#include "worker/outer_sync.h"
 #include "worker/pipeline_driver.h"
 #include "worker/replica_router.h"
 #include "worker/served_plan.h"
@@ -95,11 +99,19 @@ class TrainingSession {
   absl::StatusOr<std::shared_ptr<PipelineLink>> Open(
       const StageWorker& peer, PeerSide side, std::shared_ptr<const LinkValidator> validator);
   void ActivateReplicas();
+  // Several pipelines (job.outer): starts the runtime's outer optimizer
+  // (unless it runs from an earlier plan), opens the outer-sync links and
+  // builds the sync the driver runs.
+  absl::Status StartOuterSync(StageRuntime* runtime,
+                              std::shared_ptr<const LinkValidator> validator);
   absl::Status ActivateTiedExchange(const StageRuntime& runtime);
   PipelineDriverOptions DriverOptions(const StageRuntime& runtime, const ReplicaRouter* router,
                                       bool stale_weights) const;
   // After the driver failed on a link: tells the coordinator which one.
   void ReportFailedLink(const PipelineDriver& driver, const absl::Status& ran);
+  // Reports the link to `peer_id` on `side` as lost (its relay, if it had
+  // one).
+  void ReportLostLink(const std::string& peer_id, PeerSide side, absl::string_view why) const;
   // Downstream links first, then the upstream ones this worker opened.
   void CloseLinks();
   absl::Status ReportDone();
@@ -116,6 +128,11 @@ class TrainingSession {
   absl::Mutex mu_;
   // The links this session opened or awaited; ended by Abort() and Finish().
   std::vector<std::shared_ptr<PipelineLink>> links_ ABSL_GUARDED_BY(mu_);
+  // The outer sync (job.outer with R > 1); Run()'s thread only.
+  std::unique_ptr<OuterLinks> outer_links_;
+  std::unique_ptr<RuntimeOuterCompute> outer_compute_;
+  std::unique_ptr<OuterSync> outer_sync_;
+  std::string outer_reducer_;  // a contributor's reducer
 };
 
 }  // namespace geotrain

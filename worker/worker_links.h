@@ -35,9 +35,9 @@ class WorkerLinks final : public SessionLinks {
     return std::shared_ptr<PipelineLink>(*std::move(end));
   }
   absl::StatusOr<std::shared_ptr<PipelineLink>> AwaitDialIn(
-      const std::string& peer_id, const std::atomic<bool>* stop) override {
+      PeerSide side, const std::string& peer_id, const std::atomic<bool>* stop) override {
     absl::StatusOr<std::shared_ptr<LinkEnd>> end =
-        service_->AwaitDownstream(peer_id, options_->connect_timeout, stop);
+        service_->AwaitDialIn(side, peer_id, options_->connect_timeout, stop);
     if (!end.ok()) return end.status();
     return std::shared_ptr<PipelineLink>(*std::move(end));
   }

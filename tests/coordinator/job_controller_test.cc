@@ -780,7 +780,12 @@ TEST_F(PipelinesPlanTest, FullPipelinesAndALostWorkerDissolvesOnlyItsOwn) {
   EXPECT_EQ(WorkersOf(plan.stages(1), 0)[0].id, ids[1]);
   EXPECT_EQ(WorkersOf(plan.stages(0), 1)[0].id, ids[2]);
   EXPECT_EQ(WorkersOf(plan.stages(1), 1)[0].id, ids[3]);
-  EXPECT_EQ(plan.links_size(), 2);  // a->b, c->d
+  // a->b and c->d; then the outer sync's c->a and d->b.
+  ASSERT_EQ(plan.links_size(), 4);
+  EXPECT_FALSE(plan.links(1).outer());
+  EXPECT_TRUE(plan.links(2).outer());
+  EXPECT_EQ(plan.links(2).upstream_worker(), ids[2]);
+  EXPECT_EQ(plan.links(2).downstream_worker(), ids[0]);
   v1::ClusterStatus status = controller_->Status();
   EXPECT_EQ(status.pipelines(), 2);
   ASSERT_EQ(status.pipeline_status_size(), 2);

@@ -51,11 +51,48 @@ TEST(LinkAssignerTest, PipelinesAreLinkedOnlyWithinThemselves) {
     other->set_pipeline(1);
   }
   AssignLinks(Reachable({}), &plan);
-  ASSERT_EQ(plan.links_size(), 2);  // a->b and a1->b1, not a->b1 or a1->b
+  // a->b and a1->b1, not a->b1 or a1->b; then the outer sync's a1->a and
+  // b1->b (each stage's replica to its reducer in pipeline 0).
+  ASSERT_EQ(plan.links_size(), 4);
   EXPECT_EQ(plan.links(0).upstream_worker(), "a");
   EXPECT_EQ(plan.links(0).downstream_worker(), "b");
   EXPECT_EQ(plan.links(1).upstream_worker(), "a1");
   EXPECT_EQ(plan.links(1).downstream_worker(), "b1");
+  for (int i : {0, 1}) EXPECT_FALSE(plan.links(i).outer());
+  EXPECT_EQ(plan.links(2).upstream_worker(), "a1");
+  EXPECT_EQ(plan.links(2).downstream_worker(), "a");
+  EXPECT_EQ(plan.links(3).upstream_worker(), "b1");
+  EXPECT_EQ(plan.links(3).downstream_worker(), "b");
+  for (int i : {2, 3}) {
+    EXPECT_TRUE(plan.links(i).outer());
+    EXPECT_EQ(plan.links(i).dialer(), v1::LINK_DIALER_UPSTREAM);
+  }
+}
+
+TEST(LinkAssignerTest, ReplicasBehindNatMeetTheirReducerAtARelay) {
+  v1::Plan plan;
+  plan.set_pipelines(3);
+  v1::StageAssignment* stage = plan.add_stages();
+  stage->set_worker_id("r0");
+  for (int p : {1, 2}) {
+    v1::Replica* replica = stage->add_replicas();
+    replica->set_worker_id("r" + std::to_string(p));
+    replica->set_pipeline(p);
+  }
+  LinkAssignerInput input = Reachable({"r0", "r2"});  // only r1 accepts connections
+  input.relays.resize(1);
+  input.relays[0].id = "relay";
+  input.relays[0].address = "192.0.2.9:7000";
+  AssignLinks(input, &plan);
+  ASSERT_EQ(plan.links_size(), 2);
+  // r1 is reachable: the reducer dials it. Neither r2 nor r0 is: a relay.
+  EXPECT_EQ(plan.links(0).upstream_worker(), "r1");
+  EXPECT_EQ(plan.links(0).dialer(), v1::LINK_DIALER_DOWNSTREAM);
+  EXPECT_EQ(plan.links(1).upstream_worker(), "r2");
+  EXPECT_EQ(plan.links(1).downstream_worker(), "r0");
+  EXPECT_EQ(plan.links(1).dialer(), v1::LINK_DIALER_RELAY);
+  EXPECT_EQ(plan.links(1).relay_address(), "192.0.2.9:7000");
+  EXPECT_EQ(plan.links(1).rendezvous().size(), 32u);
 }
 
 TEST(LinkAssignerTest, TwoUnreachableEndsMeetAtTheLeastLoadedRelay) {

@@ -35,11 +35,12 @@ class BadJobFileTest(unittest.TestCase):
         "eval_batches.textproto": (
             'mlp { hidden: 8 }\nfashion_mnist {}\nsteps: 3\neval_batches: 2000000000\n',
             "eval_batches at most"),
-        # Pipelines that never sync would train R models: refused until the
-        # outer sync between them exists (docs/pipelines.md).
-        "outer.textproto": (
-            'mlp { hidden: 8 }\nfashion_mnist {}\nsteps: 3\nouter { inner_steps: 10 }\n',
-            "not available yet"),
+        "outer_topk.textproto": (
+            'mlp { hidden: 8 }\nfashion_mnist {}\nsteps: 3\nouter { codec: CODEC_TOPK }\n',
+            "outer.codec CODEC_TOPK"),
+        "outer_replicas.textproto": (
+            'mlp { hidden: 8 }\nfashion_mnist {}\nsteps: 3\nreplicas: 2\nouter { }\n',
+            "do not mix"),
         "outer_momentum.textproto": (
             'mlp { hidden: 8 }\nfashion_mnist {}\nsteps: 3\nouter { momentum: 1.5 }\n',
             "outer.momentum"),

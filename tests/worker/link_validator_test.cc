@@ -11,6 +11,8 @@
 #include "common/job_spec.h"
 #include "worker/link_hello.h"
 #include "worker/link_service.h"
+#include "worker/outer_links.h"
+#include "common/model_profile.h"
 
 namespace geotrain {
 namespace {
@@ -223,4 +225,101 @@ TEST(LinkValidatorTest, FirstStageInputIsTokens) {
 }
 
 }  // namespace
+// Stage 1 of 3 (layers [1, 3)) with raw float32 parameters: what an outer
+// message of that stage holds.
+OuterMessage OuterDelta(int round = 1) {
+  OuterMessage m;
+  m.kind = OuterMessage::Kind::kDelta;
+  m.epoch = 5;
+  m.stage = 1;
+  m.round = round;
+  m.pipeline = 2;
+  m.samples = 64;
+  for (int layer = 1; layer < 3; ++layer) {
+    v1::LayerWeights& out = m.layers.emplace_back();
+    out.set_layer(layer);
+    for (const ParameterSpec& param : LayerParameters(Job(), layer)) {
+      v1::TensorHeader* t = out.add_params();
+      size_t n = 1;
+      for (int64_t d : param.shape) {
+        t->add_shape(d);
+        n *= static_cast<size_t>(d);
+      }
+      t->set_dtype(v1::DTYPE_FLOAT32);
+      t->set_codec(v1::CODEC_NONE);
+      t->set_payload_bytes(4 * n);
+      std::string bytes(4 * n, '\0');
+      for (size_t i = 0; i < n; ++i) {
+        const float value = 0.001f * static_cast<float>(i % 7);
+        std::memcpy(&bytes[4 * i], &value, 4);
+      }
+      out.mutable_payload()->append(bytes);
+    }
+  }
+  return m;
+}
+
+TEST(LinkValidatorTest, OuterMessagesRoundTripAndFitTheStageExactly) {
+  LinkValidator v(Job(), 5, 1, 1, 3, {}, {"w-r2"});
+  const OuterMessage delta = OuterDelta();
+  LinkMessage wire = ToLinkMessage(delta, 1);
+  ASSERT_TRUE(v.CheckFromReplica(wire).ok()) << v.CheckFromReplica(wire);
+  absl::StatusOr<OuterMessage> back = FromLinkMessage(wire);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->round, 1);
+  EXPECT_EQ(back->pipeline, 2);
+  EXPECT_EQ(back->samples, 64);
+  ASSERT_EQ(back->layers.size(), delta.layers.size());
+  for (size_t i = 0; i < delta.layers.size(); ++i) {
+    EXPECT_EQ(back->layers[i].SerializeAsString(), delta.layers[i].SerializeAsString());
+  }
+  // Only on a replica link: a pipeline neighbour may not send one.
+  EXPECT_FALSE(v.CheckFromUpstream(wire).ok());
+  EXPECT_FALSE(v.CheckFromDownstream(wire).ok());
+  // Nor an activation on a replica link.
+  EXPECT_FALSE(v.CheckFromReplica(Activation()).ok());
+
+  auto refused = [&](const std::function<void(LinkMessage*)>& change, const char* fragment) {
+    LinkMessage m = ToLinkMessage(delta, 1);
+    change(&m);
+    const absl::Status status = v.CheckFromReplica(m);
+    EXPECT_TRUE(absl::IsInvalidArgument(status)) << fragment << ": " << status;
+    EXPECT_NE(status.message().find(fragment), std::string::npos) << status;
+  };
+  refused([](LinkMessage* m) { m->header.set_epoch(4); }, "epoch");
+  refused([](LinkMessage* m) { m->header.clear_outer(); }, "without its header");
+  refused([](LinkMessage* m) { m->header.mutable_outer()->set_round(0); }, "round 0");
+  refused([](LinkMessage* m) { m->header.mutable_outer()->mutable_layers()->RemoveLast(); },
+          "layers");
+  refused([](LinkMessage* m) { m->header.mutable_outer()->mutable_layers(0)->set_layer(2); },
+          "where 1 belongs");
+  refused([](LinkMessage* m) { m->header.mutable_tensors(0)->set_shape(0, 9); }, "shape");
+  refused([](LinkMessage* m) { m->header.mutable_tensors(0)->set_dtype(v1::DTYPE_INT64); },
+          "payload");
+  refused(
+      [](LinkMessage* m) {
+        *m->header.add_tensors() = m->header.tensors(0);
+        m->payload.append(m->payload.substr(0, m->header.tensors(0).payload_bytes()));
+      },
+      "tensors");
+  refused(
+      [](LinkMessage* m) {
+        const float nan = std::numeric_limits<float>::quiet_NaN();
+        std::memcpy(&m->payload[4], &nan, 4);
+      },
+      "non-finite");
+}
+
+TEST(LinkValidatorTest, ReplicaHellosComeOnlyFromThePlannedReplicas) {
+  LinkValidator v(Job(), 5, 1, 1, 3, {"w-up"}, {"w-r1", "w-r2"});
+  EXPECT_TRUE(v.CheckHelloFromReplica(MakeHello(5, 1, "w-r1", "w-self"), "w-self").ok());
+  EXPECT_FALSE(v.CheckHelloFromReplica(MakeHello(5, 1, "w-stranger", "w-self"), "w-self").ok());
+  EXPECT_FALSE(v.CheckHelloFromReplica(MakeHello(5, 1, "w-r1", "w-other"), "w-self").ok());
+  EXPECT_FALSE(v.CheckHelloFromReplica(MakeHello(5, 0, "w-r1", "w-self"), "w-self").ok());
+  EXPECT_FALSE(v.CheckHelloFromReplica(MakeHello(4, 1, "w-r1", "w-self"), "w-self").ok());
+  // A newer epoch: the dialler saw the plan first (it retries).
+  EXPECT_TRUE(absl::IsFailedPrecondition(
+      v.CheckHelloFromReplica(MakeHello(6, 1, "w-r1", "w-self"), "w-self")));
+}
+
 }  // namespace geotrain

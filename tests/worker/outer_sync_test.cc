@@ -180,9 +180,14 @@ TEST_F(OuterSyncTest, StreamingSyncsEachStageAtItsOffsetAndAppliesARoundLate) {
   for (int step = 7; step <= 10; ++step) ASSERT_TRUE(syncs_[0]->AfterStep(step, 4, now_).ok());
   EXPECT_EQ(computes_[0]->applied, std::vector<std::string>({"mean(d0.1x4)"}));
   EXPECT_TRUE(computes_[0]->kept_progress[0]);  // the inner steps since stay
-  for (int step = 1; step <= 10; ++step) ASSERT_TRUE(syncs_[1]->AfterStep(step, 4, now_).ok());
-  EXPECT_FALSE(syncs_[1]->MustWait());
+  for (int step = 1; step <= 6; ++step) ASSERT_TRUE(syncs_[1]->AfterStep(step, 4, now_).ok());
+  EXPECT_FALSE(syncs_[1]->MustWait());  // round 1 ended: no waiting for its mean
+  for (int step = 7; step <= 10; ++step) ASSERT_TRUE(syncs_[1]->AfterStep(step, 4, now_).ok());
+  // Round 2 is due, but its pseudo-gradient is measured from round 1's
+  // outer weights, whose mean has not come: the replica waits for it.
+  EXPECT_TRUE(syncs_[1]->MustWait());
   Deliver();
+  EXPECT_FALSE(syncs_[1]->MustWait());
   // Round 1's late contribution was dropped; round 2 has both.
   EXPECT_EQ(syncs_[0]->members().at(1), std::vector<int>({0}));
   EXPECT_EQ(syncs_[0]->members().at(2), std::vector<int>({0, 1}));

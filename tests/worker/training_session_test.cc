@@ -30,7 +30,24 @@ class FakeNetwork {
   void Register(const std::string& worker, int stage, uint64_t epoch,
                 std::shared_ptr<Inbox> inbox) {
     absl::MutexLock lock(&mu_);
+    for (const auto& [self, other] : broken_at_start_) {
+      if (self != worker) continue;
+      InboundMessage broken{false, LinkMessage(),
+                            absl::UnavailableError(absl::StrCat("link to '", other, "' cut"))};
+      broken.peer = other;
+      broken.from_replica = true;
+      inbox->TryPush(std::move(broken));
+    }
     active_[worker] = {stage, epoch, std::move(inbox)};
+  }
+  // The outer-sync link between replicas `a` and `b` breaks as soon as it
+  // opens: both ends' readers report it, and nothing goes through.
+  void CutReplicasFromTheStart(const std::string& a, const std::string& b) {
+    absl::MutexLock lock(&mu_);
+    cut_.insert({a, b});
+    cut_.insert({b, a});
+    broken_at_start_.insert({a, b});
+    broken_at_start_.insert({b, a});
   }
   void Unregister(const std::string& worker) {
     absl::MutexLock lock(&mu_);
@@ -52,7 +69,7 @@ class FakeNetwork {
     return absl::OkStatus();
   }
   absl::Status Deliver(const std::string& from, const std::string& to, bool from_upstream,
-                       LinkMessage message) {
+                       LinkMessage message, bool from_replica = false) {
     std::shared_ptr<Inbox> inbox;
     {
       absl::MutexLock lock(&mu_);
@@ -68,6 +85,7 @@ class FakeNetwork {
     }
     InboundMessage in{from_upstream, std::move(message), absl::OkStatus()};
     in.peer = from;
+    in.from_replica = from_replica;
     // Outside the lock: a full inbox holds the sender, as flow control would.
     if (!inbox->Push(std::move(in))) return absl::UnavailableError("inbox closed");
     return absl::OkStatus();
@@ -101,6 +119,7 @@ class FakeNetwork {
       InboundMessage broken{from_upstream, LinkMessage(),
                             absl::UnavailableError(absl::StrCat("link to '", other, "' cut"))};
       broken.peer = other;
+      broken.from_replica = active_[other].stage == it->second.stage;
       it->second.inbox->TryPush(std::move(broken));
     }
   }
@@ -116,6 +135,7 @@ class FakeNetwork {
   std::map<std::pair<std::string, uint64_t>, std::string> origin_ ABSL_GUARDED_BY(mu_);
   std::map<std::pair<std::string, int>, std::string> eval_origin_ ABSL_GUARDED_BY(mu_);
   std::set<std::pair<std::string, std::string>> cut_ ABSL_GUARDED_BY(mu_);
+  std::set<std::pair<std::string, std::string>> broken_at_start_ ABSL_GUARDED_BY(mu_);
 };
 
 class FakeLink : public PipelineLink {
@@ -124,7 +144,8 @@ class FakeLink : public PipelineLink {
       : net_(net), self_(std::move(self)), peer_(std::move(peer)), side_(side) {}
   absl::Status Send(LinkMessage message) override {
     if (ended_) return absl::UnavailableError("ended");
-    return net_->Deliver(self_, peer_, side_ == PeerSide::kDownstream, std::move(message));
+    return net_->Deliver(self_, peer_, side_ == PeerSide::kDownstream, std::move(message),
+                         side_ == PeerSide::kReplica);
   }
   std::string failed_peer() const override { return peer_; }
   std::string oldest_pending_peer() const override { return peer_; }
@@ -168,6 +189,7 @@ class FakeLinks : public SessionLinks {
       : net_(net), self_(std::move(self)), stage_(stage), upstream_(net, self_) {}
   void Activate(std::shared_ptr<const LinkValidator> validator, std::shared_ptr<Inbox> inbox,
                 std::set<std::string>) override {
+    epoch_ = validator->epoch();
     net_->Register(self_, stage_, validator->epoch(), std::move(inbox));
   }
   void Deactivate() override { net_->Unregister(self_); }
@@ -183,9 +205,16 @@ class FakeLinks : public SessionLinks {
     dialled_.push_back(link);
     return std::shared_ptr<PipelineLink>(link);
   }
-  absl::StatusOr<std::shared_ptr<PipelineLink>> AwaitDialIn(const std::string& peer,
-                                                            const std::atomic<bool>*) override {
-    return absl::UnimplementedError("the test's plans have every upstream worker dial");
+  // The test's plans have every upstream worker dial; on an outer-sync
+  // link the contributing replica dials the reducer.
+  absl::StatusOr<std::shared_ptr<PipelineLink>> AwaitDialIn(PeerSide side, const std::string& peer,
+                                                            const std::atomic<bool>* stop) override {
+    if (side != PeerSide::kReplica) return absl::UnimplementedError("every upstream worker dials");
+    if (absl::Status up = net_->AwaitActive(peer, epoch_, stop); !up.ok()) return up;
+    auto link = std::make_shared<FakeLink>(net_, self_, peer, side);
+    absl::MutexLock lock(&mu_);
+    dialled_in_.push_back(link);
+    return std::shared_ptr<PipelineLink>(link);
   }
   MessageSink* upstream() override { return &upstream_; }
   absl::Duration close_timeout() const override { return absl::Seconds(1); }
@@ -198,9 +227,11 @@ class FakeLinks : public SessionLinks {
   FakeNetwork* net_;
   const std::string self_;
   const int stage_;
+  std::atomic<uint64_t> epoch_{0};
   FakeUpstream upstream_;
   absl::Mutex mu_;
   std::vector<std::shared_ptr<FakeLink>> dialled_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::shared_ptr<FakeLink>> dialled_in_ ABSL_GUARDED_BY(mu_);
 };
 
 // What the coordinator was told, by every worker of the test.
@@ -620,6 +651,109 @@ TEST_F(TrainingSessionTest, PipelinesTrainSideBySideOnDisjointData) {
   EXPECT_EQ(*drawn.rbegin(), 2 * 8 * job_.microbatches() - 1);  // and every index
   // Different data: the pipelines' losses differ.
   EXPECT_NE(a1.coordinator->losses()[1], b1.coordinator->losses()[1]);
+}
+
+// Three pipelines of two stages with an outer optimizer (H = 2 over 8
+// steps: 4 rounds, the last at the final step): workers[s][r] is pipeline
+// r's worker on stage s.
+class OuterSessionTest : public TrainingSessionTest {
+ protected:
+  void StartThreePipelines(bool streaming) {
+    v1::OuterOptimizer* outer = job_.mutable_outer();
+    outer->set_inner_steps(2);
+    outer->set_lr(0.7);
+    outer->set_momentum(0.9);
+    outer->set_codec(v1::CODEC_INT8);
+    outer->set_streaming(streaming);
+    const std::vector<std::vector<std::string>> ids = {{"a0", "b0", "c0"}, {"a1", "b1", "c1"}};
+    for (int s = 0; s < 2; ++s) {
+      for (const std::string& id : ids[s]) workers_by_id_[id] = &AddWorker(id, s);
+    }
+    Start(MakePipelinesPlan(1, ids));
+  }
+
+ public:
+  TestWorker& W(const std::string& id) { return *workers_by_id_.at(id); }
+
+ protected:
+  bool Reported(const std::string& reporter, const std::string& peer) {
+    for (const auto& event : W(reporter).coordinator->events()) {
+      if (event.kind == "link_lost" && event.peer == peer) return true;
+    }
+    return false;
+  }
+  std::map<std::string, TestWorker*> workers_by_id_;
+};
+
+// After every outer round a stage's replicas hold the same weights: at the
+// end (the final round) they are bit-identical, weights and outer weights.
+void ExpectBitIdenticalReplicas(OuterSessionTest* test) {
+  for (const char* stage : {"0", "1"}) {
+    TestWorker& reducer = test->W(absl::StrCat("a", stage));
+    EXPECT_EQ(reducer.runtime->outer_rounds(), 4) << stage;
+    EXPECT_NE(reducer.runtime->OuterWeightsDigest(), "");
+    for (const char* pipeline : {"b", "c"}) {
+      TestWorker& replica = test->W(absl::StrCat(pipeline, stage));
+      EXPECT_EQ(replica.runtime->WeightsDigest(), reducer.runtime->WeightsDigest()) << replica.id;
+      EXPECT_EQ(replica.runtime->OuterWeightsDigest(), reducer.runtime->OuterWeightsDigest())
+          << replica.id;
+      EXPECT_EQ(replica.stats.Get().outer_rounds(), 4) << replica.id;
+      EXPECT_GT(replica.stats.Get().outer_bytes_sent(), 0u) << replica.id;
+      EXPECT_GT(replica.stats.Get().outer_bytes_received(), 0u) << replica.id;
+    }
+    // The reducer received every contribution and sent every mean.
+    EXPECT_GT(reducer.stats.Get().outer_bytes_received(), 0u);
+    EXPECT_GT(reducer.stats.Get().outer_bytes_sent(), 0u);
+  }
+  // Each pipeline trained on its own data, and nothing was lost.
+  EXPECT_NE(test->W("a1").coordinator->losses()[1], test->W("b1").coordinator->losses()[1]);
+  for (const char* id : {"a0", "b0", "c0", "a1", "b1", "c1"}) {
+    EXPECT_TRUE(test->W(id).coordinator->events().empty()) << id;
+  }
+  for (const char* id : {"a1", "b1", "c1"}) {
+    EXPECT_EQ(test->W(id).coordinator->done(), std::vector<int>({8})) << id;
+  }
+}
+
+TEST_F(OuterSessionTest, BlockingRoundsLeaveEveryStagesReplicasBitIdentical) {
+  StartThreePipelines(/*streaming=*/false);
+  Join();
+  for (auto& w : workers_) ASSERT_TRUE(w->result.ok()) << w->id << ": " << w->result;
+  ExpectBitIdenticalReplicas(this);
+}
+
+TEST_F(OuterSessionTest, StreamingRoundsLeaveEveryStagesReplicasBitIdentical) {
+  StartThreePipelines(/*streaming=*/true);
+  Join();
+  for (auto& w : workers_) ASSERT_TRUE(w->result.ok()) << w->id << ": " << w->result;
+  ExpectBitIdenticalReplicas(this);
+}
+
+TEST_F(OuterSessionTest, AMissingReplicaLeavesTheOthersSyncingAndStopsNobody) {
+  // Pipeline 2's stage-1 worker never reaches its reducer.
+  net_.CutReplicasFromTheStart("a1", "c1");
+  StartThreePipelines(/*streaming=*/false);
+  Join();
+  for (auto& w : workers_) ASSERT_TRUE(w->result.ok()) << w->id << ": " << w->result;
+  // Each end reported the link, naming the other; nobody waited for it.
+  EXPECT_TRUE(Reported("a1", "c1"));
+  EXPECT_TRUE(Reported("c1", "a1"));
+  for (const char* id : {"a0", "b0", "c0", "b1"}) {
+    EXPECT_TRUE(W(id).coordinator->events().empty()) << id;
+  }
+  // Stage 1's present replicas took the same steps; the missing one
+  // trained on alone.
+  EXPECT_EQ(W("b1").runtime->WeightsDigest(), W("a1").runtime->WeightsDigest());
+  EXPECT_NE(W("c1").runtime->WeightsDigest(), W("a1").runtime->WeightsDigest());
+  EXPECT_EQ(W("a1").runtime->outer_rounds(), 4);
+  EXPECT_EQ(W("c1").runtime->outer_rounds(), 0);
+  // Stage 0's three replicas were unaffected.
+  for (const char* id : {"b0", "c0"}) {
+    EXPECT_EQ(W(id).runtime->WeightsDigest(), W("a0").runtime->WeightsDigest()) << id;
+  }
+  for (const char* id : {"a1", "b1", "c1"}) {
+    EXPECT_EQ(W(id).coordinator->done(), std::vector<int>({8})) << id;
+  }
 }
 
 TEST_F(TrainingSessionTest, AbortBeforeRunCancelsWithoutOpeningLinks) {
