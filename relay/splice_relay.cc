@@ -133,8 +133,11 @@ void SpliceRelay::Handle(TcpSocket socket) {
       absl::MutexLock lock(&mu_);
       ++stats_.refused;
     }
+    // What was wrong, without echoing what may be a secret.
     GT_LOG(Warning) << "refused " << peer << ": "
-                    << (line.ok() ? "not a relay greeting" : line.status().message());
+                    << (line.ok() ? absl::StrCat("not a relay greeting (", words.size(),
+                                                 " words; expected 4)")
+                                  : std::string(line.status().message()));
     Answer(socket, "ERR expected 'GTRELAY1 <32 hex rendezvous> up|down <32 hex proof>'");
     return finish({socket.fd()});
   }

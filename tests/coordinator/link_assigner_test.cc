@@ -93,6 +93,14 @@ TEST(LinkAssignerTest, ReplicasBehindNatMeetTheirReducerAtARelay) {
   EXPECT_EQ(plan.links(1).dialer(), v1::LINK_DIALER_RELAY);
   EXPECT_EQ(plan.links(1).relay_address(), "192.0.2.9:7000");
   EXPECT_EQ(plan.links(1).rendezvous().size(), 32u);
+  // Each end sees the rendezvous and its own proof, as on a pipeline link.
+  const v1::Plan replica_view = PlanViewFor(plan, "r2");
+  EXPECT_EQ(replica_view.links(1).rendezvous(), plan.links(1).rendezvous());
+  EXPECT_EQ(replica_view.links(1).upstream_proof(), plan.links(1).upstream_proof());
+  EXPECT_TRUE(replica_view.links(1).downstream_proof().empty());
+  const v1::Plan reducer_view = PlanViewFor(plan, "r0");
+  EXPECT_EQ(reducer_view.links(1).downstream_proof(), plan.links(1).downstream_proof());
+  EXPECT_TRUE(reducer_view.links(1).upstream_proof().empty());
 }
 
 TEST(LinkAssignerTest, TwoUnreachableEndsMeetAtTheLeastLoadedRelay) {

@@ -39,7 +39,8 @@ class BadJobFileTest(unittest.TestCase):
             'mlp { hidden: 8 }\nfashion_mnist {}\nsteps: 3\nouter { codec: CODEC_TOPK }\n',
             "outer.codec CODEC_TOPK"),
         "outer_replicas.textproto": (
-            'mlp { hidden: 8 }\nfashion_mnist {}\nsteps: 3\nreplicas: 2\nouter { }\n',
+            'mlp { hidden: 8 }\nfashion_mnist {}\nsteps: 3\nschedule: SCHEDULE_ASYNC_STASH\n'
+            'replicas: 2\nouter { }\n',
             "do not mix"),
         "outer_momentum.textproto": (
             'mlp { hidden: 8 }\nfashion_mnist {}\nsteps: 3\nouter { momentum: 1.5 }\n',

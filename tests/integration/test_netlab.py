@@ -9,6 +9,9 @@ NAT routers, TLS everywhere, the README's multi-machine steps as written.
   relay; status says so.
 - Killing that relay is survived: the pair is re-linked through the other.
 - Afterwards none of the lab's namespaces is left.
+- Two pipelines on four hosts, three behind NAT: a stage's replicas that
+  cannot reach each other meet for the outer sync through the relay, and
+  every stage's replicas end on the same weights.
 - On loopback: a worker started with a wrong --advertise is told why in one
   line at join and status says it is not reachable.
 
@@ -17,6 +20,7 @@ say why.
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -221,6 +225,91 @@ class NetLabTest(unittest.TestCase):
                             f"loss drop in the lab {lab_drop[2]:.4f} vs loopback {reference[2]:.4f}")
             events = [e["kind"] for e in cluster.status()["events"]]
             self.assertIn("replanned", events)
+        except Exception:
+            print(cluster.dump_logs())
+            raise
+        finally:
+            cluster.close()
+            lab.down()
+        self.assertEqual(lab.namespaces(), [], "the lab left namespaces behind")
+
+
+PIPELINES_JOB = """
+name: "pipelines-lab"
+mlp { hidden: 64 hidden: 64 }
+fashion_mnist { }
+optimizer { kind: KIND_ADAMW lr: 0.002 }
+schedule: SCHEDULE_ASYNC_STASH
+steps: 24
+microbatches: 4
+microbatch_size: 16
+seed: 7
+min_workers: 4
+max_stages: 2
+eval_every: 0
+eval_batches: 2
+outer { inner_steps: 4 codec: CODEC_INT8 streaming: true }
+"""
+
+
+class NatPipelinesTest(unittest.TestCase):
+    def test_replicas_behind_nat_sync_through_a_relay(self):
+        """Two pipelines of two stages on four hosts, three of them behind
+        NAT routers of their own: each stage's replicas meet for the outer
+        sync through the relay when neither can be reached, and every
+        stage's replicas end on the same weights."""
+        why = netlab.lab_unavailable()
+        if why:
+            self.skipTest(f"no network lab here: {why}")
+        directory = tempfile.mkdtemp(prefix="geotrain-lab-")
+        job = os.path.join(directory, "pipelines.textproto")
+        with open(job, "w") as f:
+            f.write(PIPELINES_JOB)
+        hosts = ["n1", "pub", "n2", "n3"]
+        lab = netlab.Lab(f"ip{os.getpid() % 10000}", {"hosts": [
+            {"name": "coord"}, {"name": "relay1"}, {"name": "pub"},
+            {"name": "n1", "nat": "home1"}, {"name": "n2", "nat": "home2"},
+            {"name": "n3", "nat": "home3"}]})
+        lab.up()
+        cluster = LabCluster(lab, job, directory)
+        try:
+            cluster.start_coordinator()
+            cluster.start_relay("relay1", "relay1")
+            wait_for(lambda: any(w["role"] == "relay" for w in cluster.status()["workers"]),
+                     60, "the relay to join")
+            for name in hosts:
+                cluster.start_worker(name, name, f"{lab.address(name)}:7001")
+                wait_for(lambda: name in by_name(cluster.status()), 90, f"{name} to join")
+            status = wait_for(lambda: (lambda s: s if s["state"] == "training" and s.get("links")
+                                       else None)(cluster.status()), 120, "a plan with links")
+            self.assertEqual(int(status.get("pipelines", 1)), 2, status)
+            workers = {w["id"]: w for w in status["workers"]}
+            outer = [l for l in status["links"]
+                     if workers[l["upstream_worker"]]["stage"]
+                     == workers[l["downstream_worker"]]["stage"]]
+            print(cluster.ctl("status").stdout)
+            # One outer link per stage; the four hosts pair up, and only one
+            # is public, so at least one pair meets at the relay.
+            self.assertEqual(len(outer), 2, status["links"])
+            self.assertIn("relay", [l["dialer"] for l in outer], outer)
+            wait_for(lambda: cluster.status()["state"] == "done", 400, "the job to finish",
+                     interval=1)
+            final = re.compile(r"outer sync of stage (\d+): (\d+) rounds applied; final weights "
+                               r"sha256 ([0-9a-f]{64})")
+            by_stage = {}
+            for name in hosts:
+                found = final.findall(cluster.processes[name].log())
+                self.assertTrue(found, cluster.processes[name].log()[-2000:])
+                stage, rounds, digest = found[-1]
+                by_stage.setdefault(int(stage), []).append((int(rounds), digest))
+            print(f"final digests by stage: {by_stage}")
+            for stage, replicas in by_stage.items():
+                self.assertEqual(len(replicas), 2, by_stage)
+                self.assertEqual(len({d for _, d in replicas}), 1, by_stage)
+                self.assertTrue(all(r == 6 for r, _ in replicas), by_stage)
+            first, last, drop = loss_drop(cluster.metrics())
+            print(f"lab pipelines: loss {first:.4f} -> {last:.4f}")
+            self.assertGreater(drop, 0.3)
         except Exception:
             print(cluster.dump_logs())
             raise
