@@ -210,24 +210,28 @@ absl::Status LinkValidator::CheckHelloFromReplica(const v1::LinkHeader& hello,
 
 absl::Status LinkValidator::CheckHeaderFromReplica(const v1::LinkHeader& h) const {
   RETURN_IF_ERROR(CheckEpoch(h));
-  if (h.kind() != v1::MESSAGE_KIND_OUTER_DELTA && h.kind() != v1::MESSAGE_KIND_OUTER_MEAN) {
+  const bool state = h.kind() == v1::MESSAGE_KIND_OUTER_STATE;
+  if (h.kind() != v1::MESSAGE_KIND_OUTER_DELTA && h.kind() != v1::MESSAGE_KIND_OUTER_MEAN &&
+      !state) {
     return absl::InvalidArgumentError(absl::StrCat(
         "message kind ", v1::MessageKind_Name(h.kind()), " may not flow between replicas"));
   }
   if (!h.has_outer()) return absl::InvalidArgumentError("an outer message without its header");
   const v1::OuterHeader& outer = h.outer();
-  if (outer.round() < 1 || outer.samples() < 0) {
+  if (outer.round() < (state ? 0 : 1) || outer.samples() < 0) {
     return absl::InvalidArgumentError(absl::StrCat("outer message of round ", outer.round(),
                                                    " with ", outer.samples(), " samples"));
   }
-  if (outer.layers_size() != layer_end_ - layer_begin_) {
+  // A state lists the stage's layers once (its outer weights) or twice
+  // (then its momentum).
+  const int layers = layer_end_ - layer_begin_;
+  if (outer.layers_size() != layers && !(state && outer.layers_size() == 2 * layers)) {
     return absl::InvalidArgumentError(absl::StrCat("outer message with ", outer.layers_size(),
-                                                   " layers; stage ", stage_, " has ",
-                                                   layer_end_ - layer_begin_));
+                                                   " layers; stage ", stage_, " has ", layers));
   }
   int tensor = 0;
   for (int i = 0; i < outer.layers_size(); ++i) {
-    const int layer = layer_begin_ + i;
+    const int layer = layer_begin_ + i % layers;
     if (outer.layers(i).layer() != layer) {
       return absl::InvalidArgumentError(absl::StrCat("outer message lists layer ",
                                                      outer.layers(i).layer(), " where ", layer,

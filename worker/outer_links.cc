@@ -10,8 +10,11 @@ namespace geotrain {
 LinkMessage ToLinkMessage(const OuterMessage& message, int stage) {
   LinkMessage out;
   v1::LinkHeader& h = out.header;
-  h.set_kind(message.kind == OuterMessage::Kind::kDelta ? v1::MESSAGE_KIND_OUTER_DELTA
-                                                        : v1::MESSAGE_KIND_OUTER_MEAN);
+  switch (message.kind) {
+    case OuterMessage::Kind::kDelta: h.set_kind(v1::MESSAGE_KIND_OUTER_DELTA); break;
+    case OuterMessage::Kind::kMean: h.set_kind(v1::MESSAGE_KIND_OUTER_MEAN); break;
+    case OuterMessage::Kind::kState: h.set_kind(v1::MESSAGE_KIND_OUTER_STATE); break;
+  }
   h.set_epoch(message.epoch);
   h.set_from_stage(stage);
   v1::OuterHeader& outer = *h.mutable_outer();
@@ -34,13 +37,15 @@ LinkMessage ToLinkMessage(const OuterMessage& message, int stage) {
 
 absl::StatusOr<OuterMessage> FromLinkMessage(const LinkMessage& message) {
   const v1::LinkHeader& h = message.header;
-  if (h.kind() != v1::MESSAGE_KIND_OUTER_DELTA && h.kind() != v1::MESSAGE_KIND_OUTER_MEAN) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("not an outer message: ", v1::MessageKind_Name(h.kind())));
-  }
   OuterMessage out;
-  out.kind = h.kind() == v1::MESSAGE_KIND_OUTER_DELTA ? OuterMessage::Kind::kDelta
-                                                      : OuterMessage::Kind::kMean;
+  switch (h.kind()) {
+    case v1::MESSAGE_KIND_OUTER_DELTA: out.kind = OuterMessage::Kind::kDelta; break;
+    case v1::MESSAGE_KIND_OUTER_MEAN: out.kind = OuterMessage::Kind::kMean; break;
+    case v1::MESSAGE_KIND_OUTER_STATE: out.kind = OuterMessage::Kind::kState; break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("not an outer message: ", v1::MessageKind_Name(h.kind())));
+  }
   out.epoch = h.epoch();
   out.stage = h.from_stage();
   out.round = h.outer().round();
@@ -143,6 +148,15 @@ absl::StatusOr<std::vector<v1::LayerWeights>> RuntimeOuterCompute::Reduce(
     converted.push_back({c.pipeline, c.samples, c.layers});
   }
   return runtime_->ReduceOuterContributions(converted);
+}
+
+absl::StatusOr<std::vector<v1::LayerWeights>> RuntimeOuterCompute::ExportState() {
+  return runtime_->ExportOuterState();
+}
+
+absl::Status RuntimeOuterCompute::AdoptState(const std::vector<v1::LayerWeights>& state,
+                                             int64_t rounds) {
+  return runtime_->AdoptOuterState(state, rounds);
 }
 
 }  // namespace geotrain

@@ -76,6 +76,9 @@ class RuntimeOuterCompute final : public OuterCompute {
                          bool keep_local_progress) override {
     return runtime_->ApplyOuterMean(mean, keep_local_progress);
   }
+  absl::StatusOr<std::vector<v1::LayerWeights>> ExportState() override;
+  absl::Status AdoptState(const std::vector<v1::LayerWeights>& state, int64_t rounds) override;
+  int64_t rounds() const override { return runtime_->outer_rounds(); }
 
  private:
   StageRuntime* const runtime_;

@@ -24,6 +24,21 @@ OuterSync::OuterSync(OuterSyncOptions options, int self_pipeline, std::set<int> 
       compute_(compute),
       transport_(transport) {
   due_ = ended_ = applied_ = closed_ = RoundsEndedBy(options_.start_step);
+  state_pending_ = options_.share_state && !reducer() && pipelines_.count(0) > 0;
+}
+
+absl::Status OuterSync::Start(absl::Time now) {
+  if (!options_.share_state || !reducer()) return absl::OkStatus();
+  absl::StatusOr<std::vector<v1::LayerWeights>> state = compute_->ExportState();
+  if (!state.ok()) return state.status();
+  for (int p : pipelines_) {
+    if (p == self_) continue;
+    OuterMessage message =
+        MessageOf(OuterMessage::Kind::kState, static_cast<int>(compute_->rounds()), 0);
+    message.layers = *state;
+    RETURN_IF_ERROR(transport_->Send(p, std::move(message)));
+  }
+  return absl::OkStatus();
 }
 
 int OuterSync::ScheduledRoundsEndedBy(int step) const {
@@ -70,7 +85,9 @@ absl::Status OuterSync::Advance(absl::Time now) {
   // A round's pseudo-gradient is taken from the outer weights of the round
   // before: once that round's mean is applied (with streaming, it usually
   // came during this round's inner steps).
-  if (detached_ || due_ <= ended_ || applied_ < due_ - 1) return absl::OkStatus();
+  if (detached_ || state_pending_ || due_ <= ended_ || applied_ < due_ - 1) {
+    return absl::OkStatus();
+  }
   const int round = due_;
   absl::StatusOr<std::vector<v1::LayerWeights>> delta = compute_->ExportPseudoGradient();
   if (!delta.ok()) return delta.status();
@@ -108,6 +125,13 @@ absl::Status OuterSync::OnMessage(const OuterMessage& message, absl::Time now) {
   if (message.pipeline == self_ || pipelines_.count(message.pipeline) == 0) {
     return refuse("not a replica of this stage in the plan");
   }
+  if (message.kind == OuterMessage::Kind::kState) {
+    if (message.pipeline != 0 || reducer()) return refuse("a state not from the reducer");
+    if (!state_pending_) return refuse("a second state");
+    RETURN_IF_ERROR(compute_->AdoptState(message.layers, message.round));
+    state_pending_ = false;
+    return Advance(now);
+  }
   if (message.round < 1) return refuse("round before the first");
   if (message.kind == OuterMessage::Kind::kDelta) {
     if (!reducer()) return refuse("a contribution to a replica that does not reduce");
@@ -141,6 +165,7 @@ absl::Status OuterSync::Detach(int pipeline, absl::Time now) {
   if (!reducer()) {
     if (pipeline != 0) return absl::OkStatus();
     detached_ = true;
+    state_pending_ = false;
     pending_means_.clear();
     return absl::OkStatus();
   }

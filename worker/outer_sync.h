@@ -46,11 +46,11 @@
 namespace geotrain {
 
 struct OuterMessage {
-  enum class Kind { kDelta, kMean };
+  enum class Kind { kDelta, kMean, kState };
   Kind kind = Kind::kDelta;
   uint64_t epoch = 0;
   int stage = 0;
-  int round = 0;
+  int round = 0;                 // kState: the outer steps taken
   int pipeline = 0;              // the sender's
   int64_t samples = 0;           // DELTA: its samples; MEAN: all contributors'
   std::vector<int> contributors;  // MEAN: their pipelines, in order
@@ -76,6 +76,13 @@ class OuterCompute {
   // `keep_local_progress` the inner steps since the export stay on top.
   virtual absl::Status ApplyMean(const std::vector<v1::LayerWeights>& mean,
                                  bool keep_local_progress) = 0;
+  // The reducer's outer weights (and momentum, once it has taken a step),
+  // lossless; and a replica taking them, with the inner steps it took
+  // since its own outer weights kept on top.
+  virtual absl::StatusOr<std::vector<v1::LayerWeights>> ExportState() = 0;
+  virtual absl::Status AdoptState(const std::vector<v1::LayerWeights>& state,
+                                  int64_t rounds) = 0;
+  virtual int64_t rounds() const = 0;
 };
 
 // Sends to the replica of pipeline `to` (the reducer is pipeline 0).
@@ -103,6 +110,11 @@ struct OuterSyncOptions {
   // or not, and is blocking in either mode, so every replica finishes on
   // the same outer weights.
   int final_step = 0;
+  // At the start (Start()), the reducer sends its outer state to every
+  // replica, and a replica adopts it before it ends a round: replicas that
+  // drifted apart (a re-plan cut a round short, a standby took a place)
+  // sync from the same outer weights again.
+  bool share_state = false;
 };
 
 class OuterSync {
@@ -113,6 +125,8 @@ class OuterSync {
             OuterCompute* compute, OuterTransport* transport);
 
   bool reducer() const { return self_ == 0; }
+  // The reducer: sends its outer state (share_state). Call once, first.
+  absl::Status Start(absl::Time now);
   // The round that ends with the update of `step` (1-based), if one does.
   std::optional<int> RoundEndingAt(int step) const;
   // The newest round that ended at or before `step` (0: none).
@@ -174,6 +188,7 @@ class OuterSync {
   const int self_;
   std::set<int> pipelines_;
   bool detached_ = false;  // a replica that lost the reducer
+  bool state_pending_ = false;  // a replica that has not adopted the reducer's state
   std::set<int> dropped_;  // the reducer: pipelines detached
   OuterCompute* const compute_;
   OuterTransport* const transport_;

@@ -890,6 +890,60 @@ int64_t StageRuntime::outer_rounds() const {
   return impl_->outer == nullptr ? 0 : impl_->outer->rounds();
 }
 
+absl::StatusOr<std::vector<v1::LayerWeights>> StageRuntime::ExportOuterState() {
+  Impl& s = *impl_;
+  if (s.outer == nullptr) return absl::FailedPreconditionError("no outer optimizer (StartOuter)");
+  return GuardTorch("exporting the outer state",
+                    [&]() -> absl::StatusOr<std::vector<v1::LayerWeights>> {
+    ErrorFeedbackEncoder lossless{WireEncoding{}};
+    ASSIGN_OR_RETURN(std::vector<v1::LayerWeights> out,
+                     EncodeStageTensors(s.outer->outer_weights(), &lossless));
+    if (!s.outer->momentum().empty()) {
+      ASSIGN_OR_RETURN(std::vector<v1::LayerWeights> momentum,
+                       EncodeStageTensors(s.outer->momentum(), &lossless));
+      for (v1::LayerWeights& layer : momentum) out.push_back(std::move(layer));
+    }
+    return out;
+  });
+}
+
+absl::Status StageRuntime::AdoptOuterState(const std::vector<v1::LayerWeights>& state,
+                                           int64_t rounds) {
+  Impl& s = *impl_;
+  if (s.outer == nullptr) return absl::FailedPreconditionError("no outer optimizer (StartOuter)");
+  const size_t layers = s.layers.size();
+  if (state.size() != layers && state.size() != 2 * layers) {
+    return absl::InvalidArgumentError(absl::StrCat("an outer state of ", state.size(),
+                                                   " layer entries; this stage has ", layers));
+  }
+  return GuardTorch("adopting the outer state", [&]() -> absl::Status {
+    const std::vector<v1::LayerWeights> weights_part(state.begin(), state.begin() + layers);
+    const std::vector<v1::LayerWeights> momentum_part(state.begin() + layers, state.end());
+    ASSIGN_OR_RETURN(std::vector<torch::Tensor> weights,
+                     DecodeStageTensors(weights_part, "an outer state"));
+    std::vector<torch::Tensor> momentum;
+    if (!momentum_part.empty()) {
+      ASSIGN_OR_RETURN(momentum, DecodeStageTensors(momentum_part, "an outer momentum"));
+    }
+    for (const std::vector<torch::Tensor>* part : {&weights, &momentum}) {
+      for (const torch::Tensor& t : *part) {
+        if (!t.defined()) return absl::InvalidArgumentError("an outer state misses a parameter");
+      }
+    }
+    const std::vector<torch::Tensor> own = s.outer->outer_weights();  // before Restore
+    RETURN_IF_ERROR(s.outer->Restore(weights, momentum, rounds));
+    const std::vector<torch::Tensor>& current = s.stash->Get(s.stash->current_version());
+    std::vector<torch::Tensor> next;
+    for (size_t p = 0; p < current.size(); ++p) {
+      const torch::Tensor local = current[p].detach() - own[p].to(current[p].device());
+      next.push_back(weights[p].to(current[p].device(), current[p].scalar_type()) + local);
+    }
+    s.outer_sent_from.clear();
+    s.stash->Publish(std::move(next));
+    return absl::OkStatus();
+  });
+}
+
 absl::StatusOr<std::vector<v1::LayerWeights>> StageRuntime::ExportPseudoGradient() {
   Impl& s = *impl_;
   if (s.outer == nullptr) return absl::FailedPreconditionError("no outer optimizer (StartOuter)");

@@ -207,6 +207,15 @@ class StageRuntime {
   absl::Status ApplyOuterMean(const std::vector<v1::LayerWeights>& mean,
                               bool keep_local_progress = false);
   int64_t outer_rounds() const;
+  // The outer state for replicas that must take it (outer_sync.h,
+  // share_state): the outer weights, one entry per layer, then the outer
+  // momentum, again per layer, once a step has made one; lossless.
+  absl::StatusOr<std::vector<v1::LayerWeights>> ExportOuterState();
+  // Takes another replica's outer state (as ExportOuterState wrote it) and
+  // `rounds`; the current weights become its outer weights plus the inner
+  // steps taken since this replica's own outer weights. INVALID_ARGUMENT
+  // (nothing changes) for a state that does not fit or is not finite.
+  absl::Status AdoptOuterState(const std::vector<v1::LayerWeights>& state, int64_t rounds);
   // SHA-256 (hex) of the current weights' bytes, in parameter order: equal
   // digests mean bit-identical weights.
   std::string WeightsDigest() const;

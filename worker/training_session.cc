@@ -163,10 +163,14 @@ absl::Status TrainingSession::StartOuterSync(StageRuntime* runtime,
   o.final_step = job_.steps();
   // Two leases: as long as the coordinator gives a silent worker.
   o.deadline = std::max(absl::Seconds(10), absl::Milliseconds(2 * job_.lease_ms()));
+  // Every epoch: the replicas of a stage may have drifted (a re-plan cut a
+  // round short, a standby took a place, a pipeline joined).
+  o.share_state = true;
   outer_links_ = std::make_unique<OuterLinks>(std::move(links), plan_.stage());
   outer_compute_ = std::make_unique<RuntimeOuterCompute>(runtime);
   outer_sync_ = std::make_unique<OuterSync>(o, plan_.pipeline(), std::move(pipelines),
                                             outer_compute_.get(), outer_links_.get());
+  RETURN_IF_ERROR(outer_sync_->Start(absl::Now()));
   GT_LOG(Info) << "outer sync of stage " << plan_.stage() << ": pipeline " << plan_.pipeline()
                << " of " << plan_.pipelines() << (plan_.pipeline() == 0 ? " (the reducer)" : "")
                << ", every " << o.inner_steps << " steps"

@@ -310,6 +310,25 @@ TEST(LinkValidatorTest, OuterMessagesRoundTripAndFitTheStageExactly) {
       "non-finite");
 }
 
+TEST(LinkValidatorTest, AnOuterStateListsTheStageOnceOrTwice) {
+  LinkValidator v(Job(), 5, 1, 1, 3, {}, {"w-r0"});
+  OuterMessage state = OuterDelta();
+  state.kind = OuterMessage::Kind::kState;
+  state.round = 0;  // no outer step yet: weights only
+  ASSERT_TRUE(v.CheckFromReplica(ToLinkMessage(state, 1)).ok());
+  const std::vector<v1::LayerWeights> weights = state.layers;
+  state.layers.insert(state.layers.end(), weights.begin(), weights.end());  // and momentum
+  state.round = 3;
+  ASSERT_TRUE(v.CheckFromReplica(ToLinkMessage(state, 1)).ok());
+  state.layers.insert(state.layers.end(), weights.begin(), weights.end());
+  EXPECT_FALSE(v.CheckFromReplica(ToLinkMessage(state, 1)).ok());
+  // A DELTA lists the stage once, and starts at round 1.
+  OuterMessage delta = OuterDelta();
+  delta.layers.insert(delta.layers.end(), weights.begin(), weights.end());
+  EXPECT_FALSE(v.CheckFromReplica(ToLinkMessage(delta, 1)).ok());
+  EXPECT_FALSE(v.CheckFromReplica(ToLinkMessage(OuterDelta(/*round=*/0), 1)).ok());
+}
+
 TEST(LinkValidatorTest, ReplicaHellosComeOnlyFromThePlannedReplicas) {
   LinkValidator v(Job(), 5, 1, 1, 3, {"w-up"}, {"w-r1", "w-r2"});
   EXPECT_TRUE(v.CheckHelloFromReplica(MakeHello(5, 1, "w-r1", "w-self"), "w-self").ok());

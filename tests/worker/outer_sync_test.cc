@@ -43,8 +43,17 @@ class FakeCompute : public OuterCompute {
     kept_progress.push_back(keep_local_progress);
     return absl::OkStatus();
   }
+  absl::StatusOr<std::vector<v1::LayerWeights>> ExportState() override {
+    return Payload(absl::StrCat("state", pipeline_));
+  }
+  absl::Status AdoptState(const std::vector<v1::LayerWeights>& state, int64_t rounds) override {
+    adopted.push_back(absl::StrCat(state[0].payload(), "@", rounds));
+    return absl::OkStatus();
+  }
+  int64_t rounds() const override { return static_cast<int64_t>(applied.size()); }
   std::vector<std::string> applied;
   std::vector<bool> kept_progress;
+  std::vector<std::string> adopted;
 
  private:
   const int pipeline_;
@@ -194,6 +203,38 @@ TEST_F(OuterSyncTest, StreamingSyncsEachStageAtItsOffsetAndAppliesARoundLate) {
   const std::vector<std::string> both = {"mean(d0.1x4)", "mean(d0.2x4,d1.2x4)"};
   EXPECT_EQ(computes_[0]->applied, both);
   EXPECT_EQ(computes_[1]->applied, both);
+}
+
+TEST_F(OuterSyncTest, ReplicasTakeTheReducersStateBeforeTheirFirstRound) {
+  OuterSyncOptions options = Options(3, 0, 1, 2);
+  options.share_state = true;
+  Make(2, options);
+  ASSERT_TRUE(syncs_[1]->Start(now_).ok());  // a replica sends nothing
+  EXPECT_TRUE(queue_.empty());
+  // The replica reaches its round's end before the state came: it waits,
+  // and takes no pseudo-gradient yet.
+  for (int step = 1; step <= 2; ++step) ASSERT_TRUE(syncs_[1]->AfterStep(step, 4, now_).ok());
+  EXPECT_TRUE(syncs_[1]->MustWait());
+  ASSERT_TRUE(syncs_[0]->Start(now_).ok());
+  ASSERT_EQ(queue_.size(), 1u);
+  EXPECT_EQ(queue_.front().message.kind, OuterMessage::Kind::kState);
+  Deliver();
+  EXPECT_EQ(computes_[1]->adopted, std::vector<std::string>({"state0@0"}));
+  for (int step = 1; step <= 2; ++step) ASSERT_TRUE(syncs_[0]->AfterStep(step, 4, now_).ok());
+  Deliver();
+  // Its pseudo-gradient was taken after it adopted the state, and made the
+  // round.
+  EXPECT_EQ(syncs_[0]->members().at(1), std::vector<int>({0, 1}));
+  EXPECT_FALSE(syncs_[1]->MustWait());
+  // A second state, or one from a replica, is refused.
+  OuterMessage again;
+  again.kind = OuterMessage::Kind::kState;
+  again.epoch = 3;
+  again.pipeline = 0;
+  again.layers = Payload("state0");
+  EXPECT_TRUE(absl::IsInvalidArgument(syncs_[1]->OnMessage(again, now_)));
+  again.pipeline = 1;
+  EXPECT_TRUE(absl::IsInvalidArgument(syncs_[0]->OnMessage(again, now_)));
 }
 
 TEST_F(OuterSyncTest, AStartStepAfterSomeRoundsStartsThere) {

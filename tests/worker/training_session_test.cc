@@ -479,6 +479,7 @@ class TrainingSessionTest : public ::testing::Test {
       options.done_retry_interval = absl::Milliseconds(10);
       w->session = std::make_shared<TrainingSession>(job_, *served, parts, options);
     }
+    if (before_run_) before_run_();
     for (auto& w : workers_) {
       TestWorker* worker = w.get();
       threads_.emplace_back([worker] {
@@ -510,6 +511,7 @@ class TrainingSessionTest : public ::testing::Test {
   }
 
   v1::JobSpec job_;  // a test may change it before Start()
+  std::function<void()> before_run_;  // after the runtimes exist, before the sessions run
   FakeNetwork net_;
   ReplicaHub hub_;
   std::vector<std::unique_ptr<TestWorker>> workers_;
@@ -662,7 +664,10 @@ TEST_F(TrainingSessionTest, PipelinesTrainSideBySideOnDisjointData) {
 // r's worker on stage s.
 class OuterSessionTest : public TrainingSessionTest {
  protected:
-  void StartThreePipelines(bool streaming) {
+  // `drift`: pipeline 2's stage-0 worker starts from other weights (as a
+  // standby restored from elsewhere would): the reducer's outer state,
+  // shared at the epoch's start, brings it back.
+  void StartThreePipelines(bool streaming, bool drift = false) {
     v1::OuterOptimizer* outer = job_.mutable_outer();
     outer->set_inner_steps(2);
     outer->set_lr(0.7);
@@ -672,6 +677,20 @@ class OuterSessionTest : public TrainingSessionTest {
     const std::vector<std::vector<std::string>> ids = {{"a0", "b0", "c0"}, {"a1", "b1", "c1"}};
     for (int s = 0; s < 2; ++s) {
       for (const std::string& id : ids[s]) workers_by_id_[id] = &AddWorker(id, s);
+    }
+    if (drift) {
+      before_run_ = [this] {
+        v1::JobSpec other = job_;
+        other.set_seed(job_.seed() + 1);
+        absl::StatusOr<std::unique_ptr<StageRuntime>> elsewhere =
+            StageRuntime::Create(other, W("c0").runtime->placement(), RuntimeOptions());
+        ASSERT_TRUE(elsewhere.ok()) << elsewhere.status();
+        absl::StatusOr<std::vector<v1::LayerWeights>> weights =
+            (*elsewhere)->ExportWeights(WireEncoding{});
+        ASSERT_TRUE(weights.ok()) << weights.status();
+        ASSERT_TRUE(W("c0").runtime->AverageWeights(*weights, /*adopt=*/true).ok());
+        ASSERT_NE(W("c0").runtime->WeightsDigest(), W("a0").runtime->WeightsDigest());
+      };
     }
     Start(MakePipelinesPlan(1, ids));
   }
@@ -728,6 +747,13 @@ TEST_F(OuterSessionTest, BlockingRoundsLeaveEveryStagesReplicasBitIdentical) {
 
 TEST_F(OuterSessionTest, StreamingRoundsLeaveEveryStagesReplicasBitIdentical) {
   StartThreePipelines(/*streaming=*/true);
+  Join();
+  for (auto& w : workers_) ASSERT_TRUE(w->result.ok()) << w->id << ": " << w->result;
+  ExpectBitIdenticalReplicas(this);
+}
+
+TEST_F(OuterSessionTest, AReplicaThatDriftedTakesTheReducersStateAndEndsIdentical) {
+  StartThreePipelines(/*streaming=*/false, /*drift=*/true);
   Join();
   for (auto& w : workers_) ASSERT_TRUE(w->result.ok()) << w->id << ": " << w->result;
   ExpectBitIdenticalReplicas(this);
