@@ -129,13 +129,25 @@ void PrintTable(const geotrain::v1::ClusterStatus& s) {
       std::printf("%-8d %6d %9.4f %10.1f  %s\n", p.pipeline(), p.step(), p.loss(),
                   p.samples_per_s(), absl::StrJoin(p.workers(), " -> ").c_str());
     }
+    // The outer sync per worker: rounds applied and what crossed its
+    // replica links.
+    std::printf("\n%-4s %5s %12s %9s %9s\n", "ID", "STAGE", "OUTER_ROUNDS", "SENT_MiB",
+                "RECV_MiB");
+    for (const auto& w : s.workers()) {
+      if (w.stage() < 0) continue;
+      std::printf("%-4s %5s %12d %9.2f %9.2f\n", w.id().c_str(),
+                  absl::StrFormat("%d/p%d", w.stage(), w.pipeline()).c_str(), w.outer_rounds(),
+                  w.outer_bytes_sent() / 1048576.0, w.outer_bytes_received() / 1048576.0);
+    }
   }
   if (s.links_size() > 0) {
     std::printf("\n%-6s %-10s %-10s %-10s  %s\n", "LINK", "UPSTREAM", "DOWNSTREAM", "DIALER",
                 "VIA / WHY");
     for (const auto& l : s.links()) {
+      // An outer-sync link joins a stage's replica to its reducer.
       const std::string stages =
-          absl::StrFormat("%d->%d", l.upstream_stage(), l.upstream_stage() + 1);
+          l.outer() ? absl::StrFormat("%d=%d", l.upstream_stage(), l.upstream_stage())
+                    : absl::StrFormat("%d->%d", l.upstream_stage(), l.upstream_stage() + 1);
       const std::string via =
           l.dialer() == "relay"
               ? absl::StrCat("relay ", l.relay_worker(), " at ", l.relay_address())

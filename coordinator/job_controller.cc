@@ -1602,6 +1602,9 @@ v1::ClusterStatus JobController::Status() const {
     *out->mutable_links() = stats.links();
     *out->mutable_routes() = stats.routes();
     out->set_weight_averages(stats.weight_averages());
+    out->set_outer_rounds(stats.outer_rounds());
+    out->set_outer_bytes_sent(stats.outer_bytes_sent());
+    out->set_outer_bytes_received(stats.outer_bytes_received());
     int replica = 0;
     if (const v1::StageAssignment* s = plan_.has_value() ? StageOf(*plan_, w.id, &replica)
                                                          : nullptr) {
@@ -1641,6 +1644,7 @@ v1::ClusterStatus JobController::Status() const {
       out->set_relay_worker(link.relay_worker());
       out->set_relay_address(link.relay_address());
       out->set_reason(link.reason());
+      out->set_outer(link.outer());
     }
   }
   const std::map<int, std::vector<int>> index = checkpoints_->Index();

@@ -150,9 +150,9 @@ absl::Status OuterSync::OnMessage(const OuterMessage& message, absl::Time now) {
   if (message.round <= applied_ || pending_means_.count(message.round) > 0) {
     return refuse("a mean for a round already applied");
   }
-  if (message.round > std::max(ended_, due_) + kMaxRoundsAhead) {
-    return refuse("a mean too many rounds ahead");
-  }
+  // Means come in order on one link and are applied as they come: only a
+  // broken reducer sends one out of order, and nobody keeps many.
+  if (message.round > applied_ + kMaxRoundsAhead) return refuse("a mean out of order");
   for (int p : message.contributors) {
     if (pipelines_.count(p) == 0) return refuse("a contributor not in the plan");
   }
@@ -250,11 +250,17 @@ absl::Status OuterSync::Apply(int round, const std::vector<v1::LayerWeights>& me
 absl::Status OuterSync::ApplyPending() {
   while (!pending_means_.empty()) {
     auto it = pending_means_.begin();
-    // A mean waits until this replica has ended its round (taken the
-    // pseudo-gradient the mean replaces) and applied the ones before.
-    if (it->first > ended_ || it->first != applied_ + 1) break;
+    // In order. A mean for a round this replica has not ended means it
+    // trails the others (its contribution missed the round): it takes the
+    // mean at once, catching up to the outer weights, and ends that round
+    // without a pseudo-gradient of its own.
+    if (it->first != applied_ + 1) break;
     OuterMessage mean = std::move(it->second);
     pending_means_.erase(it);
+    if (mean.round > ended_) {
+      ended_ = mean.round;
+      due_ = std::max(due_, mean.round);
+    }
     RETURN_IF_ERROR(Apply(mean.round, mean.layers, std::move(mean.contributors)));
   }
   return absl::OkStatus();

@@ -1012,7 +1012,7 @@ absl::Status StageRuntime::PublishOuterWeights(const std::vector<torch::Tensor>&
   for (size_t p = 0; p < current.size(); ++p) {
     torch::Tensor w = outer[p].to(current[p].device(), current[p].scalar_type());
     if (keep_local_progress && p < s.outer_sent_from.size()) {
-      w = w + (current[p].detach() - s.outer_sent_from[p]);
+      w = w + (current[p].detach() - s.outer_sent_from[p].to(current[p].device()));
     } else {
       w = w.clone();
     }
@@ -1080,6 +1080,12 @@ absl::Status StageRuntime::ApplyOuterMean(const std::vector<v1::LayerWeights>& m
       if (!t.defined()) {
         return absl::InvalidArgumentError("a mean pseudo-gradient misses some of the stage's layers");
       }
+    }
+    // A replica that missed the round (it had not ended it, so exported
+    // nothing since the last outer step) keeps its progress since its
+    // outer weights as they were.
+    if (keep_local_progress && s.outer_sent_from.empty()) {
+      for (const torch::Tensor& o : s.outer->outer_weights()) s.outer_sent_from.push_back(o.clone());
     }
     ASSIGN_OR_RETURN(std::vector<torch::Tensor> outer, s.outer->StepWithMean(tensors));
     return PublishOuterWeights(outer, keep_local_progress);

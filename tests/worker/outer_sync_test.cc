@@ -160,17 +160,29 @@ TEST_F(OuterSyncTest, AnAbsentReplicaContributesNothingButTakesTheSameMean) {
   EXPECT_EQ(syncs_[0]->members().at(1), std::vector<int>({0, 1}));
 }
 
-TEST_F(OuterSyncTest, AMeanThatComesEarlyWaitsForItsRoundToEnd) {
+// A replica that trails (its round had not ended when the reducer closed
+// it) takes the mean as it comes and catches up to the outer weights; it
+// sends nothing for that round when it gets there.
+TEST_F(OuterSyncTest, AReplicaThatTrailsTakesTheMeansAsTheyComeAndCatchesUp) {
   Make(2, Options(1, 0, 1, 1, false, 0, absl::Seconds(1)));
-  ASSERT_TRUE(syncs_[0]->AfterStep(1, 4, now_).ok());
-  now_ += absl::Seconds(2);
-  ASSERT_TRUE(syncs_[0]->OnTime(now_).ok());  // closes round 1 without pipeline 1
-  Deliver();  // pipeline 1 has the mean of a round it has not ended
-  EXPECT_TRUE(computes_[1]->applied.empty());
-  ASSERT_TRUE(syncs_[1]->AfterStep(1, 4, now_).ok());
-  EXPECT_EQ(computes_[1]->applied, std::vector<std::string>({"mean(d0.1x4)"}));
-  Deliver();  // its late contribution is dropped by the reducer
-  EXPECT_EQ(computes_[0]->applied.size(), 1u);
+  for (int step = 1; step <= 3; ++step) {
+    ASSERT_TRUE(syncs_[0]->AfterStep(step, 4, now_).ok());
+    now_ += absl::Seconds(2);
+    ASSERT_TRUE(syncs_[0]->OnTime(now_).ok());  // closes the round without pipeline 1
+  }
+  Deliver();  // pipeline 1 has the means of three rounds it has not ended
+  EXPECT_EQ(computes_[1]->applied,
+            std::vector<std::string>({"mean(d0.1x4)", "mean(d0.2x4)", "mean(d0.3x4)"}));
+  EXPECT_EQ(syncs_[1]->rounds_applied(), 3);
+  for (int step = 1; step <= 3; ++step) ASSERT_TRUE(syncs_[1]->AfterStep(step, 4, now_).ok());
+  EXPECT_TRUE(queue_.empty());  // no late pseudo-gradient for closed rounds
+  EXPECT_FALSE(syncs_[1]->MustWait());
+  // Round 4 it makes.
+  ASSERT_TRUE(syncs_[1]->AfterStep(4, 4, now_).ok());
+  ASSERT_TRUE(syncs_[0]->AfterStep(4, 4, now_).ok());
+  Deliver();
+  EXPECT_EQ(syncs_[0]->members().at(4), std::vector<int>({0, 1}));
+  EXPECT_EQ(computes_[1]->applied.back(), "mean(d0.4x4,d1.1x4)");
 }
 
 TEST_F(OuterSyncTest, StreamingSyncsEachStageAtItsOffsetAndAppliesARoundLate) {
