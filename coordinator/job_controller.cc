@@ -558,6 +558,7 @@ void JobController::CommitStepsLocked(const std::vector<ProgressGate::Step>& ste
     figures.step = step_;
     figures.loss = loss_;
     figures.samples = samples_;
+    figures.pipeline_losses = step.pipeline_losses;
     figures.training_s = now - training_start_s_;
     figures.learning_rate =
         options_.job.optimizer().lr() *

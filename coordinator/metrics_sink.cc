@@ -23,6 +23,9 @@ void MetricsSink::RecordStep(double now_s, const StepFigures& figures) {
     Scalars scalars = {{"train/loss", figures.loss},
                        {"train/samples_per_second", samples_per_s},
                        {"train/learning_rate", figures.learning_rate}};
+    for (const auto& [pipeline, loss] : figures.pipeline_losses) {
+      scalars.emplace_back(absl::StrCat("pipeline/", pipeline, "/loss"), loss);
+    }
     curves_->Write(figures.step, absl::Now(), scalars);
   }
   if (log_ == nullptr) return;
@@ -30,11 +33,17 @@ void MetricsSink::RecordStep(double now_s, const StepFigures& figures) {
   for (const auto& [name, bytes] : figures.rss_bytes) {
     absl::StrAppend(&rss, rss.empty() ? "" : ",", "\"", JsonEscape(name), "\":", bytes);
   }
+  std::string pipelines;
+  for (const auto& [pipeline, loss] : figures.pipeline_losses) {
+    absl::StrAppend(&pipelines, pipelines.empty() ? ",\"pipelines\":[" : ",",
+                    absl::StrFormat("{\"pipeline\":%d,\"loss\":%.8g}", pipeline, loss));
+  }
+  if (!pipelines.empty()) pipelines += "]";
   log_->Append(absl::StrFormat(
       "{\"step\":%d,\"loss\":%.8g,\"samples\":%d,\"time_s\":%.3f,\"samples_per_s\":%.6g,"
-      "\"lr\":%.8g,\"rss_bytes\":{%s}}",
+      "\"lr\":%.8g,\"rss_bytes\":{%s}%s}",
       figures.step, figures.loss, figures.samples, figures.training_s, samples_per_s,
-      figures.learning_rate, rss));
+      figures.learning_rate, rss, pipelines));
 }
 
 void MetricsSink::RecordEval(double training_s, const v1::EvalReport& report) {

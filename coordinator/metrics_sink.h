@@ -35,6 +35,8 @@ struct StepFigures {
   double learning_rate = 0;  // of the update that ended the step
   // Resident memory of each live worker, by name.
   std::vector<std::pair<std::string, int64_t>> rss_bytes;
+  // With several pipelines: each one's loss of the step, by pipeline.
+  std::vector<std::pair<int, double>> pipeline_losses;
 };
 
 class MetricsSink {

@@ -91,9 +91,11 @@ std::vector<ProgressGate::Step> ProgressGate::CommitLocked() {
     Step total{step, 0, 0};
     int claims = 0;
     double loss_sum = 0;
-    for (Pipeline& p : pipelines_) {
+    for (size_t r = 0; r < pipelines_.size(); ++r) {
+      Pipeline& p = pipelines_[r];
       auto it = p.ready.find(step);
       if (it == p.ready.end()) continue;
+      if (pipelines_.size() > 1) total.pipeline_losses.emplace_back(static_cast<int>(r), it->second.loss);
       ++claims;
       total.samples += it->second.samples;
       loss_sum += it->second.loss * static_cast<double>(std::max<int64_t>(it->second.samples, 1));

@@ -53,6 +53,8 @@ class ProgressGate {
     int step = 0;
     double loss = 0;
     int64_t samples = 0;
+    // With several pipelines: each one's loss of the step, by pipeline.
+    std::vector<std::pair<int, double>> pipeline_losses;
   };
 
   // A new plan: its epoch, the workers of its first and last stages (each

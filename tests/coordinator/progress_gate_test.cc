@@ -94,6 +94,9 @@ TEST(ProgressGatePipelinesTest, AStepCommitsOnceEveryPipelineHasFinishedIt) {
   EXPECT_EQ(committed[0].step, 1);
   EXPECT_EQ(committed[0].samples, 32);
   EXPECT_DOUBLE_EQ(committed[0].loss, (2.0 * 8 + 4.0 * 24) / 32);  // samples-weighted
+  // And each pipeline's own, for the metrics log and the curves.
+  EXPECT_EQ(committed[0].pipeline_losses,
+            (std::vector<std::pair<int, double>>{{0, 2.0}, {1, 4.0}}));
   // The same step from the other pipeline is not a duplicate; from the
   // same, it is.
   ASSERT_TRUE(gate.Claim("a1", 3, {2, 2.0, 8}).ok());

@@ -8,10 +8,14 @@ same authenticated links as activations, and apply the same Nesterov outer
 step. At the end every stage's three replicas hold bit-identical weights,
 which each worker logs as a SHA-256 digest.
 """
+import json
+import os
 import re
+import subprocess
 import unittest
 
 from cluster import Cluster
+from test_operations import test_python
 
 JOB = """
 name: "pipelines-mlp"
@@ -56,9 +60,12 @@ class PipelinesCluster(Cluster):
 
 
 class PipelinesTest(unittest.TestCase):
-    def check_run(self, streaming, schedule="SYNC", secure=False):
+    def check_run(self, streaming, schedule="SYNC", secure=False, tensorboard=False):
         steps, inner = 24, 4
         with PipelinesCluster(steps, inner, streaming, schedule, secure) as c:
+            logdir = os.path.join(c.dir, "tensorboard")
+            if tensorboard:
+                c.coordinator_flags.append(f"--tensorboard_dir={logdir}")
             c.start_coordinator()
             # With TLS each worker holds a certificate for its id, and the
             # replica links are authenticated as the pipeline links are.
@@ -95,9 +102,27 @@ class PipelinesTest(unittest.TestCase):
             self.assertEqual([m["step"] for m in counted], list(range(1, steps + 1)))
             self.assertEqual([int(m["samples"]) for m in counted],
                              [3 * 4 * 16 * m["step"] for m in counted])
+            # Each step's line has each pipeline's loss; the job's is their
+            # samples-weighted mean (equal samples: the plain mean).
+            for m in counted:
+                self.assertEqual([p["pipeline"] for p in m["pipelines"]], [0, 1, 2], m)
+                mean = sum(p["loss"] for p in m["pipelines"]) / 3
+                self.assertAlmostEqual(m["loss"], mean, places=5)
+            if tensorboard:
+                c.coordinator.stop()  # everything written and closed
+                out = subprocess.run([test_python(), os.path.join(os.path.dirname(__file__),
+                                                                  "tensorboard_scalars.py"),
+                                      logdir], capture_output=True, text=True, timeout=900)
+                self.assertEqual(out.returncode, 0, out.stderr[-2000:])
+                series = json.loads(out.stdout)
+                for r in range(3):
+                    points = series[f"pipeline/{r}/loss"]
+                    self.assertEqual([p[0] for p in points], list(range(1, steps + 1)))
+                    self.assertAlmostEqual(points[0][1], counted[0]["pipelines"][r]["loss"],
+                                           places=4)
 
     def test_blocking_rounds_leave_replicas_bit_identical(self):
-        self.check_run(streaming=False)
+        self.check_run(streaming=False, tensorboard=True)
 
     def test_streaming_rounds_over_tls_leave_replicas_bit_identical(self):
         self.check_run(streaming=True, schedule="ASYNC_STASH", secure=True)
