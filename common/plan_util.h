@@ -36,6 +36,10 @@ inline std::vector<StageWorker> WorkersOf(const v1::StageAssignment& stage, int 
 }
 
 // R: the plan's pipelines (at least 1).
+// The most microbatches a plan's window (Plan.in_flight) keeps in flight
+// when the job sets none (worker/pipeline_driver.h, ConfigureSchedule).
+inline constexpr int kMaxPlannedWindow = 32;
+
 inline int PipelinesOf(const v1::Plan& plan) { return plan.pipelines() > 1 ? plan.pipelines() : 1; }
 
 // The stage `worker_id` works on and, in `*index`, its place among the

@@ -1089,8 +1089,20 @@ void JobController::PublishReplanLocked(v1::Plan next, const std::string& summar
   const int64_t old_base = plan_->has_data_base()
                                ? static_cast<int64_t>(plan_->data_base())
                                : int64_t{plan_->start_step()} * PipelinesOf(*plan_) * microbatches;
+  // With pipelines, one ahead of the job's step (which waits for the
+  // slowest) has drawn its data for the steps it took, and its stage 0 may
+  // have a window more in flight: the next plan's data begins past the
+  // furthest, so that no sample is trained twice.
+  int drawn_to = step_;
+  if (PipelinesOf(*plan_) > 1) {
+    const int window = std::max({options_.job.in_flight(), plan_->in_flight(), kMaxPlannedWindow});
+    const int in_flight_steps = static_cast<int>((window + microbatches - 1) / microbatches);
+    for (int r = 0; r < PipelinesOf(*plan_); ++r) {
+      drawn_to = std::max(drawn_to, progress_.first_stage_step(r) + 1 + in_flight_steps);
+    }
+  }
   next.set_data_base(static_cast<uint64_t>(
-      old_base + int64_t{step_ - plan_->start_step()} * PipelinesOf(*plan_) * microbatches));
+      old_base + int64_t{drawn_to - plan_->start_step()} * PipelinesOf(*plan_) * microbatches));
   next.set_start_step(step_);
   AddEventLocked("replanned", "",
                  absl::StrCat("epoch ", next.epoch(), ", resuming after step ", step_, "; ",

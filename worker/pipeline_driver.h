@@ -36,6 +36,7 @@
 #include "absl/time/time.h"
 #include "common/adaptive_codec.h"
 #include "common/link_rate_meter.h"
+#include "common/plan_util.h"
 #include "geotrain/v1/coordinator.pb.h"
 #include "geotrain/v1/job.pb.h"
 #include "worker/message_sink.h"
@@ -91,7 +92,6 @@ struct ScheduleConfig {
 // schedules' default window: pass the number of workers, replicas included).
 // `planned_window`: the plan's in_flight (0: none); used when the job sets
 // none, never below the number of stages nor above kMaxPlannedWindow.
-inline constexpr int kMaxPlannedWindow = 32;
 ScheduleConfig ConfigureSchedule(const v1::JobSpec& job, int num_stages, int planned_window = 0);
 
 // The latest StageStats of a stage, shared with the heartbeat thread, and

@@ -794,12 +794,18 @@ TEST_F(PipelinesPlanTest, FullPipelinesAndALostWorkerDissolvesOnlyItsOwn) {
     EXPECT_EQ(w.pipeline(), w.id() == ids[2] || w.id() == ids[3] ? 1 : 0) << w.name();
   }
   // d (pipeline 1's last stage) falls silent; no standby: pipeline 1 goes,
-  // pipeline 0 keeps its workers and places.
+  // pipeline 0 keeps its workers and places. Pipeline 0's stage 0 (a) has
+  // finished step 2 meanwhile; the job's step waits for pipeline 1.
   for (int t = 0; t < 15; ++t) {
     clock_.AdvanceMs(100);
     for (const std::string& id : ids) {
       if (id != ids[3]) Heartbeat(id, 0);
     }
+    v1::HeartbeatRequest at_step_2;  // a's own heartbeat says how far it is
+    at_step_2.set_worker_id(ids[0]);
+    at_step_2.set_epoch(plan.epoch());
+    at_step_2.set_step(2);
+    controller_->Heartbeat(at_step_2);
     controller_->Tick();
   }
   const v1::Plan after = Plan();
@@ -808,7 +814,11 @@ TEST_F(PipelinesPlanTest, FullPipelinesAndALostWorkerDissolvesOnlyItsOwn) {
   EXPECT_EQ(after.stages(0).worker_id(), ids[0]);
   EXPECT_EQ(after.stages(1).worker_id(), ids[1]);
   EXPECT_EQ(WorkersInPlan(after), 2);
-  EXPECT_TRUE(after.has_data_base());  // where the next plan's data begins
+  // The next plan's data begins past what pipeline 0 drew (its 2 steps,
+  // and a window more in flight), not at the job's step: no sample twice.
+  EXPECT_EQ(after.start_step(), 0);
+  const int in_flight_steps = (kMaxPlannedWindow + 1) / 2;  // microbatches: 2
+  EXPECT_EQ(after.data_base(), uint64_t{(2 + 1 + in_flight_steps) * 2 * 2});
   EXPECT_TRUE(HasEvent("replanned"));
   // A newcomer stands by, and c is a standby again.
   EXPECT_EQ(StageOf(after, ids[2]), nullptr);
