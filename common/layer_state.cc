@@ -13,11 +13,14 @@ namespace geotrain {
 uint64_t MaxLayerStateBytes(const v1::JobSpec& job, int layer) {
   const std::vector<LayerProfile> layers = ProfileLayers(job);
   if (layer < 0 || layer >= static_cast<int>(layers.size())) return 0;
-  return layers[layer].parameter_count * sizeof(float) * 3;
+  // With pipelines, also the outer weights and momentum.
+  return layers[layer].parameter_count * sizeof(float) * (job.has_outer() ? 5 : 3);
 }
 
 uint64_t MaxLayerWeightsBytes(const v1::JobSpec& job, int layer) {
-  return MaxLayerStateBytes(job, layer) / 3 * 2;
+  const std::vector<LayerProfile> layers = ProfileLayers(job);
+  if (layer < 0 || layer >= static_cast<int>(layers.size())) return 0;
+  return layers[layer].parameter_count * sizeof(float) * 2;
 }
 
 v1::LayerCheckpoint LayerStateHeader(const v1::LayerCheckpoint& layer) {
@@ -30,12 +33,16 @@ v1::LayerCheckpoint LayerStateHeader(const v1::LayerCheckpoint& layer) {
   *header.mutable_params() = layer.params();
   *header.mutable_optimizer_state() = layer.optimizer_state();
   header.set_data_cursor(layer.data_cursor());
+  *header.mutable_outer_weights() = layer.outer_weights();
+  *header.mutable_outer_momentum() = layer.outer_momentum();
+  header.set_outer_rounds(layer.outer_rounds());
   return header;
 }
 
 uint64_t DeclaredPayloadBytes(const v1::LayerCheckpoint& header) {
   uint64_t bytes = 0;
-  for (const auto* tensors : {&header.params(), &header.optimizer_state()}) {
+  for (const auto* tensors : {&header.params(), &header.optimizer_state(),
+                              &header.outer_weights(), &header.outer_momentum()}) {
     for (const v1::TensorHeader& h : *tensors) {
       // Saturate rather than wrap: a forged header must not look small.
       bytes = h.payload_bytes() > UINT64_MAX - bytes ? UINT64_MAX : bytes + h.payload_bytes();

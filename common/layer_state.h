@@ -33,8 +33,8 @@ inline constexpr size_t kLayerStateChunkBytes = kStreamPartBytes;
 inline constexpr uint64_t kMaxLayerStateBytes = uint64_t{64} << 30;
 
 // The most state a layer of `job` can have: its float32 parameters and two
-// optimizer tensors per parameter (AdamW's m and v). What a worker accepts
-// for that layer.
+// optimizer tensors per parameter (AdamW's m and v), and with pipelines the
+// outer weights and momentum. What a worker accepts for that layer.
 uint64_t MaxLayerStateBytes(const v1::JobSpec& job, int layer);
 // The most a replica's push of that layer's weights (parameters alone) can
 // hold: twice their float32 size, since int8 and int4 with the smallest

@@ -89,6 +89,29 @@ absl::Status CheckLayerCheckpointHeader(const v1::JobSpec& job, const v1::LayerC
           absl::StrCat(what, ": optimizer state ", i, " does not have its parameter's shape"));
     }
   }
+  // The outer optimizer's (job.outer): one tensor per parameter, of its
+  // shape, or none.
+  for (const auto* outer : {&c.outer_weights(), &c.outer_momentum()}) {
+    if (!outer->empty() && outer->size() != c.params_size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": ", outer->size(), " outer tensors for ", c.params_size(), " parameters"));
+    }
+    for (int i = 0; i < outer->size(); ++i) {
+      if (absl::Status ok = check((*outer)[i], "outer tensor"); !ok.ok()) return ok;
+      const auto& shape = c.params(i).shape();
+      if ((*outer)[i].shape().size() != shape.size() ||
+          !std::equal(shape.begin(), shape.end(), (*outer)[i].shape().begin())) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(what, ": outer tensor ", i, " does not have its parameter's shape"));
+      }
+    }
+  }
+  if (c.outer_weights().empty() && !c.outer_momentum().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": an outer momentum without weights"));
+  }
+  if (c.outer_rounds() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": negative outer rounds"));
+  }
   if (elements != layers[c.layer()].parameter_count) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": ", elements, " parameters; the layer has ",
                                                    layers[c.layer()].parameter_count));

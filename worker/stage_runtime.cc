@@ -41,6 +41,13 @@ struct StageRuntime::Impl {
   std::unique_ptr<ErrorFeedbackEncoder> outer_encoder;
   std::unique_ptr<ErrorFeedbackEncoder> mean_encoder;  // the reducer's means
   std::vector<torch::Tensor> outer_sent_from;
+  // The outer state a checkpoint held (RestoreCheckpoint), for StartOuter:
+  // per parameter (undefined where none was restored).
+  struct RestoredOuter {
+    std::vector<torch::Tensor> weights, momentum;
+    int64_t rounds = 0;
+  };
+  std::optional<RestoredOuter> restored_outer;
   std::unique_ptr<Dataset> dataset;  // stage 0 only
   // SetDataShard's figures.
   int shard_pipelines = 1, shard_pipeline = 0, shard_start_step = 0;
@@ -637,6 +644,17 @@ absl::StatusOr<std::vector<v1::LayerCheckpoint>> StageRuntime::ExportCheckpoint(
           RETURN_IF_ERROR(EncodeTensor(t, layer.add_optimizer_state(), payload));
         }
       }
+      if (s.outer != nullptr) {
+        layer.set_outer_rounds(s.outer->rounds());
+        for (size_t p = begin; p < end; ++p) {
+          RETURN_IF_ERROR(EncodeTensor(s.outer->outer_weights()[p], layer.add_outer_weights(),
+                                       payload));
+        }
+        for (size_t p = begin; p < end && !s.outer->momentum().empty(); ++p) {
+          RETURN_IF_ERROR(EncodeTensor(s.outer->momentum()[p], layer.add_outer_momentum(),
+                                       payload));
+        }
+      }
     }
     return out;
   });
@@ -651,6 +669,13 @@ uint64_t StageRuntime::StateBytes() const {
   for (const std::vector<torch::Tensor>& per_param : s.optimizer->State()) {
     for (const torch::Tensor& t : per_param) {
       bytes += static_cast<uint64_t>(t.numel()) * t.element_size();
+    }
+  }
+  if (s.outer != nullptr) {
+    for (const auto* tensors : {&s.outer->outer_weights(), &s.outer->momentum()}) {
+      for (const torch::Tensor& t : *tensors) {
+        bytes += static_cast<uint64_t>(t.numel()) * t.element_size();
+      }
     }
   }
   return bytes;
@@ -681,6 +706,15 @@ absl::Status StageRuntime::StreamCheckpoint(
       for (size_t p = begin; p < end && !state.empty(); ++p) {
         for (const torch::Tensor& t : state[p]) describe(t, header.add_optimizer_state());
       }
+      if (s.outer != nullptr) {
+        header.set_outer_rounds(s.outer->rounds());
+        for (size_t p = begin; p < end; ++p) {
+          describe(s.outer->outer_weights()[p], header.add_outer_weights());
+        }
+        for (size_t p = begin; p < end && !s.outer->momentum().empty(); ++p) {
+          describe(s.outer->momentum()[p], header.add_outer_momentum());
+        }
+      }
       LayerStateChunker chunker(header, DeclaredPayloadBytes(header), emit);
       // One tensor on the host at a time (a copy only for a device tensor).
       for (const torch::Tensor& tensor : tensors) {
@@ -706,6 +740,7 @@ absl::Status StageRuntime::RestoreCheckpoint(const std::vector<v1::LayerCheckpoi
   return GuardTorch("restoring a checkpoint", [&]() -> absl::Status {
     std::vector<torch::Tensor> params = s.stash->Get(s.stash->current_version());
     std::vector<std::vector<torch::Tensor>> state = s.optimizer->State();
+    std::optional<Impl::RestoredOuter> outer;
     int per_param = state.empty() ? 0 : static_cast<int>(state[0].size());
     for (const v1::LayerCheckpoint& c : layers) {
       per_param = std::max(per_param, c.state_per_param());
@@ -729,7 +764,10 @@ absl::Status StageRuntime::RestoreCheckpoint(const std::vector<v1::LayerCheckpoi
       const size_t count = end - begin;
       if (static_cast<size_t>(c.params_size()) != count ||
           (c.state_per_param() > 0 &&
-           static_cast<size_t>(c.optimizer_state_size()) != count * c.state_per_param())) {
+           static_cast<size_t>(c.optimizer_state_size()) != count * c.state_per_param()) ||
+          (c.outer_weights_size() != 0 && static_cast<size_t>(c.outer_weights_size()) != count) ||
+          (c.outer_momentum_size() != 0 &&
+           static_cast<size_t>(c.outer_momentum_size()) != count)) {
         return absl::InvalidArgumentError(absl::StrCat(
             "checkpoint of layer ", c.layer(), " has ", c.params_size(), " parameters, the model ",
             count));
@@ -769,11 +807,39 @@ absl::Status StageRuntime::RestoreCheckpoint(const std::vector<v1::LayerCheckpoi
                            next(c.optimizer_state(p * c.state_per_param() + k), params[begin + p]));
         }
       }
+      if (c.outer_weights_size() > 0) {
+        if (!outer.has_value()) {
+          outer.emplace();
+          outer->weights.resize(params.size());
+          outer->momentum.resize(params.size());
+        }
+        for (size_t p = 0; p < count; ++p) {
+          ASSIGN_OR_RETURN(torch::Tensor t, next(c.outer_weights(p), params[begin + p]));
+          outer->weights[begin + p] = t.to(torch::kCPU).clone();
+        }
+        for (size_t p = 0; p < static_cast<size_t>(c.outer_momentum_size()); ++p) {
+          ASSIGN_OR_RETURN(torch::Tensor t, next(c.outer_momentum(p), params[begin + p]));
+          outer->momentum[begin + p] = t.to(torch::kCPU).clone();
+        }
+        outer->rounds = std::max(outer->rounds, c.outer_rounds());
+      }
       optimizer_steps = std::max(optimizer_steps, c.optimizer_steps());
     }
     std::vector<torch::Tensor> copies;
     for (const torch::Tensor& p : params) copies.push_back(p.detach().clone());
     s.stash->Publish(std::move(copies));
+    if (outer.has_value()) {
+      // Layers restored without an outer state take their weights as outer
+      // weights; momentum is kept only if every layer had one.
+      bool all_momentum = true;
+      for (size_t p = 0; p < params.size(); ++p) {
+        if (!outer->weights[p].defined()) outer->weights[p] = params[p].detach().to(torch::kCPU).clone();
+        all_momentum = all_momentum && outer->momentum[p].defined();
+      }
+      if (!all_momentum) outer->momentum.clear();
+      s.restored_outer = std::move(*outer);
+      s.outer = nullptr;  // StartOuter takes it
+    }
     return s.optimizer->Restore(state, optimizer_steps);
   });
 }
@@ -877,6 +943,12 @@ absl::Status StageRuntime::StartOuter(const OuterSettings& settings) {
     s.outer = std::make_unique<OuterOptimizer>(
         OuterStepOptions{settings.lr, settings.momentum, /*nesterov=*/true});
     s.outer->Reset(s.stash->Get(s.stash->current_version()));
+    if (s.restored_outer.has_value()) {
+      // A checkpoint's outer optimizer: resumed exactly.
+      Impl::RestoredOuter restored = *std::move(s.restored_outer);
+      s.restored_outer.reset();
+      RETURN_IF_ERROR(s.outer->Restore(restored.weights, restored.momentum, restored.rounds));
+    }
     s.outer_encoder = std::make_unique<ErrorFeedbackEncoder>(settings.encoding);
     s.mean_encoder = std::make_unique<ErrorFeedbackEncoder>(settings.encoding);
     s.outer_sent_from.clear();

@@ -176,7 +176,9 @@ class StageRuntime {
     WireEncoding encoding;
   };
   // Takes the current weights as the outer weights, momentum zero (a run's
-  // start, or a replica that takes the outer weights on its return).
+  // start, or a replica that takes the outer weights on its return); or,
+  // after RestoreCheckpoint of a checkpoint that held them, the outer
+  // weights, momentum and rounds it held.
   absl::Status StartOuter(const OuterSettings& settings);
   bool outer_started() const;
   // This replica's pseudo-gradient since the last outer step (outer minus

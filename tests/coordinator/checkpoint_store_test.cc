@@ -5,7 +5,9 @@
 #include <cstdlib>
 #include <fstream>
 
+#include "common/job_spec.h"
 #include "common/layer_state.h"
+#include "common/model_profile.h"
 #include "gtest/gtest.h"
 
 namespace geotrain {
@@ -198,4 +200,45 @@ TEST(CheckpointStoreTest, ReadsFilesOfThePreviousFormat) {
 }
 
 }  // namespace
+// With pipelines a layer's checkpoint also holds the outer optimizer's
+// weights and momentum: one float32 tensor per parameter, of its shape.
+TEST(CheckpointStoreTest, OuterTensorsMustMatchTheParameters) {
+  absl::StatusOr<v1::JobSpec> job =
+      ParseJobSpec("mlp { hidden: 8 } fashion_mnist {} steps: 4 outer { }", "outer_ckpt");
+  ASSERT_TRUE(job.ok()) << job.status();
+  v1::LayerCheckpoint c;
+  c.set_layer(0);
+  c.set_step(2);
+  uint64_t bytes = 0;
+  auto add = [&bytes](v1::TensorHeader* h, const std::vector<int64_t>& shape) {
+    uint64_t n = 1;
+    for (int64_t d : shape) {
+      h->add_shape(d);
+      n *= static_cast<uint64_t>(d);
+    }
+    h->set_dtype(v1::DTYPE_FLOAT32);
+    h->set_codec(v1::CODEC_NONE);
+    h->set_payload_bytes(4 * n);
+    bytes += 4 * n;
+  };
+  const std::vector<ParameterSpec> params = LayerParameters(*job, 0);
+  for (const ParameterSpec& p : params) add(c.add_params(), p.shape);
+  for (const ParameterSpec& p : params) add(c.add_outer_weights(), p.shape);
+  for (const ParameterSpec& p : params) add(c.add_outer_momentum(), p.shape);
+  c.set_outer_rounds(3);
+  EXPECT_TRUE(CheckLayerCheckpointHeader(*job, c, bytes).ok())
+      << CheckLayerCheckpointHeader(*job, c, bytes);
+  EXPECT_EQ(DeclaredPayloadBytes(c), bytes);
+  EXPECT_LE(bytes, MaxLayerStateBytes(*job, 0));
+  v1::LayerCheckpoint wrong_shape = c;
+  wrong_shape.mutable_outer_momentum(0)->set_shape(0, 3);
+  EXPECT_FALSE(CheckLayerCheckpointHeader(*job, wrong_shape, bytes).ok());
+  v1::LayerCheckpoint too_few = c;
+  too_few.mutable_outer_weights()->RemoveLast();
+  EXPECT_FALSE(CheckLayerCheckpointHeader(*job, too_few, bytes).ok());
+  v1::LayerCheckpoint momentum_alone = c;
+  momentum_alone.clear_outer_weights();
+  EXPECT_FALSE(CheckLayerCheckpointHeader(*job, momentum_alone, bytes).ok());
+}
+
 }  // namespace geotrain
