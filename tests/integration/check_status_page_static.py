@@ -42,6 +42,8 @@ class Server:
             doc["status"]["events"] = []
             doc["health"] = {"coordinator": "NOT_SERVING"}
             fixture = json.dumps(doc).encode()
+        if mode == "pipelines":
+            fixture = json.dumps(pipelines_fixture(json.loads(fixture))).encode()
         self.mode = mode
         self.auth_headers = []
         self.status_requests = 0
@@ -106,6 +108,22 @@ def chromium(binary, url, extra):
     if run.returncode != 0:
         raise RuntimeError("chromium exited %d: %s" % (run.returncode, run.stderr.decode(errors="replace")[-2000:]))
     return run.stdout.decode("utf-8", errors="replace")
+
+
+def pipelines_fixture(doc):
+    """The fixture as two pipelines of two stages (job.outer): its four
+    staged workers, pipeline 1 a round behind."""
+    st = doc["status"]
+    ws = [w for w in st["workers"] if w["stage"] >= 0]
+    for k, w in enumerate(ws):
+        w["stage"], w["replica"], w["pipeline"] = k % 2, k // 2, k // 2
+        w["outer_rounds"] = 7 - k // 2
+        w["outer_bytes_sent"] = str(1500000 * (k + 1))
+    st["pipelines"] = 2
+    st["pipeline_status"] = [
+        {"pipeline": r, "workers": [ws[2 * r]["id"], ws[2 * r + 1]["id"]], "step": 30 - 4 * r,
+         "loss": 2.5 + 0.1 * r, "samples_per_s": 120.5} for r in range(2)]
+    return doc
 
 
 class Dom(html.parser.HTMLParser):
@@ -229,9 +247,26 @@ def main():
         c.check("header health SERVING", Dom.text(dom.by_id("health")) == "SERVING")
         c.check("last update shown", "last update" in Dom.text(dom.by_id("age")), Dom.text(dom.by_id("age")))
         c.check("no banner", "hidden" in (dom.by_id("banner") or {}).get("attrs", {}))
+        c.check("one pipeline: no pipelines table",
+                "hidden" in (dom.by_id("pipelines-card") or {}).get("attrs", {}))
         chromium(binary, "http://127.0.0.1:%d/" % srv.port, ["--screenshot=" + args.screenshot, "--window-size=1280,1400",
                                                             "--hide-scrollbars"])
         c.check("screenshot written", os.path.getsize(args.screenshot) > 10000, args.screenshot)
+
+    print("mode pipelines: two pipelines with the outer optimizer")
+    with Server("pipelines") as srv:
+        dom = Dom(chromium(binary, "http://127.0.0.1:%d/" % srv.port, ["--dump-dom"]))
+        doc = pipelines_fixture(json.load(open(FIXTURE)))
+        names = {w["id"]: w["name"] for w in doc["status"]["workers"]}
+        rows = dom.by_class("pipeline-row")
+        c.check("pipelines table shown", "hidden" not in (dom.by_id("pipelines-card") or {}).get("attrs", {}))
+        c.check("a row per pipeline", [r["attrs"].get("data-pipeline") for r in rows] == ["0", "1"],
+                "%d rows" % len(rows))
+        for r, p in zip(rows, doc["status"]["pipeline_status"]):
+            text = Dom.text(r)
+            want = " → ".join(names[i] for i in p["workers"])
+            c.check("pipeline %d workers, step, outer rounds" % p["pipeline"],
+                    want in text and str(p["step"]) in text and str(7 - p["pipeline"]) in text, text)
 
     print("mode auth: 401 without the viewer token")
     with Server("auth") as srv:
