@@ -90,6 +90,25 @@ struct StageRuntime::Impl {
   bool is_first() const { return placement.stage == 0; }
   bool is_last() const { return placement.stage == placement.num_stages - 1; }
 
+  // What evaluations run on: with the outer optimizer, the outer weights
+  // (the model as of the last outer step, the same on every replica of the
+  // stage), copied to the device once per outer step; else the current
+  // weights.
+  const std::vector<torch::Tensor>& EvalParams() {
+    if (outer == nullptr) return stash->Get(stash->current_version());
+    if (eval_params_round != outer->rounds() || eval_params.empty()) {
+      eval_params.clear();
+      const std::vector<torch::Tensor>& current = stash->Get(stash->current_version());
+      for (size_t p = 0; p < current.size(); ++p) {
+        eval_params.push_back(outer->outer_weights()[p].to(current[p].device()));
+      }
+      eval_params_round = outer->rounds();
+    }
+    return eval_params;
+  }
+  std::vector<torch::Tensor> eval_params;
+  int64_t eval_params_round = -1;
+
   torch::Tensor RunLayers(torch::Tensor x, const std::vector<torch::Tensor>& params) {
     for (size_t i = 0; i < layers.size(); ++i) {
       const auto [begin, end] = LayerParams(static_cast<size_t>(i), params.size());
@@ -361,7 +380,7 @@ absl::StatusOr<LinkMessage> StageRuntime::Forward(const LinkMessage& input) {
       torch::NoGradGuard no_grad;
       ASSIGN_OR_RETURN(LinkMessage out,
                        s.MakeMessage(input.header, v1::MESSAGE_KIND_EVAL,
-                                     {s.RunLayers(x, s.stash->Get(s.stash->current_version()))},
+                                     {s.RunLayers(x, s.EvalParams())},
                                      s.options.activation_encoding, &input));
       RETURN_IF_ERROR(s.device_checks.Verify());  // the message's copy synchronised
       return out;
@@ -469,7 +488,7 @@ absl::Status StageRuntime::EvalForward(const LinkMessage& input) {
     torch::NoGradGuard no_grad;
     ASSIGN_OR_RETURN(torch::Tensor x, s.Decode(input, 0));
     ASSIGN_OR_RETURN(torch::Tensor targets, s.TargetsForLoss(input));
-    torch::Tensor output = s.RunLayers(x, s.stash->Get(s.stash->current_version()));
+    torch::Tensor output = s.RunLayers(x, s.EvalParams());
     const int64_t batch = targets.size(0);
     const int64_t elements = LossElements(s.job, batch);
     Impl::EvalPass& pass = s.evals[input.header.step()];
@@ -839,6 +858,7 @@ absl::Status StageRuntime::RestoreCheckpoint(const std::vector<v1::LayerCheckpoi
       if (!all_momentum) outer->momentum.clear();
       s.restored_outer = std::move(*outer);
       s.outer = nullptr;  // StartOuter takes it
+      s.eval_params.clear();
     }
     return s.optimizer->Restore(state, optimizer_steps);
   });
@@ -943,6 +963,7 @@ absl::Status StageRuntime::StartOuter(const OuterSettings& settings) {
     s.outer = std::make_unique<OuterOptimizer>(
         OuterStepOptions{settings.lr, settings.momentum, /*nesterov=*/true});
     s.outer->Reset(s.stash->Get(s.stash->current_version()));
+    s.eval_params.clear();
     if (s.restored_outer.has_value()) {
       // A checkpoint's outer optimizer: resumed exactly.
       Impl::RestoredOuter restored = *std::move(s.restored_outer);
@@ -1004,6 +1025,7 @@ absl::Status StageRuntime::AdoptOuterState(const std::vector<v1::LayerWeights>& 
     }
     const std::vector<torch::Tensor> own = s.outer->outer_weights();  // before Restore
     RETURN_IF_ERROR(s.outer->Restore(weights, momentum, rounds));
+    s.eval_params.clear();
     const std::vector<torch::Tensor>& current = s.stash->Get(s.stash->current_version());
     std::vector<torch::Tensor> next;
     for (size_t p = 0; p < current.size(); ++p) {

@@ -255,6 +255,28 @@ TEST(OuterStepRuntimeTest, ACheckpointResumesTheOuterOptimizerExactly) {
   EXPECT_EQ(fresh->outer_rounds(), 0);
 }
 
+// With the outer optimizer, evaluations run on the outer weights: inner
+// steps since the last outer step do not change them; an outer step does.
+TEST(OuterStepRuntimeTest, EvaluationSeesTheOuterWeights) {
+  const v1::JobSpec job = Job(2, v1::Optimizer::KIND_ADAMW);
+  std::unique_ptr<StageRuntime> runtime = std::move(OuterReplicas(job, v1::CODEC_NONE, 1)[0]);
+  auto eval_loss = [&](int pass) {
+    auto input = runtime->LoadEvalMicrobatch(0);
+    EXPECT_TRUE(input.ok()) << input.status();
+    input->header.set_step(pass);
+    EXPECT_TRUE(runtime->EvalForward(*input).ok());
+    return runtime->TakeEvalResult(pass).loss;
+  };
+  const double at_start = eval_loss(1);
+  InnerStep(*runtime, job, 0, 0, 1);
+  InnerStep(*runtime, job, 1, 0, 1);
+  EXPECT_EQ(eval_loss(2), at_start);  // the outer weights have not moved
+  auto delta = runtime->ExportPseudoGradient();
+  ASSERT_TRUE(delta.ok());
+  ASSERT_TRUE(runtime->ApplyOuterStep({{0, 8, *delta}}).ok());
+  EXPECT_NE(eval_loss(3), at_start);
+}
+
 TEST(OuterStepRuntimeTest, AppliedARoundLateKeepsTheInnerStepsSince) {
   const v1::JobSpec job = Job(2, v1::Optimizer::KIND_SGD);
   auto a = Runtime(job);
