@@ -1309,6 +1309,10 @@ void JobController::MaybeReplanLocked() {
   const std::vector<WorkerRecord> live = membership_.LiveWorkers();
   std::set<std::string> live_ids;
   for (const WorkerRecord& w : live) live_ids.insert(w.id);
+  // A worker that reported DONE has finished its part and may exit: it is
+  // not lost. (With pipelines one finishes before another, and its
+  // workers' leases run out while the others' final rounds go on.)
+  for (const std::string& id : done_workers_) live_ids.insert(id);
   if (PipelinesOf(*plan_) > 1) {
     RepairPipelinesLocked(live_ids);
     return;

@@ -824,6 +824,40 @@ TEST_F(PipelinesPlanTest, FullPipelinesAndALostWorkerDissolvesOnlyItsOwn) {
   EXPECT_EQ(StageOf(after, ids[2]), nullptr);
 }
 
+// A pipeline that finished first: its workers report DONE and exit; their
+// leases running out while the other pipeline finishes is no reason to
+// dissolve anything.
+TEST_F(PipelinesPlanTest, WorkersThatReportedDoneAreNotLost) {
+  std::vector<std::string> ids;
+  for (const char* name : {"a", "b", "c", "d"}) ids.push_back(Join(name).worker_id());
+  const v1::Plan plan = Plan();
+  ASSERT_EQ(plan.pipelines(), 2);
+  TrainSteps(ids[0], ids[1], 3, plan.epoch());  // pipeline 0: a -> b
+  TrainSteps(ids[2], ids[3], 3, plan.epoch());  // pipeline 1: c -> d
+  for (int k : {0, 1}) {
+    v1::DoneReport done;
+    done.set_worker_id(ids[k]);
+    done.set_step(3);
+    ASSERT_TRUE(controller_->ReportDone(done).ok()) << k;
+  }
+  // a and b have exited; c and d finish their final round meanwhile.
+  for (int t = 0; t < 15; ++t) {
+    clock_.AdvanceMs(100);
+    Heartbeat(ids[2], 0);
+    Heartbeat(ids[3], 0);
+    controller_->Tick();
+  }
+  EXPECT_EQ(Plan().epoch(), plan.epoch()) << "re-planned around finished workers";
+  EXPECT_FALSE(HasEvent("replanned"));
+  for (int k : {2, 3}) {
+    v1::DoneReport done;
+    done.set_worker_id(ids[k]);
+    done.set_step(3);
+    ASSERT_TRUE(controller_->ReportDone(done).ok()) << k;
+  }
+  EXPECT_TRUE(HasEvent("job_done"));
+}
+
 TEST_F(ReplicaPlanTest, ALostReplicaLeavesItsStageToTheOther) {
   std::vector<std::string> ids;
   for (const char* name : {"a", "b", "c", "d"}) ids.push_back(Join(name).worker_id());

@@ -18,6 +18,7 @@ NAT routers, TLS everywhere, the README's multi-machine steps as written.
 Needs root for the lab (CI runs as root); without it those tests skip and
 say why.
 """
+import contextlib
 import json
 import os
 import re
@@ -127,6 +128,21 @@ class LabCluster:
             p.stop(grace=3)
 
 
+@contextlib.contextmanager
+def lab_run(test, lab, cluster):
+    """A test's processes in `lab`: every log printed if it fails; the
+    processes and the lab gone after, and no namespace left behind."""
+    try:
+        yield cluster
+    except Exception:
+        print(cluster.dump_logs())
+        raise
+    finally:
+        cluster.close()
+        lab.down()
+    test.assertEqual(lab.namespaces(), [], "the lab left namespaces behind")
+
+
 def by_name(status):
     return {w["name"]: w for w in status.get("workers", [])}
 
@@ -162,7 +178,7 @@ class NetLabTest(unittest.TestCase):
         self.assertEqual(namespaces_before, set())
         lab.up()
         cluster = LabCluster(lab, job, directory)
-        try:
+        with lab_run(self, lab, cluster):
             cluster.start_coordinator()
             relays = {name: cluster.start_relay(name, name) for name in ("relay1", "relay2")}
             wait_for(lambda: sum(w["role"] == "relay" for w in cluster.status()["workers"]) == 2,
@@ -225,13 +241,6 @@ class NetLabTest(unittest.TestCase):
                             f"loss drop in the lab {lab_drop[2]:.4f} vs loopback {reference[2]:.4f}")
             events = [e["kind"] for e in cluster.status()["events"]]
             self.assertIn("replanned", events)
-        except Exception:
-            print(cluster.dump_logs())
-            raise
-        finally:
-            cluster.close()
-            lab.down()
-        self.assertEqual(lab.namespaces(), [], "the lab left namespaces behind")
 
 
 PIPELINES_JOB = """
@@ -272,7 +281,7 @@ class NatPipelinesTest(unittest.TestCase):
             {"name": "n3", "nat": "home3"}]})
         lab.up()
         cluster = LabCluster(lab, job, directory)
-        try:
+        with lab_run(self, lab, cluster):
             cluster.start_coordinator()
             cluster.start_relay("relay1", "relay1")
             wait_for(lambda: any(w["role"] == "relay" for w in cluster.status()["workers"]),
@@ -310,13 +319,6 @@ class NatPipelinesTest(unittest.TestCase):
             first, last, drop = loss_drop(cluster.metrics())
             print(f"lab pipelines: loss {first:.4f} -> {last:.4f}")
             self.assertGreater(drop, 0.3)
-        except Exception:
-            print(cluster.dump_logs())
-            raise
-        finally:
-            cluster.close()
-            lab.down()
-        self.assertEqual(lab.namespaces(), [], "the lab left namespaces behind")
 
 
 class WrongAdvertiseTest(unittest.TestCase):
