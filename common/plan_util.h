@@ -57,6 +57,30 @@ inline const v1::StageAssignment* StageOf(const v1::Plan& plan, const std::strin
   return nullptr;
 }
 
+// Pipeline `pipeline`'s entry in Plan.pipeline_info; null when the plan
+// lists none (then every pipeline is formed in the plan's epoch).
+inline const v1::PipelineInfo* PipelineInfoOf(const v1::Plan& plan, int pipeline) {
+  for (const v1::PipelineInfo& info : plan.pipeline_info()) {
+    if (info.pipeline() == pipeline) return &info;
+  }
+  return nullptr;
+}
+
+// The epoch pipeline `pipeline`'s sessions, links and reports carry: the
+// one it was formed in.
+inline uint64_t SessionEpochOf(const v1::Plan& plan, int pipeline) {
+  const v1::PipelineInfo* info = PipelineInfoOf(plan, pipeline);
+  return info != nullptr && info->formed_epoch() != 0 ? info->formed_epoch() : plan.epoch();
+}
+
+// An outer-sync link's epoch: the later of its two pipelines' (a link is
+// new whenever either end's pipeline is).
+inline uint64_t OuterLinkEpochOf(const v1::Plan& plan, int pipeline_a, int pipeline_b) {
+  const uint64_t a = SessionEpochOf(plan, pipeline_a);
+  const uint64_t b = SessionEpochOf(plan, pipeline_b);
+  return a > b ? a : b;
+}
+
 // Every worker the plan gives a stage.
 inline int WorkersInPlan(const v1::Plan& plan) {
   int count = 0;

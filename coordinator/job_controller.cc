@@ -14,6 +14,7 @@
 #include "common/plan_util.h"
 #include "common/status_macros.h"
 #include "coordinator/link_assigner.h"
+#include "coordinator/pipeline_continuity.h"
 #include "coordinator/pipeline_repair.h"
 #include "coordinator/plan_builder.h"
 #include "coordinator/stage_series.h"
@@ -488,11 +489,10 @@ absl::Status JobController::CheckOnLastStageLocked(const std::string& worker_id,
 
 absl::Status JobController::ReportStep(const v1::StepReport& report) {
   absl::MutexLock lock(&mu_);
-  if (!plan_.has_value() || report.epoch() != plan_->epoch()) {
+  if (!plan_.has_value() || report.epoch() != SessionEpochOfLocked(report.worker_id())) {
     return absl::FailedPreconditionError(
-        absl::StrCat("step report of epoch ", report.epoch(),
-                     " refused: current epoch is ",
-                     plan_.has_value() ? plan_->epoch() : 0));
+        absl::StrCat("step report of epoch ", report.epoch(), " refused: this worker's is ",
+                     plan_.has_value() ? SessionEpochOfLocked(report.worker_id()) : 0));
   }
   if (!membership_.IsLive(report.worker_id())) {
     return absl::PermissionDeniedError(absl::StrCat(
@@ -583,7 +583,7 @@ void JobController::CommitStepsLocked(const std::vector<ProgressGate::Step>& ste
 
 absl::Status JobController::ReportEval(const v1::EvalReport& report) {
   absl::MutexLock lock(&mu_);
-  if (!plan_.has_value() || report.epoch() != plan_->epoch()) {
+  if (!plan_.has_value() || report.epoch() != SessionEpochOfLocked(report.worker_id())) {
     return absl::FailedPreconditionError("eval report of another epoch");
   }
   if (absl::Status last = CheckOnLastStageLocked(report.worker_id(), "evaluations");
@@ -850,9 +850,13 @@ absl::Status JobController::RecordWorkerEvent(const v1::WorkerEvent& event) {
   // A lost link on the current plan: the neighbour accused is taken out of
   // the pipeline (it stays a standby if it is alive). Only the first report
   // of an epoch counts: the other end of the same link accuses this one.
-  // A draining worker closes its links on purpose: not a failure.
+  // A draining worker closes its links on purpose: not a failure. The
+  // report carries the link's epoch (a pipeline that continues through
+  // re-plans keeps the one it was formed in): one of a link the current
+  // plan no longer has is old news.
   if (event.kind() != "link_lost" || !plan_.has_value() || done_ ||
-      event.epoch() != plan_->epoch() || draining_.count(event.peer()) > 0) {
+      event.epoch() != LinkEpochOfLocked(accuser, event.peer()) ||
+      draining_.count(event.peer()) > 0) {
     return absl::OkStatus();
   }
   const std::string& accused = event.peer();
@@ -1082,27 +1086,9 @@ void JobController::MaybeVoluntaryReplanLocked() {
 void JobController::PublishReplanLocked(v1::Plan next, const std::string& summary) {
   replan_policy_.Switched(options_.clock->NowMs());
   next.set_epoch(plan_->epoch() + 1);
-  // The data drawn so far: the old plan's base and its R pipelines' share
-  // of every step since its start, so that a change of R draws no index
-  // twice (StageRuntime::SetDataShard).
-  const int64_t microbatches = std::max(1, options_.job.microbatches());
-  const int64_t old_base = plan_->has_data_base()
-                               ? static_cast<int64_t>(plan_->data_base())
-                               : int64_t{plan_->start_step()} * PipelinesOf(*plan_) * microbatches;
-  // With pipelines, one ahead of the job's step (which waits for the
-  // slowest) has drawn its data for the steps it took, and its stage 0 may
-  // have a window more in flight: the next plan's data begins past the
-  // furthest, so that no sample is trained twice.
-  int drawn_to = step_;
-  if (PipelinesOf(*plan_) > 1) {
-    const int window = std::max({options_.job.in_flight(), plan_->in_flight(), kMaxPlannedWindow});
-    const int in_flight_steps = static_cast<int>((window + microbatches - 1) / microbatches);
-    for (int r = 0; r < PipelinesOf(*plan_); ++r) {
-      drawn_to = std::max(drawn_to, progress_.first_stage_step(r) + 1 + in_flight_steps);
-    }
-  }
-  next.set_data_base(static_cast<uint64_t>(
-      old_base + int64_t{drawn_to - plan_->start_step()} * PipelinesOf(*plan_) * microbatches));
+  // Every index drawn so far is below the next plan's data_base, so that
+  // a change of pipelines draws no index twice (StageRuntime::SetDataShard).
+  next.set_data_base(static_cast<uint64_t>(DataHighWater(*plan_, DataInputLocked())));
   next.set_start_step(step_);
   AddEventLocked("replanned", "",
                  absl::StrCat("epoch ", next.epoch(), ", resuming after step ", step_, "; ",
@@ -1111,22 +1097,52 @@ void JobController::PublishReplanLocked(v1::Plan next, const std::string& summar
   PersistLocked();
 }
 
-void JobController::RepairPipelinesLocked(std::set<std::string> live, const std::string& why) {
+bool JobController::RepairPipelinesLocked(std::set<std::string> live, const std::string& why) {
   std::vector<StageWorker> standbys;
   for (const WorkerRecord& w : StandbysLocked(*plan_)) {
     if (demoted_.count(w.id) == 0) standbys.push_back({w.id, w.address});
   }
   PipelineRepair repair = RepairPipelines(*plan_, live, standbys,
                                           [this](const std::string& id) { return NameOf(id); });
-  if (!repair.changed) return;
+  if (!repair.changed) return false;
   const std::string reason = why.empty() ? "" : absl::StrCat(", because ", why);
   if (!repair.none_left) {
     waiting_for_workers_ = false;
     PublishReplanLocked(std::move(repair.plan), repair.summary + reason);
-    return;
+    return true;
   }
   // Every pipeline lost a stage: the live workers are partitioned anew.
   RepartitionLocked(live, absl::StrCat(repair.summary, reason, "; "));
+  return true;
+}
+
+bool JobController::MaybeFormPipelineLocked() {
+  if (!options_.job.has_outer() || !done_workers_.empty() || plan_->stages_size() == 0) {
+    return false;
+  }
+  const int pipelines = PipelinesOf(*plan_);
+  const int most = options_.job.outer().max_pipelines();
+  if (most > 0 && pipelines >= most) return false;
+  std::vector<WorkerRecord> spares;
+  for (const WorkerRecord& w : StandbysLocked(*plan_)) {
+    if (demoted_.count(w.id) == 0 && MayReplicateLocked(w.id)) spares.push_back(w);
+  }
+  const int stages = plan_->stages_size();
+  if (static_cast<int>(spares.size()) < stages) return false;
+  // The fastest standbys, one per stage at the plan's cuts, as pipeline R.
+  v1::Plan next = *plan_;
+  std::string names;
+  for (int k = 0; k < stages; ++k) {
+    std::vector<StageWorker> workers = WorkersOf(next.stages(k));
+    workers.push_back({spares[k].id, spares[k].address, pipelines});
+    SetStageWorkers(next.mutable_stages(k), std::move(workers));
+    absl::StrAppend(&names, k == 0 ? "" : ", ", spares[k].name);
+  }
+  next.set_pipelines(pipelines + 1);
+  waiting_for_workers_ = false;
+  PublishReplanLocked(std::move(next), absl::StrCat("pipeline ", pipelines,
+                                                    " formed from standbys ", names));
+  return true;
 }
 
 void JobController::RepartitionLocked(const std::set<std::string>& live,
@@ -1314,7 +1330,7 @@ void JobController::MaybeReplanLocked() {
   // workers' leases run out while the others' final rounds go on.)
   for (const std::string& id : done_workers_) live_ids.insert(id);
   if (PipelinesOf(*plan_) > 1) {
-    RepairPipelinesLocked(live_ids);
+    if (!RepairPipelinesLocked(live_ids)) MaybeFormPipelineLocked();
     return;
   }
   v1::Plan next = *plan_;
@@ -1393,7 +1409,10 @@ void JobController::MaybeReplanLocked() {
   // worth a new epoch that aborts the stages still finishing (failures
   // still are: the job cannot end without the stages they hold).
   if (done_workers_.empty()) changed = FillReplicasLocked(&next, &summary) || changed;
-  if (!changed) return;
+  if (!changed) {
+    MaybeFormPipelineLocked();
+    return;
+  }
   waiting_for_workers_ = false;
   PublishReplanLocked(std::move(next), summary);
 }
@@ -1490,6 +1509,18 @@ void JobController::PublishLocked(v1::Plan plan) {
   if (!plan.job_done()) {
     AssignLinksLocked(&plan);
     AssignStateSources(plan_.has_value() ? &*plan_ : nullptr, &plan);
+    if (options_.job.has_outer()) {
+      const std::set<int> continuing =
+          AssignPipelineInfo(plan_.has_value() ? &*plan_ : nullptr, DataInputLocked(), &plan);
+      if (!continuing.empty()) {
+        std::string which;
+        for (int r : continuing) absl::StrAppend(&which, which.empty() ? "" : ", ", r);
+        AddEventLocked("pipelines_continue", "",
+                       absl::StrCat("epoch ", plan.epoch(), ": pipeline",
+                                    continuing.size() == 1 ? " " : "s ", which,
+                                    " go on as they were"));
+      }
+    }
   }
   stragglers_.ResetPatience();  // figures of the old plan say nothing of the new
   // The members the plan names (and the id counter) reach the disk before
@@ -1538,8 +1569,17 @@ void JobController::StartProgressEpochLocked() {
   for (const StageWorker& w : WorkersOf(plan_->stages(plan_->stages_size() - 1))) {
     last[w.id] = w.pipeline;
   }
-  progress_.StartEpoch(plan_->epoch(), step_, std::move(first), std::move(last));
-  pipeline_claims_.clear();
+  std::map<int, ProgressGate::PipelineStart> starts;
+  for (const v1::PipelineInfo& info : plan_->pipeline_info()) {
+    starts[info.pipeline()] = {info.formed_epoch(), info.start_step()};
+  }
+  progress_.StartEpoch(plan_->epoch(), step_, std::move(first), std::move(last), starts);
+  // A continuing pipeline's last claim still stands.
+  for (auto it = pipeline_claims_.begin(); it != pipeline_claims_.end();) {
+    auto start = starts.find(it->first);
+    const bool continues = start != starts.end() && start->second.formed_epoch < plan_->epoch();
+    it = continues ? std::next(it) : pipeline_claims_.erase(it);
+  }
 }
 
 ProgressHistory JobController::History() const {
@@ -1711,6 +1751,36 @@ void JobController::Shutdown() {
 void JobController::AddEventLocked(const std::string& kind, const std::string& worker,
                                    const std::string& detail) {
   events_.Add(kind, worker, detail);
+}
+
+uint64_t JobController::SessionEpochOfLocked(const std::string& worker_id) const {
+  int index = 0;
+  const v1::StageAssignment* stage = StageOf(*plan_, worker_id, &index);
+  if (stage == nullptr) return plan_->epoch();
+  return SessionEpochOf(*plan_, WorkersOf(*stage)[index].pipeline);
+}
+
+uint64_t JobController::LinkEpochOfLocked(const std::string& reporter,
+                                          const std::string& peer) const {
+  // A pipeline link's ends share their pipeline's epoch; an outer-sync
+  // link's is the later of its ends' (a relay is in no pipeline).
+  const uint64_t mine = SessionEpochOfLocked(reporter);
+  if (StageOf(*plan_, peer) == nullptr) return mine;
+  return std::max(mine, SessionEpochOfLocked(peer));
+}
+
+PipelineDataInput JobController::DataInputLocked() const {
+  PipelineDataInput input;
+  input.microbatches = std::max(1, options_.job.microbatches());
+  const int window =
+      std::max({options_.job.in_flight(), plan_.has_value() ? plan_->in_flight() : 0,
+                kMaxPlannedWindow});
+  input.in_flight_steps = static_cast<int>((window + input.microbatches - 1) / input.microbatches);
+  const int committed = step_;
+  input.first_stage_step = [this, committed](int pipeline) {
+    return std::max(committed, progress_.first_stage_step(pipeline));
+  };
+  return input;
 }
 
 std::string JobController::NameOf(const std::string& worker_id) const {

@@ -31,6 +31,7 @@
 #include "coordinator/metrics_sink.h"
 #include "coordinator/network_matrix.h"
 #include "coordinator/network_planner.h"
+#include "coordinator/pipeline_continuity.h"
 #include "coordinator/progress_gate.h"
 #include "coordinator/replan_policy.h"
 #include "coordinator/state_store.h"
@@ -186,8 +187,13 @@ class JobController {
   void AddPipelineStatusLocked(v1::ClusterStatus* status) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A plan of several pipelines where a worker outside `live` left: a
   // standby takes its place or its pipeline is dissolved (pipeline_repair.h).
-  void RepairPipelinesLocked(std::set<std::string> live, const std::string& why = "")
+  // False when nothing changed.
+  bool RepairPipelinesLocked(std::set<std::string> live, const std::string& why = "")
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // With the outer optimizer: enough standbys (one per stage) form another
+  // pipeline at the plan's cuts (up to outer.max_pipelines); the pipelines
+  // there are go on (pipeline_continuity.h). False when none formed.
+  bool MaybeFormPipelineLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A new partition over the eligible workers of `live` (the event says
   // `why` first), or waiting when there are none.
   void RepartitionLocked(const std::set<std::string>& live, const std::string& why)
@@ -262,6 +268,15 @@ class JobController {
                       const std::string& detail)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string NameOf(const std::string& worker_id) const;
+  // The epoch `worker_id`'s reports carry: its pipeline's (Plan.
+  // pipeline_info), else the plan's. REQUIRES: a plan.
+  uint64_t SessionEpochOfLocked(const std::string& worker_id) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The epoch of the current plan's link between `reporter` and `peer`.
+  uint64_t LinkEpochOfLocked(const std::string& reporter, const std::string& peer) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What the current plan's pipelines have drawn of the data.
+  PipelineDataInput DataInputLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const JobControllerOptions options_;
   const std::unique_ptr<Planner> planner_;

@@ -8,18 +8,31 @@ namespace geotrain {
 
 void ProgressGate::StartEpoch(uint64_t epoch, int committed_step,
                               std::map<std::string, int> first_stage,
-                              std::map<std::string, int> last_stage) {
+                              std::map<std::string, int> last_stage,
+                              std::map<int, PipelineStart> starts) {
   absl::MutexLock lock(&mu_);
   epoch_ = epoch;
   committed_ = std::max(committed_, committed_step);
   int count = 1;
   for (const auto& [id, pipeline] : first_stage) count = std::max(count, pipeline + 1);
   for (const auto& [id, pipeline] : last_stage) count = std::max(count, pipeline + 1);
+  std::vector<Pipeline> previous;
+  previous.swap(pipelines_);
   pipelines_.assign(count, Pipeline());
-  for (Pipeline& p : pipelines_) {
-    p.first_stage_step = committed_;
-    p.ready_step = committed_;
+  for (int r = 0; r < count; ++r) {
+    PipelineStart start{epoch, committed_};
+    if (auto it = starts.find(r); it != starts.end()) start = it->second;
+    Pipeline& p = pipelines_[r];
+    if (start.formed_epoch < epoch && r < static_cast<int>(previous.size()) &&
+        previous[r].formed_epoch == start.formed_epoch) {
+      p = std::move(previous[r]);  // it goes on as it was
+      continue;
+    }
+    p.formed_epoch = start.formed_epoch;
+    p.first_stage_step = std::max(committed_, start.start_step);
+    p.ready_step = p.first_stage_step;
   }
+  for (Pipeline& p : pipelines_) p.single_worker = false;
   for (const auto& [id, pipeline] : first_stage) {
     auto last = last_stage.find(id);
     if (last != last_stage.end() && last->second == pipeline) {
@@ -35,7 +48,7 @@ absl::StatusOr<std::vector<ProgressGate::Step>> ProgressGate::Claim(const std::s
                                                                     const Step& step) {
   absl::MutexLock lock(&mu_);
   auto last = last_stage_.find(worker_id);
-  if (epoch != epoch_ || last == last_stage_.end()) {
+  if (last == last_stage_.end() || epoch != pipelines_[last->second].formed_epoch) {
     return absl::FailedPreconditionError(
         absl::StrCat("step ", step.step, " claimed outside the last stage of epoch ", epoch_));
   }
@@ -65,7 +78,7 @@ std::vector<ProgressGate::Step> ProgressGate::FirstStageFinished(const std::stri
                                                                  uint64_t epoch, int step) {
   absl::MutexLock lock(&mu_);
   auto first = first_stage_.find(worker_id);
-  if (epoch != epoch_ || first == first_stage_.end()) return {};
+  if (first == first_stage_.end() || epoch != pipelines_[first->second].formed_epoch) return {};
   Pipeline& p = pipelines_[first->second];
   if (p.single_worker) return {};
   p.first_stage_step = std::max(p.first_stage_step, std::min(step, options_.total_steps));

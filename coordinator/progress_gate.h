@@ -18,8 +18,12 @@
 // A claim more than `max_lead_steps` past what stage 0 has finished is not
 // held but refused as a jump (a worker that says it is far ahead of the
 // pipeline it is part of is lying or broken); so is a claim that repeats
-// an older step. Claims are dropped at each new plan epoch: the new
-// pipeline resumes after the committed step.
+// an older step. At each new plan epoch a pipeline formed anew drops its
+// claims and resumes after the committed step, or after its own start
+// step (Plan.pipeline_info: the steps before it count as done for it, with
+// no samples); a pipeline that continues from the plan before keeps its
+// claims and progress, and its workers report with the epoch it was
+// formed in.
 //
 // Thread-safe: heartbeats call it without the controller's lock.
 #ifndef GEOTRAIN_COORDINATOR_PROGRESS_GATE_H_
@@ -57,11 +61,20 @@ class ProgressGate {
     std::vector<std::pair<int, double>> pipeline_losses;
   };
 
+  // A pipeline of a new plan: the epoch it was formed in (its reports
+  // carry it) and the step it starts after.
+  struct PipelineStart {
+    uint64_t formed_epoch = 0;
+    int start_step = 0;
+  };
   // A new plan: its epoch, the workers of its first and last stages (each
   // with its pipeline, 0 to R-1), and the committed step it resumes after.
-  // Held claims are dropped.
+  // `starts`, by pipeline (missing: formed in `epoch`, at the committed
+  // step): a pipeline formed in an earlier epoch that this gate tracks
+  // under the same number continues; every other drops its held claims.
   void StartEpoch(uint64_t epoch, int committed_step, std::map<std::string, int> first_stage,
-                  std::map<std::string, int> last_stage);
+                  std::map<std::string, int> last_stage,
+                  std::map<int, PipelineStart> starts = {});
 
   // A step report from a worker of the last stage (the caller checked that
   // and the report's epoch and figures). Returns the steps committed now,
@@ -89,6 +102,7 @@ class ProgressGate {
 
  private:
   struct Pipeline {
+    uint64_t formed_epoch = 0;  // its workers' reports carry it
     int first_stage_step = 0;
     bool single_worker = false;  // one worker holds both ends
     std::map<int, Step> held;    // claims stage 0 has not corroborated yet

@@ -234,6 +234,11 @@ void CoordinatorClient::UploadLoop() {
 
 void CoordinatorClient::ReportEvent(const std::string& kind, const std::string& detail,
                                     const std::string& peer) {
+  ReportEventOfEpoch(epoch_, kind, detail, peer);
+}
+
+void CoordinatorClient::ReportEventOfEpoch(uint64_t epoch, const std::string& kind,
+                                           const std::string& detail, const std::string& peer) {
   grpc::ClientContext context;
   context.set_deadline(DeadlineFromNow(kControlRpcTimeout));
   v1::WorkerEvent event;
@@ -241,7 +246,7 @@ void CoordinatorClient::ReportEvent(const std::string& kind, const std::string& 
   event.set_kind(kind);
   event.set_detail(detail);
   event.set_peer(peer);
-  event.set_epoch(epoch_);
+  event.set_epoch(epoch);
   v1::ReportAck ack;
   const grpc::Status status = stub_->ReportEvent(&context, event, &ack);
   if (!status.ok()) GT_LOG(Warning) << "event report failed: " << status.error_message();

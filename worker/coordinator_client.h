@@ -87,6 +87,8 @@ class CoordinatorClient final : public SessionCoordinator {
   // Carries the epoch set by SetEpoch().
   void ReportEvent(const std::string& kind, const std::string& detail,
                    const std::string& peer = "") override;
+  void ReportEventOfEpoch(uint64_t epoch, const std::string& kind, const std::string& detail,
+                          const std::string& peer) override;
   ~CoordinatorClient() override;
 
   // ProgressSink: reports go to the coordinator from a background queue

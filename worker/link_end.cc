@@ -188,6 +188,7 @@ absl::Status LinkEnd::ReadUntilEnd() {
                       train.trailing_bytes, train.dispersion, after_stall};
     in.peer = peer_.id;
     in.from_replica = side == PeerSide::kReplica;
+    in.link_epoch = validator_->epoch();
     if (!inbox_->Push(std::move(in))) {
       stopping = true;  // the worker is ending this attempt
       break;
@@ -233,6 +234,7 @@ absl::Status LinkEnd::ReadUntilEnd() {
     InboundMessage message{from_upstream, LinkMessage(), absl::UnavailableError(why)};
     message.peer = peer_.id;
     message.from_replica = side == PeerSide::kReplica;
+    message.link_epoch = validator_->epoch();
     inbox_->TryPush(std::move(message));
   }
   const std::function<void()> on_end = on_end_;

@@ -170,10 +170,14 @@ absl::StatusOr<std::shared_ptr<LinkEnd>> LinkService::Answer(
       return Refusal(valid.code(), peer_name, valid.message());
     }
     validator = validator_;
+    // An outer-sync link carries its own epoch (the later of its two
+    // pipelines').
+    std::shared_ptr<const LinkValidator> link_validator =
+        side == PeerSide::kReplica ? validator_->ForReplicaLink(h.from_worker()) : validator_;
     LinkEnd::Peer peer{h.from_worker(), peer_name, side};
     end = std::make_shared<LinkEnd>(std::move(transport), std::move(peer), /*dialled=*/false,
-                                    validator_, inbox_, options_.write_stall_timeout);
-    ack.header = MakeHello(validator_->epoch(), validator_->stage());
+                                    link_validator, inbox_, options_.write_stall_timeout);
+    ack.header = MakeHello(link_validator->epoch(), link_validator->stage());
   }
   // A worker that has a live link here gets no second one (and no answer).
   if (side == PeerSide::kUpstream) {
@@ -265,8 +269,13 @@ absl::StatusOr<std::shared_ptr<LinkEnd>> LinkService::AwaitDialIn(
   const absl::Time deadline = absl::Now() + timeout;
   const DialledIn key{side, id};
   absl::MutexLock lock(&mu_);
+  // Not one ended on purpose whose reader has not returned yet (a re-plan
+  // replaced it; its successor is awaited).
   auto arrived = [this, &key]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return shutdown_ || dialled_in_.count(key) > 0;
+    auto it = dialled_in_.find(key);
+    if (shutdown_ || it == dialled_in_.end()) return shutdown_;
+    const LinkEnd::State state = it->second->state();
+    return state == LinkEnd::State::kAnswered || state == LinkEnd::State::kReading;
   };
   while (!mu_.AwaitWithTimeout(absl::Condition(&arrived), absl::Milliseconds(200))) {
     if (stop != nullptr && *stop) return absl::CancelledError("stopped while waiting for a link");

@@ -27,14 +27,29 @@ absl::Status CheckZstdFrame(const v1::TensorHeader& header, const std::string& p
 LinkValidator::LinkValidator(const v1::JobSpec& job, uint64_t epoch, int stage,
                              int layer_begin, int layer_end,
                              std::set<std::string> upstream_workers,
-                             std::set<std::string> replica_peers)
+                             std::set<std::string> replica_peers,
+                             std::map<std::string, uint64_t> replica_link_epochs)
     : job_(job),
       epoch_(epoch),
       stage_(stage),
       layer_begin_(layer_begin),
       layer_end_(layer_end),
       upstream_workers_(std::move(upstream_workers)),
-      replica_peers_(std::move(replica_peers)) {}
+      replica_peers_(std::move(replica_peers)),
+      replica_link_epochs_(std::move(replica_link_epochs)) {}
+
+uint64_t LinkValidator::ReplicaLinkEpoch(const std::string& peer) const {
+  auto it = replica_link_epochs_.find(peer);
+  return it == replica_link_epochs_.end() ? epoch_ : it->second;
+}
+
+std::shared_ptr<const LinkValidator> LinkValidator::ForReplicaLink(const std::string& peer) const {
+  auto link = std::make_shared<LinkValidator>(*this);
+  link->epoch_ = ReplicaLinkEpoch(peer);
+  link->replica_peers_ = {peer};
+  link->replica_link_epochs_.clear();
+  return link;
+}
 
 absl::Status LinkValidator::CheckEpoch(const v1::LinkHeader& header) const {
   if (header.epoch() != epoch_) {
@@ -190,7 +205,11 @@ absl::Status LinkValidator::CheckFromUpstream(const LinkMessage& message) const 
 
 absl::Status LinkValidator::CheckHelloFromReplica(const v1::LinkHeader& hello,
                                                   const std::string& self_id) const {
-  RETURN_IF_ERROR(CheckHelloEpoch(hello));
+  if (replica_peers_.count(hello.from_worker()) > 0) {
+    RETURN_IF_ERROR(ForReplicaLink(hello.from_worker())->CheckHelloEpoch(hello));
+  } else {
+    RETURN_IF_ERROR(CheckHelloEpoch(hello));
+  }
   if (hello.from_stage() != stage_) {
     return absl::InvalidArgumentError(absl::StrCat("HELLO from stage ", hello.from_stage(),
                                                    ": not a replica of stage ", stage_));

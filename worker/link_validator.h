@@ -5,6 +5,8 @@
 #ifndef GEOTRAIN_WORKER_LINK_VALIDATOR_H_
 #define GEOTRAIN_WORKER_LINK_VALIDATOR_H_
 
+#include <map>
+#include <memory>
 #include <set>
 #include <string>
 
@@ -22,11 +24,14 @@ class LinkValidator {
   // Empty: any sender id is accepted (tools and tests).
   // `replica_peers`: the workers of this stage in other pipelines that hold
   // an outer-sync link with this one (job.outer); a replica's HELLO must
-  // name one of them.
+  // name one of them. `replica_link_epochs`: the epoch of the outer link
+  // with a replica whose pipeline was formed after this one's (the later of
+  // the two, OuterLinkEpochOf); the others' links carry `epoch`.
   LinkValidator(const v1::JobSpec& job, uint64_t epoch, int stage,
                 int layer_begin, int layer_end,
                 std::set<std::string> upstream_workers = {},
-                std::set<std::string> replica_peers = {});
+                std::set<std::string> replica_peers = {},
+                std::map<std::string, uint64_t> replica_link_epochs = {});
 
   // A message from the upstream neighbour (activations, eval, control).
   absl::Status CheckFromUpstream(const LinkMessage& message) const;
@@ -57,6 +62,11 @@ class LinkValidator {
   // it announces is bounded by the stage's size before anything is kept.
   absl::Status CheckHeaderFromReplica(const v1::LinkHeader& header) const;
   absl::Status CheckFromReplica(const LinkMessage& message) const;
+  // The validator of the outer-sync link with `peer` (one of
+  // `replica_peers`): its messages and HELLOs carry the link's epoch.
+  std::shared_ptr<const LinkValidator> ForReplicaLink(const std::string& peer) const;
+  // The epoch of the outer-sync link with `peer`.
+  uint64_t ReplicaLinkEpoch(const std::string& peer) const;
 
   uint64_t epoch() const { return epoch_; }
   int stage() const { return stage_; }
@@ -71,6 +81,7 @@ class LinkValidator {
   int layer_begin_, layer_end_;
   std::set<std::string> upstream_workers_;
   std::set<std::string> replica_peers_;
+  std::map<std::string, uint64_t> replica_link_epochs_;
 };
 
 }  // namespace geotrain

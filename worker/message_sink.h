@@ -41,6 +41,9 @@ struct InboundMessage {
   bool after_stall = false;
   std::string peer;  // worker id at the other end of the link, when known
   bool from_replica = false;  // an outer-sync link (from_upstream is false)
+  // The epoch of the link it came on (an outer-sync link's may be later
+  // than the session's): tells a link's last words from its successor's.
+  uint64_t link_epoch = 0;
 };
 using Inbox = BoundedQueue<InboundMessage>;
 

@@ -90,11 +90,11 @@ OuterLinks::~OuterLinks() {
 }
 
 absl::Status OuterLinks::Send(int to, OuterMessage message) {
+  absl::MutexLock lock(&mu_);
   if (links_.count(to) == 0) {
     return absl::FailedPreconditionError(
         absl::StrCat("no outer link to pipeline ", to, " on stage ", stage_));
   }
-  absl::MutexLock lock(&mu_);
   if (stopping_) return absl::CancelledError("the session is ending");
   queue_.emplace_back(to, std::move(message));
   return absl::OkStatus();
@@ -108,6 +108,24 @@ void OuterLinks::Flush() {
   mu_.Await(absl::Condition(&idle));
 }
 
+std::shared_ptr<PipelineLink> OuterLinks::Remove(int pipeline) {
+  absl::MutexLock lock(&mu_);
+  auto it = links_.find(pipeline);
+  if (it == links_.end()) return nullptr;
+  std::shared_ptr<PipelineLink> link = std::move(it->second);
+  links_.erase(it);
+  // What was queued for it goes nowhere now.
+  for (auto q = queue_.begin(); q != queue_.end();) {
+    q = q->first == pipeline ? queue_.erase(q) : std::next(q);
+  }
+  return link;
+}
+
+void OuterLinks::Attach(int pipeline, std::shared_ptr<PipelineLink> link) {
+  absl::MutexLock lock(&mu_);
+  links_[pipeline] = std::move(link);
+}
+
 uint64_t OuterLinks::bytes_sent() const {
   absl::MutexLock lock(&mu_);
   return bytes_sent_;
@@ -116,6 +134,7 @@ uint64_t OuterLinks::bytes_sent() const {
 void OuterLinks::SendLoop() {
   while (true) {
     std::pair<int, OuterMessage> next;
+    std::shared_ptr<PipelineLink> link;
     {
       absl::MutexLock lock(&mu_);
       auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -126,10 +145,11 @@ void OuterLinks::SendLoop() {
       next = std::move(queue_.front());
       queue_.pop_front();
       sending_ = true;
+      link = links_.at(next.first);  // Send() queues only for a link it has
     }
     LinkMessage message = ToLinkMessage(next.second, stage_);
     const uint64_t bytes = message.payload.size();
-    const absl::Status sent = links_.at(next.first)->Send(std::move(message));
+    const absl::Status sent = link->Send(std::move(message));
     if (!sent.ok()) {
       GT_LOG(Warning) << "outer round " << next.second.round << " to pipeline " << next.first
                       << " not sent: " << sent.message();

@@ -47,12 +47,17 @@ class OuterLinks final : public OuterTransport {
   absl::Status Send(int to, OuterMessage message) override;
   // Waits until every queued message is on its link (or failed).
   void Flush();
+  // A re-plan the session goes on through: the link to `pipeline`'s replica
+  // leaves (returned; messages still queued for it are dropped), or a new
+  // one takes its place.
+  std::shared_ptr<PipelineLink> Remove(int pipeline);
+  void Attach(int pipeline, std::shared_ptr<PipelineLink> link);
   uint64_t bytes_sent() const override;
 
  private:
   void SendLoop();
 
-  const std::map<int, std::shared_ptr<PipelineLink>> links_;
+  std::map<int, std::shared_ptr<PipelineLink>> links_ ABSL_GUARDED_BY(mu_);
   const int stage_;
   mutable absl::Mutex mu_;
   std::deque<std::pair<int, OuterMessage>> queue_ ABSL_GUARDED_BY(mu_);

@@ -29,16 +29,56 @@ OuterSync::OuterSync(OuterSyncOptions options, int self_pipeline, std::set<int> 
 
 absl::Status OuterSync::Start(absl::Time now) {
   if (!options_.share_state || !reducer()) return absl::OkStatus();
-  absl::StatusOr<std::vector<v1::LayerWeights>> state = compute_->ExportState();
-  if (!state.ok()) return state.status();
   for (int p : pipelines_) {
-    if (p == self_) continue;
-    OuterMessage message =
-        MessageOf(OuterMessage::Kind::kState, static_cast<int>(compute_->rounds()), 0);
-    message.layers = *state;
-    RETURN_IF_ERROR(transport_->Send(p, std::move(message)));
+    if (p != self_) RETURN_IF_ERROR(SendState(p));
   }
   return absl::OkStatus();
+}
+
+absl::Status OuterSync::SendState(int to) {
+  absl::StatusOr<std::vector<v1::LayerWeights>> state = compute_->ExportState();
+  if (!state.ok()) return state.status();
+  // Its round is the reducer's newest applied: the replica takes the means
+  // after it.
+  OuterMessage message = MessageOf(OuterMessage::Kind::kState, to, applied_, 0);
+  message.layers = *std::move(state);
+  return transport_->Send(to, std::move(message));
+}
+
+uint64_t OuterSync::EpochFor(int pipeline) const {
+  auto it = options_.link_epochs.find(pipeline);
+  return it == options_.link_epochs.end() ? options_.epoch : it->second;
+}
+
+absl::Status OuterSync::Leave(int pipeline, absl::Time now) {
+  options_.link_epochs.erase(pipeline);
+  if (!reducer()) {
+    if (pipeline != 0) return absl::OkStatus();
+    pipelines_.erase(0);
+    detached_ = true;
+    state_pending_ = false;
+    pending_means_.clear();
+    return absl::OkStatus();
+  }
+  RETURN_IF_ERROR(Detach(pipeline, now));
+  dropped_.erase(pipeline);  // it may come back, formed anew
+  return absl::OkStatus();
+}
+
+absl::Status OuterSync::Attach(int pipeline, uint64_t link_epoch, absl::Time now) {
+  if (pipeline == self_ || (!reducer() && pipeline != 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("pipeline ", self_, " has no outer link with pipeline ", pipeline));
+  }
+  options_.link_epochs[pipeline] = link_epoch;
+  pipelines_.insert(pipeline);
+  dropped_.erase(pipeline);
+  if (reducer()) return SendState(pipeline);
+  // A new reducer: its state first.
+  detached_ = false;
+  state_pending_ = true;
+  pending_means_.clear();
+  return Advance(now);
 }
 
 int OuterSync::ScheduledRoundsEndedBy(int step) const {
@@ -106,7 +146,7 @@ absl::Status OuterSync::Advance(absl::Time now) {
     }
     return absl::OkStatus();
   }
-  OuterMessage message = MessageOf(OuterMessage::Kind::kDelta, round, due_samples_);
+  OuterMessage message = MessageOf(OuterMessage::Kind::kDelta, 0, round, due_samples_);
   message.layers = *std::move(delta);
   RETURN_IF_ERROR(transport_->Send(0, std::move(message)));
   return ApplyPending();
@@ -117,7 +157,7 @@ absl::Status OuterSync::OnMessage(const OuterMessage& message, absl::Time now) {
     return absl::InvalidArgumentError(absl::StrCat("outer sync message from pipeline ",
                                                    message.pipeline, " refused: ", why));
   };
-  if (message.epoch != options_.epoch || message.stage != options_.stage) {
+  if (message.epoch != EpochFor(message.pipeline) || message.stage != options_.stage) {
     return refuse("another epoch or stage");
   }
   // What was in flight on a link that since broke.
@@ -130,6 +170,13 @@ absl::Status OuterSync::OnMessage(const OuterMessage& message, absl::Time now) {
     if (!state_pending_) return refuse("a second state");
     RETURN_IF_ERROR(compute_->AdoptState(message.layers, message.round));
     state_pending_ = false;
+    // The reducer's rounds from here on: a replica that joined after some
+    // (or is ahead of them) takes the means after the state's round, and
+    // sends nothing for a round it had counted as ended.
+    applied_ = message.round;
+    ended_ = std::max(ended_, applied_);
+    due_ = std::max(due_, applied_);
+    pending_means_.erase(pending_means_.begin(), pending_means_.upper_bound(applied_));
     return Advance(now);
   }
   if (message.round < 1) return refuse("round before the first");
@@ -217,7 +264,7 @@ absl::Status OuterSync::Close(int round) {
   if (!mean.ok()) return mean.status();
   for (int p : pipelines_) {
     if (p == self_) continue;
-    OuterMessage message = MessageOf(OuterMessage::Kind::kMean, round, samples);
+    OuterMessage message = MessageOf(OuterMessage::Kind::kMean, p, round, samples);
     message.contributors = contributors;
     message.layers = *mean;
     RETURN_IF_ERROR(transport_->Send(p, std::move(message)));
@@ -225,10 +272,11 @@ absl::Status OuterSync::Close(int round) {
   return Apply(round, *mean, std::move(contributors));
 }
 
-OuterMessage OuterSync::MessageOf(OuterMessage::Kind kind, int round, int64_t samples) const {
+OuterMessage OuterSync::MessageOf(OuterMessage::Kind kind, int to, int round,
+                                  int64_t samples) const {
   OuterMessage message;
   message.kind = kind;
-  message.epoch = options_.epoch;
+  message.epoch = EpochFor(to);
   message.stage = options_.stage;
   message.round = round;
   message.pipeline = self_;

@@ -115,6 +115,10 @@ struct OuterSyncOptions {
   // drifted apart (a re-plan cut a round short, a standby took a place)
   // sync from the same outer weights again.
   bool share_state = false;
+  // The epoch of the link with each other pipeline's replica (the later of
+  // the two pipelines', OuterLinkEpochOf); missing: `epoch`. Every message
+  // to or from that replica carries it.
+  std::map<int, uint64_t> link_epochs;
 };
 
 class OuterSync {
@@ -146,6 +150,17 @@ class OuterSync {
   // waits for nobody.
   absl::Status Detach(int pipeline, absl::Time now);
   bool detached() const { return detached_; }
+  // A new plan in which this replica's pipeline continues (its session goes
+  // on, pipeline_continuity.h) changed the stage's other replicas:
+  //   - Leave: pipeline `pipeline`'s replica is gone or formed anew; its link
+  //     ended on purpose. Nothing is reported. A replica whose reducer left
+  //     trains on alone until one attaches.
+  //   - Attach: pipeline `pipeline`'s replica (new, or formed anew) has its
+  //     link, of epoch `link_epoch`: the reducer sends it the outer state (a
+  //     replica then adopts it before its next round, whatever rounds it
+  //     had); a replica that gets a new reducer waits for that state.
+  absl::Status Leave(int pipeline, absl::Time now);
+  absl::Status Attach(int pipeline, uint64_t link_epoch, absl::Time now);
   // Time passes (the driver calls it while it waits and between messages):
   // the reducer closes rounds past their deadline.
   absl::Status OnTime(absl::Time now);
@@ -175,8 +190,12 @@ class OuterSync {
   // The reducer: closes the rounds past their deadline.
   absl::Status CloseDue(absl::Time now);
   absl::Status Close(int round);
-  // This replica's message of `kind` for `round` (no layers yet).
-  OuterMessage MessageOf(OuterMessage::Kind kind, int round, int64_t samples) const;
+  // This replica's message of `kind` for `round` to pipeline `to` (no
+  // layers yet).
+  OuterMessage MessageOf(OuterMessage::Kind kind, int to, int round, int64_t samples) const;
+  uint64_t EpochFor(int pipeline) const;
+  // The reducer: its outer state to pipeline `to`.
+  absl::Status SendState(int to);
   absl::Status Apply(int round, const std::vector<v1::LayerWeights>& mean,
                      std::vector<int> contributors);
   absl::Status ApplyPending();
@@ -184,7 +203,7 @@ class OuterSync {
   int ScheduledRoundsEndedBy(int step) const;
   int final_round() const;
 
-  const OuterSyncOptions options_;
+  OuterSyncOptions options_;
   const int self_;
   std::set<int> pipelines_;
   bool detached_ = false;  // a replica that lost the reducer

@@ -159,7 +159,11 @@ std::optional<InboundMessage> PipelineDriver::PopMessage(absl::Duration timeout)
   OuterSync* outer = options_.outer;
   const absl::Time until = absl::Now() + timeout;
   while (true) {
-    absl::Time wake = until;
+    if (options_.poll) {
+      outer_failure_ = options_.poll();
+      if (!outer_failure_.ok()) return std::nullopt;
+    }
+    absl::Time wake = std::min(until, absl::Now() + absl::Seconds(1));
     if (outer != nullptr) {
       if (outer->NextDeadline() <= absl::Now()) {
         outer_failure_ = outer->OnTime(absl::Now());
@@ -171,7 +175,7 @@ std::optional<InboundMessage> PipelineDriver::PopMessage(absl::Duration timeout)
         inbox_->Pop(std::max(absl::ZeroDuration(), wake - absl::Now()));
     if (!in.has_value()) {
       if (absl::Now() >= until || inbox_->closed()) return std::nullopt;
-      continue;  // an outer deadline
+      continue;  // an outer deadline, or time to poll
     }
     if (!in->from_replica) return in;
     outer_failure_ = HandleOuter(*std::move(in));
@@ -187,6 +191,9 @@ absl::Status PipelineDriver::HandleOuter(InboundMessage in) {
     return absl::UnavailableError(
         absl::StrCat("an outer-sync message from ", in.peer, " to a stage that has none"));
   }
+  const OuterPeer* peer = OuterPeerOf(in.peer);
+  // The last words of a link a re-plan replaced (or one it ended).
+  if (peer == nullptr || peer->link_epoch != in.link_epoch) return absl::OkStatus();
   if (!in.error.ok()) {
     // Once the final round is applied the replicas' links may end as they
     // finish: nothing more is owed on them.
@@ -205,15 +212,30 @@ absl::Status PipelineDriver::HandleOuter(InboundMessage in) {
 
 absl::Status PipelineDriver::LoseReplica(const std::string& peer, const std::string& why) {
   OuterSync* outer = options_.outer;
-  auto pipeline = options_.outer_peer_pipelines.find(peer);
-  if (pipeline == options_.outer_peer_pipelines.end()) {
+  const OuterPeer* found = OuterPeerOf(peer);
+  if (found == nullptr) {
     return absl::InternalError(absl::StrCat("an outer-sync link to '", peer, "', not a replica"));
   }
+  const OuterPeer lost = *found;
   GT_LOG(Warning) << "outer sync: lost the replica '" << peer << "' of pipeline "
-                  << pipeline->second << " (" << why << "); this pipeline goes on without it";
-  RETURN_IF_ERROR(outer->Detach(pipeline->second, absl::Now()));
-  if (options_.on_replica_lost) options_.on_replica_lost(peer, why);
+                  << lost.pipeline << " (" << why << "); this pipeline goes on without it";
+  RETURN_IF_ERROR(outer->Detach(lost.pipeline, absl::Now()));
+  if (options_.on_replica_lost) options_.on_replica_lost(peer, lost.link_epoch, why);
   return absl::OkStatus();
+}
+
+const OuterPeer* PipelineDriver::OuterPeerOf(const std::string& peer) const {
+  if (options_.outer_peers == nullptr) return nullptr;
+  auto it = options_.outer_peers->find(peer);
+  return it == options_.outer_peers->end() ? nullptr : &it->second;
+}
+
+std::string PipelineDriver::OuterReducer() const {
+  if (options_.outer_peers == nullptr) return "";
+  for (const auto& [id, peer] : *options_.outer_peers) {
+    if (peer.pipeline == 0) return id;
+  }
+  return "";
 }
 
 absl::Status PipelineDriver::AwaitOuterMean() {
@@ -223,10 +245,11 @@ absl::Status PipelineDriver::AwaitOuterMean() {
   // Take what has arrived (a streaming replica applies the means that
   // came during its inner steps), then wait while a mean is owed.
   while (true) {
+    if (options_.poll) RETURN_IF_ERROR(options_.poll());
     const bool waiting = outer->MustWait();
-    if (waiting && absl::Now() - start > options_.outer_timeout) {
+    if (waiting && absl::Now() - start > options_.outer_timeout && !OuterReducer().empty()) {
       RETURN_IF_ERROR(LoseReplica(
-          options_.outer_reducer,
+          OuterReducer(),
           absl::StrCat("no outer mean for round ", outer->rounds_applied() + 1, " within ",
                        absl::FormatDuration(options_.outer_timeout))));
       continue;

@@ -134,6 +134,12 @@ class StatsBoard {
   absl::Time waiting_since_ ABSL_GUARDED_BY(mu_);
 };
 
+// A replica at the other end of an outer-sync link.
+struct OuterPeer {
+  int pipeline = 0;
+  uint64_t link_epoch = 0;
+};
+
 struct PipelineDriverOptions {
   uint64_t epoch = 0;
   int stage = 0;
@@ -195,14 +201,23 @@ struct PipelineDriverOptions {
   // How long a stage waits for an owed mean before it takes the link to
   // the reducer as stalled.
   absl::Duration outer_timeout = absl::Minutes(2);
-  std::string outer_reducer;  // the stage's reducer (blamed for a mean that never comes)
-  // The pipeline of each replica at the other end of an outer-sync link.
-  std::map<std::string, int> outer_peer_pipelines;
+  // The replicas at the other ends of the outer-sync links, by worker id:
+  // each one's pipeline and its link's epoch (a message or error of an
+  // older link to the same worker is that link's last words: ignored).
+  // Not owned; read on the driver's thread, changed only by `poll`. The
+  // reducer is the one of pipeline 0 (blamed for a mean that never comes).
+  const std::map<std::string, OuterPeer>* outer_peers = nullptr;
+  // Called on the driver's thread between messages and steps, at least
+  // every second while it waits: where a session that goes on through a
+  // re-plan changes the outer sync's replicas (TrainingSession::Amend). An
+  // error ends the run. May be empty.
+  std::function<absl::Status()> poll;
   // Told when an outer-sync link broke, a replica's message was refused, or
   // a mean never came: the sync goes on without that replica (its
   // pipeline, or this one when it was the reducer, is the coordinator's to
   // re-plan); this pipeline keeps training. May be empty.
-  std::function<void(const std::string& peer, const std::string& why)> on_replica_lost;
+  std::function<void(const std::string& peer, uint64_t link_epoch, const std::string& why)>
+      on_replica_lost;
 };
 
 // A stage's reply timeout: `base` times the stages between it and the last
@@ -255,6 +270,10 @@ class PipelineDriver {
   // refused message detaches that replica (LoseReplica).
   absl::Status HandleOuter(InboundMessage in);
   absl::Status LoseReplica(const std::string& peer, const std::string& why);
+  // The outer-sync replica `peer` (null: none now), and the reducer's id
+  // ("" for the reducer itself, or while it has none).
+  const OuterPeer* OuterPeerOf(const std::string& peer) const;
+  std::string OuterReducer() const;
   // Waits while the outer sync owes this stage a mean.
   absl::Status AwaitOuterMean();
   // What the runtime refused of a received message (INVALID_ARGUMENT: its

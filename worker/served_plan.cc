@@ -1,5 +1,7 @@
 #include "worker/served_plan.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "common/adaptive_codec.h"
 
@@ -40,7 +42,10 @@ absl::StatusOr<ServedPlan> ServedPlan::For(const v1::Plan& plan, const v1::JobSp
   for (const StageWorker& w : WorkersOf(*mine)) {
     if (w.pipeline != pipeline) served.outer_peers_.push_back(w);
   }
-  served.outer_ = job.has_outer() && PipelinesOf(plan) > 1;
+  // A pipeline that continues when the others are gone keeps its outer
+  // optimizer (its entry in pipeline_info), for the pipelines still to come.
+  served.outer_ = job.has_outer() &&
+                  (PipelinesOf(plan) > 1 || PipelineInfoOf(plan, pipeline) != nullptr);
   if (served.outer_) {
     for (const StageWorker& w : served.outer_peers_) {
       if (pipeline == 0 || w.pipeline == 0) served.outer_link_peers_.push_back(w);
@@ -67,7 +72,43 @@ absl::StatusOr<ServedPlan> ServedPlan::For(const v1::Plan& plan, const v1::JobSp
   return served;
 }
 
+int ServedPlan::start_step() const {
+  const v1::PipelineInfo* info = PipelineInfoOf(plan_, pipeline_);
+  return info != nullptr ? info->start_step() : plan_.start_step();
+}
+
+int ServedPlan::data_stride() const {
+  const v1::PipelineInfo* info = PipelineInfoOf(plan_, pipeline_);
+  return info != nullptr ? std::max(1, info->data_stride()) : pipelines();
+}
+
+int ServedPlan::data_lane() const {
+  const v1::PipelineInfo* info = PipelineInfoOf(plan_, pipeline_);
+  return info != nullptr ? info->data_lane() : pipeline_;
+}
+
+bool ServedPlan::ContinuesIn(const ServedPlan& next) const {
+  auto ids = [](const std::vector<StageWorker>& workers) {
+    std::vector<std::string> out;
+    for (const StageWorker& w : workers) out.push_back(w.id);
+    return out;
+  };
+  return PipelineInfoOf(next.plan_, next.pipeline_) != nullptr &&
+         PipelineInfoOf(plan_, pipeline_) != nullptr && next.epoch() == epoch() &&
+         next.plan_epoch() > plan_epoch() && next.self_id_ == self_id_ &&
+         next.stage_ == stage_ && next.pipeline_ == pipeline_ &&
+         next.assignment().layer_begin() == assignment().layer_begin() &&
+         next.assignment().layer_end() == assignment().layer_end() &&
+         ids(next.upstream_) == ids(upstream_) && ids(next.downstream_) == ids(downstream_) &&
+         next.start_step() == start_step() && next.data_base() == data_base() &&
+         next.data_stride() == data_stride() && next.data_lane() == data_lane() &&
+         next.outer_ == outer_;
+}
+
 int64_t ServedPlan::data_base() const {
+  if (const v1::PipelineInfo* info = PipelineInfoOf(plan_, pipeline_)) {
+    return static_cast<int64_t>(info->data_base());
+  }
   return plan_.has_data_base()
              ? static_cast<int64_t>(plan_.data_base())
              : static_cast<int64_t>(plan_.start_step()) * pipelines() * schedule_microbatches_;

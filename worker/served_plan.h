@@ -29,10 +29,15 @@ class ServedPlan {
   const v1::Plan& plan() const { return plan_; }
   const v1::StageAssignment& assignment() const { return plan_.stages(stage()); }
   const std::string& self_id() const { return self_id_; }
-  uint64_t epoch() const { return plan_.epoch(); }
+  // The epoch this worker's session, links and reports carry: the one its
+  // pipeline was formed in (Plan.pipeline_info), which stays while the
+  // pipeline continues through later plans; else the plan's.
+  uint64_t epoch() const { return SessionEpochOf(plan_, pipeline_); }
+  uint64_t plan_epoch() const { return plan_.epoch(); }
   int stage() const { return stage_; }
   int num_stages() const { return plan_.stages_size(); }
-  int start_step() const { return plan_.start_step(); }
+  // The step this worker's pipeline resumes after.
+  int start_step() const;
   bool first() const { return stage_ == 0; }
   bool last() const { return stage_ + 1 == num_stages(); }
   StagePlacement placement() const;
@@ -71,8 +76,23 @@ class ServedPlan {
   bool primary() const { return primary_; }
   // Routed replicas within the pipeline (gossip averaging).
   bool replicated() const { return stage_workers_.size() > 1; }
-  // The data index of start_step's first microbatch (Plan.data_base).
+  // This pipeline's data (StageRuntime::SetDataShard): the index of
+  // start_step's first microbatch, the stride between a step's
+  // microbatches, and this pipeline's lane among them.
   int64_t data_base() const;
+  int data_stride() const;
+  int data_lane() const;
+  // The epoch of the outer-sync link with `peer` (the later of the two
+  // pipelines').
+  uint64_t OuterLinkEpoch(const StageWorker& peer) const {
+    return OuterLinkEpochOf(plan_, pipeline_, peer.pipeline);
+  }
+  // Whether a session serving this plan goes on, untouched, in `next`: its
+  // pipeline continues there (the same number and formed epoch, so the
+  // coordinator found its chain unchanged), with this worker on the same
+  // stage between the same neighbours. Only the outer-sync peers and the
+  // plan's epoch may differ.
+  bool ContinuesIn(const ServedPlan& next) const;
 
   // The plan's link between two workers; null when it lists none (an older
   // coordinator: the upstream end dials).

@@ -30,6 +30,10 @@ class SessionCoordinator : public ProgressSink {
   // (a lost link names the neighbour at its other end).
   virtual void ReportEvent(const std::string& kind, const std::string& detail,
                            const std::string& peer = "") = 0;
+  // The same, carrying `epoch` instead (an outer-sync link's epoch may be
+  // later than the session's).
+  virtual void ReportEventOfEpoch(uint64_t epoch, const std::string& kind,
+                                  const std::string& detail, const std::string& peer) = 0;
   // A last heartbeat, so the status shows the final step and memory.
   virtual void ReportFinalStats(const v1::StageStats& stats) = 0;
   // This stage finished the job's `steps` steps.

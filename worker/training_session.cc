@@ -31,12 +31,23 @@ TrainingSession::TrainingSession(const v1::JobSpec& job, ServedPlan plan, Sessio
       plan_(std::move(plan)),
       parts_(parts),
       options_(std::move(options)),
-      inbox_(std::make_shared<Inbox>(options_.inbox_capacity)) {}
+      inbox_(std::make_shared<Inbox>(options_.inbox_capacity)),
+      plan_epoch_(plan_.plan_epoch()) {}
 
 TrainingSession::~TrainingSession() { Finish(); }
 
+bool TrainingSession::Amend(const ServedPlan& next) {
+  if (aborted_ || closing_ || !plan_.ContinuesIn(next)) return false;
+  absl::MutexLock lock(&mu_);
+  if (closing_) return false;
+  pending_plan_ = next;
+  plan_epoch_ = next.plan_epoch();
+  return true;
+}
+
 void TrainingSession::Abort() {
   aborted_ = true;
+  closing_ = true;
   inbox_->Close();
   {
     absl::MutexLock lock(&mu_);
@@ -49,11 +60,16 @@ void TrainingSession::Abort() {
 }
 
 void TrainingSession::Finish() {
+  closing_ = true;
   inbox_->Close();
+  for (std::thread& opener : openers_) opener.join();
+  openers_.clear();
   std::vector<std::shared_ptr<PipelineLink>> links;
   {
     absl::MutexLock lock(&mu_);
     links.swap(links_);
+    for (OpenedLink& opened : opened_) links.push_back(std::move(opened.link));
+    opened_.clear();
   }
   // A reader keeps its end alive until the link ends.
   for (const std::shared_ptr<PipelineLink>& link : links) link->EndOnPurpose();
@@ -65,8 +81,15 @@ void TrainingSession::Finish() {
 
 absl::StatusOr<std::shared_ptr<PipelineLink>> TrainingSession::Open(
     const StageWorker& peer, PeerSide side, std::shared_ptr<const LinkValidator> validator) {
-  const bool upstream_end = plan_.UpstreamEndOf(side);
-  const v1::PlannedLink* planned = plan_.LinkTo(peer, side);
+  return OpenIn(plan_, peer, side, std::move(validator), &aborted_, plan_.epoch());
+}
+
+absl::StatusOr<std::shared_ptr<PipelineLink>> TrainingSession::OpenIn(
+    const ServedPlan& plan, const StageWorker& peer, PeerSide side,
+    std::shared_ptr<const LinkValidator> validator, const std::atomic<bool>* stop,
+    uint64_t report_epoch) {
+  const bool upstream_end = plan.UpstreamEndOf(side);
+  const v1::PlannedLink* planned = plan.LinkTo(peer, side);
   const v1::LinkDialer dialer =
       planned == nullptr || planned->dialer() == v1::LINK_DIALER_UNSPECIFIED
           ? v1::LINK_DIALER_UPSTREAM
@@ -85,18 +108,18 @@ absl::StatusOr<std::shared_ptr<PipelineLink>> TrainingSession::Open(
   } else if (peer_dials) {
     GT_LOG(Info) << "waiting for '" << peer.id << "' to dial in ("
                  << (planned != nullptr ? planned->reason() : "") << ")";
-    end = parts_.links->AwaitDialIn(side, peer.id, &aborted_);
+    end = parts_.links->AwaitDialIn(side, peer.id, stop);
   } else {
     if (dialer == v1::LINK_DIALER_RELAY) accused = planned->relay_worker();
-    DialTarget target{plan_.self_id(), plan_.stage(), {peer.id, peer.address, side}, planned};
-    end = parts_.links->Dial(target, std::move(validator), inbox_, &aborted_);
+    DialTarget target{plan.self_id(), plan.stage(), {peer.id, peer.address, side}, planned};
+    end = parts_.links->Dial(target, std::move(validator), inbox_, stop);
   }
   if (!end.ok()) {
     // Reported like a broken link (naming its relay when it had one), or
     // nothing would ever re-plan around it.
-    if (!aborted_ && dialer != v1::LINK_DIALER_NONE) {
-      parts_.coordinator->ReportEvent(
-          "link_lost",
+    if (!*stop && dialer != v1::LINK_DIALER_NONE) {
+      parts_.coordinator->ReportEventOfEpoch(
+          report_epoch, "link_lost",
           absl::StrCat(PeerSideName(side), " link to ", peer.address,
                        " could not be opened: ", end.status().message()),
           accused);
@@ -148,10 +171,13 @@ absl::Status TrainingSession::StartOuterSync(StageRuntime* runtime,
   std::set<int> pipelines{plan_.pipeline()};
   for (const StageWorker& peer : plan_.outer_peers()) pipelines.insert(peer.pipeline);
   for (const StageWorker& peer : plan_.outer_link_peers()) {
+    const uint64_t link_epoch = plan_.OuterLinkEpoch(peer);
     ASSIGN_OR_RETURN(std::shared_ptr<PipelineLink> link,
-                     Open(peer, PeerSide::kReplica, validator));
+                     OpenIn(plan_, peer, PeerSide::kReplica, validator->ForReplicaLink(peer.id),
+                            &aborted_, link_epoch));
     links[peer.pipeline] = std::move(link);
-    if (peer.pipeline == 0) outer_reducer_ = peer.id;
+    outer_peers_[peer.id] = {peer.pipeline, link_epoch};
+    wanted_outer_[peer.id] = link_epoch;
   }
   OuterSyncOptions o;
   o.epoch = plan_.epoch();
@@ -161,6 +187,9 @@ absl::Status TrainingSession::StartOuterSync(StageRuntime* runtime,
   o.streaming = job_outer.streaming();
   o.start_step = plan_.start_step();
   o.final_step = job_.steps();
+  for (const StageWorker& peer : plan_.outer_link_peers()) {
+    o.link_epochs[peer.pipeline] = plan_.OuterLinkEpoch(peer);
+  }
   // Two leases: as long as the coordinator gives a silent worker.
   o.deadline = std::max(absl::Seconds(10), absl::Milliseconds(2 * job_.lease_ms()));
   // Every epoch: the replicas of a stage may have drifted (a re-plan cut a
@@ -202,7 +231,7 @@ absl::Status TrainingSession::ActivateTiedExchange(const StageRuntime& runtime) 
 
 PipelineDriverOptions TrainingSession::DriverOptions(const StageRuntime& runtime,
                                                      const ReplicaRouter* router,
-                                                     bool stale_weights) const {
+                                                     bool stale_weights) {
   PipelineDriverOptions o;
   o.epoch = plan_.epoch();
   o.stage = plan_.stage();
@@ -234,12 +263,11 @@ PipelineDriverOptions TrainingSession::DriverOptions(const StageRuntime& runtime
   o.downstream_peer = Addresses(plan_.downstream());
   if (plan_.downstream().size() == 1) o.downstream_worker = plan_.downstream()[0].id;
   o.outer = outer_sync_.get();
-  o.outer_reducer = outer_reducer_;
-  for (const StageWorker& peer : plan_.outer_link_peers()) {
-    o.outer_peer_pipelines[peer.id] = peer.pipeline;
-  }
-  o.on_replica_lost = [this](const std::string& peer, const std::string& why) {
-    ReportLostLink(peer, PeerSide::kReplica, why);
+  o.outer_peers = &outer_peers_;
+  if (outer_sync_ != nullptr) o.poll = [this] { return PollAmendments(); };
+  o.on_replica_lost = [this](const std::string& peer, uint64_t link_epoch,
+                             const std::string& why) {
+    ReportLostLink(peer, PeerSide::kReplica, why, link_epoch);
   };
   return o;
 }
@@ -260,16 +288,12 @@ absl::Status TrainingSession::Run(StageRuntime* runtime, bool stale_weights) {
   // stage that kept an older one would break the others' bound.
   runtime->SetMaxWeightVersions(plan_.schedule().max_weight_versions);
   // Pipeline r of R draws its own share of each global step's data.
-  runtime->SetDataShard(plan_.pipelines(), plan_.pipeline(), plan_.start_step(),
+  runtime->SetDataShard(plan_.data_stride(), plan_.data_lane(), plan_.start_step(),
                         plan_.data_base());
   runtime->SetActivationCodec(plan_.activation_codec());
   runtime->SetGradientCodec(plan_.gradient_codec());
-  std::set<std::string> upstream_ids, replica_ids;
-  for (const StageWorker& w : plan_.upstream()) upstream_ids.insert(w.id);
-  for (const StageWorker& w : plan_.outer_link_peers()) replica_ids.insert(w.id);
-  auto validator = std::make_shared<const LinkValidator>(
-      job_, plan_.epoch(), stage, plan_.assignment().layer_begin(),
-      plan_.assignment().layer_end(), std::move(upstream_ids), std::move(replica_ids));
+  current_ = std::make_unique<ServedPlan>(plan_);
+  std::shared_ptr<const LinkValidator> validator = ValidatorFor(plan_);
   parts_.coordinator->SetEpoch(plan_.epoch());
   parts_.links->Activate(validator, inbox_, plan_.DiallingDownstream());
   if (plan_.replicated()) ActivateReplicas();
@@ -341,6 +365,103 @@ absl::Status TrainingSession::Run(StageRuntime* runtime, bool stale_weights) {
   return ReportDone();
 }
 
+std::shared_ptr<const LinkValidator> TrainingSession::ValidatorFor(const ServedPlan& plan) const {
+  std::set<std::string> upstream_ids, replica_ids;
+  std::map<std::string, uint64_t> replica_epochs;
+  for (const StageWorker& w : plan.upstream()) upstream_ids.insert(w.id);
+  for (const StageWorker& w : plan.outer_link_peers()) {
+    replica_ids.insert(w.id);
+    replica_epochs[w.id] = plan.OuterLinkEpoch(w);
+  }
+  return std::make_shared<const LinkValidator>(
+      job_, plan.epoch(), plan.stage(), plan.assignment().layer_begin(),
+      plan.assignment().layer_end(), std::move(upstream_ids), std::move(replica_ids),
+      std::move(replica_epochs));
+}
+
+absl::Status TrainingSession::PollAmendments() {
+  std::optional<ServedPlan> next;
+  std::vector<OpenedLink> opened;
+  {
+    absl::MutexLock lock(&mu_);
+    next.swap(pending_plan_);
+    opened.swap(opened_);
+  }
+  if (next.has_value()) RETURN_IF_ERROR(ApplyAmendment(*next));
+  for (OpenedLink& o : opened) {
+    auto wanted = wanted_outer_.find(o.peer.id);
+    if (wanted == wanted_outer_.end() || wanted->second != o.link_epoch ||
+        outer_peers_.count(o.peer.id) > 0) {
+      o.link->EndOnPurpose();  // a later plan no longer wants it
+      continue;
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      links_.push_back(o.link);
+    }
+    outer_links_->Attach(o.peer.pipeline, o.link);
+    outer_peers_[o.peer.id] = {o.peer.pipeline, o.link_epoch};
+    GT_LOG(Info) << "outer sync of stage " << plan_.stage() << ": pipeline " << o.peer.pipeline
+                 << "'s replica '" << o.peer.id << "' joins (link epoch " << o.link_epoch << ")";
+    RETURN_IF_ERROR(outer_sync_->Attach(o.peer.pipeline, o.link_epoch, absl::Now()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status TrainingSession::ApplyAmendment(const ServedPlan& next) {
+  const absl::Time now = absl::Now();
+  current_ = std::make_unique<ServedPlan>(next);
+  std::map<std::string, StageWorker> wanted;
+  wanted_outer_.clear();
+  for (const StageWorker& peer : next.outer_link_peers()) {
+    wanted[peer.id] = peer;
+    wanted_outer_[peer.id] = next.OuterLinkEpoch(peer);
+  }
+  // The replicas gone, or whose pipelines were formed anew: their links end
+  // on purpose (nothing is reported) and the sync goes on without them.
+  for (auto it = outer_peers_.begin(); it != outer_peers_.end();) {
+    auto w = wanted.find(it->first);
+    if (w != wanted.end() && w->second.pipeline == it->second.pipeline &&
+        wanted_outer_[it->first] == it->second.link_epoch) {
+      ++it;
+      continue;
+    }
+    if (std::shared_ptr<PipelineLink> link = outer_links_->Remove(it->second.pipeline)) {
+      link->EndOnPurpose();
+    }
+    GT_LOG(Info) << "outer sync of stage " << plan_.stage() << ": pipeline "
+                 << it->second.pipeline << "'s replica '" << it->first
+                 << "' leaves (plan epoch " << next.plan_epoch() << ")";
+    RETURN_IF_ERROR(outer_sync_->Leave(it->second.pipeline, now));
+    it = outer_peers_.erase(it);
+  }
+  // New dial-ins are checked against the new plan; the links kept keep
+  // their own validators.
+  std::shared_ptr<const LinkValidator> validator = ValidatorFor(next);
+  parts_.links->Activate(validator, inbox_, plan_.DiallingDownstream());
+  for (const auto& [id, peer] : wanted) {
+    if (outer_peers_.count(id) > 0) continue;
+    const uint64_t link_epoch = wanted_outer_[id];
+    openers_.emplace_back([this, next, peer = peer, link_epoch,
+                           link_validator = validator->ForReplicaLink(id)] {
+      absl::StatusOr<std::shared_ptr<PipelineLink>> link =
+          OpenIn(next, peer, PeerSide::kReplica, link_validator, &closing_, link_epoch);
+      if (!link.ok()) return;  // reported; the sync goes on without it
+      absl::MutexLock lock(&mu_);
+      if (closing_) {
+        (*link)->EndOnPurpose();
+        return;
+      }
+      opened_.push_back({peer, link_epoch, *std::move(link)});
+    });
+  }
+  GT_LOG(Info) << "plan epoch " << next.plan_epoch() << ": pipeline " << plan_.pipeline()
+               << " goes on (formed in epoch " << plan_.epoch() << "); stage " << plan_.stage()
+               << " has " << next.outer_link_peers().size() << " outer-sync peer(s)";
+  if (options_.on_amended) options_.on_amended(next);
+  return absl::OkStatus();
+}
+
 void TrainingSession::ReportFailedLink(const PipelineDriver& driver, const absl::Status& ran) {
   // A broken link (not one this worker ended itself) is reported with the
   // neighbour at its other end, so the coordinator can route around it
@@ -354,25 +475,33 @@ void TrainingSession::ReportFailedLink(const PipelineDriver& driver, const absl:
   const PeerSide side = failed == PipelineDriver::FailedLink::kUpstream     ? PeerSide::kUpstream
                         : failed == PipelineDriver::FailedLink::kDownstream ? PeerSide::kDownstream
                                                                             : PeerSide::kReplica;
-  ReportLostLink(driver.failed_peer(), side, ran.message());
+  uint64_t epoch = 0;
+  if (auto peer = outer_peers_.find(driver.failed_peer());
+      side == PeerSide::kReplica && peer != outer_peers_.end()) {
+    epoch = peer->second.link_epoch;
+  }
+  ReportLostLink(driver.failed_peer(), side, ran.message(), epoch);
 }
 
 void TrainingSession::ReportLostLink(const std::string& peer_id, PeerSide side,
-                                     absl::string_view why) const {
+                                     absl::string_view why, uint64_t epoch) const {
   if (aborted_) return;
-  const std::vector<StageWorker>& neighbours = side == PeerSide::kUpstream   ? plan_.upstream()
-                                               : side == PeerSide::kDownstream ? plan_.downstream()
-                                                                             : plan_.outer_link_peers();
+  // An outer-sync peer is the newest plan's (the pipeline's neighbours
+  // never change while the session lasts).
+  const ServedPlan& plan = side == PeerSide::kReplica && current_ != nullptr ? *current_ : plan_;
+  const std::vector<StageWorker>& neighbours = side == PeerSide::kUpstream   ? plan.upstream()
+                                               : side == PeerSide::kDownstream ? plan.downstream()
+                                                                             : plan.outer_link_peers();
   StageWorker peer = neighbours.empty() ? StageWorker() : neighbours[0];
   for (const StageWorker& w : neighbours) {
     if (w.id == peer_id) peer = w;
   }
   // Through a relay, the relay is what is reported: the coordinator
   // re-links the pair through another (see JobController).
-  const v1::PlannedLink* planned = plan_.LinkTo(peer, side);
+  const v1::PlannedLink* planned = plan.LinkTo(peer, side);
   const bool relayed = planned != nullptr && planned->dialer() == v1::LINK_DIALER_RELAY;
-  parts_.coordinator->ReportEvent(
-      "link_lost",
+  parts_.coordinator->ReportEventOfEpoch(
+      epoch != 0 ? epoch : plan_.epoch(), "link_lost",
       absl::StrCat(PeerSideName(side), " link to ", peer.address,
                    relayed ? " via relay " + planned->relay_address() : "", ": ", why),
       relayed ? planned->relay_worker() : peer.id);

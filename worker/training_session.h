@@ -25,7 +25,9 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -62,6 +64,10 @@ struct SessionOptions {
   // Told when the stage starts training with its links open, and when it
   // stops (the worker's gRPC health follows it). May be empty.
   std::function<void(bool serving, const std::string& why)> on_serving;
+  // Told on the compute thread once the session goes on in a new plan
+  // (Amend): the worker offers the stage's state to the plan's newcomers.
+  // May be empty.
+  std::function<void(const ServedPlan& plan)> on_amended;
 };
 
 struct SessionParts {
@@ -90,7 +96,17 @@ class TrainingSession {
   void Abort();
   bool aborted() const { return aborted_; }
 
+  // A new plan in which this session goes on (ServedPlan::ContinuesIn): its
+  // pipeline's links and progress stay; the outer sync's replicas change as
+  // `next` says, on the compute thread between steps. False, and nothing
+  // changes, when `next` does not continue this session (the caller ends
+  // it) or the session is not running. Thread-safe.
+  bool Amend(const ServedPlan& next);
+
+  // The plan the session started in.
   const ServedPlan& plan() const { return plan_; }
+  // The newest plan epoch it serves: its own, or the newest amendment's.
+  uint64_t plan_epoch() const { return plan_epoch_; }
 
  private:
   // Opens (or awaits) the link to `peer`; null when the peer dials this
@@ -98,6 +114,18 @@ class TrainingSession {
   // opened is reported like a broken one.
   absl::StatusOr<std::shared_ptr<PipelineLink>> Open(
       const StageWorker& peer, PeerSide side, std::shared_ptr<const LinkValidator> validator);
+  // The same as `plan` says, giving up when `*stop`; reports a failure with
+  // `report_epoch`.
+  absl::StatusOr<std::shared_ptr<PipelineLink>> OpenIn(
+      const ServedPlan& plan, const StageWorker& peer, PeerSide side,
+      std::shared_ptr<const LinkValidator> validator, const std::atomic<bool>* stop,
+      uint64_t report_epoch);
+  // The session's link validator for `plan`'s outer-sync peers.
+  std::shared_ptr<const LinkValidator> ValidatorFor(const ServedPlan& plan) const;
+  // The driver's poll (compute thread): applies an amendment, and attaches
+  // the outer links its openers have opened since.
+  absl::Status PollAmendments();
+  absl::Status ApplyAmendment(const ServedPlan& next);
   void ActivateReplicas();
   // Several pipelines (job.outer): starts the runtime's outer optimizer
   // (unless it runs from an earlier plan), opens the outer-sync links and
@@ -106,12 +134,14 @@ class TrainingSession {
                               std::shared_ptr<const LinkValidator> validator);
   absl::Status ActivateTiedExchange(const StageRuntime& runtime);
   PipelineDriverOptions DriverOptions(const StageRuntime& runtime, const ReplicaRouter* router,
-                                      bool stale_weights) const;
+                                      bool stale_weights);
   // After the driver failed on a link: tells the coordinator which one.
   void ReportFailedLink(const PipelineDriver& driver, const absl::Status& ran);
   // Reports the link to `peer_id` on `side` as lost (its relay, if it had
   // one).
-  void ReportLostLink(const std::string& peer_id, PeerSide side, absl::string_view why) const;
+  // `epoch`: the link's (0: the session's).
+  void ReportLostLink(const std::string& peer_id, PeerSide side, absl::string_view why,
+                      uint64_t epoch = 0) const;
   // Downstream links first, then the upstream ones this worker opened.
   void CloseLinks();
   absl::Status ReportDone();
@@ -132,7 +162,26 @@ class TrainingSession {
   std::unique_ptr<OuterLinks> outer_links_;
   std::unique_ptr<RuntimeOuterCompute> outer_compute_;
   std::unique_ptr<OuterSync> outer_sync_;
-  std::string outer_reducer_;  // a contributor's reducer
+  // The outer-sync links the sync has (the driver reads it; changed on the
+  // compute thread), and those the newest plan wants: id -> link epoch.
+  std::map<std::string, OuterPeer> outer_peers_;
+  std::map<std::string, uint64_t> wanted_outer_;
+  // The newest plan served (Run()'s thread); plan_ until an amendment.
+  std::unique_ptr<ServedPlan> current_;
+  std::atomic<uint64_t> plan_epoch_{0};
+  std::atomic<bool> running_{false};
+  // An amendment waiting for the compute thread, and the outer links
+  // opened for one since.
+  struct OpenedLink {
+    StageWorker peer;
+    uint64_t link_epoch = 0;
+    std::shared_ptr<PipelineLink> link;
+  };
+  std::optional<ServedPlan> pending_plan_ ABSL_GUARDED_BY(mu_);
+  std::vector<OpenedLink> opened_ ABSL_GUARDED_BY(mu_);
+  // Threads opening an amendment's outer links; they stop at `closing_`.
+  std::vector<std::thread> openers_;
+  std::atomic<bool> closing_{false};
 };
 
 }  // namespace geotrain

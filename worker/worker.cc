@@ -300,6 +300,8 @@ absl::Status Worker::Run() {
     }
     GT_LOG(Warning) << "stage " << mine->stage() << " of plan epoch " << plan->epoch()
                     << " ended: " << trained.message() << "; waiting for a new plan";
+    // The plans it went on through are behind it: it waits for a newer one.
+    last_epoch = std::max(last_epoch, served_plan_epoch_.load());
 
   }
 }
@@ -516,6 +518,10 @@ absl::Status Worker::Train(const v1::Plan& plan) {
     health_.Set(serving, why);
     current_stage_ = serving ? stage : -1;
   };
+  session_options.on_amended = [this](const ServedPlan& next) {
+    served_plan_epoch_ = next.plan_epoch();
+    OfferStateToNewcomers(next.assignment(), next.plan_epoch());
+  };
   SessionParts parts;
   parts.coordinator = &coordinator_;
   parts.links = links_.get();
@@ -543,6 +549,7 @@ absl::Status Worker::Train(const v1::Plan& plan) {
                                                     served.assignment(), plan.epoch()));
   OfferStateToNewcomers(served.assignment(), plan.epoch());
   primary_ = served.primary();
+  served_plan_epoch_ = plan.epoch();
   const bool stale_weights = built || was_standby_;
   was_standby_ = false;
   return session->Run(runtime_.get(), stale_weights);
@@ -603,8 +610,14 @@ void Worker::WatchLoop() {
       }
       latest_plan_ = plan;
       // Every stage of a new plan starts over on the new epoch, except when
-      // the job is done (stages finish on their own then).
-      if (!done && session_ != nullptr && plan.epoch() > session_->plan().epoch()) {
+      // the job is done (stages finish on their own then) or this worker's
+      // pipeline goes on in it as it was (TrainingSession::Amend).
+      if (!done && session_ != nullptr && plan.epoch() > session_->plan_epoch()) {
+        absl::StatusOr<ServedPlan> served = ServedPlan::For(plan, job_, worker_id_);
+        if (served.ok() && session_->Amend(*served)) {
+          GT_LOG(Info) << "plan epoch " << plan.epoch() << ": this worker's pipeline goes on";
+          continue;
+        }
         GT_LOG(Info) << "plan epoch " << plan.epoch() << " supersedes " << session_->plan().epoch()
                      << ": ending the current pipeline";
         AbortTrainingLocked();

@@ -182,6 +182,8 @@ class Worker {
   std::optional<v1::Plan> latest_plan_ ABSL_GUARDED_BY(mu_);
   // The session training a stage now; null between plans.
   std::shared_ptr<TrainingSession> session_ ABSL_GUARDED_BY(mu_);
+  // The newest plan epoch the current (or last) session served.
+  std::atomic<uint64_t> served_plan_epoch_{0};
   bool rejoin_needed_ ABSL_GUARDED_BY(mu_) = false;
   bool watch_ended_ ABSL_GUARDED_BY(mu_) = false;
 };

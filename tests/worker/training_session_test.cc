@@ -40,6 +40,7 @@ class FakeNetwork {
                             absl::UnavailableError(absl::StrCat("link to '", other, "' cut"))};
       broken.peer = other;
       broken.from_replica = true;
+      broken.link_epoch = epoch;
       inbox->TryPush(std::move(broken));
     }
     active_[worker] = {stage, epoch, std::move(inbox)};
@@ -58,13 +59,15 @@ class FakeNetwork {
     active_.erase(worker);
   }
   // Waits until `worker` serves `epoch` (as a real dialler retries a peer
-  // that has not started the plan yet).
+  // that has not started the plan yet), or a later one with `at_least` (an
+  // outer-sync link's epoch may be later than the reducer's session's).
   absl::Status AwaitActive(const std::string& worker, uint64_t epoch,
-                           const std::atomic<bool>* stop) {
+                           const std::atomic<bool>* stop, bool at_least = false) {
     absl::MutexLock lock(&mu_);
     auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       auto it = active_.find(worker);
-      return *stop || (it != active_.end() && it->second.epoch == epoch);
+      return *stop || (it != active_.end() && (it->second.epoch == epoch ||
+                                               (at_least && it->second.epoch > epoch)));
     };
     if (!mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Seconds(20))) {
       return absl::UnavailableError(absl::StrCat("'", worker, "' never started epoch ", epoch));
@@ -74,6 +77,7 @@ class FakeNetwork {
   }
   absl::Status Deliver(const std::string& from, const std::string& to, bool from_upstream,
                        LinkMessage message, bool from_replica = false) {
+    const uint64_t link_epoch = message.header.epoch();
     std::shared_ptr<Inbox> inbox;
     {
       absl::MutexLock lock(&mu_);
@@ -90,6 +94,7 @@ class FakeNetwork {
     InboundMessage in{from_upstream, std::move(message), absl::OkStatus()};
     in.peer = from;
     in.from_replica = from_replica;
+    in.link_epoch = link_epoch;
     // Outside the lock: a full inbox holds the sender, as flow control would.
     if (!inbox->Push(std::move(in))) return absl::UnavailableError("inbox closed");
     return absl::OkStatus();
@@ -124,6 +129,7 @@ class FakeNetwork {
                             absl::UnavailableError(absl::StrCat("link to '", other, "' cut"))};
       broken.peer = other;
       broken.from_replica = active_[other].stage == it->second.stage;
+      broken.link_epoch = std::max(active_[other].epoch, it->second.epoch);
       it->second.inbox->TryPush(std::move(broken));
     }
   }
@@ -214,7 +220,9 @@ class FakeLinks : public SessionLinks {
   absl::StatusOr<std::shared_ptr<PipelineLink>> AwaitDialIn(PeerSide side, const std::string& peer,
                                                             const std::atomic<bool>* stop) override {
     if (side != PeerSide::kReplica) return absl::UnimplementedError("every upstream worker dials");
-    if (absl::Status up = net_->AwaitActive(peer, epoch_, stop); !up.ok()) return up;
+    if (absl::Status up = net_->AwaitActive(peer, epoch_, stop, /*at_least=*/true); !up.ok()) {
+      return up;
+    }
     auto link = std::make_shared<FakeLink>(net_, self_, peer, side);
     absl::MutexLock lock(&mu_);
     dialled_in_.push_back(link);
@@ -243,13 +251,18 @@ class FakeCoordinator : public SessionCoordinator {
  public:
   struct Event {
     std::string kind, detail, peer;
+    uint64_t epoch = 0;
   };
   explicit FakeCoordinator(std::string worker) : worker_(std::move(worker)) {}
   void SetEpoch(uint64_t epoch) override { epoch_ = epoch; }
   void ReportEvent(const std::string& kind, const std::string& detail,
                    const std::string& peer) override {
+    ReportEventOfEpoch(epoch_, kind, detail, peer);
+  }
+  void ReportEventOfEpoch(uint64_t epoch, const std::string& kind, const std::string& detail,
+                          const std::string& peer) override {
     absl::MutexLock lock(&mu_);
-    events_.push_back({kind, detail, peer});
+    events_.push_back({kind, detail, peer, epoch});
   }
   void ReportFinalStats(const v1::StageStats&) override { ++final_stats_; }
   absl::Status ReportDone(int steps) override {
