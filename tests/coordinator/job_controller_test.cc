@@ -858,6 +858,98 @@ TEST_F(PipelinesPlanTest, WorkersThatReportedDoneAreNotLost) {
   EXPECT_TRUE(HasEvent("job_done"));
 }
 
+// Churn in pipeline 1 leaves pipeline 0 alone (pipeline_continuity.h): d
+// is lost with no standby, pipeline 1 is dissolved and pipeline 0 goes on
+// under the epoch it was formed in (its reports still count, its links'
+// old news does not act); a newcomer and the standing-by c then form
+// pipeline 1 anew, on its own data lane, at pipeline 0's step.
+class LongPipelinesPlanTest : public ReplanTest {
+ protected:
+  void SetUp() override {
+    Start("gpt { context: 8 d_model: 16 heads: 2 blocks: 2 } text {} steps: 20 "
+          "schedule: SCHEDULE_ASYNC_STASH min_workers: 4 max_stages: 2 lease_ms: 1000 "
+          "microbatches: 2 outer { inner_steps: 5 }");
+  }
+};
+
+TEST_F(LongPipelinesPlanTest, APipelineGoesOnThroughAnotherPipelinesChurn) {
+  std::vector<std::string> ids;
+  for (const char* name : {"a", "b", "c", "d"}) ids.push_back(Join(name).worker_id());
+  const v1::Plan plan = Plan();
+  ASSERT_EQ(plan.pipelines(), 2);
+  ASSERT_EQ(plan.pipeline_info_size(), 2);
+  EXPECT_EQ(plan.pipeline_info(1).data_lane(), 1);
+  TrainSteps(ids[0], ids[1], 1, 1);
+  TrainSteps(ids[2], ids[3], 1, 1);
+  for (int t = 0; t < 15; ++t) {  // d falls silent
+    clock_.AdvanceMs(100);
+    for (int k : {0, 1, 2}) Heartbeat(ids[k], 0);
+    controller_->Tick();
+  }
+  const v1::Plan alone = Plan();
+  ASSERT_EQ(alone.epoch(), 2u);
+  EXPECT_LE(alone.pipelines(), 1);
+  ASSERT_EQ(alone.pipeline_info_size(), 1);
+  EXPECT_EQ(alone.pipeline_info(0).formed_epoch(), 1u);  // it goes on
+  EXPECT_EQ(alone.pipeline_info(0).data_stride(), 2);
+  EXPECT_TRUE(HasEvent("pipelines_continue"));
+  // Pipeline 0 reports under epoch 1, as its workers still run it.
+  for (int step = 2; step <= 4; ++step) {
+    v1::StepReport report;
+    report.set_worker_id(ids[1]);
+    report.set_epoch(1);
+    report.set_step(step);
+    report.set_loss(2.0);
+    report.set_samples(8);
+    const absl::Status reported = controller_->ReportStep(report);
+    ASSERT_TRUE(reported.ok()) << step << ": " << reported;
+    FinishedOnStageZero(ids[0], step, 1);
+  }
+  EXPECT_EQ(controller_->Status().step(), 4);  // pipeline 0 alone commits now
+  v1::StepReport wrong_epoch;
+  wrong_epoch.set_worker_id(ids[1]);
+  wrong_epoch.set_epoch(2);
+  wrong_epoch.set_step(5);
+  wrong_epoch.set_samples(8);
+  EXPECT_FALSE(controller_->ReportStep(wrong_epoch).ok());
+  // A lost link of an epoch pipeline 0's links do not carry is old news.
+  v1::WorkerEvent stale;
+  stale.set_worker_id(ids[1]);
+  stale.set_kind("link_lost");
+  stale.set_peer(ids[0]);
+  stale.set_epoch(2);
+  ASSERT_TRUE(controller_->RecordWorkerEvent(stale).ok());
+  EXPECT_EQ(Plan().epoch(), 2u);
+  // e joins: with c, a standby per stage, pipeline 1 is formed anew.
+  const std::string e = Join("e").worker_id();
+  const v1::Plan formed = Plan();
+  ASSERT_EQ(formed.epoch(), 3u);
+  ASSERT_EQ(formed.pipelines(), 2);
+  ASSERT_EQ(formed.pipeline_info_size(), 2);
+  EXPECT_EQ(formed.pipeline_info(0).SerializeAsString(),
+            alone.pipeline_info(0).SerializeAsString());
+  const v1::PipelineInfo& fresh = formed.pipeline_info(1);
+  EXPECT_EQ(fresh.formed_epoch(), 3u);
+  EXPECT_EQ(fresh.data_lane(), 1);
+  EXPECT_EQ(fresh.start_step(), 4);  // where pipeline 0's stage 0 is
+  EXPECT_GE(fresh.data_base(), formed.data_base());
+  std::set<std::string> pipeline1;
+  for (const v1::StageAssignment& stage : formed.stages()) {
+    for (const StageWorker& w : WorkersOf(stage, 1)) pipeline1.insert(w.id);
+  }
+  EXPECT_EQ(pipeline1, (std::set<std::string>{ids[2], e}));
+  EXPECT_TRUE(HasEvent("replanned"));
+  // The new pipeline's last stage reports under epoch 3 from step 5.
+  const std::string last1 = WorkersOf(formed.stages(1), 1)[0].id;
+  v1::StepReport fresh_step;
+  fresh_step.set_worker_id(last1);
+  fresh_step.set_epoch(3);
+  fresh_step.set_step(5);
+  fresh_step.set_loss(2.0);
+  fresh_step.set_samples(8);
+  EXPECT_TRUE(controller_->ReportStep(fresh_step).ok());
+}
+
 TEST_F(ReplicaPlanTest, ALostReplicaLeavesItsStageToTheOther) {
   std::vector<std::string> ids;
   for (const char* name : {"a", "b", "c", "d"}) ids.push_back(Join(name).worker_id());

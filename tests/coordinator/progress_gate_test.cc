@@ -114,5 +114,49 @@ TEST(ProgressGatePipelinesTest, AStepCommitsOnceEveryPipelineHasFinishedIt) {
   EXPECT_TRUE(gate.Claim("a1", 3, {12, 2.0, 8}).ok());  // a0 finished step 5
 }
 
+// A re-plan that leaves pipeline 0 alone (Plan.pipeline_info): its claims
+// and progress go on under the epoch it was formed in, and pipeline 1,
+// formed anew at pipeline 0's step, counts the steps before its start as
+// done (without samples). An old epoch's report from the pipeline formed
+// anew is refused.
+TEST(ProgressGatePipelinesTest, AContinuingPipelineKeepsItsProgressThroughARePlan) {
+  ProgressGate gate(ProgressGateOptions{1000, 8});
+  gate.StartEpoch(1, 0, {{"a0", 0}, {"b0", 1}}, {{"a1", 0}, {"b1", 1}});
+  ASSERT_TRUE(gate.Claim("a1", 1, {1, 2.0, 8}).ok());
+  ASSERT_TRUE(gate.Claim("b1", 1, {1, 2.0, 8}).ok());
+  gate.FirstStageFinished("b0", 1, 1);
+  EXPECT_EQ(Steps(gate.FirstStageFinished("a0", 1, 1)), std::vector<int>{1});
+  // Pipeline 0 runs on to step 4 (claimed, stage 0 at 3); pipeline 1 dies.
+  for (int step = 2; step <= 4; ++step) ASSERT_TRUE(gate.Claim("a1", 1, {step, 2.0, 8}).ok());
+  gate.FirstStageFinished("a0", 1, 3);
+  // Epoch 2: pipeline 0 formed in epoch 1 goes on; pipeline 1 (b0, c1)
+  // is formed anew after step 3.
+  gate.StartEpoch(2, gate.committed_step(), {{"a0", 0}, {"b0", 1}}, {{"a1", 0}, {"c1", 1}},
+                  {{0, {1, 0}}, {1, {2, 3}}});
+  EXPECT_EQ(gate.first_stage_step(0), 3);  // kept
+  EXPECT_EQ(gate.first_stage_step(1), 3);  // its start
+  // Pipeline 0's reports still carry epoch 1; pipeline 1's carry epoch 2.
+  EXPECT_EQ(gate.Claim("a1", 2, {5, 2.0, 8}).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(gate.Claim("c1", 1, {4, 2.0, 8}).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  // Steps 2 and 3 commit on pipeline 0's claims alone (pipeline 1 starts
+  // after them); step 4 waits for pipeline 1.
+  std::vector<ProgressGate::Step> committed = gate.FirstStageFinished("a0", 1, 4);
+  EXPECT_EQ(Steps(committed), (std::vector<int>{2, 3}));
+  EXPECT_EQ(committed[0].samples, 8);
+  ASSERT_TRUE(gate.Claim("c1", 2, {4, 3.0, 8}).ok());
+  committed = gate.FirstStageFinished("b0", 2, 4);
+  EXPECT_EQ(Steps(committed), std::vector<int>{4});
+  EXPECT_EQ(committed[0].samples, 16);
+  // A pipeline formed anew under the same number with another epoch drops
+  // what it held.
+  ASSERT_TRUE(gate.Claim("a1", 1, {5, 2.0, 8}).ok());
+  gate.StartEpoch(3, gate.committed_step(), {{"a0", 0}, {"b0", 1}}, {{"a1", 0}, {"c1", 1}},
+                  {{0, {3, 4}}, {1, {2, 3}}});
+  EXPECT_EQ(gate.claimed_step(), 4);
+  EXPECT_TRUE(gate.Claim("a1", 3, {5, 2.0, 8}).ok());
+}
+
 }  // namespace
 }  // namespace geotrain

@@ -259,6 +259,61 @@ TEST_F(OuterSyncTest, AStartStepAfterSomeRoundsStartsThere) {
   EXPECT_EQ(syncs_[1]->members().count(3), 1u);  // round 3: steps 7-9
 }
 
+// A re-plan the reducer's pipeline goes on through: pipeline 1's replica
+// leaves (its rounds close on the reducer alone, nothing waits), and the
+// replica of pipeline 1 formed anew in epoch 3 attaches. It takes the
+// reducer's state and round, contributes from its next round on, and
+// messages of the old link's epoch are refused.
+TEST_F(OuterSyncTest, AReplicaFormedAnewAttachesAndTakesTheReducersRounds) {
+  Make(2, Options(1, 0, 1, 2));
+  for (int step = 1; step <= 2; ++step) {
+    for (auto& s : syncs_) ASSERT_TRUE(s->AfterStep(step, 4, now_).ok());
+  }
+  Deliver();
+  ASSERT_EQ(syncs_[0]->rounds_applied(), 1);
+  ASSERT_TRUE(syncs_[0]->Leave(1, now_).ok());
+  for (int step = 3; step <= 4; ++step) ASSERT_TRUE(syncs_[0]->AfterStep(step, 4, now_).ok());
+  EXPECT_FALSE(syncs_[0]->MustWait());  // round 2 closed on the reducer alone
+  EXPECT_EQ(syncs_[0]->members().at(2), std::vector<int>({0}));
+  queue_.clear();
+  // Pipeline 1 formed anew in epoch 3, at step 4.
+  OuterSyncOptions fresh = Options(3, 0, 1, 2, false, /*start_step=*/4);
+  fresh.share_state = true;
+  fresh.link_epochs[0] = 3;
+  computes_[1] = std::make_unique<FakeCompute>(1);
+  syncs_[1] = std::make_unique<OuterSync>(fresh, 1, std::set<int>{0, 1}, computes_[1].get(),
+                                          wires_[1].get());
+  ASSERT_TRUE(syncs_[0]->Attach(1, 3, now_).ok());
+  ASSERT_EQ(queue_.size(), 1u);
+  EXPECT_EQ(queue_.front().message.kind, OuterMessage::Kind::kState);
+  EXPECT_EQ(queue_.front().message.epoch, 3u);
+  EXPECT_EQ(queue_.front().message.round, 2);
+  Deliver();
+  EXPECT_EQ(computes_[1]->adopted, std::vector<std::string>({"state0@2"}));
+  EXPECT_EQ(syncs_[1]->rounds_applied(), 2);
+  for (int step = 5; step <= 6; ++step) {
+    for (auto& s : syncs_) ASSERT_TRUE(s->AfterStep(step, 4, now_).ok());
+  }
+  Deliver();
+  EXPECT_EQ(syncs_[0]->members().at(3), std::vector<int>({0, 1}));
+  EXPECT_EQ(computes_[1]->applied.back(), computes_[0]->applied.back());
+  // The old link's epoch is gone.
+  OuterMessage old;
+  old.kind = OuterMessage::Kind::kDelta;
+  old.epoch = 1;
+  old.pipeline = 1;
+  old.round = 4;
+  old.layers = Payload("d1.old");
+  EXPECT_TRUE(absl::IsInvalidArgument(syncs_[0]->OnMessage(old, now_)));
+  // A replica whose reducer left trains on alone, and waits for a new
+  // reducer's state once one attaches.
+  ASSERT_TRUE(syncs_[1]->Leave(0, now_).ok());
+  EXPECT_TRUE(syncs_[1]->detached());
+  ASSERT_TRUE(syncs_[1]->Attach(0, 5, now_).ok());
+  for (int step = 7; step <= 8; ++step) ASSERT_TRUE(syncs_[1]->AfterStep(step, 4, now_).ok());
+  EXPECT_TRUE(syncs_[1]->MustWait());
+}
+
 TEST_F(OuterSyncTest, MessagesThatDoNotBelongAreRefused) {
   Make(3, Options(4, 1, 2, 1));
   OuterMessage delta;

@@ -62,12 +62,14 @@ class FakeNetwork {
   // that has not started the plan yet), or a later one with `at_least` (an
   // outer-sync link's epoch may be later than the reducer's session's).
   absl::Status AwaitActive(const std::string& worker, uint64_t epoch,
-                           const std::atomic<bool>* stop, bool at_least = false) {
+                           const std::atomic<bool>* stop, bool at_least = false,
+                           bool at_most = false) {
     absl::MutexLock lock(&mu_);
     auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       auto it = active_.find(worker);
       return *stop || (it != active_.end() && (it->second.epoch == epoch ||
-                                               (at_least && it->second.epoch > epoch)));
+                                               (at_least && it->second.epoch > epoch) ||
+                                               (at_most && it->second.epoch < epoch)));
     };
     if (!mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Seconds(20))) {
       return absl::UnavailableError(absl::StrCat("'", worker, "' never started epoch ", epoch));
@@ -207,7 +209,11 @@ class FakeLinks : public SessionLinks {
                                                      std::shared_ptr<const LinkValidator> validator,
                                                      std::shared_ptr<Inbox>,
                                                      const std::atomic<bool>* stop) override {
-    if (absl::Status up = net_->AwaitActive(target.peer.id, validator->epoch(), stop); !up.ok()) {
+    // An outer-sync link's epoch may be later than the reducer's session's.
+    if (absl::Status up = net_->AwaitActive(target.peer.id, validator->epoch(), stop,
+                                            /*at_least=*/false,
+                                            /*at_most=*/target.peer.side == PeerSide::kReplica);
+        !up.ok()) {
       return up;
     }
     auto link = std::make_shared<FakeLink>(net_, self_, target.peer.id, target.peer.side);
@@ -470,7 +476,18 @@ class TrainingSessionTest : public ::testing::Test {
 
   // Starts a session of `plan` for every worker on a thread of its own.
   void Start(const v1::Plan& plan) {
-    for (auto& w : workers_) {
+    for (auto& w : workers_) Prepare(*w, plan);
+    if (before_run_) before_run_();
+    for (auto& w : workers_) Launch(*w);
+  }
+  // The same for one worker (the others' sessions go on).
+  void StartOne(TestWorker& worker, const v1::Plan& plan) {
+    Prepare(worker, plan);
+    Launch(worker);
+  }
+  void Prepare(TestWorker& worker, const v1::Plan& plan) {
+    TestWorker* w = &worker;
+    {
       absl::StatusOr<ServedPlan> served = ServedPlan::For(plan, job_, w->id);
       ASSERT_TRUE(served.ok()) << served.status();
       if (w->runtime == nullptr) {
@@ -492,13 +509,12 @@ class TrainingSessionTest : public ::testing::Test {
       options.done_retry_interval = absl::Milliseconds(10);
       w->session = std::make_shared<TrainingSession>(job_, *served, parts, options);
     }
-    if (before_run_) before_run_();
-    for (auto& w : workers_) {
-      TestWorker* worker = w.get();
-      threads_.emplace_back([worker] {
-        worker->result = worker->session->Run(worker->runtime.get(), /*stale_weights=*/false);
-      });
-    }
+  }
+  void Launch(TestWorker& worker) {
+    TestWorker* w = &worker;
+    threads_.emplace_back([w] {
+      w->result = w->session->Run(w->runtime.get(), /*stale_weights=*/false);
+    });
   }
 
   void Join() {
@@ -908,6 +924,106 @@ TEST(ServedPlanTest, DerivesNeighboursCodecsAndDialers) {
   EXPECT_EQ(q0->schedule().window, ServedPlan::For(pipelines, job, "p1")->schedule().window);
   // Every worker of one plan derives the same window.
   EXPECT_EQ(a2->schedule().window, b->schedule().window);
+}
+
+// Pipeline r's entry in Plan.pipeline_info.
+void AddPipelineInfo(v1::Plan* plan, int pipeline, uint64_t formed_epoch, int start_step,
+                     uint64_t base, int stride, int lane) {
+  v1::PipelineInfo* info = plan->add_pipeline_info();
+  info->set_pipeline(pipeline);
+  info->set_formed_epoch(formed_epoch);
+  info->set_start_step(start_step);
+  info->set_data_base(base);
+  info->set_data_stride(stride);
+  info->set_data_lane(lane);
+}
+
+// Churn in another pipeline stops nobody else: pipeline 1 loses its stage-1
+// worker, and the plan that forms it anew (b0 with the standby c1) leaves
+// pipeline 0's chain alone. Pipeline 0's sessions go on through it
+// (Amend): no restart, no step twice, the epoch it was formed in, its
+// reducer's outer link to the lost replica dropped without a report and
+// the newcomer's attached. The newcomer takes the reducer's outer state,
+// draws its own data lane, and the run ends with every stage's replicas
+// bit-identical.
+TEST_F(OuterSessionTest, APipelineGoesOnWhileAnotherIsFormedAnew) {
+  job_.set_steps(300);
+  v1::OuterOptimizer* outer = job_.mutable_outer();
+  outer->set_inner_steps(4);
+  outer->set_lr(0.7);
+  outer->set_momentum(0.9);
+  outer->set_codec(v1::CODEC_INT8);
+  outer->set_streaming(true);
+  for (const auto& [id, stage] : std::vector<std::pair<std::string, int>>{
+           {"a0", 0}, {"a1", 1}, {"b0", 0}, {"b1", 1}}) {
+    workers_by_id_[id] = &AddWorker(id, stage);
+  }
+  v1::Plan first = MakePipelinesPlan(1, {{"a0", "b0"}, {"a1", "b1"}});
+  AddPipelineInfo(&first, 0, 1, 0, 0, 2, 0);
+  AddPipelineInfo(&first, 1, 1, 0, 0, 2, 1);
+  Start(first);
+  ASSERT_TRUE(AwaitStep(W("a1"), 20));
+  // b1 dies: its links break, and its session is gone.
+  std::shared_ptr<TrainingSession> pipeline0_last = W("a1").session;
+  net_.Cut("b0", "b1");
+  net_.Cut("a1", "b1");
+  W("b1").session->Abort();
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (!Reported("a1", "b1") && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_TRUE(Reported("a1", "b1"));  // the reducer tells of the lost replica
+  const int at = W("a1").coordinator->step();
+  // Epoch 2: pipeline 0 as it was (formed in epoch 1); pipeline 1 formed
+  // anew at pipeline 0's step, on its own lane past what it drew.
+  workers_by_id_["c1"] = &AddWorker("c1", 1);
+  v1::Plan second = MakePipelinesPlan(2, {{"a0", "b0"}, {"a1", "c1"}});
+  second.set_start_step(0);
+  AddPipelineInfo(&second, 0, 1, 0, 0, 2, 0);
+  const uint64_t base = 4 * 2 * 2 * 1000;  // a multiple of stride x microbatches
+  AddPipelineInfo(&second, 1, 2, at, base, 2, 1);
+  for (const char* id : {"a0", "a1"}) {
+    absl::StatusOr<ServedPlan> served = ServedPlan::For(second, job_, id);
+    ASSERT_TRUE(served.ok()) << served.status();
+    ASSERT_TRUE(W(id).session->Amend(*served)) << id;
+    EXPECT_EQ(W(id).session->plan_epoch(), 2u);
+  }
+  // b0's session ended on the broken link; it and the newcomer start anew.
+  const absl::Time ended = absl::Now() + absl::Seconds(30);
+  while (W("b0").result.ok() && absl::Now() < ended) absl::SleepFor(absl::Milliseconds(5));
+  W("b0").session->Abort();
+  W("b0").result = absl::OkStatus();
+  StartOne(W("b0"), second);
+  StartOne(W("c1"), second);
+  Join();
+  for (const char* id : {"a0", "a1", "b0", "c1"}) {
+    ASSERT_TRUE(W(id).result.ok()) << id << ": " << W(id).result;
+  }
+  // Pipeline 0 never restarted: the same session, each step once, the
+  // epoch it was formed in.
+  EXPECT_EQ(W("a1").session, pipeline0_last);
+  EXPECT_EQ(W("a1").coordinator->losses().size(), 300u);
+  EXPECT_EQ(W("a0").coordinator->epoch(), 1u);
+  EXPECT_EQ(W("a1").coordinator->done(), std::vector<int>({300}));
+  EXPECT_EQ(W("c1").coordinator->epoch(), 2u);
+  EXPECT_EQ(W("c1").coordinator->done(), std::vector<int>({300}));
+  // Pipeline 1 trained from its new start on its own lane.
+  EXPECT_GT(W("c1").coordinator->losses().size(), 0u);
+  EXPECT_EQ(W("c1").coordinator->losses().begin()->first, at + 1);
+  EXPECT_EQ(W("b0").runtime->DataIndexOf(int64_t{at} * 2) % 2, 1);
+  EXPECT_GE(W("b0").runtime->DataIndexOf(int64_t{at} * 2), static_cast<int64_t>(base));
+  EXPECT_EQ(W("a0").runtime->DataIndexOf(int64_t{at} * 2) % 2, 0);
+  // Only the lost replica was reported, once, on its link's epoch.
+  for (const char* id : {"a0", "a1"}) {
+    for (const auto& event : W(id).coordinator->events()) {
+      EXPECT_EQ(event.kind, "link_lost") << id;
+      EXPECT_EQ(event.peer, "b1") << id;
+      EXPECT_EQ(event.epoch, 1u) << id;
+    }
+  }
+  EXPECT_TRUE(W("c1").coordinator->events().empty());
+  // The final round leaves every stage's replicas bit-identical.
+  EXPECT_EQ(W("b0").runtime->WeightsDigest(), W("a0").runtime->WeightsDigest());
+  EXPECT_EQ(W("c1").runtime->WeightsDigest(), W("a1").runtime->WeightsDigest());
+  EXPECT_EQ(W("c1").runtime->OuterWeightsDigest(), W("a1").runtime->OuterWeightsDigest());
 }
 
 }  // namespace
