@@ -1765,8 +1765,11 @@ uint64_t JobController::LinkEpochOfLocked(const std::string& reporter,
   // A pipeline link's ends share their pipeline's epoch; an outer-sync
   // link's is the later of its ends' (a relay is in no pipeline).
   const uint64_t mine = SessionEpochOfLocked(reporter);
-  if (StageOf(*plan_, peer) == nullptr) return mine;
-  return std::max(mine, SessionEpochOfLocked(peer));
+  if (StageOf(*plan_, peer) != nullptr) return std::max(mine, SessionEpochOfLocked(peer));
+  for (const v1::PlannedLink& link : plan_->links()) {
+    if (link.relay_worker() == peer) return mine;
+  }
+  return 0;  // no link of the plan: a worker the plan left (old news)
 }
 
 PipelineDataInput JobController::DataInputLocked() const {

@@ -52,6 +52,8 @@ struct StageRuntime::Impl {
   // SetDataShard's figures.
   int shard_pipelines = 1, shard_pipeline = 0, shard_start_step = 0;
   int64_t shard_base = 0;
+  // The training microbatches drawn since SetDataShard (-1: none).
+  int64_t drawn_first = -1, drawn_last = -1;
   // Flags of tensors decoded on the GPU, read after the next
   // synchronisation (the outgoing message's copy to the host, the loss).
   DeferredDeviceChecks device_checks;
@@ -341,6 +343,13 @@ void StageRuntime::SetDataShard(int pipelines, int pipeline, int start_step, int
   impl_->shard_pipeline = pipeline;
   impl_->shard_start_step = start_step;
   impl_->shard_base = base;
+  impl_->drawn_first = impl_->drawn_last = -1;
+}
+
+std::optional<StageRuntime::DataDrawn> StageRuntime::data_drawn() const {
+  const Impl& s = *impl_;
+  if (s.drawn_first < 0) return std::nullopt;
+  return DataDrawn{DataIndexOf(s.drawn_first), DataIndexOf(s.drawn_last), s.shard_pipelines};
 }
 
 int64_t StageRuntime::DataIndexOf(int64_t microbatch) const {
@@ -357,6 +366,9 @@ absl::StatusOr<LinkMessage> StageRuntime::LoadTrainMicrobatchById(int step, int6
     return absl::InvalidArgumentError(absl::StrCat("microbatch ", microbatch,
                                                    " is before this pipeline's data"));
   }
+  Impl& s = *impl_;
+  s.drawn_first = s.drawn_first < 0 ? microbatch : std::min(s.drawn_first, microbatch);
+  s.drawn_last = std::max(s.drawn_last, microbatch);
   return GuardTorch("loading data", [&]() -> absl::StatusOr<LinkMessage> {
     return impl_->FromBatch(impl_->dataset->TrainMicrobatch(index),
                             v1::MESSAGE_KIND_ACTIVATION, step, static_cast<uint64_t>(microbatch));

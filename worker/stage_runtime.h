@@ -96,6 +96,14 @@ class StageRuntime {
   // the identity.
   void SetDataShard(int pipelines, int pipeline, int start_step, int64_t base);
   int64_t DataIndexOf(int64_t microbatch) const;
+  // The data indices of the training microbatches drawn since the last
+  // SetDataShard: from `first` to `last` every `stride` (a pipeline's
+  // consecutive microbatches draw every stride-th index). None: none drawn.
+  struct DataDrawn {
+    int64_t first = 0, last = 0;
+    int stride = 1;
+  };
+  std::optional<DataDrawn> data_drawn() const;
   absl::StatusOr<LinkMessage> LoadEvalMicrobatch(int index);
   int num_eval_microbatches() const;
 

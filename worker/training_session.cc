@@ -276,8 +276,17 @@ absl::Status TrainingSession::Run(StageRuntime* runtime, bool stale_weights) {
   if (ran_.exchange(true)) return absl::FailedPreconditionError("a session runs once");
   struct Cleanup {
     TrainingSession* session;
-    ~Cleanup() { session->Finish(); }
-  } cleanup{this};
+    StageRuntime* runtime;
+    ~Cleanup() {
+      session->Finish();
+      // What stage 0 drew, whatever the exit path: a run's check that no
+      // sample was trained twice reads it.
+      if (std::optional<StageRuntime::DataDrawn> drawn = runtime->data_drawn()) {
+        GT_LOG(Info) << "data drawn in plan epoch " << session->plan_.epoch() << ": indices "
+                     << drawn->first << " to " << drawn->last << " every " << drawn->stride;
+      }
+    }
+  } cleanup{this, runtime};
   if (aborted_) return absl::CancelledError("superseded before it started");
   const int stage = plan_.stage();
   GT_LOG(Info) << "stage " << stage << "/" << plan_.num_stages() << ": layers ["

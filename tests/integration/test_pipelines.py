@@ -11,7 +11,9 @@ which each worker logs as a SHA-256 digest.
 import json
 import os
 import re
+import signal
 import subprocess
+import time
 import unittest
 
 from cluster import Cluster
@@ -31,26 +33,30 @@ min_workers: 6
 max_stages: 2
 eval_every: 0
 eval_batches: 2
-outer { inner_steps: %(inner_steps)d lr: 0.7 momentum: 0.9 codec: CODEC_INT8 streaming: %(streaming)s }
+outer { inner_steps: %(inner_steps)d lr: 0.7 momentum: 0.9 codec: CODEC_INT8 streaming: %(streaming)s %(outer_extra)s}
 """
+
+DRAWN = re.compile(r"data drawn in plan epoch (\d+): indices (\d+) to (\d+) every (\d+)")
 
 FINAL = re.compile(r"outer sync of stage (\d+): (\d+) rounds applied; final weights sha256 "
                    r"([0-9a-f]{64}), outer weights sha256 ([0-9a-f]{64})")
 
 
 class PipelinesCluster(Cluster):
-    def __init__(self, steps, inner_steps, streaming, schedule="SYNC", secure=False):
+    def __init__(self, steps, inner_steps, streaming, schedule="SYNC", secure=False,
+                 workers=6, max_pipelines=0):
         super().__init__(None, secure=secure)
         self.job = f"{self.dir}/job.textproto"
+        text = JOB % {"steps": steps, "inner_steps": inner_steps,
+                      "streaming": "true" if streaming else "false", "schedule": schedule,
+                      "outer_extra": f"max_pipelines: {max_pipelines} " if max_pipelines else ""}
         with open(self.job, "w") as f:
-            f.write(JOB % {"steps": steps, "inner_steps": inner_steps,
-                           "streaming": "true" if streaming else "false",
-                           "schedule": schedule})
+            f.write(text.replace("min_workers: 6", f"min_workers: {workers}"))
 
-    def finals(self):
+    def finals(self, workers=None):
         """{stage: [(rounds, weights digest, outer digest) of each worker]}."""
         by_stage = {}
-        for p in self.workers:
+        for p in workers if workers is not None else self.workers:
             found = FINAL.findall(p.log())
             if not found:
                 raise AssertionError(f"{p.name} logged no final digest:\n{p.log()[-3000:]}")
@@ -126,6 +132,96 @@ class PipelinesTest(unittest.TestCase):
 
     def test_streaming_rounds_over_tls_leave_replicas_bit_identical(self):
         self.check_run(streaming=True, schedule="ASYNC_STASH", secure=True)
+
+
+
+class PipelineChurnTest(unittest.TestCase):
+    """A lost worker stops only its own pipeline.
+
+    Two pipelines of two stages. Pipeline 1's last stage is killed with
+    SIGKILL mid-run: with no standby, pipeline 1 is dissolved, and pipeline
+    0 goes on through the re-plan in the same sessions (its workers never
+    end their pipeline). A newcomer, w4, then joins, and with pipeline 1's
+    standing-by stage 0 forms pipeline 1 anew; pipeline 0 goes on through
+    that too. The run
+    ends with every stage's replicas bit-identical, every step of the job
+    counted once, and no data index drawn twice by any stage 0, whatever
+    its session (each logs what it drew).
+    """
+
+    def test_a_lost_worker_stops_only_its_own_pipeline(self):
+        steps = 2500
+        with PipelinesCluster(steps, 8, streaming=True, schedule="ASYNC_STASH", workers=4,
+                              max_pipelines=2) as c:
+            c.start_coordinator()
+            for i in range(4):
+                c.start_worker(f"w{i}")
+            try:
+                def coordinator_events(kind):
+                    return c.coordinator.log().count(f"] event {kind}")
+
+                def at_step(n):
+                    status = c.status()
+                    return status is not None and int(status.get("step", 0)) >= n
+                deadline = time.monotonic() + 300
+                while not at_step(40):
+                    self.assertLess(time.monotonic(), deadline, "no step 40")
+                    time.sleep(0.2)
+                status = c.status()
+                self.assertEqual(int(status.get("pipelines", 1)), 2, status)
+                place = {(int(w.get("pipeline", 0)), int(w["stage"])): w["name"]
+                         for w in status["workers"] if int(w.get("stage", -1)) >= 0}
+                self.assertEqual(sorted(place), [(0, 0), (0, 1), (1, 0), (1, 1)], place)
+                victim = next(p for p in c.workers if p.name == place[(1, 1)])
+                victim.popen.send_signal(signal.SIGKILL)
+                killed_at = int(c.status()["step"])
+                victim.popen.wait()
+                c.workers.remove(victim)  # its exit is the test's doing
+                while coordinator_events("pipelines_continue") < 1:
+                    self.assertLess(time.monotonic(), deadline, "pipeline 0 did not go on")
+                    time.sleep(0.2)
+                c.start_worker("w4")
+                while coordinator_events("pipelines_continue") < 2:
+                    self.assertLess(time.monotonic(), deadline, "no pipeline formed anew")
+                    time.sleep(0.2)
+                reformed_at = int(c.status()["step"])
+                c.wait_done(timeout=600)
+            except Exception:
+                print(c.dump_logs())
+                raise
+            # The churn happened mid-run, not at its end.
+            print(f"killed at step {killed_at}, pipeline 1 formed anew by step {reformed_at} "
+                  f"of {steps}", flush=True)
+            self.assertLess(reformed_at, steps - 100)
+            log = c.coordinator.log()
+            self.assertIn("dissolved", log)
+            self.assertIn("formed from standbys", log)
+            by_name = {p.name: p for p in c.workers}
+            # Pipeline 0 never stopped: its sessions went on through both
+            # re-plans.
+            for name in (place[(0, 0)], place[(0, 1)]):
+                text = by_name[name].log()
+                self.assertNotIn("ending the current pipeline", text, name)
+                self.assertGreaterEqual(text.count("this worker's pipeline goes on"), 2, name)
+            # The stages' replicas end bit-identical (w3 is gone).
+            finals = c.finals()
+            for stage, replicas in finals.items():
+                self.assertEqual(len(replicas), 2, (stage, replicas))
+                self.assertEqual(len({r[1] for r in replicas}), 1, (stage, replicas))
+            # Every step of the job once, in order.
+            self.assertEqual([m["step"] for m in c.steps()], list(range(1, steps + 1)))
+            # No index drawn twice: each stage-0 session's draws are an
+            # arithmetic run; no two sessions' runs share an index.
+            drawn = []
+            for p in c.workers:
+                for epoch, first, last, stride in DRAWN.findall(p.log()):
+                    drawn.append((p.name, int(epoch),
+                                  set(range(int(first), int(last) + 1, int(stride)))))
+            self.assertGreaterEqual(len(drawn), 3, drawn)
+            for i, (name_a, epoch_a, a) in enumerate(drawn):
+                for name_b, epoch_b, b in drawn[i + 1:]:
+                    self.assertFalse(a & b, f"{name_a} (epoch {epoch_a}) and {name_b} "
+                                            f"(epoch {epoch_b}) drew {sorted(a & b)[:5]}")
 
 
 if __name__ == "__main__":
