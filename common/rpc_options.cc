@@ -9,8 +9,11 @@
 
 namespace geotrain {
 
-grpc::ChannelArguments DefaultChannelArguments() {
+grpc::ChannelArguments DefaultChannelArguments(Connection connection) {
   grpc::ChannelArguments args;
+  // A subchannel pool of the channel's own: a TCP connection no other
+  // channel shares.
+  if (connection == Connection::kOwn) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   args.SetMaxReceiveMessageSize(kMaxGrpcMessageBytes);
   args.SetMaxSendMessageSize(kMaxGrpcMessageBytes);
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, kKeepaliveTimeMs);
@@ -24,9 +27,9 @@ grpc::ChannelArguments DefaultChannelArguments() {
   return args;
 }
 
-std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address) {
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address, Connection connection) {
   return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
-                                   DefaultChannelArguments());
+                                   DefaultChannelArguments(connection));
 }
 
 void ConfigureServerBuilder(grpc::ServerBuilder* builder) {

@@ -46,8 +46,16 @@ inline constexpr int kKeepaliveTimeoutMs = 5000;
 // Deadline of control-plane unary RPCs.
 inline constexpr std::chrono::milliseconds kControlRpcTimeout{5000};
 
-grpc::ChannelArguments DefaultChannelArguments();
-std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address);
+// Whether a channel shares its TCP connection with the process's other
+// channels to the same address (gRPC's default) or has one of its own. Bulk
+// transfers (checkpoints) take their own: on one connection a small control
+// call (a heartbeat) waits behind every byte of an upload already in the
+// socket's buffer, for seconds on a thin uplink, and its lease runs out.
+enum class Connection { kShared, kOwn };
+
+grpc::ChannelArguments DefaultChannelArguments(Connection connection = Connection::kShared);
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address,
+                                           Connection connection = Connection::kShared);
 void ConfigureServerBuilder(grpc::ServerBuilder* builder);
 
 // The host part of a gRPC peer string: "ipv4:10.0.0.2:5555" ->

@@ -19,8 +19,9 @@ std::shared_ptr<grpc::ChannelCredentials> MakeChannelCredentials(
 
 std::shared_ptr<grpc::Channel> MakeSecureChannel(const std::string& address,
                                                  const TransportSecurity& security,
-                                                 const std::string& server_name) {
-  grpc::ChannelArguments args = DefaultChannelArguments();
+                                                 const std::string& server_name,
+                                                 Connection connection) {
+  grpc::ChannelArguments args = DefaultChannelArguments(connection);
   if (!security.insecure) args.SetSslTargetNameOverride(server_name);
   return grpc::CreateCustomChannel(address, MakeChannelCredentials(security), args);
 }

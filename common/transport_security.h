@@ -16,6 +16,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/rpc_options.h"
 
 namespace geotrain {
 
@@ -43,7 +44,8 @@ std::shared_ptr<grpc::ChannelCredentials> MakeChannelCredentials(
 // present a certificate for `server_name` (ignored when insecure).
 std::shared_ptr<grpc::Channel> MakeSecureChannel(const std::string& address,
                                                  const TransportSecurity& security,
-                                                 const std::string& server_name);
+                                                 const std::string& server_name,
+                                                 Connection connection = Connection::kShared);
 
 enum class ClientCertificates {
   kRequire,  // worker Stage services: only cluster members connect

@@ -540,7 +540,9 @@ absl::Status JobController::ReportStep(const v1::StepReport& report) {
   if (PipelinesOf(*plan_) > 1) {
     int index = 0;
     if (const v1::StageAssignment* last = StageOf(*plan_, report.worker_id(), &index)) {
-      pipeline_claims_[WorkersOf(*last)[index].pipeline] = {report.step(), report.loss()};
+      const int pipeline = WorkersOf(*last)[index].pipeline;
+      pipeline_claims_[pipeline] = {report.step(), report.loss()};
+      pipeline_moved_ms_[pipeline] = options_.clock->NowMs();
     }
   }
   CommitStepsLocked(*committed);
@@ -929,6 +931,7 @@ void JobController::CheckProgressLocked() {
                          : std::max<int64_t>(10 * lease, kStartupGraceMs);
   const int64_t since = std::max(last_progress_ms_, epoch_started_ms_);
   if (now - since <= limit) return;
+  if (PipelinesOf(*plan_) > 1 && CheckPipelinesProgressLocked(now, limit)) return;
   // Follow whom the plan's workers wait on (their heartbeats) to one that
   // is owed an answer and waits on nobody: the stall is there.
   std::map<std::string, WorkerRecord> records;
@@ -965,6 +968,30 @@ void JobController::CheckProgressLocked() {
   } else {
     ReplaceLocked(first, "it made no step", Replacement::kTakeOut);
   }
+}
+
+bool JobController::CheckPipelinesProgressLocked(int64_t now, int64_t limit) {
+  int64_t latest = 0;
+  for (const auto& [r, ms] : pipeline_moved_ms_) latest = std::max(latest, ms);
+  if (now - latest > limit) return false;  // none moves: the job is stalled
+  // The job's step waits for the slowest pipeline, but the others move: a
+  // pipeline that alone stands still for as long as a new plan may take to
+  // start (a newcomer restoring its state over a thin link) is taken out
+  // of the plan, and only it.
+  const int64_t grace = std::max<int64_t>(10 * membership_.lease_ms(), kStartupGraceMs);
+  for (const auto& [r, ms] : pipeline_moved_ms_) {
+    if (now - ms <= std::max(limit, grace)) continue;
+    const std::vector<StageWorker> first = WorkersOf(plan_->stages(0), r);
+    if (first.empty()) continue;
+    AddEventLocked("stalled", NameOf(first[0].id),
+                   absl::StrFormat("pipeline %d made no step for %.1f s while the others "
+                                   "did: its stage 0 is taken out",
+                                   r, (now - ms) / 1000.0));
+    last_progress_ms_ = now;  // one action per stall period
+    ReplaceLocked(first[0].id, absl::StrCat("pipeline ", r, " stalled"), Replacement::kTakeOut);
+    return true;
+  }
+  return true;
 }
 
 bool JobController::ExcludedLocked(const std::string& worker_id) const {
@@ -1575,11 +1602,20 @@ void JobController::StartProgressEpochLocked() {
   }
   progress_.StartEpoch(plan_->epoch(), step_, std::move(first), std::move(last), starts);
   // A continuing pipeline's last claim still stands.
+  auto continues = [&](int pipeline) {
+    auto start = starts.find(pipeline);
+    return start != starts.end() && start->second.formed_epoch < plan_->epoch();
+  };
   for (auto it = pipeline_claims_.begin(); it != pipeline_claims_.end();) {
-    auto start = starts.find(it->first);
-    const bool continues = start != starts.end() && start->second.formed_epoch < plan_->epoch();
-    it = continues ? std::next(it) : pipeline_claims_.erase(it);
+    it = continues(it->first) ? std::next(it) : pipeline_claims_.erase(it);
   }
+  const int64_t now = options_.clock->NowMs();
+  std::map<int, int64_t> moved;
+  for (int r = 0; r < PipelinesOf(*plan_); ++r) {
+    auto it = pipeline_moved_ms_.find(r);
+    moved[r] = continues(r) && it != pipeline_moved_ms_.end() ? it->second : now;
+  }
+  pipeline_moved_ms_ = std::move(moved);
 }
 
 ProgressHistory JobController::History() const {
@@ -1764,12 +1800,11 @@ uint64_t JobController::LinkEpochOfLocked(const std::string& reporter,
                                           const std::string& peer) const {
   // A pipeline link's ends share their pipeline's epoch; an outer-sync
   // link's is the later of its ends' (a relay is in no pipeline).
+  // A relay, or a worker the plan does not have (its accusation is
+  // refused as such): the reporter's.
   const uint64_t mine = SessionEpochOfLocked(reporter);
-  if (StageOf(*plan_, peer) != nullptr) return std::max(mine, SessionEpochOfLocked(peer));
-  for (const v1::PlannedLink& link : plan_->links()) {
-    if (link.relay_worker() == peer) return mine;
-  }
-  return 0;  // no link of the plan: a worker the plan left (old news)
+  if (StageOf(*plan_, peer) == nullptr) return mine;
+  return std::max(mine, SessionEpochOfLocked(peer));
 }
 
 PipelineDataInput JobController::DataInputLocked() const {

@@ -185,6 +185,10 @@ class JobController {
   void MaybeReplanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Status: each pipeline's members, newest step and loss, and rate.
   void AddPipelineStatusLocked(v1::ClusterStatus* status) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Several pipelines, the job's step stalled: true when another pipeline
+  // still moves (then only a pipeline that alone stood still past the
+  // start-up grace is taken out), false when none does.
+  bool CheckPipelinesProgressLocked(int64_t now, int64_t limit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A plan of several pipelines where a worker outside `live` left: a
   // standby takes its place or its pipeline is dissolved (pipeline_repair.h).
   // False when nothing changed.
@@ -350,6 +354,9 @@ class JobController {
   std::set<std::pair<std::string, uint64_t>> suspected_claims_ ABSL_GUARDED_BY(mu_);
   // With pipelines: each one's newest claimed step and its loss (this epoch).
   std::map<int, std::pair<int, double>> pipeline_claims_ ABSL_GUARDED_BY(mu_);
+  // When each pipeline last claimed a step (or was formed): with several,
+  // the job is stalled only when none moves (CheckProgressLocked).
+  std::map<int, int64_t> pipeline_moved_ms_ ABSL_GUARDED_BY(mu_);
   // Workers demoted as stragglers: standbys, but never made replicas again.
   std::set<std::string> demoted_ ABSL_GUARDED_BY(mu_);
   // Broken links and whom they take out (coordinator/link_fault_ledger.h).

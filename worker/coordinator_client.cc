@@ -18,11 +18,14 @@ namespace geotrain {
 CoordinatorClient::CoordinatorClient(std::string address, CheckpointPacingOptions pacing)
     : address_(std::move(address)),
       stub_(v1::Coordinator::NewStub(MakeChannel(address_))),
+      bulk_stub_(v1::Coordinator::NewStub(MakeChannel(address_, Connection::kOwn))),
       pacer_(pacing, &clock_) {}
 
 void CoordinatorClient::UseSecurity(const TransportSecurity& security,
                                     const std::string& server_name) {
   stub_ = v1::Coordinator::NewStub(MakeSecureChannel(address_, security, server_name));
+  bulk_stub_ = v1::Coordinator::NewStub(
+      MakeSecureChannel(address_, security, server_name, Connection::kOwn));
 }
 
 absl::StatusOr<v1::JoinResponse> CoordinatorClient::JoinWithRetry(
@@ -112,7 +115,7 @@ absl::Status CoordinatorClient::SaveCheckpoint(std::vector<v1::LayerCheckpoint> 
     grpc::ClientContext context;
     context.set_deadline(DeadlineFromNow(PacedDeadline(total, pace)));
     v1::SaveCheckpointResponse response;
-    auto writer = stub_->SaveCheckpoint(&context, &response);
+    auto writer = bulk_stub_->SaveCheckpoint(&context, &response);
     const std::string id = worker_id();
     bool stopped = false;
     for (v1::LayerCheckpoint& layer : layers) {
@@ -153,7 +156,7 @@ absl::Status CoordinatorClient::UploadCheckpointNow(uint64_t bytes,
   grpc::ClientContext context;
   context.set_deadline(DeadlineFromNow(StateDeadline(bytes)));
   v1::SaveCheckpointResponse response;
-  auto writer = stub_->SaveCheckpoint(&context, &response);
+  auto writer = bulk_stub_->SaveCheckpoint(&context, &response);
   const std::string id = worker_id();
   const absl::Status written = write([&](const v1::LayerStateChunk& chunk) {
     if (!chunk.has_header()) return writer->Write(chunk);
@@ -192,7 +195,7 @@ absl::StatusOr<v1::LayerCheckpoint> CoordinatorClient::LoadCheckpoint(int layer,
   request.set_layer(layer);
   request.set_probe(probe);
   std::unique_ptr<grpc::ClientReader<v1::LayerStateChunk>> reader =
-      stub_->LoadCheckpoint(&context, request);
+      bulk_stub_->LoadCheckpoint(&context, request);
   ASSIGN_OR_RETURN(std::vector<v1::LayerCheckpoint> layers,
                    ReceiveLayerStates(*reader, max_layer_bytes));
   if (layers.size() != 1 || layers[0].layer() != layer) {

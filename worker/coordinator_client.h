@@ -109,6 +109,8 @@ class CoordinatorClient final : public SessionCoordinator {
 
   const std::string address_;
   std::unique_ptr<v1::Coordinator::Stub> stub_;
+  // Checkpoints, on a connection of their own (rpc_options.h: Connection).
+  std::unique_ptr<v1::Coordinator::Stub> bulk_stub_;
   mutable absl::Mutex mu_;
   std::string worker_id_ ABSL_GUARDED_BY(mu_);
   std::optional<std::vector<v1::LayerCheckpoint>> pending_upload_ ABSL_GUARDED_BY(mu_);
