@@ -537,7 +537,8 @@ absl::Status JobController::ReportStep(const v1::StepReport& report) {
     return absl::FailedPreconditionError(why);
   }
   if (!committed.ok()) return committed.status();
-  if (PipelinesOf(*plan_) > 1) {
+  // Also for a pipeline left alone that goes on (its status row).
+  if (PipelinesOf(*plan_) > 1 || plan_->pipeline_info_size() > 0) {
     int index = 0;
     if (const v1::StageAssignment* last = StageOf(*plan_, report.worker_id(), &index)) {
       const int pipeline = WorkersOf(*last)[index].pipeline;
@@ -1765,7 +1766,10 @@ v1::ClusterStatus JobController::Status() const {
   traffic->set_checkpoint_bytes_sent(state_bytes_sent_);
   traffic->set_layers_received(state_layers_received_);
   traffic->set_layers_sent(state_layers_sent_);
-  if (plan_.has_value() && PipelinesOf(*plan_) > 1) AddPipelineStatusLocked(&status);
+  // Also a pipeline left alone that goes on (it may be joined again).
+  if (plan_.has_value() && (PipelinesOf(*plan_) > 1 || plan_->pipeline_info_size() > 0)) {
+    AddPipelineStatusLocked(&status);
+  }
   return status;
 }
 
