@@ -343,12 +343,12 @@ bool JobController::Heartbeat(const v1::HeartbeatRequest& request,
     membership_.SetLayerTimings(request.worker_id(), request.layer_seconds_per_sample());
   }
   if (request.step() > 0) {
-    const std::vector<ProgressGate::Step> committed =
-        progress_.FirstStageFinished(request.worker_id(), request.epoch(), request.step());
-    if (!committed.empty()) {
-      absl::MutexLock lock(&mu_);
-      CommitStepsLocked(committed);
-    }
+    // Under the controller's lock, as ReportStep's claims are: the gate's
+    // commits are recorded in its order (two of them racing for the lock
+    // wrote step 13 before step 12 to the metrics log).
+    absl::MutexLock lock(&mu_);
+    CommitStepsLocked(
+        progress_.FirstStageFinished(request.worker_id(), request.epoch(), request.step()));
   }
   // The link matrix has a lock of its own: measurements never wait for the
   // controller's.
