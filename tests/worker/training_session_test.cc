@@ -416,6 +416,9 @@ struct TestWorker {
   StatsBoard stats;
   std::shared_ptr<TrainingSession> session;
   absl::Status result;
+  // Set once the session's thread has written `result` (and touches the
+  // worker no more).
+  std::atomic<bool> finished{false};
 };
 
 // A plan of the tiny job's 4 layers on `stages` (2: layers [0,2) and
@@ -512,8 +515,10 @@ class TrainingSessionTest : public ::testing::Test {
   }
   void Launch(TestWorker& worker) {
     TestWorker* w = &worker;
+    w->finished = false;
     threads_.emplace_back([w] {
       w->result = w->session->Run(w->runtime.get(), /*stale_weights=*/false);
+      w->finished = true;
     });
   }
 
@@ -986,11 +991,12 @@ TEST_F(OuterSessionTest, APipelineGoesOnWhileAnotherIsFormedAnew) {
     ASSERT_TRUE(W(id).session->Amend(*served)) << id;
     EXPECT_EQ(W(id).session->plan_epoch(), 2u);
   }
-  // b0's session ended on the broken link; it and the newcomer start anew.
+  // b0's session ended on the broken link (its thread is done with it);
+  // it and the newcomer start anew.
   const absl::Time ended = absl::Now() + absl::Seconds(30);
-  while (W("b0").result.ok() && absl::Now() < ended) absl::SleepFor(absl::Milliseconds(5));
-  W("b0").session->Abort();
-  W("b0").result = absl::OkStatus();
+  while (!W("b0").finished && absl::Now() < ended) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_TRUE(W("b0").finished);
+  EXPECT_FALSE(W("b0").result.ok());
   StartOne(W("b0"), second);
   StartOne(W("c1"), second);
   Join();
