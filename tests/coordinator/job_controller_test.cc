@@ -762,10 +762,11 @@ TEST_F(ReplicaPlanTest, ExtraWorkersReplicateTheMiddleStage) {
 // lost worker stops only its own pipeline.
 class PipelinesPlanTest : public ReplanTest {
  protected:
-  void SetUp() override {
-    Start("gpt { context: 8 d_model: 16 heads: 2 blocks: 2 } text {} steps: 3 "
-          "schedule: SCHEDULE_ASYNC_STASH min_workers: 4 max_stages: 2 lease_ms: 1000 "
-          "microbatches: 2 outer { inner_steps: 5 }");
+  void SetUp() override { StartPipelinesJob(3); }
+  void StartPipelinesJob(int steps) {
+    Start(absl::StrCat("gpt { context: 8 d_model: 16 heads: 2 blocks: 2 } text {} steps: ", steps,
+                       " schedule: SCHEDULE_ASYNC_STASH min_workers: 4 max_stages: 2 "
+                       "lease_ms: 1000 microbatches: 2 outer { inner_steps: 5 }"));
   }
 };
 
@@ -863,13 +864,10 @@ TEST_F(PipelinesPlanTest, WorkersThatReportedDoneAreNotLost) {
 // under the epoch it was formed in (its reports still count, its links'
 // old news does not act); a newcomer and the standing-by c then form
 // pipeline 1 anew, on its own data lane, at pipeline 0's step.
-class LongPipelinesPlanTest : public ReplanTest {
+// The same job, long enough for steps after two re-plans.
+class LongPipelinesPlanTest : public PipelinesPlanTest {
  protected:
-  void SetUp() override {
-    Start("gpt { context: 8 d_model: 16 heads: 2 blocks: 2 } text {} steps: 20 "
-          "schedule: SCHEDULE_ASYNC_STASH min_workers: 4 max_stages: 2 lease_ms: 1000 "
-          "microbatches: 2 outer { inner_steps: 5 }");
-  }
+  void SetUp() override { StartPipelinesJob(20); }
 };
 
 TEST_F(LongPipelinesPlanTest, APipelineGoesOnThroughAnotherPipelinesChurn) {
