@@ -15,6 +15,30 @@ cd "$(dirname "$0")/.."
 # Where the time goes, for the CI budget (45 min): one line per phase.
 phase() { echo "== tests/run.sh: $1 at $((SECONDS / 60))m$((SECONDS % 60))s"; }
 
+# Every test's scratch files go under one directory per run, removed when the
+# run ends however it ends: the suites make about a thousand temporary
+# directories (checkpoints of up to 2.3 GB among them), and before this they
+# piled up in /tmp until a later run's pip died with "No space left on
+# device". GEOTRAIN_KEEP_TEST_DIRS=1 keeps it, for a failure's post-mortem.
+SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/geotrain-tests.XXXXXX")
+if [ "${GEOTRAIN_KEEP_TEST_DIRS:-0}" = 1 ]; then
+  trap 'echo "tests/run.sh: scratch files kept in $SCRATCH"' EXIT
+else
+  trap 'rm -rf "$SCRATCH"' EXIT
+fi
+export TMPDIR="$SCRATCH" TEST_TMPDIR="$SCRATCH"
+
+# A full run needs about 16 GiB: two build trees, the torch wheel's venv
+# (3 GB with its CUDA libraries, twice that while pip unpacks it) and the
+# tests' scratch files. Say so now rather than fail 27 minutes in.
+need_kib=$((16 * 1024 * 1024))
+free_kib=$(df -Pk . "$SCRATCH" | awk 'NR > 1 {print $4}' | sort -n | head -1)
+if [ "$free_kib" -lt "$need_kib" ] && [ "${GEOTRAIN_SKIP_WHEEL:-0}" != 1 ]; then
+  echo "tests/run.sh: $((free_kib / 1024 / 1024)) GiB free on $(pwd) or $SCRATCH;" \
+       "a full run needs 16 GiB (GEOTRAIN_SKIP_WHEEL=1 needs about 6)" >&2
+  exit 1
+fi
+
 phase "installing dependencies"
 ./deploy/install-deps.sh
 BUILD_DIR="${GEOTRAIN_BUILD_DIR:-build}"

@@ -6,6 +6,7 @@ condition with a deadline; nothing sleeps for a fixed time.
 """
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -82,6 +83,9 @@ class Cluster:
         """`secure`: TLS, tokens and certificates (the default of the
         daemons); otherwise every process runs --insecure, as the suites
         that test other things do."""
+        # A directory made here is removed by close() (checkpoints run to
+        # gigabytes); GEOTRAIN_KEEP_TEST_DIRS=1 keeps it for a post-mortem.
+        self._owns_dir = workdir is None
         self.dir = workdir or tempfile.mkdtemp(prefix="geotrain-it-")
         self.job = job
         self.secure = secure
@@ -216,3 +220,5 @@ class Cluster:
     def close(self):
         for p in self.workers + ([self.coordinator] if self.coordinator else []):
             p.stop()
+        if self._owns_dir and os.environ.get("GEOTRAIN_KEEP_TEST_DIRS") != "1":
+            shutil.rmtree(self.dir, ignore_errors=True)
