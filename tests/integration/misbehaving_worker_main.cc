@@ -112,6 +112,12 @@ std::string PoisonCheckpoint(v1::Coordinator::Stub& stub, const std::string& sel
                       status.ok() ? "accepted" : status.error_message());
 }
 
+// The plan epoch of the newest message this worker's real pipeline sent
+// downstream: the hijack waits for it, so that its link is the second one
+// (it raced the real link's first dial, and won, while the neighbour
+// downstream had not started its session yet).
+std::atomic<uint64_t> last_downstream_epoch{0};
+
 // What the pipeline sends toward one neighbour, for one plan.
 class HostileSink : public MessageSink {
  public:
@@ -119,6 +125,9 @@ class HostileSink : public MessageSink {
       : how_(how), toward_(toward), real_(real), after_(after), claim_step_(claim_step) {}
 
   absl::Status Send(LinkMessage message) override {
+    if (toward_ == PeerSide::kDownstream) {
+      last_downstream_epoch.store(message.header.epoch());
+    }
     const bool honest = sent_++ < after_;
     if (honest) return real_->Send(std::move(message));
     switch (how_) {
@@ -231,7 +240,8 @@ void SideAttacks(Misbehaviour how, const std::string& coordinator, const std::st
       const std::string outcome = PoisonCheckpoint(*stub, self, *mine);
       GT_LOG(Warning) << "hostile: " << outcome;
       poisoned = outcome.find(": accepted") != std::string::npos;
-    } else if (how == Misbehaviour::kHijackLink && held_epoch != now->epoch()) {
+    } else if (how == Misbehaviour::kHijackLink && held_epoch != now->epoch() &&
+               last_downstream_epoch.load() == now->epoch()) {
       // A second link to the neighbour downstream, as this worker.
       const v1::StageAssignment* mine = StageOf(*now, self);
       if (mine == nullptr || mine->stage() + 1 >= now->stages_size()) continue;
