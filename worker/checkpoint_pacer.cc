@@ -19,14 +19,34 @@ double UploadPaceFromLinks(const v1::StageStats& stats, double spare_share, doub
   return pace;
 }
 
+double UploadPaceFromUplink(const v1::StageStats& stats, double uplink_bytes_per_s,
+                           double spare_share, double min_share) {
+  if (uplink_bytes_per_s <= 0) return 0;
+  double sent = 0;  // wire bytes per second of training, all links
+  for (const v1::LinkStats& link : stats.links()) {
+    sent += link.goodput_bps() / 8 / std::max(1.0, link.compression_ratio());
+  }
+  const double busy = std::clamp(sent / uplink_bytes_per_s, 0.0, 1.0);
+  return uplink_bytes_per_s * std::max(min_share, spare_share * (1 - busy));
+}
+
 CheckpointPacer::CheckpointPacer(CheckpointPacingOptions options, const Clock* clock)
     : options_(options), clock_(clock) {}
 
 void CheckpointPacer::Observe(const v1::StageStats& stats) {
-  const double pace = UploadPaceFromLinks(stats, options_.spare_share, options_.min_share);
+  double pace = UploadPaceFromLinks(stats, options_.spare_share, options_.min_share);
   absl::MutexLock lock(&mu_);
+  if (pace == 0 && stats.links_size() > 0) {
+    pace = UploadPaceFromUplink(stats, uplink_bytes_per_s_, options_.spare_share,
+                                options_.min_share);
+  }
   // A stage between plans reports no links: keep the last pace it had.
   if (pace > 0) from_links_bytes_per_s_ = pace;
+}
+
+void CheckpointPacer::ObserveUplink(double bytes_per_s) {
+  absl::MutexLock lock(&mu_);
+  uplink_bytes_per_s_ = std::max(uplink_bytes_per_s_, bytes_per_s);
 }
 
 double CheckpointPacer::bytes_per_s() const {
@@ -34,6 +54,14 @@ double CheckpointPacer::bytes_per_s() const {
   if (options_.fixed_bytes_per_s > 0) return options_.fixed_bytes_per_s;
   absl::MutexLock lock(&mu_);
   return from_links_bytes_per_s_;
+}
+
+size_t CheckpointPacer::PartBytes() const {
+  const double rate = bytes_per_s();
+  if (rate <= 0) return options_.max_part_bytes;
+  const double part = rate * absl::ToDoubleSeconds(options_.part_time);
+  return static_cast<size_t>(std::clamp(part, static_cast<double>(options_.min_part_bytes),
+                                        static_cast<double>(options_.max_part_bytes)));
 }
 
 absl::Duration CheckpointPacer::Reserve(uint64_t bytes) {

@@ -121,7 +121,7 @@ absl::Status CoordinatorClient::SaveCheckpoint(std::vector<v1::LayerCheckpoint> 
     for (v1::LayerCheckpoint& layer : layers) {
       layer.set_worker_id(id);
       const bool sent = ForEachLayerStateChunk(
-          layer, kLayerStateChunkBytes, [&](const v1::LayerStateChunk& chunk) {
+          layer, pacer_.PartBytes(), [&](const v1::LayerStateChunk& chunk) {
             if (!AwaitPace(chunk.ByteSizeLong())) {
               stopped = true;
               return false;
@@ -274,6 +274,8 @@ absl::StatusOr<bool> CoordinatorClient::Heartbeat(uint64_t rss_bytes,
   }
   if (prober_ != nullptr) {
     for (v1::ProbeResult& result : prober_->TakeResults()) {
+      // A measure sends its payload from here: the uplink is at least that.
+      if (result.measured() && result.rate_bps() > 0) pacer_.ObserveUplink(result.rate_bps() / 8);
       *request.add_probe_results() = std::move(result);
     }
   }

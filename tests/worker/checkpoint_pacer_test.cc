@@ -78,6 +78,56 @@ TEST(CheckpointPacerTest, PartsGoOutAtThePaceAfterOneBurst) {
   EXPECT_EQ(pacer.Reserve(kMiB), absl::Milliseconds(500));
 }
 
+TEST(CheckpointPacerTest, PacedPartsHoldTheUplinkBriefly) {
+  FakeClock clock;
+  CheckpointPacer pacer(CheckpointPacingOptions{}, &clock);
+  // Unpaced (no link measured yet): whole 1 MiB parts.
+  EXPECT_EQ(pacer.PartBytes(), kMiB);
+  // A link-bound stage on a 5 Mb/s uplink: 5% of it, 31.25 kB/s. A part is
+  // the 16 KiB floor (26 ms of the link), not 1 MiB (1.7 s of it).
+  v1::StageStats thin;
+  *thin.add_links() = Link(5e6 / 8, 1.0, 1.0);
+  pacer.Observe(thin);
+  ASSERT_DOUBLE_EQ(pacer.bytes_per_s(), 31250);
+  EXPECT_EQ(pacer.PartBytes(), 16u << 10);
+  // 20 parts after an idle period: one 64 KiB burst, then the pace.
+  absl::Duration last;
+  for (int i = 0; i < 20; ++i) last = pacer.Reserve(16u << 10);
+  EXPECT_NEAR(absl::ToDoubleSeconds(last), (20 - 4) * 16384 / 31250.0, 1e-3);
+  // An idle 1 Gb/s link: 50 ms at half of it is 3 MB, capped at 1 MiB.
+  v1::StageStats fat;
+  *fat.add_links() = Link(1e9 / 8, 0, 0.1);
+  pacer.Observe(fat);
+  EXPECT_EQ(pacer.PartBytes(), kMiB);
+}
+
+TEST(CheckpointPacerTest, LinksWithoutARateArePacedFromTheMeasuredUplink) {
+  FakeClock clock;
+  CheckpointPacer pacer(CheckpointPacingOptions{}, &clock);
+  // Two links whose messages are too small to time: no rate of their own.
+  // Together they send 400 kB/s of wire bytes (raw / compression ratio).
+  v1::StageStats stats;
+  for (double raw_bps : {6.4e6, 6.4e6}) {
+    v1::LinkStats* link = stats.add_links();
+    link->set_goodput_bps(raw_bps);
+    link->set_compression_ratio(4);
+  }
+  pacer.Observe(stats);
+  EXPECT_EQ(pacer.bytes_per_s(), 0) << "no uplink measured yet: unpaced";
+  // Measures toward peers: 2 and 4 Mb/s; the uplink is the faster, 500 kB/s.
+  pacer.ObserveUplink(2e6 / 8);
+  pacer.ObserveUplink(4e6 / 8);
+  pacer.Observe(stats);
+  // 80% of it busy: half of the 20% left.
+  EXPECT_NEAR(pacer.bytes_per_s(), 0.5 * 0.2 * 500e3, 1e-6);
+  // Links that send all the uplink carries: the minimum share.
+  EXPECT_NEAR(UploadPaceFromUplink(stats, 300e3, 0.5, 0.05), 0.05 * 300e3, 1e-6);
+  // A link with a rate of its own sets the pace as before.
+  *stats.add_links() = Link(1e6, 0, 0.1);
+  pacer.Observe(stats);
+  EXPECT_DOUBLE_EQ(pacer.bytes_per_s(), 0.5e6);
+}
+
 TEST(CheckpointPacerTest, AStageBetweenPlansKeepsItsLastPace) {
   FakeClock clock;
   CheckpointPacer pacer({}, &clock);
