@@ -1536,7 +1536,6 @@ void JobController::RelinkLocked(const std::string& why) {
 void JobController::PublishLocked(v1::Plan plan) {
   if (!plan.job_done()) {
     AssignLinksLocked(&plan);
-    AssignStateSources(plan_.has_value() ? &*plan_ : nullptr, &plan);
     if (options_.job.has_outer()) {
       const std::set<int> continuing =
           AssignPipelineInfo(plan_.has_value() ? &*plan_ : nullptr, DataInputLocked(), &plan);
@@ -1549,6 +1548,8 @@ void JobController::PublishLocked(v1::Plan plan) {
                                     " go on as they were"));
       }
     }
+    // After the pipelines' entries: a pipeline formed anew takes no holder.
+    AssignStateSources(plan_.has_value() ? &*plan_ : nullptr, &plan);
   }
   stragglers_.ResetPatience();  // figures of the old plan say nothing of the new
   // The members the plan names (and the id counter) reach the disk before

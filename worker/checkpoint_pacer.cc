@@ -31,7 +31,7 @@ double UploadPaceFromUplink(const v1::StageStats& stats, double uplink_bytes_per
 }
 
 CheckpointPacer::CheckpointPacer(CheckpointPacingOptions options, const Clock* clock)
-    : options_(options), clock_(clock) {}
+    : options_(options), bucket_(options.burst_bytes, clock) {}
 
 void CheckpointPacer::Observe(const v1::StageStats& stats) {
   double pace = UploadPaceFromLinks(stats, options_.spare_share, options_.min_share);
@@ -56,25 +56,15 @@ double CheckpointPacer::bytes_per_s() const {
   return from_links_bytes_per_s_;
 }
 
-size_t CheckpointPacer::PartBytes() const {
-  const double rate = bytes_per_s();
-  if (rate <= 0) return options_.max_part_bytes;
-  const double part = rate * absl::ToDoubleSeconds(options_.part_time);
-  return static_cast<size_t>(std::clamp(part, static_cast<double>(options_.min_part_bytes),
-                                        static_cast<double>(options_.max_part_bytes)));
+double CheckpointPacer::uplink_bytes_per_s() const {
+  absl::MutexLock lock(&mu_);
+  return uplink_bytes_per_s_;
 }
 
+size_t CheckpointPacer::PartBytes() const { return PartBytesAt(bytes_per_s(), options_.parts); }
+
 absl::Duration CheckpointPacer::Reserve(uint64_t bytes) {
-  const double rate = bytes_per_s();
-  if (rate <= 0) return absl::ZeroDuration();
-  const double now_ms = static_cast<double>(clock_->NowMs());
-  absl::MutexLock lock(&mu_);
-  // A token bucket of burst_bytes: what was reserved goes out at `rate`
-  // from free_at_ms_ on; a reservation waits only for what exceeds a burst.
-  free_at_ms_ = std::max(free_at_ms_, now_ms) + 1e3 * static_cast<double>(bytes) / rate;
-  const double burst_ms = 1e3 * static_cast<double>(options_.burst_bytes) / rate;
-  const double wait_ms = free_at_ms_ - now_ms - burst_ms;
-  return wait_ms > 0 ? absl::Milliseconds(wait_ms) : absl::ZeroDuration();
+  return bucket_.Reserve(bytes, bytes_per_s());
 }
 
 }  // namespace geotrain

@@ -35,6 +35,7 @@
 #include "absl/time/time.h"
 #include "common/clock.h"
 #include "geotrain/v1/coordinator.pb.h"
+#include "worker/send_pacer.h"
 
 namespace geotrain {
 
@@ -45,14 +46,10 @@ struct CheckpointPacingOptions {
   double min_share = 0.05;   // of the slowest link's rate, at the least
   // What may go out at once after an idle period (at least one part).
   uint64_t burst_bytes = uint64_t{64} << 10;
-  // A paced part is what the pace sends in this long, within
-  // [min_part_bytes, max_part_bytes]; unpaced parts are max_part_bytes.
-  absl::Duration part_time = absl::Milliseconds(50);
-  uint64_t min_part_bytes = uint64_t{16} << 10;
-  uint64_t max_part_bytes = uint64_t{1} << 20;
+  PartSizing parts;
 };
 
-class CheckpointPacer {
+class CheckpointPacer final : public SendPacer {
  public:
   // `clock` is not owned and must outlive the pacer.
   CheckpointPacer(CheckpointPacingOptions options, const Clock* clock);
@@ -64,21 +61,17 @@ class CheckpointPacer {
   void ObserveUplink(double bytes_per_s);
   // Bytes per second uploads may use now; 0: unpaced.
   double bytes_per_s() const;
-  // The size of a stream part at the pace now.
-  size_t PartBytes() const;
-  // How long to wait before sending `bytes`; reserves them (the next
-  // reservation queues behind this one). Zero when unpaced.
-  absl::Duration Reserve(uint64_t bytes);
+  // The fastest rate measured from this worker to a peer (0: none yet).
+  double uplink_bytes_per_s() const;
+  size_t PartBytes() const override;
+  absl::Duration Reserve(uint64_t bytes) override;
 
  private:
   const CheckpointPacingOptions options_;
-  const Clock* const clock_;
   mutable absl::Mutex mu_;
   double from_links_bytes_per_s_ ABSL_GUARDED_BY(mu_) = 0;
   double uplink_bytes_per_s_ ABSL_GUARDED_BY(mu_) = 0;
-  // When the bytes reserved so far will have gone out at the pace (ms on
-  // clock_'s scale, fractional so small parts add up).
-  double free_at_ms_ ABSL_GUARDED_BY(mu_) = 0;
+  TokenBucket bucket_;
 };
 
 // The pace the links of `stats` leave for uploads (bytes/s; 0: unknown).

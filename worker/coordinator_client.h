@@ -82,6 +82,8 @@ class CoordinatorClient final : public SessionCoordinator {
   absl::StatusOr<v1::LayerCheckpoint> LoadCheckpoint(int layer, bool probe = false,
                                                      uint64_t max_layer_bytes = 1 << 30);
   void CheckpointReady(std::vector<v1::LayerCheckpoint> layers) override;
+  // The uploads' pacer, which also knows the uplink as measured.
+  const CheckpointPacer& pacer() const { return pacer_; }
   absl::Status UploadCheckpointNow(uint64_t bytes, const LayerStateWriter& write) override;
   // Logged and dropped on failure.
   // Carries the epoch set by SetEpoch().

@@ -20,13 +20,23 @@ constexpr absl::Duration kStall = absl::Milliseconds(1);
 }  // namespace
 
 bool WriteLinkMessage(LinkTransport* transport, std::shared_ptr<const LinkMessage> message,
-                      absl::Duration stall_limit) {
+                      absl::Duration stall_limit, SendPacer* pacer, absl::Notification* stop) {
   const size_t size = message->payload.size();
-  const size_t frame_bytes =
+  size_t frame_bytes =
       size >= kMinTimedMessageBytes
           ? std::min(kFrameBytes, (size + kTimedMessageFrames - 1) / kTimedMessageFrames)
           : kFrameBytes;
+  if (pacer != nullptr) frame_bytes = std::max<size_t>(1, std::min(frame_bytes, pacer->PartBytes()));
   for (const FrameRange& range : FrameRanges(size, frame_bytes)) {
+    if (pacer != nullptr) {
+      const absl::Duration wait = pacer->Reserve(range.size);
+      if (wait > absl::ZeroDuration()) {
+        if (stop != nullptr ? stop->WaitForNotificationWithTimeout(wait)
+                            : (absl::SleepFor(wait), false)) {
+          return false;
+        }
+      }
+    }
     StallWatchdog::Guard guard =
         StallWatchdog::Shared().Watch(stall_limit, [transport] { transport->Cancel(); });
     if (!transport->Write(OutgoingFrame{message, range})) {
@@ -103,7 +113,13 @@ void LinkEnd::EndOnPurpose() {
     case State::kRetired:
       return;
   }
+  if (!cancelled_.HasBeenNotified()) cancelled_.Notify();
   CancelLocked();
+}
+
+void LinkEnd::PaceSends(std::shared_ptr<SendPacer> pacer) {
+  absl::MutexLock lock(&write_mu_);
+  pacer_ = std::move(pacer);
 }
 
 absl::Status LinkEnd::Send(LinkMessage message) {
@@ -111,7 +127,8 @@ absl::Status LinkEnd::Send(LinkMessage message) {
   absl::MutexLock lock(&write_mu_);
   if (state() == State::kRetired) return absl::UnavailableError(Describe("is closed"));
   // The reader cannot retire the transport while write_mu_ is held.
-  if (!WriteLinkMessage(transport_.get(), std::move(shared), write_stall_timeout_)) {
+  if (!WriteLinkMessage(transport_.get(), std::move(shared), write_stall_timeout_, pacer_.get(),
+                        &cancelled_)) {
     return absl::UnavailableError(Describe("broke while sending"));
   }
   return absl::OkStatus();

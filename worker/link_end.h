@@ -38,6 +38,7 @@
 #include "worker/link_transport.h"
 #include "worker/link_validator.h"
 #include "worker/message_sink.h"
+#include "worker/send_pacer.h"
 
 namespace geotrain {
 
@@ -45,9 +46,12 @@ namespace geotrain {
 // kMinTimedMessageBytes or more in at least kTimedMessageFrames frames, so
 // the receiver can time its dispersion. A frame that cannot be written
 // within `stall_limit` (the peer stopped reading) cancels the transport.
-// False when the transport failed.
+// With a `pacer`, frames are at most its PartBytes() and each waits for
+// its reservation (`stop`, when set, cuts the wait short). False when the
+// transport failed.
 bool WriteLinkMessage(LinkTransport* transport, std::shared_ptr<const LinkMessage> message,
-                      absl::Duration stall_limit);
+                      absl::Duration stall_limit, SendPacer* pacer = nullptr,
+                      absl::Notification* stop = nullptr);
 
 class LinkEnd final : public PipelineLink, public std::enable_shared_from_this<LinkEnd> {
  public:
@@ -67,6 +71,7 @@ class LinkEnd final : public PipelineLink, public std::enable_shared_from_this<L
   ~LinkEnd() override;
 
   absl::Status Send(LinkMessage message) override;
+  void PaceSends(std::shared_ptr<SendPacer> pacer) override;
   std::string failed_peer() const override { return peer_.id; }
   std::string oldest_pending_peer() const override { return peer_.id; }
   PeerSide side() const override { return peer_.side; }
@@ -119,6 +124,8 @@ class LinkEnd final : public PipelineLink, public std::enable_shared_from_this<L
   // Serialises writes: a blocked write holds it (the stall watchdog or
   // EndOnPurpose unblocks it). Order: write_mu_ before mu_.
   absl::Mutex write_mu_;
+  std::shared_ptr<SendPacer> pacer_ ABSL_GUARDED_BY(write_mu_);  // null: unpaced
+  absl::Notification cancelled_;  // a paced write stops waiting
   mutable absl::Mutex mu_;
   State state_ ABSL_GUARDED_BY(mu_) = State::kAnswered;
   absl::Notification served_;  // the reader returned

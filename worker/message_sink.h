@@ -8,12 +8,14 @@
 #define GEOTRAIN_WORKER_MESSAGE_SINK_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "common/bounded_queue.h"
 #include "common/link_message.h"
+#include "worker/send_pacer.h"
 
 namespace geotrain {
 
@@ -70,6 +72,9 @@ class MessageSink {
 class PipelineLink : public MessageSink {
  public:
   virtual PeerSide side() const = 0;
+  // Bulk links (the outer sync's) send their frames at `pacer`'s pace; the
+  // pipeline's own links are not paced. The default ignores it.
+  virtual void PaceSends(std::shared_ptr<SendPacer> pacer) {}
   // Ends the link at once; no error reaches the inbox. Blocked sends fail.
   virtual void EndOnPurpose() = 0;
   // Half-closes and waits up to `timeout` for the peer to end the link.

@@ -77,8 +77,14 @@ absl::StatusOr<OuterMessage> FromLinkMessage(const LinkMessage& message) {
   return out;
 }
 
-OuterLinks::OuterLinks(std::map<int, std::shared_ptr<PipelineLink>> links, int stage)
-    : links_(std::move(links)), stage_(stage), sender_([this] { SendLoop(); }) {}
+OuterLinks::OuterLinks(std::map<int, std::shared_ptr<PipelineLink>> links, int stage,
+                       std::shared_ptr<SendPacer> pacer)
+    : links_(std::move(links)), stage_(stage), pacer_(std::move(pacer)) {
+  if (pacer_ != nullptr) {
+    for (auto& [pipeline, link] : links_) link->PaceSends(pacer_);
+  }
+  sender_ = std::thread([this] { SendLoop(); });
+}
 
 OuterLinks::~OuterLinks() {
   {
@@ -122,6 +128,7 @@ std::shared_ptr<PipelineLink> OuterLinks::Remove(int pipeline) {
 }
 
 void OuterLinks::Attach(int pipeline, std::shared_ptr<PipelineLink> link) {
+  if (pacer_ != nullptr) link->PaceSends(pacer_);
   absl::MutexLock lock(&mu_);
   links_[pipeline] = std::move(link);
 }

@@ -40,7 +40,11 @@ class OuterLinks final : public OuterTransport {
  public:
   // `links`: by the pipeline of the replica at the other end. Not owned
   // beyond the shared pointers.
-  explicit OuterLinks(std::map<int, std::shared_ptr<PipelineLink>> links, int stage);
+  // `pacer` (may be null: unpaced) paces every link's frames, these and
+  // the ones attached later: the outer sync's transfers share the uplink
+  // with the pipeline's links.
+  OuterLinks(std::map<int, std::shared_ptr<PipelineLink>> links, int stage,
+             std::shared_ptr<SendPacer> pacer = nullptr);
   // Stops sending; messages still queued are dropped.
   ~OuterLinks() override;
 
@@ -59,6 +63,7 @@ class OuterLinks final : public OuterTransport {
 
   std::map<int, std::shared_ptr<PipelineLink>> links_ ABSL_GUARDED_BY(mu_);
   const int stage_;
+  const std::shared_ptr<SendPacer> pacer_;
   mutable absl::Mutex mu_;
   std::deque<std::pair<int, OuterMessage>> queue_ ABSL_GUARDED_BY(mu_);
   bool sending_ ABSL_GUARDED_BY(mu_) = false;

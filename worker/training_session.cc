@@ -195,7 +195,7 @@ absl::Status TrainingSession::StartOuterSync(StageRuntime* runtime,
   // Every epoch: the replicas of a stage may have drifted (a re-plan cut a
   // round short, a standby took a place, a pipeline joined).
   o.share_state = true;
-  outer_links_ = std::make_unique<OuterLinks>(std::move(links), plan_.stage());
+  outer_links_ = std::make_unique<OuterLinks>(std::move(links), plan_.stage(), parts_.outer_pacer);
   outer_compute_ = std::make_unique<RuntimeOuterCompute>(runtime);
   outer_sync_ = std::make_unique<OuterSync>(o, plan_.pipeline(), std::move(pipelines),
                                             outer_compute_.get(), outer_links_.get());

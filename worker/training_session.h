@@ -76,6 +76,8 @@ struct SessionParts {
   StageReplicas* replicas = nullptr;          // required when the stage is replicated
   TiedGradientExchange* tied = nullptr;       // required for tied embeddings
   StatsBoard* stats = nullptr;                // required
+  // Paces the outer sync's links (null: unpaced).
+  std::shared_ptr<SendPacer> outer_pacer;
 };
 
 class TrainingSession {

@@ -29,6 +29,9 @@
 namespace geotrain {
 namespace {
 
+// The share of the measured uplink the outer sync's transfers may use.
+constexpr double kOuterUplinkShare = 0.2;
+
 // Splits "host:port" / "[v6]:port" at the last colon.
 std::pair<std::string, std::string> SplitHostPort(const std::string& address) {
   const size_t colon = address.rfind(':');
@@ -61,7 +64,14 @@ absl::StatusOr<std::map<std::string, std::string>> ParseLinkRoutes(const std::st
 
 Worker::Worker(WorkerOptions options)
     : options_(std::move(options)),
-      coordinator_(options_.coordinator, options_.checkpoint_pacing) {}
+      coordinator_(options_.coordinator, options_.checkpoint_pacing),
+      // A round's pseudo-gradient (a quarter of the stage's weights at
+      // int8) or a new replica's outer state goes out over several steps
+      // at this share, well within a round, and the pipeline's frames keep
+      // the rest of the uplink. Unpaced until a measure finds the uplink.
+      outer_pacer_(std::make_shared<UplinkSharePacer>(
+          [this] { return coordinator_.pacer().uplink_bytes_per_s(); }, kOuterUplinkShare,
+          &clock_)) {}
 
 Worker::~Worker() {
   Stop();
@@ -528,6 +538,7 @@ absl::Status Worker::Train(const v1::Plan& plan) {
   parts.replicas = &averager_;
   parts.tied = &tied_;
   parts.stats = &stats_;
+  parts.outer_pacer = outer_pacer_;
   auto session = std::make_shared<TrainingSession>(job_, served, parts, session_options);
   {
     absl::MutexLock lock(&mu_);

@@ -43,6 +43,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/clock.h"
 #include "common/health_reporter.h"
 #include "common/metrics_exporter.h"
 #include "geotrain/v1/coordinator.pb.h"
@@ -50,6 +51,7 @@
 #include "worker/link_service.h"
 #include "worker/pipeline_driver.h"
 #include "worker/replica_averager.h"
+#include "worker/send_pacer.h"
 #include "worker/tied_gradient_exchange.h"
 #include "worker/training_session.h"
 #include "worker/worker_links.h"
@@ -145,6 +147,9 @@ class Worker {
   ReplicaAverager averager_;
   TiedGradientExchange tied_;  // llama.tie_embeddings: the first and last stage's exchange
   StageStateServer state_server_;
+  // The outer sync's share of the measured uplink (kOuterUplinkShare).
+  SteadyClock clock_;
+  std::shared_ptr<UplinkSharePacer> outer_pacer_;
   TransportSecurity peer_security_ = TransportSecurity::Insecure();
   // SERVING while this worker trains a stage with its links open;
   // NOT_SERVING before a plan, as a standby, and between plans.

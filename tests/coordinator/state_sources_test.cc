@@ -44,6 +44,31 @@ TEST(StateSourcesTest, TheOwnerServesWhenItHasNoReplica) {
   EXPECT_EQ(next.stages(1).state_source().worker_id(), "b");
 }
 
+// Pipelines: pipeline 1 was dissolved (its workers stood by) and is formed
+// anew from them and a newcomer. None of them fetches from pipeline 0's
+// workers, which go on training on their uplinks: they restore the
+// checkpoint and take the outer weights from the reducer. A replica that
+// joins a pipeline going on would still fetch from a holder.
+TEST(StateSourcesTest, APipelineFormedAnewTakesNoHolder) {
+  const v1::Plan before = PlanOf({{"a"}, {"b"}, {"c"}});  // pipeline 0 alone
+  v1::Plan next = PlanOf({{"a", "x"}, {"b", "y"}, {"c", "z"}});
+  next.set_epoch(3);
+  for (auto& s : *next.mutable_stages()) s.mutable_replicas(0)->set_pipeline(1);
+  v1::PipelineInfo* p0 = next.add_pipeline_info();
+  p0->set_pipeline(0);
+  p0->set_formed_epoch(1);
+  v1::PipelineInfo* p1 = next.add_pipeline_info();
+  p1->set_pipeline(1);
+  p1->set_formed_epoch(3);
+  AssignStateSources(&before, &next);
+  for (const auto& s : next.stages()) EXPECT_FALSE(s.has_state_source()) << s.stage();
+  // The same plan without the pipelines' entries (no outer sync): holders.
+  next.clear_pipeline_info();
+  AssignStateSources(&before, &next);
+  EXPECT_EQ(next.stages(1).state_source().worker_id(), "b");
+  EXPECT_EQ(next.stages(1).state_source().for_workers(0), "y");
+}
+
 // A worker whose stage changed (other layers, or another stage count) has
 // rebuilt it: it is no source; a replaced stage with no holder left takes
 // the coordinator's checkpoints; the first plan has no holders.
