@@ -1,6 +1,7 @@
 """Compressed activations and gradients on real links: wire bytes per
 sample of the demo job under each codec, against none."""
 import os
+import re
 import sys
 import tempfile
 import time
@@ -119,34 +120,15 @@ class PlannedCodecTest(unittest.TestCase):
     them got a 2-stage plan on the fast pair, with no slow link to compress).
     """
 
-    def test_network_planner_compresses_only_the_slow_links(self):
-        # w2 reaches and is reached through geotrain-linkem at 30 Mb/s (a
-        # relay per ordered pair, by --route, probes included); w0 <-> w1 is
-        # plain loopback. Any 3-stage order has one fast and one slow link:
-        # with int8 allowed, the plan compresses the slow one only. The demo
-        # GPT with 9 blocks (11 layers) so that 3 stages beat 2 clearly
-        # whatever the machine's speed: sync's objective is (M + p - 1) T*,
-        # 6 x 3 blocks against 5 x 5 blocks (0.72x) where the stages set
-        # the pace. With 7 blocks it was 6 x 3 against 5 x 4 (0.9x) before
-        # the RTTs, and at 20 Mb/s int8's 53 ms per microbatch exceeded the
-        # 3 blocks' compute on a fast day: the planner rightly chose 2
-        # stages. At 40 Mb/s int8 took about 27 ms per microbatch, raw
-        # about 105 ms, against 44 ms for 3 blocks at 0.9 ms per sample; but
-        # in a fresh-clone run the machine timed 3 blocks at 126 ms, past
-        # raw's 102 ms, and the plan rightly kept the slow link raw. At 30
-        # Mb/s (raw about 140 ms, int8 about 37 ms) both of those days fall
-        # between the two.
+    def _train_with_a_slow_link(self, job_file):
+        """Trains the job on w0, w1 and w2 (w2 behind relays) until every
+        planned link carried messages: (status, links, plan --explain,
+        ports), or None when fewer than 3 stages were planned."""
         # Workers' and relays' ports all distinct (3 + 4 relays): ports
         # taken one at a time may come back twice.
         spare_ports = wan_job.free_ports(3 + 4)
         ports = {f"w{i}": spare_ports.pop() for i in range(3)}
         relays = {}
-        with open(job_path("gpt-tiny.textproto")) as f:
-            job = f.read().replace("blocks: 4", "blocks: 9")
-        self.assertIn("blocks: 9", job)
-        job_file = os.path.join(tempfile.mkdtemp(prefix="geotrain-codecs-"), "gpt-9.textproto")
-        with open(job_file, "w") as f:
-            f.write(job)
         with Cluster(job_file,
                      ["--steps=100000", "--planner=network", "--min_workers=3",
                       "--activation_codec=int8", "--gradient_codec=int8"]) as c:
@@ -167,6 +149,8 @@ class PlannedCodecTest(unittest.TestCase):
                     return None
                 links = [(w["name"], l) for w in status["workers"] for l in w.get("links", [])
                          if int(l.get("messages_sent", 0)) > 0]
+                if len({w["stage"] for w in status["workers"] if w["stage"] >= 0}) < 3:
+                    return "fewer stages"
                 return (status, links) if len(links) >= 4 else None
 
             try:
@@ -185,23 +169,78 @@ class PlannedCodecTest(unittest.TestCase):
                             raise RuntimeError(f"{name} exited with {worker.popen.returncode}")
                         return "layer timings per sample" in worker.log()
                     wait_for(timed, 120, f"{name}'s layer timings")
-                status, links = wait_for(links_with_codecs, 120, "training on all links")
+                trained = wait_for(links_with_codecs, 120, "training on all links")
             except Exception:
                 print(c.dump_logs())
                 raise
+            if trained == "fewer stages":
+                print(c.ctl("plan", "--explain").stdout)
+                return None
+            status, links = trained
             out = c.ctl("plan", "--explain")
+        return status, links, out, ports
+
+    def test_network_planner_compresses_only_the_slow_links(self):
+        # w2 reaches and is reached through geotrain-linkem at 30 Mb/s (a
+        # relay per ordered pair, by --route, probes included); w0 <-> w1 is
+        # plain loopback. Any 3-stage order has one fast and one slow link:
+        # with int8 allowed, the plan compresses the slow one only. The demo
+        # GPT with 9 blocks (11 layers) so that 3 stages beat 2 clearly
+        # whatever the machine's speed: sync's objective is (M + p - 1) T*,
+        # 6 x 3 blocks against 5 x 5 blocks (0.72x) where the stages set
+        # the pace. With 7 blocks it was 6 x 3 against 5 x 4 (0.9x) before
+        # the RTTs, and at 20 Mb/s int8's 53 ms per microbatch exceeded the
+        # 3 blocks' compute on a fast day: the planner rightly chose 2
+        # stages. At 40 Mb/s int8 took about 27 ms per microbatch, raw
+        # about 105 ms, against 44 ms for 3 blocks at 0.9 ms per sample; but
+        # in a fresh-clone run the machine timed 3 blocks at 126 ms, past
+        # raw's 102 ms, and the plan rightly kept the slow link raw. At 30
+        # Mb/s (raw about 140 ms, int8 about 37 ms) both of those days fall
+        # between the two.
+        with open(job_path("gpt-tiny.textproto")) as f:
+            job = f.read().replace("blocks: 4", "blocks: 9")
+        self.assertIn("blocks: 9", job)
+        job_file = os.path.join(tempfile.mkdtemp(prefix="geotrain-codecs-"), "gpt-9.textproto")
+        with open(job_file, "w") as f:
+            f.write(job)
+        # A worker timed while another's probes hit its core (2 cores, three
+        # workers) can read twice as slow as it is (5.7 ms a block against
+        # 2.5 in a fresh-clone run), and the planner then rightly leaves it
+        # out: 2 stages, and no fast link to check. Such a plan is tried
+        # once more with fresh processes; the checks below are unchanged.
+        for attempt in range(2):
+            planned = self._train_with_a_slow_link(job_file)
+            if planned is not None:
+                break
+            print(f"attempt {attempt + 1}: planned fewer than 3 stages; again", flush=True)
+        self.assertIsNotNone(planned, "fewer than 3 stages planned twice")
+        status, links, out, ports = planned
         print(out.stdout)
         stages = sorted((w["stage"], w["name"]) for w in status["workers"] if w["stage"] >= 0)
         self.assertEqual(len(stages), 3, stages)
+        # The plan's own figures: T* and, per stage with a link downstream,
+        # that link's time per microbatch at the codec it chose.
+        t_star = float(re.search(r"T\* ([\d.]+) ms per microbatch", out.stdout).group(1))
+        planned_link_ms = {
+            m.group(1): float(m.group(2))
+            for m in re.finditer(r"stage \d+\s+layers \[\d+,\d+\)\s+(w\d)\s+compute\s+"
+                                 r"[\d.]+ ms\s+link\s+([\d.]+) ms", out.stdout)}
         address_of = {f"127.0.0.1:{port}": name for name, port in ports.items()}
         for name, link in links:
             peer = address_of.get(link["peer"], link["peer"])
             slow = "w2" in (name, peer)
             print(f"{name} -> {peer} ({link['direction']}): {link['codec']}, "
                   f"{link['codec_reason']}")
-            if slow:
-                self.assertNotEqual(link["codec"], "none", (name, link))
-            else:
+            if slow and link["codec"] == "none":
+                # Raw is right only where the stages' compute, not this
+                # link, sets the pace: a machine running several times
+                # slower than usual (a fresh-clone run timed 2 blocks at
+                # 238 ms a microbatch against raw's 140 ms at 30 Mb/s).
+                upstream_end = name if link["direction"] == "downstream" else peer
+                self.assertLessEqual(planned_link_ms[upstream_end], t_star, (name, link))
+                print(f"  raw: {planned_link_ms[upstream_end]:.1f} ms against T* "
+                      f"{t_star:.1f} ms (compute-bound on this machine today)")
+            elif not slow:
                 self.assertEqual(link["codec"], "none", (name, link))
             self.assertEqual(link["codec_reason"], "chosen by the plan for this link")
 
