@@ -13,10 +13,11 @@
 // (the coordinator's measure tasks, ObserveUplink) sets it: of that
 // capacity, the share all the links' sent bytes leave, times
 // `spare_share`, never below `min_share`. With no rate known at all (no
-// link, nothing measured) uploads are not paced. A fixed rate (`fixed_bytes_per_s`, the worker's
-// --checkpoint_upload_mbit) overrides all of that.
+// link, nothing measured) uploads are not paced. A fixed rate
+// (`fixed_bytes_per_s`, the worker's --checkpoint_upload_mbit) overrides
+// all of that.
 //
-// The pacer is a token bucket of one part's burst: Reserve(bytes) says how
+// The pacer is a token bucket (TokenBucket): Reserve(bytes) says how
 // long to wait before sending `bytes`. A paced stream sends parts of
 // PartBytes(): what the pace sends in `part_time`, so that no part holds
 // the uplink long. (Parts of 1 MiB went out at the link's full rate, each

@@ -26,7 +26,9 @@ bool WriteLinkMessage(LinkTransport* transport, std::shared_ptr<const LinkMessag
       size >= kMinTimedMessageBytes
           ? std::min(kFrameBytes, (size + kTimedMessageFrames - 1) / kTimedMessageFrames)
           : kFrameBytes;
-  if (pacer != nullptr) frame_bytes = std::max<size_t>(1, std::min(frame_bytes, pacer->PartBytes()));
+  if (pacer != nullptr) {
+    frame_bytes = std::max<size_t>(1, std::min(frame_bytes, pacer->PartBytes()));
+  }
   for (const FrameRange& range : FrameRanges(size, frame_bytes)) {
     if (pacer != nullptr) {
       const absl::Duration wait = pacer->Reserve(range.size);

@@ -47,7 +47,8 @@ size_t PartBytesAt(double bytes_per_s, const PartSizing& sizing);
 // the rate given with each reservation. Thread-safe.
 class TokenBucket {
  public:
-  TokenBucket(uint64_t burst_bytes, const Clock* clock) : burst_bytes_(burst_bytes), clock_(clock) {}
+  TokenBucket(uint64_t burst_bytes, const Clock* clock)
+      : burst_bytes_(burst_bytes), clock_(clock) {}
   absl::Duration Reserve(uint64_t bytes, double bytes_per_s);
 
  private:
