@@ -14,6 +14,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -162,6 +163,7 @@ class FakeLink : public PipelineLink {
   std::string failed_peer() const override { return peer_; }
   std::string oldest_pending_peer() const override { return peer_; }
   PeerSide side() const override { return side_; }
+  const std::string& peer() const { return peer_; }
   void EndOnPurpose() override { ended_ = true; }
   absl::Status Close(absl::Duration) override {
     closed_ = true;
@@ -226,6 +228,10 @@ class FakeLinks : public SessionLinks {
   absl::StatusOr<std::shared_ptr<PipelineLink>> AwaitDialIn(PeerSide side, const std::string& peer,
                                                             const std::atomic<bool>* stop) override {
     if (side != PeerSide::kReplica) return absl::UnimplementedError("every upstream worker dials");
+    {
+      absl::MutexLock lock(&mu_);
+      ++dial_ins_awaited_[peer];
+    }
     if (absl::Status up = net_->AwaitActive(peer, epoch_, stop, /*at_least=*/true); !up.ok()) {
       return up;
     }
@@ -240,6 +246,18 @@ class FakeLinks : public SessionLinks {
     absl::MutexLock lock(&mu_);
     return dialled_;
   }
+  // How many times the session awaited `peer`'s dial-in, over every epoch.
+  int DialInsAwaited(const std::string& peer) {
+    absl::MutexLock lock(&mu_);
+    return dial_ins_awaited_[peer];
+  }
+  // How many links `peer` dialled in (each handed to a session), over
+  // every epoch.
+  int DialInsBy(const std::string& peer) {
+    absl::MutexLock lock(&mu_);
+    return std::count_if(dialled_in_.begin(), dialled_in_.end(),
+                         [&](const std::shared_ptr<FakeLink>& link) { return link->peer() == peer; });
+  }
 
  private:
   FakeNetwork* net_;
@@ -250,6 +268,7 @@ class FakeLinks : public SessionLinks {
   absl::Mutex mu_;
   std::vector<std::shared_ptr<FakeLink>> dialled_ ABSL_GUARDED_BY(mu_);
   std::vector<std::shared_ptr<FakeLink>> dialled_in_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, int> dial_ins_awaited_ ABSL_GUARDED_BY(mu_);
 };
 
 // What the coordinator was told, by every worker of the test.
@@ -284,6 +303,10 @@ class FakeCoordinator : public SessionCoordinator {
   void StepFinished(int step, double loss, int64_t) override {
     absl::MutexLock lock(&mu_);
     losses_[step] = loss;
+    auto free = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return !hold_after_.has_value() || step <= *hold_after_;
+    };
+    mu_.Await(absl::Condition(&free));
   }
   void EvalFinished(int, const EvalResult&) override {}
   void StageProgress(int step) override { step_ = step; }
@@ -304,6 +327,16 @@ class FakeCoordinator : public SessionCoordinator {
     absl::MutexLock lock(&mu_);
     refuse_done_ = times;
   }
+  // The last stage's session stops in its report of any step after `step`
+  // until Release: the test holds a pipeline that would otherwise run on.
+  void HoldAfter(int step) {
+    absl::MutexLock lock(&mu_);
+    hold_after_ = step;
+  }
+  void Release() {
+    absl::MutexLock lock(&mu_);
+    hold_after_.reset();
+  }
   uint64_t epoch() const { return epoch_; }
   int step() const { return step_; }
   int final_stats() const { return final_stats_; }
@@ -318,6 +351,7 @@ class FakeCoordinator : public SessionCoordinator {
   std::vector<int> done_ ABSL_GUARDED_BY(mu_);
   std::map<int, double> losses_ ABSL_GUARDED_BY(mu_);
   int refuse_done_ ABSL_GUARDED_BY(mu_) = 0;
+  std::optional<int> hold_after_ ABSL_GUARDED_BY(mu_);
 };
 
 // The stage's replicas: pushes go to the siblings' mailboxes, except an
@@ -991,6 +1025,20 @@ TEST_F(OuterSessionTest, APipelineGoesOnWhileAnotherIsFormedAnew) {
     ASSERT_TRUE(W(id).session->Amend(*served)) << id;
     EXPECT_EQ(W(id).session->plan_epoch(), 2u);
   }
+  // Once pipeline 0's reducers took the plan (each awaits its newcomer's
+  // dial-in), its last stage stops in its next step's report until both
+  // newcomers have dialled: a slow machine could otherwise run all of
+  // pipeline 0's steps before pipeline 1 is formed anew, and the final
+  // round would close without it.
+  const absl::Time amended = absl::Now() + absl::Seconds(30);
+  auto reducers_await_newcomers = [&] {
+    return W("a0").links->DialInsAwaited("b0") == 2 && W("a1").links->DialInsAwaited("c1") == 1;
+  };
+  while (!reducers_await_newcomers() && absl::Now() < amended) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_TRUE(reducers_await_newcomers());
+  W("a1").coordinator->HoldAfter(W("a1").coordinator->step());
   // b0's session ended on the broken link (its thread is done with it);
   // it and the newcomer start anew.
   const absl::Time ended = absl::Now() + absl::Seconds(30);
@@ -999,6 +1047,13 @@ TEST_F(OuterSessionTest, APipelineGoesOnWhileAnotherIsFormedAnew) {
   EXPECT_FALSE(W("b0").result.ok());
   StartOne(W("b0"), second);
   StartOne(W("c1"), second);
+  const absl::Time dialled = absl::Now() + absl::Seconds(30);
+  auto newcomers_dialled = [&] {
+    return W("a0").links->DialInsBy("b0") == 2 && W("a1").links->DialInsBy("c1") == 1;
+  };
+  while (!newcomers_dialled() && absl::Now() < dialled) absl::SleepFor(absl::Milliseconds(5));
+  W("a1").coordinator->Release();
+  EXPECT_TRUE(newcomers_dialled());
   Join();
   for (const char* id : {"a0", "a1", "b0", "c1"}) {
     ASSERT_TRUE(W(id).result.ok()) << id << ": " << W(id).result;
