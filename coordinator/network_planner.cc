@@ -98,6 +98,15 @@ class CostModel {
         lowest_start_[w][j] = (memory != 0 && j > 0 && i == j) ? j + 1 : i;
       }
     }
+    // Both directions of a link carry the same bytes (the gradient of an
+    // activation has its size, with the link's codec), so an end's uplink
+    // and downlink carry equal loads: the slower of the two binds.
+    access_.assign(n_, kInf);
+    for (int w = 0; w < n_; ++w) {
+      for (double bps : {input.workers[w].uplink_bps, input.workers[w].downlink_bps}) {
+        if (bps > 0) access_[w] = std::min(access_[w], bps);
+      }
+    }
     rate_.assign(static_cast<size_t>(n_) * n_, 0);
     rtt_.assign(static_cast<size_t>(n_) * n_, 0);
     for (int u = 0; u < n_; ++u) {
@@ -123,13 +132,23 @@ class CostModel {
   int LowestStart(int w, int end) const { return lowest_start_[w][end]; }
   double CutBytes(int j) const { return cut_bytes_[j]; }
   double CodecWork(int c, int j) const { return codecs_[c].seconds_per_byte * cut_bytes_[j]; }
-  double Transfer(int u, int v, int c, int j) const {
-    const double rate = rate_[Index(u, v)];
+  // One microbatch over the link u -> v with codec c at cut j, where u
+  // carries `u_links` pipeline links in all (1 at an end of the pipeline,
+  // 2 in the middle) and v `v_links`: the pair's rate, or each end's equal
+  // share of its access link where that is less.
+  double Transfer(int u, int v, int c, int j, int u_links, int v_links) const {
+    const double rate = LinkRate(u, v, u_links, v_links);
     if (rate <= 0) return kInf;
     return cut_bytes_[j] * codecs_[c].ratio * 8.0 / rate;
   }
+  double LinkRate(int u, int v, int u_links, int v_links) const {
+    return std::min({rate_[Index(u, v)], access_[u] / std::max(1, u_links),
+                     access_[v] / std::max(1, v_links)});
+  }
   double Rtt(int u, int v) const { return rtt_[Index(u, v)]; }
+  // The pair's own rate (what a probe between the two measured).
   double Rate(int u, int v) const { return rate_[Index(u, v)]; }
+  double Access(int w) const { return access_[w]; }
   uint64_t MemoryOf(int begin, int end) const { return memory_prefix_[end] - memory_prefix_[begin]; }
   double ParameterBytes(int begin, int end) const {
     return static_cast<double>(parameter_prefix_[end] - parameter_prefix_[begin]);
@@ -200,7 +219,12 @@ class CostModel {
   std::vector<std::vector<int>> lowest_start_;
   std::vector<double> rate_;
   std::vector<double> rtt_;
+  std::vector<double> access_;  // per worker, bits/s; kInf: not limited
 };
+
+// How many pipeline links stage k of `stages` carries: one at either end,
+// two in the middle (none for a single stage).
+int LinksOfStage(int k, int stages) { return (k > 0 ? 1 : 0) + (k + 1 < stages ? 1 : 0); }
 
 // The feasibility sweep: can the stages of an order cover the layers with
 // every stage and link within `tau`? Per stage O(layers x codecs). And the
@@ -240,8 +264,10 @@ class Sweep {
   // The next stage's starts over the link w -> v: the least codec work among
   // the codecs that keep both the ending stage and the link within tau.
   // Returns whether any start is possible.
-  bool NextStarts(int w, int v, const std::vector<double>& end, double tau,
-                  std::vector<double>* start, std::vector<int>* codec) const {
+  // `w_links` and `v_links`: the pipeline links each end carries
+  // (CostModel::Transfer).
+  bool NextStarts(int w, int v, int w_links, int v_links, const std::vector<double>& end,
+                  double tau, std::vector<double>* start, std::vector<int>* codec) const {
     const int layers = model_.layers();
     start->assign(layers + 1, kInf);
     if (codec != nullptr) codec->assign(layers + 1, -1);
@@ -251,7 +277,7 @@ class Sweep {
       for (int c = 0; c < model_.codecs(); ++c) {
         const double work = model_.CodecWork(c, j);
         if (work >= (*start)[j] || end[j] + work > tau) continue;
-        if (model_.Transfer(w, v, c, j) > tau) continue;
+        if (model_.Transfer(w, v, c, j, w_links, v_links) > tau) continue;
         (*start)[j] = work;
         if (codec != nullptr) (*codec)[j] = c;
         any = true;
@@ -275,7 +301,10 @@ class Sweep {
     for (int k = 0; k < stages; ++k) {
       StageEnds(order[k], start, tau, &end_, &from_[k]);
       if (k + 1 == stages) break;
-      if (!NextStarts(order[k], order[k + 1], end_, tau, &start, &codec_[k + 1])) return false;
+      if (!NextStarts(order[k], order[k + 1], LinksOfStage(k, stages),
+                      LinksOfStage(k + 1, stages), end_, tau, &start, &codec_[k + 1])) {
+        return false;
+      }
     }
     if (end_[layers] == kInf) return false;
     if (plan == nullptr) return true;
@@ -344,7 +373,8 @@ class Sweep {
             const int v = order[k + 1];
             for (int cout = 0; cout < codecs; ++cout) {
               const double stage = compute + model_.CodecWork(cout, j);
-              const double transfer = model_.Transfer(w, v, cout, j);
+              const double transfer = model_.Transfer(w, v, cout, j, LinksOfStage(k, stages),
+                                                      LinksOfStage(k + 1, stages));
               if (stage > tau || transfer > tau) continue;
               const double t = before + stage + 2 * transfer + model_.Rtt(w, v);
               const size_t next = static_cast<size_t>(j) * codecs + cout;
@@ -456,6 +486,8 @@ void Score(const CostModel& model, PipelinePlan* plan) {
     const int u = plan->stages[k].worker;
     const int v = plan->stages[k + 1].worker;
     const int cut = plan->stages[k].layer_end;
+    const int u_links = LinksOfStage(k, stages);
+    const int v_links = LinksOfStage(k + 1, stages);
     link.raw_bytes = model.CutBytes(cut);
     link.transfer_s = 0;
     for (size_t a = 0; a < crews[k].workers.size(); ++a) {
@@ -463,11 +495,11 @@ void Score(const CostModel& model, PipelinePlan* plan) {
         link.transfer_s = std::max(
             link.transfer_s, crews[k].shares[a] * crews[k + 1].shares[b] *
                                  model.Transfer(crews[k].workers[a], crews[k + 1].workers[b],
-                                                link.codec_index, cut));
+                                                link.codec_index, cut, u_links, v_links));
       }
     }
     link.rtt_s = model.Rtt(u, v);
-    trip_s += 2 * model.Transfer(u, v, link.codec_index, cut) + link.rtt_s;
+    trip_s += 2 * model.Transfer(u, v, link.codec_index, cut, u_links, v_links) + link.rtt_s;
     if (link.transfer_s > tau) {
       tau = link.transfer_s;
       bound = absl::StrCat("link ", k, "->", k + 1, " (", NameOf(in.workers[u]), " -> ",
@@ -704,6 +736,13 @@ void Explain(const CostModel& model, PipelinePlan* plan, const std::string& how)
       absl::StrAppendFormat(&why, "; from %s at %.0f Mb/s, %.1f ms RTT", NameOf(in.workers[prev]),
                             model.Rate(prev, s.worker) / 1e6, 1e3 * model.Rtt(prev, s.worker));
       if (faster == 0) absl::StrAppend(&why, " (its fastest link)");
+      const int stages = static_cast<int>(plan->stages.size());
+      const double shared = model.LinkRate(prev, s.worker, LinksOfStage(static_cast<int>(k) - 1, stages),
+                                           LinksOfStage(static_cast<int>(k), stages));
+      if (shared < model.Rate(prev, s.worker) * (1 - 1e-9)) {
+        absl::StrAppendFormat(&why, ", %.0f Mb/s of it as the ports' links share them",
+                              shared / 1e6);
+      }
     }
     if (!w.reachable) absl::StrAppend(&why, "; not reachable: its neighbours dial or relay");
     s.why = absl::StrCat(how, ": ", why);
@@ -796,7 +835,7 @@ class JoinOrderPlanner : public Planner {
         double bytes = 0;
         for (int l = s.layer_begin; l < s.layer_end; ++l) bytes += input.layers[l].parameter_bytes;
         double rate = 1e300;
-        for (int p : s.pipeline_workers) rate = std::min(rate, model.Rate(s.worker, p));
+        for (int p : s.pipeline_workers) rate = std::min(rate, model.LinkRate(s.worker, p, 1, 1));
         outer_s = std::max(outer_s, bytes * input.outer_ratio * (pipelines - 1) * 8 / rate);
       }
       const double samples_per_round = static_cast<double>(input.outer_inner_steps) *
@@ -887,7 +926,9 @@ class NetworkPlanner : public Planner {
     if (typical == 0) return model.Rtt(u, v);
     double best = kInf;
     for (int c = 0; c < model.codecs(); ++c) {
-      best = std::min(best, std::max(model.Transfer(u, v, c, typical), model.CodecWork(c, typical)));
+      // Middle stages at both ends: two links share each access link.
+      best = std::min(best, std::max(model.Transfer(u, v, c, typical, 2, 2),
+                                     model.CodecWork(c, typical)));
     }
     const PlannerInput& in = model.input();
     const double latency_weight =
@@ -1009,7 +1050,12 @@ class NetworkPlanner : public Planner {
       if (k == limit) return;
       for (int v = 0; v < n; ++v) {
         if (used[v]) continue;
-        if (!sweep->NextStarts(w, v, ends[k - 1], tau, &starts[k], nullptr)) continue;
+        // v's own outgoing link is not chosen yet: one link (its least)
+        // keeps the bound optimistic; Offer scores the order exactly.
+        if (!sweep->NextStarts(w, v, LinksOfStage(k - 1, k + 1), 1, ends[k - 1], tau, &starts[k],
+                               nullptr)) {
+          continue;
+        }
         used[v] = true;
         prefix.push_back(v);
         visit(sum_rtt + model.Rtt(w, v));

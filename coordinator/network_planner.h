@@ -11,7 +11,10 @@
 //   otherwise), plus the codec work of its links (each end encodes one
 //   direction and decodes the other: ratio-independent cost per raw byte);
 // - link time l_k: raw bytes at the cut x the codec's ratio / rate, the
-//   slower of the two directions (activations down, gradients up);
+//   slower of the two directions (activations down, gradients up), where
+//   the rate is the pair's, or less where an end's access link is shared
+//   (its uplink or downlink, PlannerWorkerInfo, split equally among the
+//   links of that end: one at the pipeline's ends, two in the middle);
 // - T* = max over stages and links;
 // - the round trip: one microbatch through every stage (compute and codec
 //   work) and over every link both ways, plus the RTTs;
@@ -48,6 +51,15 @@ struct PlannerWorkerInfo {
   // worker measured them on its device with the job's microbatch shape.
   std::map<std::string, double> seconds_per_sample;
   uint64_t memory_bytes = 0;  // 0: unknown, not limited
+  // The worker's access link (its port: a home connection, a VM's NIC),
+  // bits per second each way; 0: unknown, not limited beyond the pairs'
+  // rates. Every link of the worker's crosses it: a middle stage's
+  // activations out and gradients out share its uplink, and what comes in
+  // shares its downlink. The planner gives each link an equal share (what
+  // TCP's flows on one bottleneck get), so a stage with two links sees half
+  // its port on each.
+  double uplink_bps = 0;
+  double downlink_bps = 0;
   bool reachable = true;
   // False for a worker that may hold a stage but not become a replica (a
   // demoted straggler, or one whose replica was lost a moment ago).

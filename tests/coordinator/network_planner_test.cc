@@ -52,6 +52,13 @@ PlannerInput RandomInput(std::mt19937* random, int workers, int layers) {
     link.rate_bps = 1e8 * (0.1 + 10 * unit(*random));
     link.rtt_s = 0.1 * unit(*random);
   }
+  // Some workers' ports limit their links, as a home connection does.
+  for (PlannerWorkerInfo& w : in.workers) {
+    if (unit(*random) < 0.4) {
+      w.uplink_bps = 1e8 * (0.1 + 10 * unit(*random));
+      w.downlink_bps = unit(*random) < 0.5 ? w.uplink_bps : 1e8 * (0.1 + 10 * unit(*random));
+    }
+  }
   in.codecs = Ladder();
   in.microbatch_size = 4;
   in.microbatches = 4;
@@ -80,8 +87,20 @@ double NaiveBestForOrder(const PlannerInput& in, const std::vector<int>& order) 
   };
   auto cut_bytes = [&](int j) { return in.layers[j - 1].output_bytes_per_sample * batch; };
   auto work = [&](int c, int j) { return in.codecs[c].seconds_per_byte * cut_bytes(j); };
-  auto link_time = [&](int u, int v, int c, int j) {
-    const double rate = std::min(in.Link(u, v).rate_bps, in.Link(v, u).rate_bps);
+  // A port (access link) is shared equally by the stage's links: one at
+  // either end of the pipeline, two in the middle; both of a link's
+  // directions carry the same bytes, so the slower of up and down binds.
+  auto port_share = [&](int k) {
+    const PlannerWorkerInfo& w = in.workers[order[k]];
+    double port = kInf;
+    if (w.uplink_bps > 0) port = std::min(port, w.uplink_bps);
+    if (w.downlink_bps > 0) port = std::min(port, w.downlink_bps);
+    return port / ((k > 0) + (k + 1 < p));
+  };
+  auto link_time = [&](int k, int c, int j) {
+    const int u = order[k], v = order[k + 1];
+    const double rate = std::min({in.Link(u, v).rate_bps, in.Link(v, u).rate_bps, port_share(k),
+                                  port_share(k + 1)});
     return cut_bytes(j) * in.codecs[c].ratio * 8 / rate;
   };
   auto rtt = [&](int u, int v) { return std::max(in.Link(u, v).rtt_s, in.Link(v, u).rtt_s); };
@@ -101,7 +120,7 @@ double NaiveBestForOrder(const PlannerInput& in, const std::vector<int>& order) 
       trip += c;
     }
     for (int k = 0; k + 1 < p; ++k) {
-      const double transfer = link_time(order[k], order[k + 1], codec[k], cuts[k + 1]);
+      const double transfer = link_time(k, codec[k], cuts[k + 1]);
       tau = std::max(tau, transfer);
       trip += 2 * transfer + rtt(order[k], order[k + 1]);
       sum_rtt += rtt(order[k], order[k + 1]);
@@ -253,6 +272,55 @@ TEST(NetworkPlannerTest, APipelineCrossesBetweenRegionsOnceAndCompressesOnlyTher
   EXPECT_NE(explained.find("stage 0"), std::string::npos);
   EXPECT_NE(explained.find("why:"), std::string::npos);
   EXPECT_NE(explained.find("bound:"), std::string::npos);
+}
+
+// Three workers behind ports of 100 Mb/s each way (the lab's per-host
+// tbf), every pair measured at that rate: the middle worker's port carries
+// both of its links, so each gets half, and the planner compresses where a
+// model of independent pairs would send raw.
+TEST(NetworkPlannerTest, AMiddleStageSharesItsPortBetweenItsTwoLinks) {
+  PlannerInput in;
+  for (int w = 0; w < 3; ++w) in.workers.push_back(Worker("w" + std::to_string(w), 100));
+  in.links.assign(9, {0.0005, 1e8});
+  // 4 identical blocks; at 8 samples a cut carries 1 MB each way: 80 ms at
+  // 100 Mb/s raw, against 25 ms of compute per block and microbatch.
+  for (int l = 0; l < 4; ++l) in.layers.push_back(Layer(2.5e9 / 8 * 100 / 1e2, 125000));
+  in.codecs = Ladder();
+  in.microbatch_size = 8;
+  in.max_stages = 3;
+  std::vector<int> order = {0, 1, 2};
+  absl::StatusOr<PipelinePlan> pairs_only = PlanForOrder(in, order);
+  ASSERT_TRUE(pairs_only.ok()) << pairs_only.status();
+  for (PlannerWorkerInfo& w : in.workers) w.uplink_bps = w.downlink_bps = 1e8;
+  absl::StatusOr<PipelinePlan> shared = PlanForOrder(in, order);
+  ASSERT_TRUE(shared.ok()) << shared.status();
+  ASSERT_EQ(shared->links.size(), 2u);
+  // Each link's transfer at the codec chosen: half the port's rate.
+  for (size_t k = 0; k < shared->links.size(); ++k) {
+    const PlannedLinkInfo& link = shared->links[k];
+    const double ratio = in.codecs[link.codec_index].ratio;
+    EXPECT_NEAR(link.transfer_s, link.raw_bytes * ratio * 8 / 5e7, 1e-12) << k;
+  }
+  // The shared ports cost more, and the planner answers with stronger codecs.
+  EXPECT_GT(shared->time_per_sample_s, pairs_only->time_per_sample_s);
+  double pairs_ratio = 0, shared_ratio = 0;
+  for (const PlannedLinkInfo& l : pairs_only->links) pairs_ratio += in.codecs[l.codec_index].ratio;
+  for (const PlannedLinkInfo& l : shared->links) shared_ratio += in.codecs[l.codec_index].ratio;
+  EXPECT_LT(shared_ratio, pairs_ratio) << ExplainPlan(in, *shared);
+  EXPECT_NE(ExplainPlan(in, *shared).find("as the ports' links share them"), std::string::npos)
+      << ExplainPlan(in, *shared);
+  // A port faster than the pair's path (per-pair shaping) changes nothing.
+  for (PlannerWorkerInfo& w : in.workers) w.uplink_bps = w.downlink_bps = 1e9;
+  absl::StatusOr<PipelinePlan> wide = PlanForOrder(in, order);
+  ASSERT_TRUE(wide.ok());
+  EXPECT_DOUBLE_EQ(wide->time_per_sample_s, pairs_only->time_per_sample_s);
+  // An asymmetric port: the slower direction binds (its uplink here).
+  in.workers[1].uplink_bps = 2e7;
+  absl::StatusOr<PipelinePlan> slow_up = PlanForOrder(in, order);
+  ASSERT_TRUE(slow_up.ok());
+  EXPECT_NEAR(slow_up->links[0].transfer_s,
+              slow_up->links[0].raw_bytes * in.codecs[slow_up->links[0].codec_index].ratio * 8 / 1e7,
+              1e-12);
 }
 
 TEST(NetworkPlannerTest, ASpareReplicatesTheBottleneckStageOnlyWhereItPays) {
