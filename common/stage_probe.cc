@@ -2,9 +2,12 @@
 
 #include <algorithm>
 #include <memory>
+#include <thread>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "common/rpc_options.h"
 #include "geotrain/v1/stage.grpc.pb.h"
 
@@ -62,23 +65,27 @@ absl::StatusOr<absl::Duration> ProbeStage(const std::string& address,
   return absl::Trunc(absl::Now() - start, absl::Milliseconds(1));
 }
 
-absl::StatusOr<LinkMeasurement> MeasureStage(const std::string& address,
-                                             const std::string& member_id,
-                                             const TransportSecurity& security,
-                                             absl::Duration deadline, size_t payload_bytes) {
-  if (payload_bytes > kMaxMeasurePayloadBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("measure payload of ", payload_bytes,
-                                                   " bytes: at most ", kMaxMeasurePayloadBytes));
-  }
-  auto stub = StageStub(address, member_id, security);
-  const auto until = std::chrono::system_clock::now() + absl::ToChronoMilliseconds(deadline);
-  // Who answers (and the connection, TLS included, out of the timings).
+namespace {
+
+// A connection to `member_id` at `address` whose answer named it (the
+// connection, TLS included, made before any timing), and the least of 3
+// empty Measure calls on it.
+struct MeasuredConnection {
+  std::unique_ptr<v1::Stage::Stub> stub;
+  double rtt_s = 0;
+};
+
+absl::StatusOr<MeasuredConnection> ConnectToMeasure(
+    const std::string& address, const std::string& member_id, const TransportSecurity& security,
+    std::chrono::system_clock::time_point until, absl::Duration deadline) {
+  MeasuredConnection connection;
+  connection.stub = StageStub(address, member_id, security);
   {
     grpc::ClientContext context;
     context.set_deadline(until);
     context.set_wait_for_ready(true);
     v1::ProbeResponse response;
-    const grpc::Status status = stub->Probe(&context, v1::ProbeRequest(), &response);
+    const grpc::Status status = connection.stub->Probe(&context, v1::ProbeRequest(), &response);
     if (!status.ok()) return Unreachable(status, member_id, deadline);
     if (!member_id.empty() && !response.worker_id().empty() &&
         response.worker_id() != member_id) {
@@ -86,35 +93,139 @@ absl::StatusOr<LinkMeasurement> MeasureStage(const std::string& address,
           absl::StrCat("worker '", response.worker_id().substr(0, 128), "' answers there"));
     }
   }
-  auto timed_call = [&](const v1::MeasureRequest& request) -> absl::StatusOr<double> {
+  connection.rtt_s = 1e9;
+  for (int i = 0; i < 3; ++i) {
     grpc::ClientContext context;
     context.set_deadline(until);
     v1::MeasureResponse response;
     const absl::Time start = absl::Now();
-    const grpc::Status status = stub->Measure(&context, request, &response);
+    const grpc::Status status =
+        connection.stub->Measure(&context, v1::MeasureRequest(), &response);
     if (!status.ok()) return Unreachable(status, member_id, deadline);
-    if (response.received() != request.payload().size()) {
-      return absl::UnavailableError("the member did not receive the whole payload");
-    }
-    return absl::ToDoubleSeconds(absl::Now() - start);
-  };
-  LinkMeasurement measured;
-  measured.rtt_s = 1e9;
-  for (int i = 0; i < 3; ++i) {
-    absl::StatusOr<double> took = timed_call(v1::MeasureRequest());
-    if (!took.ok()) return took.status();
-    measured.rtt_s = std::min(measured.rtt_s, *took);
+    connection.rtt_s = std::min(connection.rtt_s, absl::ToDoubleSeconds(absl::Now() - start));
   }
+  return connection;
+}
+
+// Bits over a transfer's time: at least a tenth of the call's time counts as
+// transfer, so a payload that fits in the windows already open still says
+// something.
+double RateOf(double bytes, double took_s, double rtt_s) {
+  return bytes * 8.0 / std::max(took_s - rtt_s, 0.1 * took_s);
+}
+
+absl::Status CheckPayloadBytes(size_t payload_bytes) {
+  if (payload_bytes > kMaxMeasurePayloadBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("measure payload of ", payload_bytes,
+                                                   " bytes: at most ", kMaxMeasurePayloadBytes));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<LinkMeasurement> MeasureStage(const std::string& address,
+                                             const std::string& member_id,
+                                             const TransportSecurity& security,
+                                             absl::Duration deadline, size_t payload_bytes) {
+  if (absl::Status bytes = CheckPayloadBytes(payload_bytes); !bytes.ok()) return bytes;
+  const auto until = std::chrono::system_clock::now() + absl::ToChronoMilliseconds(deadline);
+  absl::StatusOr<MeasuredConnection> connection =
+      ConnectToMeasure(address, member_id, security, until, deadline);
+  if (!connection.ok()) return connection.status();
+  LinkMeasurement measured;
+  measured.rtt_s = connection->rtt_s;
   if (payload_bytes > 0) {
+    grpc::ClientContext context;
+    context.set_deadline(until);
     v1::MeasureRequest request;
     request.mutable_payload()->assign(payload_bytes, '\x5a');
-    absl::StatusOr<double> took = timed_call(request);
-    if (!took.ok()) return took.status();
-    // At least a tenth of the call's time counts as transfer: a payload that
-    // fits in the windows already open still says something.
-    const double transfer = std::max(*took - measured.rtt_s, 0.1 * *took);
-    measured.rate_bps = payload_bytes * 8.0 / transfer;
+    v1::MeasureResponse response;
+    const absl::Time start = absl::Now();
+    const grpc::Status status = connection->stub->Measure(&context, request, &response);
+    if (!status.ok()) return Unreachable(status, member_id, deadline);
+    if (response.received() != payload_bytes) {
+      return absl::UnavailableError("the member did not receive the whole payload");
+    }
+    measured.rate_bps =
+        RateOf(payload_bytes, absl::ToDoubleSeconds(absl::Now() - start), measured.rtt_s);
   }
+  return measured;
+}
+
+absl::StatusOr<AccessMeasurement> MeasureAccess(const std::vector<MeasureTarget>& targets,
+                                                const TransportSecurity& security,
+                                                absl::Duration deadline, size_t payload_bytes) {
+  if (targets.empty() || targets.size() > kMaxAccessPeers) {
+    return absl::InvalidArgumentError(absl::StrCat("an access measurement takes 1 to ",
+                                                   kMaxAccessPeers, " peers, not ",
+                                                   targets.size()));
+  }
+  if (payload_bytes == 0) return absl::InvalidArgumentError("an empty measure payload");
+  if (absl::Status bytes = CheckPayloadBytes(payload_bytes); !bytes.ok()) return bytes;
+  const auto until = std::chrono::system_clock::now() + absl::ToChronoMilliseconds(deadline);
+  std::vector<MeasuredConnection> connections;
+  double rtt_s = 0;  // the slowest peer's: every transfer has to end
+  for (const MeasureTarget& target : targets) {
+    absl::StatusOr<MeasuredConnection> connection =
+        ConnectToMeasure(target.address, target.member_id, security, until, deadline);
+    if (!connection.ok()) {
+      return absl::UnavailableError(
+          absl::StrCat(target.member_id, ": ", connection.status().message()));
+    }
+    rtt_s = std::max(rtt_s, connection->rtt_s);
+    connections.push_back(*std::move(connection));
+  }
+  // Every transfer of a direction at once, each on a thread of its own
+  // waiting for the same start; the direction's time runs from that start
+  // to the last one's end.
+  const size_t n = connections.size();
+  auto all_at_once = [&](bool send) -> absl::StatusOr<double> {
+    std::vector<grpc::Status> statuses(n);
+    std::vector<size_t> moved(n, 0);
+    absl::Notification start;
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < n; ++i) {
+      threads.emplace_back([&, i] {
+        v1::MeasureRequest request;
+        if (send) {
+          request.mutable_payload()->assign(payload_bytes, '\x5a');
+        } else {
+          request.set_reply_bytes(static_cast<uint32_t>(payload_bytes));
+        }
+        grpc::ClientContext context;
+        context.set_deadline(until);
+        v1::MeasureResponse response;
+        start.WaitForNotification();
+        statuses[i] = connections[i].stub->Measure(&context, request, &response);
+        moved[i] = send ? response.received() : response.payload().size();
+      });
+    }
+    const absl::Time began = absl::Now();
+    start.Notify();
+    for (std::thread& t : threads) t.join();
+    const double took_s = absl::ToDoubleSeconds(absl::Now() - began);
+    for (size_t i = 0; i < n; ++i) {
+      if (!statuses[i].ok()) {
+        return absl::UnavailableError(absl::StrCat(
+            targets[i].member_id, ": ", Unreachable(statuses[i], targets[i].member_id, deadline)
+                                            .message()));
+      }
+      if (moved[i] != payload_bytes) {
+        return absl::UnavailableError(absl::StrCat(
+            targets[i].member_id, ": ", send ? "did not receive" : "did not send",
+            " the whole payload (", moved[i], " of ", payload_bytes, " bytes)"));
+      }
+    }
+    return RateOf(static_cast<double>(n * payload_bytes), took_s, rtt_s);
+  };
+  AccessMeasurement measured;
+  absl::StatusOr<double> up = all_at_once(/*send=*/true);
+  if (!up.ok()) return up.status();
+  measured.uplink_bps = *up;
+  absl::StatusOr<double> down = all_at_once(/*send=*/false);
+  if (!down.ok()) return down.status();
+  measured.downlink_bps = *down;
   return measured;
 }
 

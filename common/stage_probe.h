@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -38,6 +39,34 @@ absl::StatusOr<LinkMeasurement> MeasureStage(const std::string& address,
                                              const std::string& member_id,
                                              const TransportSecurity& security,
                                              absl::Duration deadline, size_t payload_bytes);
+
+// A member to measure against, as ProbeStage names it.
+struct MeasureTarget {
+  std::string address;
+  std::string member_id;
+};
+
+// The most peers one access measurement uses.
+inline constexpr size_t kMaxAccessPeers = 4;
+
+struct AccessMeasurement {
+  double uplink_bps = 0;    // payload bits sent to all peers / the sends' time - RTT
+  double downlink_bps = 0;  // payload bits fetched from all / the fetches' time - RTT
+};
+
+// This host's access link (its port, which every link of its shares):
+// connects to every target as MeasureStage does, then sends `payload_bytes`
+// (<= kMaxMeasurePayloadBytes) to all of them at once, and then has all of
+// them send as many back at once (MeasureRequest.reply_bytes). Each
+// target's port carries one transfer and this host's carries all, so with
+// two or more targets the sums are this host's figures where its port is
+// the narrowest part, and more than any one pair's where the pairs' paths
+// are. Bounded by `deadline` in all. UNAVAILABLE as ProbeStage (naming the
+// target); INVALID_ARGUMENT for no targets, more than kMaxAccessPeers, or a
+// payload of 0 or too many bytes.
+absl::StatusOr<AccessMeasurement> MeasureAccess(const std::vector<MeasureTarget>& targets,
+                                                const TransportSecurity& security,
+                                                absl::Duration deadline, size_t payload_bytes);
 
 }  // namespace geotrain
 

@@ -606,6 +606,15 @@ int PrintNetwork(const geotrain::v1::ClusterStatus& status) {
                                                         : "probe failed");
   }
   if (status.network_size() == 0) std::printf("(nothing measured yet)\n");
+  // Each worker's port, which all of its links share.
+  bool header = false;
+  for (const auto& w : status.workers()) {
+    if (w.uplink_bps() <= 0 && w.downlink_bps() <= 0) continue;
+    if (!header) std::printf("\n%-16s %12s %12s\n", "ACCESS LINK", "UP Mb/s", "DOWN Mb/s");
+    header = true;
+    std::printf("%-16s %12.1f %12.1f\n", name(w.id()).c_str(), w.uplink_bps() / 1e6,
+                w.downlink_bps() / 1e6);
+  }
   return 0;
 }
 

@@ -368,10 +368,17 @@ bool JobController::Heartbeat(const v1::HeartbeatRequest& request,
       network_.RecordLinkRate(request.worker_id(), link.peer(), link.link_rate_bps(), now_ms);
     }
   }
+  for (int i = 0; i < std::min(request.access_probe_results_size(), 4); ++i) {
+    network_.RecordAccess(request.worker_id(), request.access_probe_results(i), now_ms);
+  }
   if (response != nullptr && network_.WantsTask(request.worker_id(), now_ms)) {
-    if (std::optional<v1::ProbeTask> task =
-            network_.NextTask(request.worker_id(), membership_.LiveWorkers(), now_ms)) {
+    const std::vector<WorkerRecord> live = membership_.LiveWorkers();
+    if (std::optional<v1::ProbeTask> task = network_.NextTask(request.worker_id(), live, now_ms)) {
       *response->add_probes() = *std::move(task);
+    }
+    if (std::optional<v1::AccessProbeTask> access =
+            network_.NextAccessTask(request.worker_id(), live, now_ms)) {
+      *response->mutable_access_probe() = *std::move(access);
     }
   }
   if (!reachability_results && probe_tasks_empty_.load()) return true;
@@ -918,8 +925,10 @@ void JobController::TakeOutForBrokenLinkLocked(const std::string& reporter,
 }
 
 void JobController::CheckProgressLocked() {
+  // Once the last step is committed the job is finishing (final stats,
+  // checkpoints, DONE), not stalled: no step is owed.
   if (!plan_.has_value() || done_ || plan_->job_done() || !done_workers_.empty() ||
-      plan_->stages_size() == 0) {
+      plan_->stages_size() == 0 || step_ >= options_.job.steps()) {
     return;
   }
   const int64_t now = options_.clock->NowMs();
@@ -1075,6 +1084,7 @@ void JobController::MaybeVoluntaryReplanLocked() {
   }
   PlannerInput input = PlannerInputFor(options_.job, candidates, CodecChoice::kPerLink);
   input.links = network_.LinksFor(candidates);
+  network_.FillAccess(&input.workers);
   MarkReplicaCandidatesLocked(&input);
   CalibrateWithStageStats(*plan_, candidates, &input);
   absl::StatusOr<PipelinePlan> best = planner_->Plan(input);
@@ -1451,6 +1461,7 @@ std::optional<v1::Plan> JobController::PartitionLocked(const std::vector<WorkerR
       options_.job, live,
       options_.planner == "network" ? CodecChoice::kPerLink : CodecChoice::kJobWide);
   input.links = network_.LinksFor(live);
+  network_.FillAccess(&input.workers);
   MarkReplicaCandidatesLocked(&input);
   absl::StatusOr<PipelinePlan> planned = planner_->Plan(input);
   if (!planned.ok()) {
@@ -1480,7 +1491,10 @@ void JobController::MaybePlanLocked() {
     const int64_t now = options_.clock->NowMs();
     for (const WorkerRecord& w : live) {
       if (now - w.joined_ms >= kPreflightWaitMs) continue;
-      if (w.layer_seconds_per_sample.empty() || !network_.SampleMeasured(w.id, live)) return;
+      if (w.layer_seconds_per_sample.empty() || !network_.SampleMeasured(w.id, live) ||
+          !network_.AccessSettled(w.id, live)) {
+        return;
+      }
     }
   }
   std::string summary;
@@ -1670,6 +1684,10 @@ v1::ClusterStatus JobController::Status() const {
     out->set_blas(w.device.blas());
     out->set_environment(w.device.environment());
     out->set_memory_bytes(w.device.memory_bytes());
+    if (std::optional<NetworkMatrix::Access> access = network_.AccessOf(w.id)) {
+      out->set_uplink_bps(access->uplink_bps);
+      out->set_downlink_bps(access->downlink_bps);
+    }
     // Threads as the worker last reported them (they follow the host's
     // workers), else as it joined.
     out->set_threads(w.stats.threads() > 0 ? w.stats.threads() : w.device.threads());

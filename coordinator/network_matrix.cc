@@ -138,8 +138,107 @@ void NetworkMatrix::RecordLinkRate(const std::string& worker, const std::string&
   entry.source = entry.rtt_s > 0 ? "probe+link" : "link";  // RTT from a probe, rate live
 }
 
+std::vector<const WorkerRecord*> NetworkMatrix::MeasuredPeersLocked(
+    const std::string& worker, const std::vector<const WorkerRecord*>& sample) const {
+  std::vector<const WorkerRecord*> measured;
+  for (const WorkerRecord* peer : sample) {
+    auto entry = entries_.find({worker, peer->id});
+    if (entry != entries_.end() && entry->second.probed_ms > 0 && entry->second.rate_bps > 0 &&
+        entry->second.rtt_s > 0) {
+      measured.push_back(peer);
+    }
+  }
+  return measured;
+}
+
+std::optional<v1::AccessProbeTask> NetworkMatrix::NextAccessTask(
+    const std::string& worker, const std::vector<WorkerRecord>& live, int64_t now_ms) {
+  if (options_.access_peers < 2) return std::nullopt;
+  const std::vector<const WorkerRecord*> sample = SampleFor(worker, live);
+  absl::MutexLock lock(&mu_);
+  if (auto pending = access_pending_.find(worker); pending != access_pending_.end()) {
+    if (now_ms - pending->second < options_.task_timeout_ms) return std::nullopt;
+    access_pending_.erase(pending);
+  }
+  if (auto known = access_.find(worker);
+      known != access_.end() && now_ms - known->second.updated_ms < options_.refresh_ms) {
+    return std::nullopt;
+  }
+  std::vector<const WorkerRecord*> peers = MeasuredPeersLocked(worker, sample);
+  if (peers.size() < 2) return std::nullopt;
+  // The fastest pairs: the port, not a peer's path, should be what limits.
+  std::stable_sort(peers.begin(), peers.end(), [&](const WorkerRecord* a, const WorkerRecord* b) {
+    return entries_.at({worker, a->id}).rate_bps > entries_.at({worker, b->id}).rate_bps;
+  });
+  v1::AccessProbeTask task;
+  for (size_t i = 0; i < peers.size() && static_cast<int>(i) < options_.access_peers; ++i) {
+    v1::ProbeTask* peer = task.add_peers();
+    peer->set_worker_id(peers[i]->id);
+    peer->set_address(peers[i]->address);
+  }
+  task.set_measure_bytes(options_.probe_bytes);
+  access_pending_[worker] = now_ms;
+  return task;
+}
+
+void NetworkMatrix::RecordAccess(const std::string& worker, const v1::AccessProbeResult& result,
+                                 int64_t now_ms) {
+  absl::MutexLock lock(&mu_);
+  auto pending = access_pending_.find(worker);
+  if (pending == access_pending_.end()) return;
+  access_pending_.erase(pending);
+  Access& access = access_[worker];
+  access = Access();
+  access.updated_ms = std::max<int64_t>(now_ms, 1);
+  if (!result.measured() || !Plausible(0, result.uplink_bps()) ||
+      !Plausible(0, result.downlink_bps()) || result.uplink_bps() <= 0 ||
+      result.downlink_bps() <= 0) {
+    return;  // a failed attempt: not retried before the refresh
+  }
+  access.uplink_bps = result.uplink_bps();
+  access.downlink_bps = result.downlink_bps();
+  access.peers = result.peers();
+}
+
+bool NetworkMatrix::AccessSettled(const std::string& worker,
+                                  const std::vector<WorkerRecord>& live) const {
+  if (options_.access_peers < 2) return true;
+  const std::vector<const WorkerRecord*> sample = SampleFor(worker, live);
+  absl::MutexLock lock(&mu_);
+  if (access_.count(worker) > 0) return true;
+  return MeasuredPeersLocked(worker, sample).size() < 2;
+}
+
+std::optional<NetworkMatrix::Access> NetworkMatrix::AccessOf(const std::string& worker) const {
+  absl::MutexLock lock(&mu_);
+  auto it = access_.find(worker);
+  if (it == access_.end()) return std::nullopt;
+  return it->second;
+}
+
+void NetworkMatrix::FillAccess(std::vector<PlannerWorkerInfo>* workers) const {
+  absl::MutexLock lock(&mu_);
+  for (PlannerWorkerInfo& w : *workers) {
+    auto it = access_.find(w.id);
+    if (it == access_.end() || it->second.uplink_bps <= 0) continue;
+    // Every pair's transfer crossed the port too: it is at least as fast
+    // as the fastest of them (an access measurement that met other traffic
+    // on a peer's port reads low).
+    double up = it->second.uplink_bps;
+    double down = it->second.downlink_bps;
+    for (const auto& [pair, entry] : entries_) {
+      if (pair.first == w.id) up = std::max(up, entry.rate_bps);
+      if (pair.second == w.id) down = std::max(down, entry.rate_bps);
+    }
+    w.uplink_bps = up;
+    w.downlink_bps = down;
+  }
+}
+
 void NetworkMatrix::Forget(const std::string& worker) {
   absl::MutexLock lock(&mu_);
+  access_.erase(worker);
+  access_pending_.erase(worker);
   for (auto it = entries_.begin(); it != entries_.end();) {
     it = (it->first.first == worker || it->first.second == worker) ? entries_.erase(it)
                                                                     : std::next(it);

@@ -29,6 +29,8 @@ struct NetworkMatrixOptions {
   int64_t refresh_ms = 10 * 60 * 1000; // re-measure a pair older than this
   int64_t task_timeout_ms = 30 * 1000; // a task unanswered this long is given up
   int max_status_entries = 4096;
+  // Peers of an access measurement (all at once; 2 at least, or none).
+  int access_peers = 3;
 };
 
 class NetworkMatrix {
@@ -39,6 +41,15 @@ class NetworkMatrix {
     int64_t updated_ms = 0;
     int64_t probed_ms = 0;  // when last probed (answered or failed); 0: never
     std::string source;   // "probe", "link" (rate only) or "probe+link"
+  };
+
+  // A worker's access link (its port): what it sent to and fetched from
+  // several peers at once (AccessProbeTask).
+  struct Access {
+    double uplink_bps = 0;    // 0: the last attempt failed
+    double downlink_bps = 0;
+    int peers = 0;
+    int64_t updated_ms = 0;   // when last measured or attempted
   };
 
   explicit NetworkMatrix(NetworkMatrixOptions options = {}) : options_(options) {}
@@ -65,6 +76,28 @@ class NetworkMatrix {
                       double rate_bps, int64_t now_ms);
   void Forget(const std::string& worker);
 
+  // At most one access measurement for `worker`: once at least two peers of
+  // its sample answered its measure tasks (so they can be reached the way
+  // links go), while it has no figure or an older one than the refresh,
+  // and while no access task of its is outstanding. (The worker runs its
+  // tasks one after another, so none shares the port with another.)
+  std::optional<v1::AccessProbeTask> NextAccessTask(const std::string& worker,
+                                                    const std::vector<WorkerRecord>& live,
+                                                    int64_t now_ms);
+  // An answer to `worker`'s access task; anything not asked is ignored, and
+  // implausible figures count as a failed attempt.
+  void RecordAccess(const std::string& worker, const v1::AccessProbeResult& result,
+                    int64_t now_ms);
+  // Whether the first plan may stop waiting for `worker`'s access figure:
+  // it has one (or an attempt failed), or fewer than two peers it could
+  // measure with answered.
+  bool AccessSettled(const std::string& worker, const std::vector<WorkerRecord>& live) const;
+  std::optional<Access> AccessOf(const std::string& worker) const;
+  // Each planner worker's uplink_bps and downlink_bps, by id: its access
+  // measurement, or the fastest pair measured from (into) it where that is
+  // more. Left 0 (not limited) where no access measurement succeeded.
+  void FillAccess(std::vector<PlannerWorkerInfo>* workers) const;
+
   std::optional<Entry> Get(const std::string& from, const std::string& to) const;
   // The planner's links for `workers` (n x n, from i to j; unknown: rate 0).
   std::vector<LinkEstimate> LinksFor(const std::vector<WorkerRecord>& workers) const;
@@ -84,6 +117,13 @@ class NetworkMatrix {
   std::map<std::string, std::pair<std::string, int64_t>> pending_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int64_t> next_check_ms_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> worker_at_ ABSL_GUARDED_BY(mu_);  // address -> worker
+  std::map<std::string, Access> access_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, int64_t> access_pending_ ABSL_GUARDED_BY(mu_);  // worker -> sent at
+
+  // The peers of `worker`'s sample that answered a measure with a rate.
+  std::vector<const WorkerRecord*> MeasuredPeersLocked(
+      const std::string& worker, const std::vector<const WorkerRecord*>& sample) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 };
 
 }  // namespace geotrain

@@ -278,12 +278,19 @@ absl::StatusOr<bool> CoordinatorClient::Heartbeat(uint64_t rss_bytes,
       if (result.measured() && result.rate_bps() > 0) pacer_.ObserveUplink(result.rate_bps() / 8);
       *request.add_probe_results() = std::move(result);
     }
+    for (v1::AccessProbeResult& result : prober_->TakeAccessResults()) {
+      if (result.measured() && result.uplink_bps() > 0) {
+        pacer_.ObserveUplink(result.uplink_bps() / 8);
+      }
+      *request.add_access_probe_results() = std::move(result);
+    }
   }
   v1::HeartbeatResponse response;
   const grpc::Status status = stub_->Heartbeat(&context, request, &response);
   if (!status.ok()) return FromGrpcStatus(status);
   if (prober_ != nullptr) {
     for (const v1::ProbeTask& task : response.probes()) prober_->Enqueue(task);
+    if (response.has_access_probe()) prober_->EnqueueAccess(response.access_probe());
   }
   return response.known();
 }

@@ -338,7 +338,16 @@ grpc::Status LinkService::Measure(grpc::ServerContext* context,
                         absl::StrCat("measure payload of ", request->payload().size(),
                                      " bytes: at most ", kMaxMeasurePayloadBytes));
   }
+  // A member's access measurement fetches bytes too (MeasureAccess): no
+  // more than a request may carry, and only for a peer that passed the
+  // same check, so a stranger cannot make this worker send.
+  if (request->reply_bytes() > kMaxMeasurePayloadBytes) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("measure reply of ", request->reply_bytes(),
+                                     " bytes: at most ", kMaxMeasurePayloadBytes));
+  }
   response->set_received(request->payload().size());
+  response->mutable_payload()->assign(request->reply_bytes(), '\x5a');
   return grpc::Status::OK;
 }
 

@@ -9,6 +9,7 @@
 
 #include <deque>
 #include <map>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -34,10 +35,17 @@ class PeerProber {
 
   void Enqueue(const v1::ProbeTask& task);
   std::vector<v1::ProbeResult> TakeResults();
+  // An access measurement (MeasureAccess), on the same thread as the
+  // probes so that none of them shares the port with another; a second
+  // one while one waits replaces it.
+  void EnqueueAccess(const v1::AccessProbeTask& task);
+  std::vector<v1::AccessProbeResult> TakeAccessResults();
 
  private:
   void Loop();
   void Measure(const v1::ProbeTask& task);
+  void MeasureAccessLink(const v1::AccessProbeTask& task);
+  std::string RouteTo(const std::string& address) const;
 
   const absl::Duration deadline_;
   TransportSecurity security_;
@@ -45,6 +53,8 @@ class PeerProber {
   absl::Mutex mu_;
   std::deque<v1::ProbeTask> pending_ ABSL_GUARDED_BY(mu_);
   std::vector<v1::ProbeResult> results_ ABSL_GUARDED_BY(mu_);
+  std::optional<v1::AccessProbeTask> access_pending_ ABSL_GUARDED_BY(mu_);
+  std::vector<v1::AccessProbeResult> access_results_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;  // started by the first Enqueue
 };

@@ -118,5 +118,129 @@ TEST(NetworkMatrixTest, LiveLinkRatesRefreshThePairsAndGoIntoThePlannersLinks) {
   EXPECT_FALSE(matrix.Get("w1", "w2").has_value());
 }
 
+v1::AccessProbeResult AccessMeasured(double up, double down, int peers) {
+  v1::AccessProbeResult r;
+  r.set_measured(true);
+  r.set_uplink_bps(up);
+  r.set_downlink_bps(down);
+  r.set_peers(peers);
+  return r;
+}
+
+// A worker's port is measured once two peers of its sample answered its
+// measures: with its fastest measured peers (3 at most), one task at a time,
+// and again after the refresh; the figures reach the planner's workers.
+TEST(NetworkMatrixTest, AnAccessMeasurementFollowsTwoMeasuredPeers) {
+  NetworkMatrixOptions options;
+  options.sample = 5;
+  NetworkMatrix matrix(options);
+  const std::vector<WorkerRecord> live = Workers(6);
+  int64_t now = 1000;
+  EXPECT_FALSE(matrix.NextAccessTask("w0", live, now).has_value());
+  // Nothing to measure with yet (the first plan waits for the sample's
+  // measures before it looks at this).
+  EXPECT_TRUE(matrix.AccessSettled("w0", live));
+  std::vector<std::string> order;
+  for (int i = 0; i < 5; ++i) {
+    std::optional<v1::ProbeTask> task = matrix.NextTask("w0", live, now);
+    ASSERT_TRUE(task.has_value());
+    // Rates 10, 20, 30, ... Mb/s in the order measured; the third fails.
+    if (i == 2) {
+      v1::ProbeResult failed;
+      failed.set_worker_id(task->worker_id());
+      failed.set_measured(true);
+      matrix.RecordProbe("w0", failed, now);
+    } else {
+      matrix.RecordProbe("w0", Measured(task->worker_id(), 0.01, 1e7 * (i + 1)), now);
+    }
+    order.push_back(task->worker_id());
+    if (i == 0) EXPECT_FALSE(matrix.NextAccessTask("w0", live, now).has_value());
+  }
+  EXPECT_FALSE(matrix.AccessSettled("w0", live));  // two peers answered: worth the wait
+  std::optional<v1::AccessProbeTask> access = matrix.NextAccessTask("w0", live, now);
+  ASSERT_TRUE(access.has_value());
+  EXPECT_EQ(access->measure_bytes(), options.probe_bytes);
+  ASSERT_EQ(access->peers_size(), 3);
+  EXPECT_EQ(access->peers(0).worker_id(), order[4]);  // 50 Mb/s
+  EXPECT_EQ(access->peers(1).worker_id(), order[3]);  // 40
+  EXPECT_EQ(access->peers(2).worker_id(), order[1]);  // 20; the failed one is not asked
+  EXPECT_FALSE(access->peers(0).address().empty());
+  EXPECT_FALSE(matrix.NextAccessTask("w0", live, now).has_value());  // one at a time
+  // An answer nobody asked for (another worker's) is ignored.
+  matrix.RecordAccess("w1", AccessMeasured(5e7, 5e7, 3), now);
+  EXPECT_FALSE(matrix.AccessOf("w1").has_value());
+  matrix.RecordAccess("w0", AccessMeasured(1e8, 2e8, 3), now);
+  ASSERT_TRUE(matrix.AccessOf("w0").has_value());
+  EXPECT_EQ(matrix.AccessOf("w0")->uplink_bps, 1e8);
+  EXPECT_EQ(matrix.AccessOf("w0")->downlink_bps, 2e8);
+  EXPECT_TRUE(matrix.AccessSettled("w0", live));
+  // A second answer to the same task is not asked for either.
+  matrix.RecordAccess("w0", AccessMeasured(1e6, 1e6, 3), now);
+  EXPECT_EQ(matrix.AccessOf("w0")->uplink_bps, 1e8);
+  std::vector<PlannerWorkerInfo> workers(2);
+  workers[0].id = "w1";
+  workers[1].id = "w0";
+  matrix.FillAccess(&workers);
+  EXPECT_EQ(workers[0].uplink_bps, 0);
+  EXPECT_EQ(workers[1].uplink_bps, 1e8);
+  EXPECT_EQ(workers[1].downlink_bps, 2e8);
+  // A pair measured faster than the port read (the measurement met other
+  // traffic): the port is at least that fast.
+  matrix.Learn(order[4], "10.0.0.9:7000");
+  matrix.RecordLinkRate("w0", "10.0.0.9:7000", 1.5e8, now);
+  matrix.FillAccess(&workers);
+  EXPECT_EQ(workers[1].uplink_bps, 1.5e8);
+  EXPECT_EQ(workers[1].downlink_bps, 2e8);
+  EXPECT_FALSE(matrix.NextAccessTask("w0", live, now + 1000).has_value());
+  EXPECT_TRUE(matrix.NextAccessTask("w0", live, now + options.refresh_ms + 1).has_value());
+  // Forgotten with the worker.
+  matrix.Forget("w0");
+  EXPECT_FALSE(matrix.AccessOf("w0").has_value());
+}
+
+// A failed or implausible answer leaves the port unknown (not limited) and
+// is not retried before the refresh; an unanswered task is given up.
+TEST(NetworkMatrixTest, AFailedAccessMeasurementLeavesThePortUnknown) {
+  NetworkMatrixOptions options;
+  options.sample = 2;
+  NetworkMatrix matrix(options);
+  const std::vector<WorkerRecord> live = Workers(3);
+  int64_t now = 1000;
+  for (int i = 0; i < 2; ++i) {
+    std::optional<v1::ProbeTask> task = matrix.NextTask("w0", live, now);
+    ASSERT_TRUE(task.has_value());
+    matrix.RecordProbe("w0", Measured(task->worker_id(), 0.01, 1e8), now);
+  }
+  ASSERT_TRUE(matrix.NextAccessTask("w0", live, now).has_value());
+  // Unanswered past the task timeout: asked again.
+  now += options.task_timeout_ms + 1;
+  ASSERT_TRUE(matrix.NextAccessTask("w0", live, now).has_value());
+  v1::AccessProbeResult failed;
+  failed.set_detail("w1: no answer");
+  matrix.RecordAccess("w0", failed, now);
+  ASSERT_TRUE(matrix.AccessOf("w0").has_value());
+  EXPECT_EQ(matrix.AccessOf("w0")->uplink_bps, 0);
+  EXPECT_TRUE(matrix.AccessSettled("w0", live));
+  EXPECT_FALSE(matrix.NextAccessTask("w0", live, now + 1000).has_value());
+  std::vector<PlannerWorkerInfo> workers(1);
+  workers[0].id = "w0";
+  matrix.FillAccess(&workers);
+  EXPECT_EQ(workers[0].uplink_bps, 0);
+  // Implausible figures count as a failure.
+  now += options.refresh_ms + 1;
+  ASSERT_TRUE(matrix.NextAccessTask("w0", live, now).has_value());
+  matrix.RecordAccess("w0", AccessMeasured(1e15, 1e8, 2), now);
+  EXPECT_EQ(matrix.AccessOf("w0")->uplink_bps, 0);
+  EXPECT_EQ(matrix.AccessOf("w0")->downlink_bps, 0);
+  // With one peer to measure with, nothing is asked and nothing is awaited.
+  const std::vector<WorkerRecord> pair = Workers(2);
+  NetworkMatrix small(options);
+  std::optional<v1::ProbeTask> task = small.NextTask("w0", pair, now);
+  ASSERT_TRUE(task.has_value());
+  small.RecordProbe("w0", Measured(task->worker_id(), 0.01, 1e8), now);
+  EXPECT_FALSE(small.NextAccessTask("w0", pair, now).has_value());
+  EXPECT_TRUE(small.AccessSettled("w0", pair));
+}
+
 }  // namespace
 }  // namespace geotrain
