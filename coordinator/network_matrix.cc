@@ -211,27 +211,32 @@ bool NetworkMatrix::AccessSettled(const std::string& worker,
 
 std::optional<NetworkMatrix::Access> NetworkMatrix::AccessOf(const std::string& worker) const {
   absl::MutexLock lock(&mu_);
+  return AccessOfLocked(worker);
+}
+
+std::optional<NetworkMatrix::Access> NetworkMatrix::AccessOfLocked(
+    const std::string& worker) const {
   auto it = access_.find(worker);
   if (it == access_.end()) return std::nullopt;
-  return it->second;
+  Access access = it->second;
+  if (access.uplink_bps <= 0) return access;  // a failed attempt
+  // Every pair's transfer crossed the port too: it is at least as fast as
+  // the fastest of them (an access measurement that met other traffic on a
+  // peer's port reads low).
+  for (const auto& [pair, entry] : entries_) {
+    if (pair.first == worker) access.uplink_bps = std::max(access.uplink_bps, entry.rate_bps);
+    if (pair.second == worker) access.downlink_bps = std::max(access.downlink_bps, entry.rate_bps);
+  }
+  return access;
 }
 
 void NetworkMatrix::FillAccess(std::vector<PlannerWorkerInfo>* workers) const {
   absl::MutexLock lock(&mu_);
   for (PlannerWorkerInfo& w : *workers) {
-    auto it = access_.find(w.id);
-    if (it == access_.end() || it->second.uplink_bps <= 0) continue;
-    // Every pair's transfer crossed the port too: it is at least as fast
-    // as the fastest of them (an access measurement that met other traffic
-    // on a peer's port reads low).
-    double up = it->second.uplink_bps;
-    double down = it->second.downlink_bps;
-    for (const auto& [pair, entry] : entries_) {
-      if (pair.first == w.id) up = std::max(up, entry.rate_bps);
-      if (pair.second == w.id) down = std::max(down, entry.rate_bps);
-    }
-    w.uplink_bps = up;
-    w.downlink_bps = down;
+    std::optional<Access> access = AccessOfLocked(w.id);
+    if (!access.has_value() || access->uplink_bps <= 0) continue;
+    w.uplink_bps = access->uplink_bps;
+    w.downlink_bps = access->downlink_bps;
   }
 }
 

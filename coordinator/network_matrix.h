@@ -92,10 +92,11 @@ class NetworkMatrix {
   // it has one (or an attempt failed), or fewer than two peers it could
   // measure with answered.
   bool AccessSettled(const std::string& worker, const std::vector<WorkerRecord>& live) const;
+  // Its access measurement, or the fastest pair measured from (into) it
+  // where that is more; zeros after a failed attempt.
   std::optional<Access> AccessOf(const std::string& worker) const;
-  // Each planner worker's uplink_bps and downlink_bps, by id: its access
-  // measurement, or the fastest pair measured from (into) it where that is
-  // more. Left 0 (not limited) where no access measurement succeeded.
+  // Each planner worker's uplink_bps and downlink_bps, by id (AccessOf).
+  // Left 0 (not limited) where no access measurement succeeded.
   void FillAccess(std::vector<PlannerWorkerInfo>* workers) const;
 
   std::optional<Entry> Get(const std::string& from, const std::string& to) const;
@@ -120,6 +121,8 @@ class NetworkMatrix {
   std::map<std::string, Access> access_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int64_t> access_pending_ ABSL_GUARDED_BY(mu_);  // worker -> sent at
 
+  std::optional<Access> AccessOfLocked(const std::string& worker) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The peers of `worker`'s sample that answered a measure with a rate.
   std::vector<const WorkerRecord*> MeasuredPeersLocked(
       const std::string& worker, const std::vector<const WorkerRecord*>& sample) const

@@ -191,6 +191,7 @@ TEST(NetworkMatrixTest, AnAccessMeasurementFollowsTwoMeasuredPeers) {
   matrix.FillAccess(&workers);
   EXPECT_EQ(workers[1].uplink_bps, 1.5e8);
   EXPECT_EQ(workers[1].downlink_bps, 2e8);
+  EXPECT_EQ(matrix.AccessOf("w0")->uplink_bps, 1.5e8);  // status says the same
   EXPECT_FALSE(matrix.NextAccessTask("w0", live, now + 1000).has_value());
   EXPECT_TRUE(matrix.NextAccessTask("w0", live, now + options.refresh_ms + 1).has_value());
   // Forgotten with the worker.
