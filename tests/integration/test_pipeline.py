@@ -189,8 +189,16 @@ class PipelineTest(unittest.TestCase):
             table = c.ctl("network")
             self.assertEqual(table.returncode, 0, table.stderr)
             print(table.stdout)
-            rows = [l for l in table.stdout.splitlines()[1:] if "probe" in l.split()[-1]]
+            # The pairs, then (after a blank line) each worker's port.
+            pairs, _, ports = table.stdout.partition("\n\n")
+            rows = [l for l in pairs.splitlines()[1:] if l.split() and "probe" in l.split()[-1]]
             self.assertGreaterEqual(len(rows), 6)
+            # Each port measured with both peers at once before the first plan.
+            self.assertIn("ACCESS LINK", ports)
+            self.assertEqual(len([l for l in ports.splitlines()[1:] if l.strip()]), 3, ports)
+            for w in c.status()["workers"]:
+                self.assertGreater(w.get("uplink_bps", 0), 1e6, w["name"])
+                self.assertGreater(w.get("downlink_bps", 0), 1e6, w["name"])
             out = c.ctl("plan", "--explain")
             status = c.status()
         self.assertEqual(out.returncode, 0, out.stderr)
