@@ -8,6 +8,7 @@
 #include <limits>
 #include <map>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <utility>
 
@@ -684,6 +685,115 @@ void AddReplicas(const CostModel& model, PipelinePlan* plan) {
   }
 }
 
+// The job's figures for R pipelines side by side: pipeline 0 is `plan`
+// (its figures as Score left them), `more` the others, all at the same cuts
+// and codecs. Their samples/s add up; every outer_inner_steps steps each
+// stage's replicas send their pseudo-gradients to the stage's reducer (its
+// pipeline-0 worker) and take the mean back: R - 1 transfers of the stage's
+// weights at outer_ratio through the reducer's port, or over the slowest
+// replica pair where that is slower. Sets `plan`'s time per sample and
+// prediction to the job's; returns the outer sync's seconds per round.
+double ScorePipelines(const CostModel& model, const std::vector<PipelinePlan>& more,
+                      PipelinePlan* plan) {
+  const PlannerInput& in = model.input();
+  const int pipelines = 1 + static_cast<int>(more.size());
+  plan->pipelines = pipelines;
+  for (PlannedStageInfo& s : plan->stages) s.pipeline_workers.clear();
+  double rate = 1 / plan->time_per_sample_s;
+  double predicted_rate = 1 / plan->predicted_s_per_sample;
+  for (const PipelinePlan& other : more) {
+    rate += 1 / other.time_per_sample_s;
+    predicted_rate += 1 / other.predicted_s_per_sample;
+    for (size_t k = 0; k < plan->stages.size(); ++k) {
+      plan->stages[k].pipeline_workers.push_back(other.stages[k].worker);
+    }
+  }
+  double outer_s = 0;
+  if (pipelines > 1) {
+    for (const PlannedStageInfo& s : plan->stages) {
+      double slowest = kInf;
+      for (int p : s.pipeline_workers) slowest = std::min(slowest, model.LinkRate(s.worker, p, 1, 1));
+      const double bytes = model.ParameterBytes(s.layer_begin, s.layer_end) * in.outer_ratio;
+      outer_s = std::max(outer_s, bytes * (pipelines - 1) * 8 / std::max(slowest, 1.0));
+    }
+  }
+  const double samples_per_round = static_cast<double>(std::max(1, in.outer_inner_steps)) *
+                                   std::max(1, in.microbatches) *
+                                   std::max(1, in.microbatch_size) * pipelines;
+  plan->time_per_sample_s = 1 / rate + outer_s / samples_per_round;
+  plan->predicted_s_per_sample = 1 / predicted_rate + outer_s / samples_per_round;
+  std::vector<bool> used(model.workers(), false);
+  for (const PlannedStageInfo& s : plan->stages) {
+    used[s.worker] = true;
+    for (int r : s.replicas) used[r] = true;
+    for (int p : s.pipeline_workers) used[p] = true;
+  }
+  plan->spares.clear();
+  for (int w = 0; w < model.workers(); ++w) {
+    if (!used[w]) plan->spares.push_back(w);
+  }
+  return outer_s;
+}
+
+// Pipelines (job.outer: max_pipelines 0, as many as pay, or a cap), after
+// the search has fixed pipeline 0: while a further pipeline of spares at
+// pipeline 0's cuts and codecs lowers the job's predicted time per sample
+// by more than 1%, the outer sync's traffic counted (ScorePipelines), it is
+// added. Greedy: a new pipeline's stages choose in order of pipeline 0's
+// compute, heaviest first, each the spare fastest on its layers that holds
+// them; links and ports are then scored as they fall.
+void AddPipelines(const CostModel& model, PipelinePlan* plan) {
+  const PlannerInput& in = model.input();
+  if (in.max_pipelines == 1 || plan->stages.empty()) return;
+  const int stages = static_cast<int>(plan->stages.size());
+  std::vector<int> heaviest_first(stages);
+  std::iota(heaviest_first.begin(), heaviest_first.end(), 0);
+  std::stable_sort(heaviest_first.begin(), heaviest_first.end(), [&](int a, int b) {
+    return plan->stages[a].compute_s > plan->stages[b].compute_s;
+  });
+  const PipelinePlan first = *plan;  // pipeline 0, as Score left it
+  std::vector<PipelinePlan> more;
+  PipelinePlan best = first;
+  ScorePipelines(model, more, &best);
+  while (in.max_pipelines <= 0 || 1 + static_cast<int>(more.size()) < in.max_pipelines) {
+    std::vector<int> spares = best.spares;
+    if (static_cast<int>(spares.size()) < stages) break;
+    PipelinePlan next = first;
+    for (PlannedStageInfo& s : next.stages) s.replicas.clear();
+    bool filled = true;
+    for (int k : heaviest_first) {
+      PlannedStageInfo& s = next.stages[k];
+      int pick = -1;
+      for (int spare : spares) {
+        PlannedStageInfo trial = s;
+        trial.worker = spare;
+        if (!StageFits(model, trial)) continue;
+        if (pick < 0 || model.Compute(spare, s.layer_begin, s.layer_end) <
+                            model.Compute(pick, s.layer_begin, s.layer_end)) {
+          pick = spare;
+        }
+      }
+      if (pick < 0) {
+        filled = false;
+        break;
+      }
+      s.worker = pick;
+      spares.erase(std::find(spares.begin(), spares.end(), pick));
+    }
+    if (!filled) break;
+    Score(model, &next);
+    if (!std::isfinite(next.time_per_sample_s)) break;
+    std::vector<PipelinePlan> trial_more = more;
+    trial_more.push_back(next);
+    PipelinePlan trial = first;
+    ScorePipelines(model, trial_more, &trial);
+    if (!(trial.time_per_sample_s < best.time_per_sample_s * 0.99)) break;
+    more = std::move(trial_more);
+    best = std::move(trial);
+  }
+  *plan = std::move(best);
+}
+
 absl::Status Validate(const PlannerInput& input) {
   if (input.layers.empty()) return absl::InvalidArgumentError("model has no layers");
   if (input.workers.empty()) return absl::FailedPreconditionError("no workers");
@@ -860,21 +970,38 @@ class NetworkPlanner : public Planner {
   absl::StatusOr<PipelinePlan> Plan(const PlannerInput& input) const override {
     if (absl::Status valid = Validate(input); !valid.ok()) return valid;
     CostModel model(input);
-    Sweep sweep(model);
-    Best best;
-    Construct(model, &sweep, &best);
     const bool exhaustive = model.workers() <= options_.exhaustive_max_workers;
-    if (exhaustive) {
-      Exhaustive(model, &sweep, &best);
+    std::optional<PipelinePlan> best = Search(input, exhaustive);
+    if (!best.has_value()) return NoFit(model, StageLimit(input));
+    std::string how = exhaustive ? "optimal" : "searched";
+    if (input.max_pipelines == 1) {
+      AddReplicas(model, &*best);
     } else {
-      LocalSearch(model, &sweep, &best);
+      // R pipelines of at most P stages: pipeline 0 searched under each cap
+      // P that leaves room for a second, the others filled from its spares
+      // (AddPipelines); the best over the caps. Pipelines replace replicas
+      // within one: a stage's copies sync by the outer step.
+      AddPipelines(model, &*best);
+      for (int cap = StageLimit(input) - 1; cap >= 1; --cap) {
+        if (model.workers() / cap < 2) continue;
+        PlannerInput capped = input;
+        capped.max_stages = cap;
+        std::optional<PipelinePlan> pipelines = Search(capped, exhaustive);
+        if (!pipelines.has_value()) continue;
+        AddPipelines(model, &*pipelines);
+        if (pipelines->time_per_sample_s < best->time_per_sample_s * (1 - kStrictlyBetter)) {
+          best = std::move(pipelines);
+        }
+      }
+      if (best->pipelines > 1) {
+        absl::StrAppend(&how, " pipeline 0; ", best->pipelines,
+                        " pipelines at its cuts, the others of the fastest spares");
+      }
     }
-    if (best.order.empty()) return NoFit(model, StageLimit(input));
-    AddReplicas(model, &best.plan);
-    best.plan.planner = name();
-    best.plan.exact = exhaustive;
-    Explain(model, &best.plan, exhaustive ? "optimal" : "searched");
-    return best.plan;
+    best->planner = name();
+    best->exact = exhaustive && best->pipelines == 1;  // R is chosen greedily
+    Explain(model, &*best, how);
+    return *std::move(best);
   }
 
  private:
@@ -884,6 +1011,22 @@ class NetworkPlanner : public Planner {
     PipelinePlan plan;
     int evaluations = 0;
   };
+
+  // The best single pipeline for `input` (its max_stages included);
+  // nothing when none fits.
+  std::optional<PipelinePlan> Search(const PlannerInput& input, bool exhaustive) const {
+    CostModel model(input);
+    Sweep sweep(model);
+    Best best;
+    Construct(model, &sweep, &best);
+    if (exhaustive) {
+      Exhaustive(model, &sweep, &best);
+    } else {
+      LocalSearch(model, &sweep, &best);
+    }
+    if (best.order.empty()) return std::nullopt;
+    return std::move(best.plan);
+  }
 
   // How many stages and links sit at T*: fewer is better among plans with
   // the same T*, so a search can cross a plateau where two slow stages tie
@@ -1235,6 +1378,17 @@ std::string ExplainPlan(const PlannerInput& input, const PipelinePlan& plan) {
       absl::StrAppend(&out, "      replicas:");
       for (int r : s.replicas) absl::StrAppend(&out, " ", NameOf(input.workers[r]));
       absl::StrAppend(&out, " (the stage's pace with them; a spare joins where it gains >1%)\n");
+    }
+  }
+  if (plan.pipelines > 1) {
+    for (int p = 1; p < plan.pipelines; ++p) {
+      absl::StrAppendFormat(&out, "  pipeline %d:", p);
+      for (const PlannedStageInfo& s : plan.stages) {
+        if (p - 1 < static_cast<int>(s.pipeline_workers.size())) {
+          absl::StrAppend(&out, " ", NameOf(input.workers[s.pipeline_workers[p - 1]]));
+        }
+      }
+      absl::StrAppend(&out, "\n");
     }
   }
   if (!plan.spares.empty()) {

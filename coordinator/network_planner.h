@@ -108,8 +108,11 @@ struct PlannerInput {
   int max_replicas = 1;
   int replica_sync_every = 5;
   double replica_ratio = 0.5;
-  // Pipelines (job.outer): at most this many full pipelines; 1: one, 0: as
-  // many as the workers fill. The outer step sends each stage's
+  // Pipelines (job.outer): at most this many full pipelines; 1: one, 0: no
+  // cap. Join order makes as many as the workers fill; the network planner
+  // adds them (at pipeline 0's cuts, of the fastest spares) while each
+  // lowers the job's time per sample by more than 1%, and then makes no
+  // replicas within a pipeline. The outer step sends each stage's
   // pseudo-gradients at outer_ratio wire bytes per weight byte every
   // outer_inner_steps steps.
   int max_pipelines = 1;

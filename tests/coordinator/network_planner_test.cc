@@ -7,6 +7,7 @@
 #include <functional>
 #include <limits>
 #include <random>
+#include <set>
 
 namespace geotrain {
 namespace {
@@ -321,6 +322,75 @@ TEST(NetworkPlannerTest, AMiddleStageSharesItsPortBetweenItsTwoLinks) {
   EXPECT_NEAR(slow_up->links[0].transfer_s,
               slow_up->links[0].raw_bytes * in.codecs[slow_up->links[0].codec_index].ratio * 8 / 1e7,
               1e-12);
+}
+
+// Six equal workers, six equal layers, every pair at 100 Mb/s and raw only:
+// a link binds a pipeline at 40 ms a microbatch however many stages it has
+// (a layer computes in 20 ms), so a second pipeline of three doubles the
+// job's rate where six stages in one would not.
+PlannerInput LinkBoundSix(uint64_t parameter_bytes_per_layer) {
+  PlannerInput in;
+  for (int w = 0; w < 6; ++w) in.workers.push_back(Worker("w" + std::to_string(w), 100));
+  in.links.assign(36, {0.0005, 1e8});
+  for (int l = 0; l < 6; ++l) {
+    PlannerLayer layer = Layer(2.5e8, 62500);
+    layer.parameter_bytes = parameter_bytes_per_layer;
+    in.layers.push_back(layer);
+  }
+  in.codecs = {{0, "none", 1.0, 0.0}};
+  in.microbatch_size = 8;
+  in.microbatches = 4;
+  in.max_pipelines = 0;  // job.outer without a cap
+  in.outer_inner_steps = 50;
+  in.outer_ratio = 0.25;
+  return in;
+}
+
+TEST(NetworkPlannerTest, PipelinesAreAddedWhereALinkBindsOne) {
+  PlannerInput in = LinkBoundSix(/*parameter_bytes_per_layer=*/1000);
+  PlannerInput one = in;
+  one.max_pipelines = 1;
+  absl::StatusOr<PipelinePlan> single = MakeNetworkPlanner()->Plan(one);
+  absl::StatusOr<PipelinePlan> plan = MakeNetworkPlanner()->Plan(in);
+  ASSERT_TRUE(single.ok() && plan.ok());
+  EXPECT_EQ(single->pipelines, 1);
+  ASSERT_GE(plan->pipelines, 2) << ExplainPlan(in, *plan);
+  EXPECT_FALSE(plan->exact);  // R is chosen greedily
+  // Every worker at most once, each stage with one worker per pipeline.
+  std::set<int> used;
+  for (const PlannedStageInfo& s : plan->stages) {
+    EXPECT_TRUE(used.insert(s.worker).second);
+    ASSERT_EQ(static_cast<int>(s.pipeline_workers.size()), plan->pipelines - 1);
+    for (int w : s.pipeline_workers) EXPECT_TRUE(used.insert(w).second) << w;
+    EXPECT_TRUE(s.replicas.empty());
+  }
+  EXPECT_EQ(used.size() + plan->spares.size(), 6u);
+  // R pipelines at 40 ms a microbatch of 8, and next to nothing to sync.
+  EXPECT_NEAR(plan->time_per_sample_s, 0.040 / 8 / plan->pipelines, 1e-6)
+      << ExplainPlan(in, *plan);
+  EXPECT_LT(plan->time_per_sample_s, single->time_per_sample_s / 1.9);
+  EXPECT_NE(ExplainPlan(in, *plan).find("pipeline 1:"), std::string::npos);
+  // A cap on R is kept.
+  in.max_pipelines = 2;
+  absl::StatusOr<PipelinePlan> capped = MakeNetworkPlanner()->Plan(in);
+  ASSERT_TRUE(capped.ok());
+  EXPECT_LE(capped->pipelines, 2);
+}
+
+// The same, but each layer holds 1 GB of weights: the outer sync would send
+// 0.5 GB per stage and round over 100 Mb/s, more than a second pipeline
+// gains, so the plan keeps one.
+TEST(NetworkPlannerTest, TheOuterSyncsTrafficCanMakeOnePipelineBest) {
+  PlannerInput in = LinkBoundSix(/*parameter_bytes_per_layer=*/1000000000);
+  absl::StatusOr<PipelinePlan> plan = MakeNetworkPlanner()->Plan(in);
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(plan->pipelines, 1) << ExplainPlan(in, *plan);
+  for (const PlannedStageInfo& s : plan->stages) EXPECT_TRUE(s.pipeline_workers.empty());
+  // More inner steps between syncs make the traffic per sample small.
+  in.outer_inner_steps = 100000;
+  absl::StatusOr<PipelinePlan> rare = MakeNetworkPlanner()->Plan(in);
+  ASSERT_TRUE(rare.ok());
+  EXPECT_GE(rare->pipelines, 2) << ExplainPlan(in, *rare);
 }
 
 TEST(NetworkPlannerTest, ASpareReplicatesTheBottleneckStageOnlyWhereItPays) {
