@@ -1450,6 +1450,37 @@ class VoluntaryReplanTest : public HostileInputTest {
   }
 };
 
+// An outer job under the network planner: a stage per block is slower per
+// sample than whole copies of this small model syncing every 500 steps, so
+// the workers train as several pipelines (the planner's choice of R), which
+// the status shows.
+class NetworkPipelinesTest : public VoluntaryReplanTest {
+ protected:
+  void SetUp() override {
+    planner_ = "network";
+    Start("gpt { context: 8 d_model: 16 heads: 2 blocks: 2 } text {} steps: 1000 "
+          "min_workers: 4 lease_ms: 1000000 microbatch_size: 4 microbatches: 2 "
+          "outer { inner_steps: 500 }");
+  }
+};
+
+TEST_F(NetworkPipelinesTest, AnOuterJobIsPlannedAsPipelinesWhereTheyPay) {
+  std::vector<std::string> ids;
+  for (const char* name : {"a", "b", "c", "d"}) ids.push_back(Join(name).worker_id());
+  for (const std::string& id : ids) ReportTimings(id);
+  AnswerMeasureTasks(ids, {});
+  controller_->Tick();
+  ASSERT_EQ(controller_->Status().state(), "training");
+  const v1::Plan plan = Plan();
+  EXPECT_GE(plan.pipelines(), 2) << plan.DebugString();
+  const v1::ClusterStatus status = controller_->Status();
+  EXPECT_EQ(status.pipelines(), plan.pipelines());
+  EXPECT_EQ(status.prediction().planner(), "network");
+  EXPECT_FALSE(status.prediction().exact());
+  EXPECT_NE(status.prediction().explanation().find("pipeline 1:"), std::string::npos)
+      << status.prediction().explanation();
+}
+
 TEST_F(VoluntaryReplanTest, AVoluntaryReplanMovesOffASlowLinkAndSaysWhy) {
   std::map<std::string, std::string> address;  // id -> address
   std::vector<std::string> ids;

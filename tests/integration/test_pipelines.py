@@ -127,6 +127,35 @@ class PipelinesTest(unittest.TestCase):
                     self.assertAlmostEqual(points[0][1], counted[0]["pipelines"][r]["loss"],
                                            places=4)
 
+    def test_the_network_planner_chooses_the_pipelines(self):
+        # Its own R and stages (max_stages 2 caps them), from the measured
+        # layer times and links; the outer sync then ends every stage's
+        # replicas on the same weights as with join order's plan.
+        steps, inner = 24, 4
+        with PipelinesCluster(steps, inner, streaming=True, schedule="ASYNC_STASH") as c:
+            c.coordinator_flags.append("--planner=network")
+            c.start_coordinator()
+            for i in range(6):
+                c.start_worker(f"w{i}")
+            try:
+                c.wait_done(timeout=600)
+            except Exception:
+                print(c.dump_logs())
+                raise
+            status = c.status()
+            pipelines = int(status.get("pipelines", 1))
+            print(status["prediction"]["explanation"], flush=True)
+            self.assertEqual(status["prediction"]["planner"], "network")
+            self.assertGreaterEqual(pipelines, 2, status["prediction"])
+            finals = c.finals([p for p in c.workers if FINAL.search(p.log())])
+            for stage, replicas in finals.items():
+                print(f"stage {stage}: {replicas}", flush=True)
+                self.assertEqual(len(replicas), pipelines, replicas)
+                self.assertEqual(len({r[1] for r in replicas}), 1, replicas)
+                self.assertEqual(len({r[2] for r in replicas}), 1, replicas)
+            counted = c.steps()
+            self.assertEqual([m["step"] for m in counted], list(range(1, steps + 1)))
+
     def test_blocking_rounds_leave_replicas_bit_identical(self):
         self.check_run(streaming=False, tensorboard=True)
 
