@@ -1066,8 +1066,11 @@ bool JobController::FillReplicasLocked(v1::Plan* plan, std::string* summary) con
 }
 
 void JobController::MaybeVoluntaryReplanLocked() {
+  // Not with pipelines (job.outer) yet: CompareForReplan scores the current
+  // plan as one pipeline whose other pipelines' workers are replicas, which
+  // is not what the planner's figure for R pipelines means.
   if (options_.planner != "network" || !plan_.has_value() || done_ || plan_->job_done() ||
-      !done_workers_.empty()) {
+      !done_workers_.empty() || options_.job.has_outer()) {
     return;
   }
   const int64_t now = options_.clock->NowMs();
@@ -1155,7 +1158,10 @@ bool JobController::RepairPipelinesLocked(std::set<std::string> live, const std:
 }
 
 bool JobController::MaybeFormPipelineLocked() {
-  if (!options_.job.has_outer() || !done_workers_.empty() || plan_->stages_size() == 0) {
+  // The network planner chose R where pipelines pay (counting the outer
+  // sync's traffic); standbys that fill the stages do not overrule it.
+  if (!options_.job.has_outer() || !done_workers_.empty() || plan_->stages_size() == 0 ||
+      options_.planner == "network") {
     return false;
   }
   const int pipelines = PipelinesOf(*plan_);

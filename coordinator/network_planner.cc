@@ -687,7 +687,9 @@ void AddReplicas(const CostModel& model, PipelinePlan* plan) {
 
 // The job's figures for R pipelines side by side: pipeline 0 is `plan`
 // (its figures as Score left them), `more` the others, all at the same cuts
-// and codecs. Their samples/s add up; every outer_inner_steps steps each
+// and codecs. A job step commits once every pipeline has made it, and no
+// pipeline runs more than a round ahead, so the job moves at R times its
+// slowest pipeline's samples/s; every outer_inner_steps steps each
 // stage's replicas send their pseudo-gradients to the stage's reducer (its
 // pipeline-0 worker) and take the mean back: R - 1 transfers of the stage's
 // weights at outer_ratio through the reducer's port, or over the slowest
@@ -699,11 +701,11 @@ double ScorePipelines(const CostModel& model, const std::vector<PipelinePlan>& m
   const int pipelines = 1 + static_cast<int>(more.size());
   plan->pipelines = pipelines;
   for (PlannedStageInfo& s : plan->stages) s.pipeline_workers.clear();
-  double rate = 1 / plan->time_per_sample_s;
-  double predicted_rate = 1 / plan->predicted_s_per_sample;
+  double slowest = plan->time_per_sample_s;
+  double slowest_predicted = plan->predicted_s_per_sample;
   for (const PipelinePlan& other : more) {
-    rate += 1 / other.time_per_sample_s;
-    predicted_rate += 1 / other.predicted_s_per_sample;
+    slowest = std::max(slowest, other.time_per_sample_s);
+    slowest_predicted = std::max(slowest_predicted, other.predicted_s_per_sample);
     for (size_t k = 0; k < plan->stages.size(); ++k) {
       plan->stages[k].pipeline_workers.push_back(other.stages[k].worker);
     }
@@ -711,17 +713,19 @@ double ScorePipelines(const CostModel& model, const std::vector<PipelinePlan>& m
   double outer_s = 0;
   if (pipelines > 1) {
     for (const PlannedStageInfo& s : plan->stages) {
-      double slowest = kInf;
-      for (int p : s.pipeline_workers) slowest = std::min(slowest, model.LinkRate(s.worker, p, 1, 1));
+        double slowest_link = kInf;
+      for (int p : s.pipeline_workers) {
+        slowest_link = std::min(slowest_link, model.LinkRate(s.worker, p, 1, 1));
+      }
       const double bytes = model.ParameterBytes(s.layer_begin, s.layer_end) * in.outer_ratio;
-      outer_s = std::max(outer_s, bytes * (pipelines - 1) * 8 / std::max(slowest, 1.0));
+      outer_s = std::max(outer_s, bytes * (pipelines - 1) * 8 / std::max(slowest_link, 1.0));
     }
   }
   const double samples_per_round = static_cast<double>(std::max(1, in.outer_inner_steps)) *
                                    std::max(1, in.microbatches) *
                                    std::max(1, in.microbatch_size) * pipelines;
-  plan->time_per_sample_s = 1 / rate + outer_s / samples_per_round;
-  plan->predicted_s_per_sample = 1 / predicted_rate + outer_s / samples_per_round;
+  plan->time_per_sample_s = slowest / pipelines + outer_s / samples_per_round;
+  plan->predicted_s_per_sample = slowest_predicted / pipelines + outer_s / samples_per_round;
   std::vector<bool> used(model.workers(), false);
   for (const PlannedStageInfo& s : plan->stages) {
     used[s.worker] = true;
@@ -741,7 +745,7 @@ double ScorePipelines(const CostModel& model, const std::vector<PipelinePlan>& m
 // by more than 1%, the outer sync's traffic counted (ScorePipelines), it is
 // added. Greedy: a new pipeline's stages choose in order of pipeline 0's
 // compute, heaviest first, each the spare fastest on its layers that holds
-// them; links and ports are then scored as they fall.
+// them and may replicate; links and ports are then scored as they fall.
 void AddPipelines(const CostModel& model, PipelinePlan* plan) {
   const PlannerInput& in = model.input();
   if (in.max_pipelines == 1 || plan->stages.empty()) return;
@@ -765,6 +769,9 @@ void AddPipelines(const CostModel& model, PipelinePlan* plan) {
       PlannedStageInfo& s = next.stages[k];
       int pick = -1;
       for (int spare : spares) {
+        // A worker barred from replicating (a demoted straggler, a replica
+        // lost a moment ago) holds no stage's copy in another pipeline.
+        if (!in.workers[spare].may_replicate) continue;
         PlannedStageInfo trial = s;
         trial.worker = spare;
         if (!StageFits(model, trial)) continue;

@@ -10,7 +10,13 @@
 #include "worker/stall_watchdog.h"
 
 namespace geotrain {
+
 namespace {
+
+// What Measure replies may send in all (MeasureRequest.reply_bytes): an
+// access measurement takes 256 KiB from each of a few peers, now and then.
+constexpr uint64_t kMeasureReplyBudgetBytes = uint64_t{8} << 20;
+constexpr absl::Duration kMeasureReplyWindow = absl::Seconds(10);
 
 absl::Status Refusal(absl::StatusCode code, const std::string& peer, absl::string_view reason) {
   GT_LOG(Warning) << "refused link from " << peer << ": " << reason;
@@ -339,12 +345,29 @@ grpc::Status LinkService::Measure(grpc::ServerContext* context,
                                      " bytes: at most ", kMaxMeasurePayloadBytes));
   }
   // A member's access measurement fetches bytes too (MeasureAccess): no
-  // more than a request may carry, and only for a peer that passed the
-  // same check, so a stranger cannot make this worker send.
+  // more than a request may carry, for a caller that passed the same check
+  // (with TLS: a member), and within a budget for all callers together, so
+  // small requests cannot make this worker send without bound (without TLS
+  // anyone passes the check).
   if (request->reply_bytes() > kMaxMeasurePayloadBytes) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                         absl::StrCat("measure reply of ", request->reply_bytes(),
                                      " bytes: at most ", kMaxMeasurePayloadBytes));
+  }
+  if (request->reply_bytes() > 0) {
+    absl::MutexLock lock(&mu_);
+    const absl::Time now = absl::Now();
+    if (now - reply_window_start_ >= kMeasureReplyWindow) {
+      reply_window_start_ = now;
+      reply_bytes_in_window_ = 0;
+    }
+    if (reply_bytes_in_window_ + request->reply_bytes() > kMeasureReplyBudgetBytes) {
+      return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          absl::StrCat("measure replies over their budget (",
+                                       kMeasureReplyBudgetBytes >> 20, " MiB per ",
+                                       absl::FormatDuration(kMeasureReplyWindow), ")"));
+    }
+    reply_bytes_in_window_ += request->reply_bytes();
   }
   response->set_received(request->payload().size());
   response->mutable_payload()->assign(request->reply_bytes(), '\x5a');

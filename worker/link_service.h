@@ -102,6 +102,11 @@ class LinkService final : public v1::Stage::Service {
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
   std::map<std::string, int> pending_hellos_ ABSL_GUARDED_BY(mu_);
   int pending_total_ ABSL_GUARDED_BY(mu_) = 0;
+  // Measure replies (MeasureRequest.reply_bytes) sent in the current
+  // window: a few bytes ask for up to 1 MiB, so what any callers may draw
+  // is bounded (kMeasureReplyBudgetBytes per kMeasureReplyWindow).
+  absl::Time reply_window_start_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  uint64_t reply_bytes_in_window_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace geotrain

@@ -377,6 +377,28 @@ TEST(NetworkPlannerTest, PipelinesAreAddedWhereALinkBindsOne) {
   EXPECT_LE(capped->pipelines, 2);
 }
 
+// A job step waits for every pipeline: a pipeline of workers ten times
+// slower would hold the others to its pace (R times the slowest), so it is
+// not added, though its samples would add up if the pipelines ran apart.
+TEST(NetworkPlannerTest, ASlowPipelineIsNotAddedForItsSamplesAlone) {
+  PlannerInput in;
+  for (double gflops : {100.0, 100.0, 10.0, 10.0}) {
+    in.workers.push_back(Worker("w" + std::to_string(in.workers.size()), gflops));
+  }
+  in.links.assign(16, {0.0005, 1e10});
+  for (int l = 0; l < 4; ++l) in.layers.push_back(Layer(2.5e8, 1000));
+  in.codecs = {{0, "none", 1.0, 0.0}};
+  in.microbatch_size = 8;
+  in.max_stages = 2;
+  in.max_pipelines = 0;
+  absl::StatusOr<PipelinePlan> plan = MakeNetworkPlanner()->Plan(in);
+  ASSERT_TRUE(plan.ok());
+  for (const PlannedStageInfo& s : plan->stages) {
+    EXPECT_LT(s.worker, 2) << ExplainPlan(in, *plan);
+    for (int w : s.pipeline_workers) EXPECT_LT(w, 2) << ExplainPlan(in, *plan);
+  }
+}
+
 // The same, but each layer holds 1 GB of weights: the outer sync would send
 // 0.5 GB per stage and round over 100 Mb/s, more than a second pipeline
 // gains, so the plan keeps one.

@@ -147,6 +147,8 @@ class PipelinesTest(unittest.TestCase):
             print(status["prediction"]["explanation"], flush=True)
             self.assertEqual(status["prediction"]["planner"], "network")
             self.assertGreaterEqual(pipelines, 2, status["prediction"])
+            # The planner's own R (standbys do not form pipelines under it).
+            self.assertIn(f"pipeline {pipelines - 1}:", status["prediction"]["explanation"])
             finals = c.finals([p for p in c.workers if FINAL.search(p.log())])
             for stage, replicas in finals.items():
                 print(f"stage {stage}: {replicas}", flush=True)

@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/job_spec.h"
@@ -1039,6 +1040,9 @@ TEST_F(OuterSessionTest, APipelineGoesOnWhileAnotherIsFormedAnew) {
   }
   ASSERT_TRUE(reducers_await_newcomers());
   W("a1").coordinator->HoldAfter(W("a1").coordinator->step());
+  // Released below once the newcomers dialled, or here if an assertion
+  // returns first (a held session would hang the test's teardown).
+  absl::Cleanup release = [this] { W("a1").coordinator->Release(); };
   // b0's session ended on the broken link (its thread is done with it);
   // it and the newcomer start anew.
   const absl::Time ended = absl::Now() + absl::Seconds(30);
@@ -1052,7 +1056,7 @@ TEST_F(OuterSessionTest, APipelineGoesOnWhileAnotherIsFormedAnew) {
     return W("a0").links->DialInsBy("b0") == 2 && W("a1").links->DialInsBy("c1") == 1;
   };
   while (!newcomers_dialled() && absl::Now() < dialled) absl::SleepFor(absl::Milliseconds(5));
-  W("a1").coordinator->Release();
+  std::move(release).Invoke();
   EXPECT_TRUE(newcomers_dialled());
   Join();
   for (const char* id : {"a0", "a1", "b0", "c1"}) {
