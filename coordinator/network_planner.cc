@@ -428,6 +428,20 @@ struct StageCrew {
   std::vector<double> shares;
 };
 
+// The workers in no stage, replica or pipeline of `plan`.
+void FillSpares(const CostModel& model, PipelinePlan* plan) {
+  std::vector<bool> used(model.workers(), false);
+  for (const PlannedStageInfo& s : plan->stages) {
+    used[s.worker] = true;
+    for (int r : s.replicas) used[r] = true;
+    for (int p : s.pipeline_workers) used[p] = true;
+  }
+  plan->spares.clear();
+  for (int w = 0; w < model.workers(); ++w) {
+    if (!used[w]) plan->spares.push_back(w);
+  }
+}
+
 // Fills the figures of a plan whose workers, cuts, replicas and codecs are
 // set. A replicated stage runs at its workers' combined pace plus its share
 // of weight averaging (every worker sends the stage's weights once per
@@ -524,16 +538,7 @@ void Score(const CostModel& model, PipelinePlan* plan) {
                          ") against the round trip");
   }
   plan->bound = bound;
-  std::vector<bool> used(model.workers(), false);
-  for (const PlannedStageInfo& s : plan->stages) {
-    used[s.worker] = true;
-    for (int r : s.replicas) used[r] = true;
-    for (int p : s.pipeline_workers) used[p] = true;
-  }
-  plan->spares.clear();
-  for (int w = 0; w < model.workers(); ++w) {
-    if (!used[w]) plan->spares.push_back(w);
-  }
+  FillSpares(model, plan);
 }
 
 // Under the async schedules with a cap W on the window the objective is
@@ -685,35 +690,23 @@ void AddReplicas(const CostModel& model, PipelinePlan* plan) {
   }
 }
 
-// The job's figures for R pipelines side by side: pipeline 0 is `plan`
-// (its figures as Score left them), `more` the others, all at the same cuts
-// and codecs. A job step commits once every pipeline has made it, and no
-// pipeline runs more than a round ahead, so the job moves at R times its
-// slowest pipeline's samples/s; every outer_inner_steps steps each
-// stage's replicas send their pseudo-gradients to the stage's reducer (its
-// pipeline-0 worker) and take the mean back: R - 1 transfers of the stage's
-// weights at outer_ratio through the reducer's port, or over the slowest
-// replica pair where that is slower. Sets `plan`'s time per sample and
-// prediction to the job's; returns the outer sync's seconds per round.
-double ScorePipelines(const CostModel& model, const std::vector<PipelinePlan>& more,
-                      PipelinePlan* plan) {
+// The job's figures for R = plan->pipelines pipelines side by side
+// (plan->stages[k].pipeline_workers set), given the slowest pipeline's time
+// per sample (and prediction). A job step commits once every pipeline has
+// made it, and no pipeline runs more than a round ahead, so the job moves
+// at R times its slowest pipeline's samples/s; every outer_inner_steps steps
+// each stage's replicas send their pseudo-gradients to the stage's reducer
+// (its pipeline-0 worker) and take the mean back: R - 1 transfers of the
+// stage's weights at outer_ratio through the reducer's port, or over the
+// slowest replica pair where that is slower.
+void ScoreOuterSync(const CostModel& model, double slowest_s, double slowest_predicted_s,
+                    PipelinePlan* plan) {
   const PlannerInput& in = model.input();
-  const int pipelines = 1 + static_cast<int>(more.size());
-  plan->pipelines = pipelines;
-  for (PlannedStageInfo& s : plan->stages) s.pipeline_workers.clear();
-  double slowest = plan->time_per_sample_s;
-  double slowest_predicted = plan->predicted_s_per_sample;
-  for (const PipelinePlan& other : more) {
-    slowest = std::max(slowest, other.time_per_sample_s);
-    slowest_predicted = std::max(slowest_predicted, other.predicted_s_per_sample);
-    for (size_t k = 0; k < plan->stages.size(); ++k) {
-      plan->stages[k].pipeline_workers.push_back(other.stages[k].worker);
-    }
-  }
+  const int pipelines = std::max(1, plan->pipelines);
   double outer_s = 0;
   if (pipelines > 1) {
     for (const PlannedStageInfo& s : plan->stages) {
-        double slowest_link = kInf;
+      double slowest_link = kInf;
       for (int p : s.pipeline_workers) {
         slowest_link = std::min(slowest_link, model.LinkRate(s.worker, p, 1, 1));
       }
@@ -724,19 +717,27 @@ double ScorePipelines(const CostModel& model, const std::vector<PipelinePlan>& m
   const double samples_per_round = static_cast<double>(std::max(1, in.outer_inner_steps)) *
                                    std::max(1, in.microbatches) *
                                    std::max(1, in.microbatch_size) * pipelines;
-  plan->time_per_sample_s = slowest / pipelines + outer_s / samples_per_round;
-  plan->predicted_s_per_sample = slowest_predicted / pipelines + outer_s / samples_per_round;
-  std::vector<bool> used(model.workers(), false);
-  for (const PlannedStageInfo& s : plan->stages) {
-    used[s.worker] = true;
-    for (int r : s.replicas) used[r] = true;
-    for (int p : s.pipeline_workers) used[p] = true;
+  plan->time_per_sample_s = slowest_s / pipelines + outer_s / samples_per_round;
+  plan->predicted_s_per_sample = slowest_predicted_s / pipelines + outer_s / samples_per_round;
+}
+
+// Pipeline 0 is `plan` (its figures as Score left them), `more` the others
+// at the same cuts and codecs: the job's figures (ScoreOuterSync) and spares.
+void ScorePipelines(const CostModel& model, const std::vector<PipelinePlan>& more,
+                    PipelinePlan* plan) {
+  plan->pipelines = 1 + static_cast<int>(more.size());
+  for (PlannedStageInfo& s : plan->stages) s.pipeline_workers.clear();
+  double slowest = plan->time_per_sample_s;
+  double slowest_predicted = plan->predicted_s_per_sample;
+  for (const PipelinePlan& other : more) {
+    slowest = std::max(slowest, other.time_per_sample_s);
+    slowest_predicted = std::max(slowest_predicted, other.predicted_s_per_sample);
+    for (size_t k = 0; k < plan->stages.size(); ++k) {
+      plan->stages[k].pipeline_workers.push_back(other.stages[k].worker);
+    }
   }
-  plan->spares.clear();
-  for (int w = 0; w < model.workers(); ++w) {
-    if (!used[w]) plan->spares.push_back(w);
-  }
-  return outer_s;
+  ScoreOuterSync(model, slowest, slowest_predicted, plan);
+  FillSpares(model, plan);
 }
 
 // Pipelines (job.outer: max_pipelines 0, as many as pay, or a cap), after
@@ -942,24 +943,9 @@ class JoinOrderPlanner : public Planner {
     for (PlannedLinkInfo& link : plan.links) link.codec_index = 0;
     CostModel model(input);
     Score(model, &plan);
+    // Pipeline 0's figures stand for each pipeline's.
     if (pipelines > 1) {
-      // The pipelines run side by side (pipeline 0's figures stand for
-      // each), and every outer_inner_steps steps each stage's replicas send
-      // their pseudo-gradients (an all-gather: R - 1 sends of the stage's
-      // weights each, at outer_ratio), over the stage's slowest link.
-      double outer_s = 0;
-      for (const PlannedStageInfo& s : plan.stages) {
-        double bytes = 0;
-        for (int l = s.layer_begin; l < s.layer_end; ++l) bytes += input.layers[l].parameter_bytes;
-        double rate = 1e300;
-        for (int p : s.pipeline_workers) rate = std::min(rate, model.LinkRate(s.worker, p, 1, 1));
-        outer_s = std::max(outer_s, bytes * input.outer_ratio * (pipelines - 1) * 8 / rate);
-      }
-      const double samples_per_round = static_cast<double>(input.outer_inner_steps) *
-                                       input.microbatches * input.microbatch_size * pipelines;
-      plan.time_per_sample_s = plan.time_per_sample_s / pipelines + outer_s / samples_per_round;
-      plan.predicted_s_per_sample =
-          plan.predicted_s_per_sample / pipelines + outer_s / samples_per_round;
+      ScoreOuterSync(model, plan.time_per_sample_s, plan.predicted_s_per_sample, &plan);
     }
     plan.planner = name();
     Explain(model, &plan, pipelines > 1 ? absl::StrCat("join order, ", pipelines,
