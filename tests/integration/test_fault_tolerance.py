@@ -294,13 +294,18 @@ class CorruptCheckpointTest(unittest.TestCase):
             victim = c.stage_workers(status)[1]
             begin = [w for w in status["workers"] if w["name"] == victim][0]["layer_begin"]
             layer_dir = os.path.join(c.dir, "state", "checkpoints", f"layer-{begin:04d}")
-            c.kill(victim)
-            # A complete checkpoint: the killed worker's last upload may have
-            # left a partial step-N.ckpt.tmpK beside them.
+            # Stopped first, so that it uploads nothing newer, and corrupted
+            # before the kill: the coordinator re-plans within milliseconds
+            # of a neighbour's link_lost, and a corruption written after the
+            # kill came after the restore (a fresh-clone run saw that).
+            c.by_name[victim].popen.send_signal(signal.SIGSTOP)
+            # A complete checkpoint: an upload cut short leaves a partial
+            # step-N.ckpt.tmpK beside them.
             newest = sorted(n for n in os.listdir(layer_dir) if n.endswith(".ckpt"))[-1]
             with open(os.path.join(layer_dir, newest), "r+b") as f:
                 f.seek(100)
                 f.write(b"\xde\xad\xbe\xef")
+            c.kill(victim)
             wait_for(lambda: any(e["kind"] == "restore" and e["time_s"] > status["elapsed_s"]
                                  for e in c.status()["events"]), 40, "the restore")
             events = c.status()["events"]
