@@ -388,6 +388,16 @@ absl::StatusOr<std::unique_ptr<CheckpointWriter>> CheckpointStore::BeginSave(
 absl::Status CheckpointStore::CommitFile(const std::string& tmp, int layer, int step,
                                          const std::string& uploader) {
   absl::MutexLock lock(&mu_);
+  if (!uploader.empty() && quarantined_.count(uploader) > 0) {
+    // Begun before the quarantine, committed after it: kept for an
+    // operator with the uploader's other files, never indexed.
+    RETURN_IF_ERROR(MakeDir(QuarantineDir()));
+    const std::string to =
+        absl::StrFormat("%s/layer-%04d-step-%08d.ckpt", QuarantineDir(), layer, step);
+    if (rename(tmp.c_str(), to.c_str()) != 0) return ErrnoError("rename " + tmp);
+    return absl::PermissionDeniedError(
+        absl::StrCat("the checkpoints of ", uploader, " are quarantined"));
+  }
   const std::string path = PathOf(layer, step);
   if (rename(tmp.c_str(), path.c_str()) != 0) return ErrnoError("rename " + tmp + " -> " + path);
   const int dir_fd = open(LayerDir(layer).c_str(), O_RDONLY | O_DIRECTORY);
@@ -512,6 +522,12 @@ absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointStore::OpenLatest(
 }
 
 absl::StatusOr<int> CheckpointStore::Quarantine(const std::string& uploader) {
+  {
+    // Before the index is read: a commit either is in it (and moves below)
+    // or sees this and is refused.
+    absl::MutexLock lock(&mu_);
+    quarantined_.insert(uploader);
+  }
   int moved = 0;
   for (const auto& [layer, steps] : Index()) {
     for (int step : steps) {

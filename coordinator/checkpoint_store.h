@@ -20,8 +20,9 @@
 #define GEOTRAIN_COORDINATOR_CHECKPOINT_STORE_H_
 
 #include <map>
-#include <optional>
 #include <memory>
+#include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -149,7 +150,10 @@ class CheckpointStore {
   // out of the index into <checkpoints>/quarantine/, where an operator can
   // still look at it; restores then use the newest of the others. Returns
   // how many files moved. For a worker whose word is no longer trusted
-  // (revoked, evicted).
+  // (revoked, evicted). An upload of theirs still in flight goes to the
+  // quarantine too when it commits (its Commit fails): the index never
+  // names their files again while this store lives (a restart's revoked
+  // certificate refuses their uploads).
   absl::StatusOr<int> Quarantine(const std::string& uploader);
 
   // Layer -> steps on disk, oldest first. In memory: cheap enough for
@@ -185,6 +189,8 @@ class CheckpointStore {
   // (layer, step) -> the worker that uploaded it ("" unknown).
   std::map<std::pair<int, int>, std::string> uploaders_ ABSL_GUARDED_BY(mu_);
   uint64_t next_temp_ ABSL_GUARDED_BY(mu_) = 0;
+  // Uploaders whose checkpoints were quarantined.
+  std::set<std::string> quarantined_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace geotrain

@@ -75,6 +75,35 @@ TEST(CheckpointStoreTest, OtherUploadersCheckpointsOutliveAWorkersAndItsQuaranti
   EXPECT_TRUE(std::ifstream(dir + "/checkpoints/quarantine/layer-0001-step-00000060.ckpt").good());
 }
 
+// A revoked worker's upload that began before its quarantine and commits
+// after it never reaches the index (a hostile-worker run restored such a
+// checkpoint, newer than every trusted one).
+TEST(CheckpointStoreTest, AnUploadInFlightAtTheQuarantineIsQuarantinedToo) {
+  const std::string dir = TempDir();
+  auto store = CheckpointStore::Open(dir, /*keep=*/3);
+  ASSERT_TRUE(store.ok());
+  v1::LayerCheckpoint honest = Checkpoint(1, 10);
+  honest.set_worker_id("honest");
+  ASSERT_TRUE((*store)->Save(honest).ok());
+  v1::LayerCheckpoint late = Checkpoint(1, 20);
+  late.set_worker_id("bad");
+  const std::string payload = late.payload();
+  late.clear_payload();
+  auto writer = (*store)->BeginSave(late, payload.size());
+  ASSERT_TRUE(writer.ok());
+  ASSERT_TRUE((*writer)->Append(payload).ok());
+  ASSERT_TRUE((*store)->Quarantine("bad").ok());
+  EXPECT_EQ((*writer)->Commit().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ((*store)->Index(), (std::map<int, std::vector<int>>{{1, {10}}}));
+  EXPECT_EQ((*store)->LoadLatest(1, nullptr)->worker_id(), "honest");
+  EXPECT_TRUE(std::ifstream(dir + "/checkpoints/quarantine/layer-0001-step-00000020.ckpt").good());
+  // Others still commit.
+  v1::LayerCheckpoint next = Checkpoint(1, 30);
+  next.set_worker_id("honest");
+  ASSERT_TRUE((*store)->Save(next).ok());
+  EXPECT_EQ((*store)->LoadLatest(1, nullptr)->step(), 30);
+}
+
 TEST(CheckpointStoreTest, ARestartedStoreFindsEverything) {
   const std::string dir = TempDir();
   {
