@@ -1158,10 +1158,7 @@ bool JobController::RepairPipelinesLocked(std::set<std::string> live, const std:
 }
 
 bool JobController::MaybeFormPipelineLocked() {
-  // The network planner chose R where pipelines pay (counting the outer
-  // sync's traffic); standbys that fill the stages do not overrule it.
-  if (!options_.job.has_outer() || !done_workers_.empty() || plan_->stages_size() == 0 ||
-      options_.planner == "network") {
+  if (!options_.job.has_outer() || !done_workers_.empty() || plan_->stages_size() == 0) {
     return false;
   }
   const int pipelines = PipelinesOf(*plan_);
@@ -1173,6 +1170,7 @@ bool JobController::MaybeFormPipelineLocked() {
   }
   const int stages = plan_->stages_size();
   if (static_cast<int>(spares.size()) < stages) return false;
+  if (options_.planner == "network" && !NetworkWantsMorePipelinesLocked(spares)) return false;
   // The fastest standbys, one per stage at the plan's cuts, as pipeline R.
   v1::Plan next = *plan_;
   std::string names;
@@ -1186,6 +1184,35 @@ bool JobController::MaybeFormPipelineLocked() {
   waiting_for_workers_ = false;
   PublishReplanLocked(std::move(next), absl::StrCat("pipeline ", pipelines,
                                                     " formed from standbys ", names));
+  return true;
+}
+
+bool JobController::NetworkWantsMorePipelinesLocked(const std::vector<WorkerRecord>& spares) {
+  // The network planner chose R where pipelines pay (counting the outer
+  // sync's traffic); standbys form another pipeline only where it would now
+  // choose more than the plan has, on the figures of the plan's workers and
+  // these spares. Looked at once per re-plan interval (the search runs
+  // under the lock).
+  const int64_t now = options_.clock->NowMs();
+  if (!replan_policy_.Due(now)) return false;
+  replan_policy_.MarkChecked(now);
+  std::vector<WorkerRecord> candidates = spares;
+  for (const WorkerRecord& w : membership_.LiveWorkers()) {
+    if (StageOf(*plan_, w.id) != nullptr) candidates.push_back(w);
+  }
+  PlannerInput input = PlannerInputFor(options_.job, candidates, CodecChoice::kPerLink);
+  input.links = network_.LinksFor(candidates);
+  network_.FillAccess(&input.workers);
+  MarkReplicaCandidatesLocked(&input);
+  CalibrateWithStageStats(*plan_, candidates, &input);
+  absl::StatusOr<PipelinePlan> best = planner_->Plan(input);
+  if (!best.ok() || best->stages.empty()) return false;
+  const int wanted = 1 + static_cast<int>(best->stages[0].pipeline_workers.size());
+  if (wanted <= PipelinesOf(*plan_)) return false;
+  AddEventLocked("replan_considered", "",
+                 absl::StrCat("the network planner would train ", wanted,
+                              " pipelines on the plan's workers and ", spares.size(),
+                              " standbys; forming one from standbys at the current cuts"));
   return true;
 }
 

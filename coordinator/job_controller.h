@@ -57,7 +57,7 @@ struct JobControllerOptions {
   bool authenticated_callers = false;
   // "network" (coordinator/network_planner.h) or "join-order" (planner v1:
   // join order, compute-only cuts).
-  std::string planner = "join-order";
+  std::string planner = "network";
   // When a slow stage's worker is swapped for a standby
   // (StragglerDetector); patience_ms INT64_MAX: never.
   StragglerOptions stragglers;
@@ -196,8 +196,13 @@ class JobController {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // With the outer optimizer: enough standbys (one per stage) form another
   // pipeline at the plan's cuts (up to outer.max_pipelines); the pipelines
-  // there are go on (pipeline_continuity.h). False when none formed.
+  // there are go on (pipeline_continuity.h). Under the network planner only
+  // where it would now choose more pipelines. False when none formed.
   bool MaybeFormPipelineLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The network planner's R over the plan's workers and `spares` exceeds
+  // the plan's (at most once per re-plan interval; an event says so).
+  bool NetworkWantsMorePipelinesLocked(const std::vector<WorkerRecord>& spares)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A new partition over the eligible workers of `live` (the event says
   // `why` first), or waiting when there are none.
   void RepartitionLocked(const std::set<std::string>& live, const std::string& why)

@@ -85,9 +85,10 @@ ABSL_FLAG(std::string, tls_key, "", "its private key (PEM)");
 ABSL_FLAG(std::string, tls_ca, "", "the CA that issued --tls_cert (PEM); tokens pin it");
 ABSL_FLAG(std::vector<std::string>, tls_san, {},
           "extra DNS names or IP addresses for the generated serving certificate");
-ABSL_FLAG(std::string, planner, "join-order",
-          "join-order: stages in join order, cuts by compute (planner v1); network: workers, "
-          "order and cuts chosen by predicted time per sample (see geotrain-ctl plan --explain)");
+ABSL_FLAG(std::string, planner, "network",
+          "network (the default): pipelines, workers, order, cuts and codecs chosen by the "
+          "predicted samples/s on the measured links and ports (see geotrain-ctl plan "
+          "--explain); join-order: stages in join order, cuts by compute (planner v1)");
 ABSL_FLAG(std::string, export_dir, "",
           "when the job ends, write the newest complete model here (Hugging Face "
           "safetensors + config.json)");

@@ -1481,6 +1481,52 @@ TEST_F(NetworkPipelinesTest, AnOuterJobIsPlannedAsPipelinesWhereTheyPay) {
       << status.prediction().explanation();
 }
 
+// Under the network planner, standbys that join after the first plan form
+// another pipeline where the planner would now choose more of them (join
+// order forms one whenever a stage's worth of standbys waits).
+class LateStandbysFormPipelinesTest : public VoluntaryReplanTest {
+ protected:
+  void SetUp() override {
+    planner_ = "network";
+    Start("gpt { context: 8 d_model: 16 heads: 2 blocks: 2 } text {} steps: 1000 "
+          "min_workers: 2 lease_ms: 1000000 microbatch_size: 4 microbatches: 2 "
+          "outer { inner_steps: 500 }");
+  }
+};
+
+TEST_F(LateStandbysFormPipelinesTest, StandbysFormAPipelineWhereThePlannerWantsMore) {
+  std::vector<std::string> ids;
+  for (const char* name : {"a", "b"}) ids.push_back(Join(name).worker_id());
+  for (const std::string& id : ids) ReportTimings(id);
+  AnswerMeasureTasks(ids, {});
+  controller_->Tick();
+  ASSERT_EQ(controller_->Status().state(), "training");
+  const v1::Plan first = Plan();
+  ASSERT_GE(first.pipelines(), 2) << first.DebugString();
+  // Within the interval nothing moves, however many standbys wait.
+  std::vector<std::string> late;
+  for (const char* name : {"c", "d", "e", "f"}) late.push_back(Join(name).worker_id());
+  for (const std::string& id : late) ReportTimings(id);
+  std::vector<std::string> everyone = ids;
+  everyone.insert(everyone.end(), late.begin(), late.end());
+  AnswerMeasureTasks(everyone, {});
+  controller_->Tick();
+  EXPECT_EQ(Plan().epoch(), first.epoch());
+  clock_.AdvanceMs(31'000);
+  controller_->Tick();
+  const v1::Plan next = Plan();
+  ASSERT_EQ(next.epoch(), first.epoch() + 1) << "no pipeline formed from the standbys";
+  EXPECT_EQ(next.pipelines(), first.pipelines() + 1);
+  EXPECT_EQ(next.stages_size(), first.stages_size()) << "formed at the plan's cuts";
+  bool said = false;
+  const v1::ClusterStatus status = controller_->Status();
+  for (const v1::Event& e : status.events()) {
+    said |= e.kind() == "replan_considered" &&
+            e.detail().find("the network planner would train") != std::string::npos;
+  }
+  EXPECT_TRUE(said);
+}
+
 TEST_F(VoluntaryReplanTest, AVoluntaryReplanMovesOffASlowLinkAndSaysWhy) {
   std::map<std::string, std::string> address;  // id -> address
   std::vector<std::string> ids;

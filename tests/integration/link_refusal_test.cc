@@ -84,7 +84,8 @@ class LinkRefusalTest : public testing::Test {
                           "--port_file=" + dir_ + "/port",
                           "--job=" + std::string(GEOTRAIN_SOURCE_DIR) +
                               "/deploy/jobs/fmnist-mlp.textproto",
-                          "--min_workers=2", "--state_dir=" + dir_ + "/state"},
+                          "--min_workers=2", "--planner=join-order",
+                          "--state_dir=" + dir_ + "/state"},
                          dir_ + "/coordinator.log");
     int port = 0;
     for (auto start = Clock::now(); port == 0 && Clock::now() - start < std::chrono::seconds(30);) {

@@ -33,8 +33,11 @@ adaptive: true
 
 
 def wire_bytes(test, codec):
+    # Join order: 3 stages, 4 link ends, each with the job's codec (the
+    # network planner may use fewer stages and weaker codecs).
     with Cluster(job_path("gpt-tiny.textproto"),
-                 ["--steps=6", f"--activation_codec={codec}", f"--gradient_codec={codec}"]) as c:
+                 ["--steps=6", "--planner=join-order", f"--activation_codec={codec}",
+                  f"--gradient_codec={codec}"]) as c:
         status = c.train(3, timeout=300).status()
         sent = raw = 0
         for w in status["workers"]:
@@ -101,9 +104,10 @@ class AdaptiveCodecTest(unittest.TestCase):
         self.assertTrue(any("link-bound" in l["codec_reason"] for l in links))
 
     def test_compute_bound_links_stay_uncompressed(self):
+        # Join order: adaptive codecs are its per-link choice, on 3 stages.
         with Cluster(job_path("gpt-tiny.textproto"),
-                     ["--steps=20", "--adaptive", "--activation_codec=int4",
-                      "--gradient_codec=int4"]) as c:
+                     ["--steps=20", "--planner=join-order", "--adaptive",
+                      "--activation_codec=int4", "--gradient_codec=int4"]) as c:
             status = c.train(3, timeout=300).status()
         links = [l for w in status["workers"] for l in w["links"]]
         self.assertEqual(len(links), 4)

@@ -26,13 +26,18 @@ WATCH_S = 40.0
 CLAIM_STEP = 100000  # the job's last step (--steps), what false claims name
 
 
+# Join order: the hostile worker holds the stage its join position gives it,
+# and the standby is the worker that joined last.
+JOIN_ORDER = ["--planner=join-order"]
+
+
 class HostileWorkerTest(unittest.TestCase):
     def beside(self, misbehave, position, after=40):
         """Three stages; the hostile worker joins `position`-th (so holds
         that stage), one honest standby joins last. Returns the samples,
         the last status and the hostile worker's id."""
         c = Cluster(job_path("fmnist-mlp.textproto"),
-                    ["--min_workers=3", f"--steps={CLAIM_STEP}"], secure=True)
+                    ["--min_workers=3", f"--steps={CLAIM_STEP}", *JOIN_ORDER], secure=True)
         self.addCleanup(c.close)
         c.start_coordinator()
         token = c.create_token("--uses=5", "--name=volunteers")
@@ -118,7 +123,7 @@ class CheckpointPoisoningTest(unittest.TestCase):
         layers, trains on and is revoked. The next restore of the stage must
         come from the honest worker's checkpoint."""
         c = Cluster(job_path("fmnist-mlp.textproto"),
-                    ["--min_workers=3", f"--steps={CLAIM_STEP}"], secure=True)
+                    ["--min_workers=3", f"--steps={CLAIM_STEP}", *JOIN_ORDER], secure=True)
         self.addCleanup(c.close)
         c.start_coordinator()
         token = c.create_token("--uses=5", "--name=volunteers")

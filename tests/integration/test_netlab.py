@@ -56,13 +56,19 @@ def loss_drop(metrics):
     return first, last, first - last
 
 
+# These tests check who dials whom (or which relay joins them) between the
+# neighbours of a known plan: the workers in join order.
+JOIN_ORDER = ["--planner=join-order"]
+
+
 class LabCluster:
     """A coordinator, workers and relays on the hosts of a Lab."""
 
-    def __init__(self, lab, job, directory):
+    def __init__(self, lab, job, directory, flags=()):
         self.lab = lab
         self.job = job
         self.dir = directory
+        self.flags = list(flags)
         self.processes = {}
         self.coordinator_host = "coord"
         self.coordinator_address = f"{lab.address('coord')}:{COORD_PORT}"
@@ -76,7 +82,8 @@ class LabCluster:
         state = os.path.join(self.dir, "state")
         self.start("coordinator", "coord", [
             binary("geotrain-coordinator"), f"--listen={self.coordinator_address}",
-            f"--tls_san={self.lab.address('coord')}", f"--job={self.job}", f"--state_dir={state}"])
+            f"--tls_san={self.lab.address('coord')}", f"--job={self.job}", f"--state_dir={state}",
+            *self.flags])
         self.admin = os.path.join(state, "tls", "admin.credential")
         wait_for(lambda: os.path.exists(self.admin) and self.ctl("status").returncode == 0, 30,
                  "the coordinator in the lab")
@@ -157,7 +164,8 @@ class NetLabTest(unittest.TestCase):
 
         # The reference: the same job on loopback (TLS too).
         os.makedirs(os.path.join(directory, "loopback"))
-        with Cluster(job, secure=True, workdir=os.path.join(directory, "loopback")) as c:
+        with Cluster(job, JOIN_ORDER, secure=True,
+                     workdir=os.path.join(directory, "loopback")) as c:
             c.start_coordinator()
             for i in range(3):
                 token = c.create_token(f"--name=w{i}")
@@ -177,7 +185,7 @@ class NetLabTest(unittest.TestCase):
         namespaces_before = set(lab.namespaces())
         self.assertEqual(namespaces_before, set())
         lab.up()
-        cluster = LabCluster(lab, job, directory)
+        cluster = LabCluster(lab, job, directory, JOIN_ORDER)
         with lab_run(self, lab, cluster):
             cluster.start_coordinator()
             relays = {name: cluster.start_relay(name, name) for name in ("relay1", "relay2")}
@@ -280,7 +288,7 @@ class NatPipelinesTest(unittest.TestCase):
             {"name": "n1", "nat": "home1"}, {"name": "n2", "nat": "home2"},
             {"name": "n3", "nat": "home3"}]})
         lab.up()
-        cluster = LabCluster(lab, job, directory)
+        cluster = LabCluster(lab, job, directory, JOIN_ORDER)
         with lab_run(self, lab, cluster):
             cluster.start_coordinator()
             cluster.start_relay("relay1", "relay1")

@@ -8,8 +8,10 @@ from cluster import Cluster, binary, job_path, wait_for
 
 class PipelineTest(unittest.TestCase):
     def test_three_workers_train_and_report_status(self):
+        # Join order: every worker holds a stage (the network planner may
+        # leave one as a standby), whose status this test reads.
         with Cluster(job_path("gpt-tiny.textproto"),
-                     ["--steps=15", "--min_workers=3"]) as c:
+                     ["--steps=15", "--min_workers=3", "--planner=join-order"]) as c:
             c.start_coordinator()
             waiting = c.status()
             self.assertEqual(waiting["state"], "waiting")

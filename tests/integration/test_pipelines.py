@@ -44,8 +44,10 @@ FINAL = re.compile(r"outer sync of stage (\d+): (\d+) rounds applied; final weig
 
 class PipelinesCluster(Cluster):
     def __init__(self, steps, inner_steps, streaming, schedule="SYNC", secure=False,
-                 workers=6, max_pipelines=0):
-        super().__init__(None, secure=secure)
+                 workers=6, max_pipelines=0, planner="join-order"):
+        # Join order by default: its plan (R = workers / 2 pipelines of
+        # max_stages 2) is what most of these tests check against.
+        super().__init__(None, [f"--planner={planner}"], secure=secure)
         self.job = f"{self.dir}/job.textproto"
         text = JOB % {"steps": steps, "inner_steps": inner_steps,
                       "streaming": "true" if streaming else "false", "schedule": schedule,
@@ -132,8 +134,8 @@ class PipelinesTest(unittest.TestCase):
         # layer times and links; the outer sync then ends every stage's
         # replicas on the same weights as with join order's plan.
         steps, inner = 24, 4
-        with PipelinesCluster(steps, inner, streaming=True, schedule="ASYNC_STASH") as c:
-            c.coordinator_flags.append("--planner=network")
+        with PipelinesCluster(steps, inner, streaming=True, schedule="ASYNC_STASH",
+                              planner="network") as c:
             c.start_coordinator()
             for i in range(6):
                 c.start_worker(f"w{i}")
@@ -147,7 +149,7 @@ class PipelinesTest(unittest.TestCase):
             print(status["prediction"]["explanation"], flush=True)
             self.assertEqual(status["prediction"]["planner"], "network")
             self.assertGreaterEqual(pipelines, 2, status["prediction"])
-            # The planner's own R (standbys do not form pipelines under it).
+            # The planner's own R (every worker joined before the first plan).
             self.assertIn(f"pipeline {pipelines - 1}:", status["prediction"]["explanation"])
             finals = c.finals([p for p in c.workers if FINAL.search(p.log())])
             for stage, replicas in finals.items():

@@ -32,7 +32,9 @@ class ReplicaCluster(FaultCluster):
     worker and a standby)."""
 
     def __init__(self, steps, replicas=2):
-        super().__init__(steps)
+        # Join order fills the middle stage to `replicas` (the network
+        # planner adds a replica only where it pays).
+        super().__init__(steps, ["--planner=join-order"])
         with open(self.job) as f:
             text = f.read()
         # The base job's schedule and min_workers give way to the replica ones.

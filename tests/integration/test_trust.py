@@ -92,7 +92,9 @@ class TokenTest(unittest.TestCase):
 
 class RevocationTest(unittest.TestCase):
     def test_revoked_worker_is_out_within_a_lease_and_cannot_reconnect(self):
-        with Cluster(job_path("fmnist-mlp.textproto"), ["--min_workers=2", "--steps=100000"],
+        # Join order: the victim holds stage 1 of a pipeline of 3.
+        with Cluster(job_path("fmnist-mlp.textproto"),
+                     ["--min_workers=2", "--steps=100000", "--planner=join-order"],
                      secure=True) as c:
             c.start_coordinator()
             token = c.create_token("--uses=3", "--name=trio")
