@@ -963,10 +963,61 @@ class NetworkPlanner : public Planner {
   absl::StatusOr<PipelinePlan> Plan(const PlannerInput& input) const override {
     if (absl::Status valid = Validate(input); !valid.ok()) return valid;
     CostModel model(input);
+    std::string how;
+    std::optional<PipelinePlan> best = PlanForWindow(input, &how);
+    if (!best.has_value()) return NoFit(model, StageLimit(input));
+    // Goodput: under async-stash each microbatch in flight beyond one per
+    // stage is one more weight version of staleness in stage 0's gradients,
+    // which costs loss per sample (PlannerInput::staleness_cost). The
+    // window that covers the round trip maximises samples/s; a narrower
+    // one (a cap, with cuts and codecs for it) wins where the samples/s it
+    // gives up cost less than the staleness it saves.
+    if (input.schedule == PlannerSchedule::kAsync && input.staleness_cost > 0) {
+      const int widest = best->in_flight;
+      double best_cost = GoodputCost(input, *best);
+      for (int cap = 1; cap < widest && cap <= kMostWindowsTried; ++cap) {
+        PlannerInput capped = input;
+        capped.max_in_flight = cap;  // below widest, so within input's cap
+        std::string capped_how;
+        std::optional<PipelinePlan> narrower = PlanForWindow(capped, &capped_how);
+        if (!narrower.has_value()) continue;
+        const double cost = GoodputCost(input, *narrower);
+        if (cost < best_cost * (1 - kStrictlyBetter)) {
+          best_cost = cost;
+          best = std::move(narrower);
+          how = absl::StrCat(capped_how, "; W ", best->in_flight, " of ", widest,
+                             " that covers the round trip: its samples/s over the staleness "
+                             "cost is the best");
+          best->bound = absl::StrCat("the window (", best->in_flight,
+                                     "): a wider one costs more in staleness than it gains");
+        }
+      }
+    }
+    best->planner = name();
+    Explain(model, &*best, how);
+    return *std::move(best);
+  }
+
+ private:
+  // How many narrower windows Plan() scores against the widest.
+  static constexpr int kMostWindowsTried = 8;
+
+  // The plan's time per sample over its statistical efficiency: one more
+  // staleness_cost of loss per sample for each microbatch in flight beyond
+  // one per stage.
+  static double GoodputCost(const PlannerInput& input, const PipelinePlan& plan) {
+    const int extra = std::max(0, plan.in_flight - static_cast<int>(plan.stages.size()));
+    return plan.time_per_sample_s * (1 + input.staleness_cost * extra);
+  }
+
+  // The best plan for `input` by samples/s (its window the one that covers
+  // the round trip, within input.max_in_flight); `how` says how it was found.
+  std::optional<PipelinePlan> PlanForWindow(const PlannerInput& input, std::string* how) const {
+    CostModel model(input);
     const bool exhaustive = model.workers() <= options_.exhaustive_max_workers;
     std::optional<PipelinePlan> best = Search(input, exhaustive);
-    if (!best.has_value()) return NoFit(model, StageLimit(input));
-    std::string how = exhaustive ? "optimal" : "searched";
+    if (!best.has_value()) return std::nullopt;
+    *how = exhaustive ? "optimal" : "searched";
     if (input.max_pipelines == 1) {
       AddReplicas(model, &*best);
     } else {
@@ -987,17 +1038,14 @@ class NetworkPlanner : public Planner {
         }
       }
       if (best->pipelines > 1) {
-        absl::StrAppend(&how, " pipeline 0; ", best->pipelines,
+        absl::StrAppend(how, " pipeline 0; ", best->pipelines,
                         " pipelines at its cuts, the others of the fastest spares");
       }
     }
-    best->planner = name();
     best->exact = exhaustive && best->pipelines == 1;  // R is chosen greedily
-    Explain(model, &*best, how);
-    return *std::move(best);
+    return best;
   }
 
- private:
   struct Best {
     double objective = kInf;
     std::vector<int> order;

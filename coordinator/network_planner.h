@@ -100,6 +100,11 @@ struct PlannerInput {
   int microbatch_size = 1;
   int max_stages = 0;     // 0: no limit but the workers and layers
   int max_in_flight = 0;  // 0: no cap on W
+  // Async schedules: the loss per sample that each microbatch in flight
+  // beyond one per stage costs (one more weight version of staleness), as a
+  // fraction; the planner takes a narrower window where the samples/s it
+  // gives up cost less. 0: W covers the round trip whatever it costs.
+  double staleness_cost = 0;
   // Replicas (job.replicas): at most this many workers per stage but the last,
   // the primary included; 1: none. A spare becomes a replica where that
   // lowers the objective (the router splits microbatches by speed; the

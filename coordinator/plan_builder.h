@@ -32,6 +32,11 @@ enum class CodecChoice {
   kPerLink,
 };
 
+// PlannerInput::staleness_cost for async-stash jobs that leave W to the
+// planner: each microbatch in flight beyond one per stage costs this much
+// loss per sample (plan_builder.cc says what it was measured on).
+constexpr double kAsyncStashStalenessCost = 0.35;
+
 // Workers (measured time per layer kind where they reported it, GFLOP/s
 // otherwise; memory, reachability; in the order given), the model's layers
 // with their activation bytes per cut, the codecs `codecs` allows, the

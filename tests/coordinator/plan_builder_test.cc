@@ -32,8 +32,16 @@ TEST(PlanBuilderTest, InputsComeFromTheJobAndTheMembers) {
   EXPECT_EQ(in.schedule, PlannerSchedule::kAsync);
   EXPECT_EQ(in.microbatch_size, 4);
   EXPECT_EQ(in.max_in_flight, 32);
+  EXPECT_DOUBLE_EQ(in.staleness_cost, kAsyncStashStalenessCost);
   EXPECT_DOUBLE_EQ(in.workers[0].seconds_per_sample.at("block"), 0.002);
   EXPECT_FALSE(in.workers[1].reachable);
+  // The job's own W is taken as it is; sync has no staleness.
+  v1::JobSpec windowed = *job;
+  windowed.set_in_flight(4);
+  EXPECT_EQ(PlannerInputFor(windowed, workers).staleness_cost, 0);
+  v1::JobSpec sync = *job;
+  sync.set_schedule(v1::SCHEDULE_SYNC);
+  EXPECT_EQ(PlannerInputFor(sync, workers).staleness_cost, 0);
 }
 
 TEST(PlanBuilderTest, StageStatsCalibrateTheLayerTimes) {
