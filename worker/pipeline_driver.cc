@@ -513,6 +513,9 @@ absl::Status PipelineDriver::RunFirstStage() {
   int64_t next = OwnIdFrom(backwards_);
   int in_flight = 0;
   while (true) {
+    // A single-stage pipeline reads no link, so the closed inbox (the
+    // session aborted: a newer plan, a refusal) is its only stop signal.
+    if (inbox_->closed()) return absl::CancelledError("worker is stopping");
     if (eval_due_ > 0 && runtime_->is_last()) {  // a single-stage pipeline
       RETURN_IF_ERROR(RunEvaluation(eval_due_));
       eval_due_ = 0;

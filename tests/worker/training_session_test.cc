@@ -905,6 +905,20 @@ TEST_F(OuterSessionTest, OneStepRoundsMatchOnePipelineWithRTimesTheBatch) {
   EXPECT_LT(losses.at(6), losses.at(1));
 }
 
+// A worker that holds the whole model reads no link: an abort (a newer
+// plan, the coordinator's refusal) must end its session all the same. Under
+// the network planner a revoked single-stage worker trained on, refused.
+TEST_F(TrainingSessionTest, AbortEndsASingleStagePipeline) {
+  job_.set_steps(100000);
+  TestWorker& only = AddWorker("w0", 0);
+  Start(MakePlan(1, 0, {{"w0"}}));
+  ASSERT_TRUE(AwaitStep(only, 2));
+  only.session->Abort();
+  Join();
+  EXPECT_TRUE(absl::IsCancelled(only.result)) << only.result;
+  EXPECT_LT(only.coordinator->step(), 100000);
+}
+
 TEST_F(TrainingSessionTest, AbortBeforeRunCancelsWithoutOpeningLinks) {
   TestWorker& first = AddWorker("w0", 0);
   AddWorker("w1", 1);
