@@ -974,24 +974,32 @@ class NetworkPlanner : public Planner {
     // gives up cost less than the staleness it saves.
     if (input.schedule == PlannerSchedule::kAsync && input.staleness_cost > 0) {
       const int widest = best->in_flight;
-      double best_cost = GoodputCost(input, *best);
+      double best_cost = GoodputSecondsPerSample(input, *best);
       for (int cap = 1; cap < widest && cap <= kMostWindowsTried; ++cap) {
         PlannerInput capped = input;
         capped.max_in_flight = cap;  // below widest, so within input's cap
         std::string capped_how;
         std::optional<PipelinePlan> narrower = PlanForWindow(capped, &capped_how);
-        if (!narrower.has_value()) continue;
-        const double cost = GoodputCost(input, *narrower);
+        // Workers run at least one microbatch in flight per stage.
+        if (!narrower.has_value() ||
+            narrower->in_flight < static_cast<int>(narrower->stages.size())) {
+          continue;
+        }
+        const double cost = GoodputSecondsPerSample(input, *narrower);
         if (cost < best_cost * (1 - kStrictlyBetter)) {
           best_cost = cost;
           best = std::move(narrower);
           how = absl::StrCat(capped_how, "; W ", best->in_flight, " of ", widest,
                              " that covers the round trip: its samples/s over the staleness "
                              "cost is the best");
-          best->bound = absl::StrCat("the window (", best->in_flight,
-                                     "): a wider one costs more in staleness than it gains");
+          if (best->in_flight == cap) {
+            best->bound = absl::StrCat("the window (", best->in_flight,
+                                       "): a wider one costs more in staleness than it gains");
+          }
         }
       }
+      // Each cap's search is exact in samples/s, not in goodput.
+      if (best->in_flight < widest) best->exact = false;
     }
     best->planner = name();
     Explain(model, &*best, how);
@@ -1001,14 +1009,6 @@ class NetworkPlanner : public Planner {
  private:
   // How many narrower windows Plan() scores against the widest.
   static constexpr int kMostWindowsTried = 8;
-
-  // The plan's time per sample over its statistical efficiency: one more
-  // staleness_cost of loss per sample for each microbatch in flight beyond
-  // one per stage.
-  static double GoodputCost(const PlannerInput& input, const PipelinePlan& plan) {
-    const int extra = std::max(0, plan.in_flight - static_cast<int>(plan.stages.size()));
-    return plan.time_per_sample_s * (1 + input.staleness_cost * extra);
-  }
 
   // The best plan for `input` by samples/s (its window the one that covers
   // the round trip, within input.max_in_flight); `how` says how it was found.
@@ -1386,6 +1386,12 @@ absl::Status ScorePlan(const PlannerInput& input, PipelinePlan* plan) {
   Score(model, plan);
   Explain(model, plan, "re-scored");
   return absl::OkStatus();
+}
+
+double GoodputSecondsPerSample(const PlannerInput& input, const PipelinePlan& plan) {
+  if (input.schedule != PlannerSchedule::kAsync) return plan.time_per_sample_s;
+  const int extra = std::max(0, plan.in_flight - static_cast<int>(plan.stages.size()));
+  return plan.time_per_sample_s * (1 + input.staleness_cost * extra);
 }
 
 std::string ExplainPlan(const PlannerInput& input, const PipelinePlan& plan) {

@@ -212,6 +212,11 @@ absl::StatusOr<PipelinePlan> PlanForOrder(const PlannerInput& input,
 // link codecs as given): fills compute, link times, W, T* and the objective.
 absl::Status ScorePlan(const PlannerInput& input, PipelinePlan* plan);
 
+// What the network planner minimises: the plan's time per sample over its
+// statistical efficiency, 1 + input.staleness_cost for each microbatch in
+// flight beyond one per stage (async schedules).
+double GoodputSecondsPerSample(const PlannerInput& input, const PipelinePlan& plan);
+
 // Per stage: layers, worker, predicted compute, the link after it and the
 // bound, with the reason each worker is where it is. Multi-line.
 std::string ExplainPlan(const PlannerInput& input, const PipelinePlan& plan);

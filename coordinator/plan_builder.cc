@@ -239,10 +239,19 @@ absl::StatusOr<ReplanComparison> CompareForReplan(
     out.current.links[k].codec_index =
         std::clamp(step, 0, std::max(0, static_cast<int>(input.codecs.size()) - 1));
   }
-  if (absl::Status scored = ScorePlan(input, &out.current); !scored.ok()) return scored;
+  // The current plan at the window its workers run (the planner may have
+  // chosen one narrower than the round trip's, for staleness).
+  PlannerInput at_its_window = input;
+  if (current.in_flight() > 0) {
+    at_its_window.max_in_flight = input.max_in_flight > 0
+                                      ? std::min(input.max_in_flight, current.in_flight())
+                                      : current.in_flight();
+  }
+  if (absl::Status scored = ScorePlan(at_its_window, &out.current); !scored.ok()) return scored;
   ReplanCandidate& candidate = out.candidate;
-  candidate.current_s_per_sample = out.current.time_per_sample_s;
-  candidate.best_s_per_sample = best.time_per_sample_s;
+  // Compared as the planner chose: samples/s over the staleness they cost.
+  candidate.current_s_per_sample = GoodputSecondsPerSample(input, out.current);
+  candidate.best_s_per_sample = GoodputSecondsPerSample(input, best);
   candidate.move_rate_bps = 0;
   for (const PlannedLinkInfo& link : best.links) {
     const double ratio =

@@ -218,6 +218,19 @@ TEST(PlanBuilderTest, AReplanComparisonRescoresTheCurrentPlanAndCostsTheMove) {
   current.mutable_stages(1)->set_worker_id("gone");
   EXPECT_EQ(CompareForReplan(*job, in, workers, current, best, checkpointed, 10).status().code(),
             absl::StatusCode::kNotFound);
+  // The current plan is scored at the window its workers run, not the one
+  // that would cover its round trip.
+  current.mutable_stages(1)->set_worker_id("w1");
+  PlannerInput async = in;
+  async.schedule = PlannerSchedule::kAsync;
+  compared = CompareForReplan(*job, async, workers, current, best, checkpointed, 10);
+  ASSERT_TRUE(compared.ok());
+  const int covering = compared->current.in_flight;
+  ASSERT_GT(covering, 2);
+  current.set_in_flight(2);
+  compared = CompareForReplan(*job, async, workers, current, best, checkpointed, 10);
+  ASSERT_TRUE(compared.ok());
+  EXPECT_EQ(compared->current.in_flight, 2);
 }
 
 }  // namespace
