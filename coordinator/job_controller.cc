@@ -207,6 +207,10 @@ absl::Status JobController::RecoverLocked() {
     training_start_s_ = ElapsedS() - saved.training_elapsed_s();
     StartProgressEpochLocked();
     epoch_started_ms_ = options_.clock->NowMs();
+    // The link figures are not persisted: a voluntary move waits a whole
+    // re-plan interval for them to be measured again (on the defaults a
+    // restart re-planned a healthy pipeline).
+    replan_policy_.MarkChecked(options_.clock->NowMs());
   }
   recovered_ = true;
   std::string layers;

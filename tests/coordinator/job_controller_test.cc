@@ -52,6 +52,21 @@ class JobControllerTest : public testing::Test {
     controller_ = std::move(*controller);
   }
 
+  // The coordinator dies and starts again on the same state directory.
+  void Restart() {
+    controller_.reset();
+    JobControllerOptions options;
+    options.job = job_;
+    options.state_dir = dir_;
+    options.metrics_log_path = dir_ + "/metrics.jsonl";
+    options.clock = &clock_;
+    options.authenticated_callers = authenticated_callers_;
+    options.planner = planner_;
+    auto controller = JobController::Create(options);
+    ASSERT_TRUE(controller.ok()) << controller.status();
+    controller_ = std::move(*controller);
+  }
+
   v1::JoinResponse Join(const std::string& name) {
     v1::JoinRequest request;
     request.set_name(name);
@@ -1525,6 +1540,33 @@ TEST_F(LateStandbysFormPipelinesTest, StandbysFormAPipelineWhereThePlannerWantsM
             e.detail().find("the network planner would train") != std::string::npos;
   }
   EXPECT_TRUE(said);
+}
+
+// The link figures are not persisted: a restarted coordinator sees the
+// defaults (1 Gb/s) where the plan was made on slow links, and must not
+// move a healthy pipeline on them. Its first voluntary check waits a whole
+// interval, for fresh measurements (a restart test re-planned at once).
+TEST_F(VoluntaryReplanTest, ARestartWaitsAnIntervalBeforeAVoluntaryMove) {
+  std::vector<std::string> ids;
+  for (const char* name : {"a", "b", "c"}) ids.push_back(Join(name).worker_id());
+  for (const std::string& id : ids) ReportTimings(id);
+  std::set<std::pair<std::string, std::string>> every_pair;
+  for (const std::string& u : ids) {
+    for (const std::string& v : ids) {
+      if (u != v) every_pair.insert({u, v});
+    }
+  }
+  AnswerMeasureTasks(ids, every_pair);
+  controller_->Tick();
+  ASSERT_EQ(controller_->Status().state(), "training");
+  const v1::Plan first = Plan();
+  clock_.AdvanceMs(31'000);
+  Restart();
+  for (const std::string& id : ids) ReportTimings(id);  // each re-attaches
+  controller_->Tick();
+  EXPECT_EQ(Plan().epoch(), first.epoch());
+  EXPECT_FALSE(HasEvent("replan_considered"));
+  EXPECT_FALSE(HasEvent("replanned"));
 }
 
 TEST_F(VoluntaryReplanTest, AVoluntaryReplanMovesOffASlowLinkAndSaysWhy) {
