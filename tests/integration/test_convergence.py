@@ -40,13 +40,20 @@ class ConvergenceTest(unittest.TestCase):
               f"{steps[-1]['samples'] / steps[-1]['time_s']:.0f} samples/s")
         self.assertGreaterEqual(drop, 0.40)
 
-        # Resident memory of every worker between step 20 and the last step.
-        at20 = next(m for m in steps if m["step"] == 20)["rss_bytes"]
-        final = steps[-1]["rss_bytes"]
-        for name, rss in at20.items():
-            growth = final[name] / rss - 1
-            print(f"  {name}: RSS {rss / 2**20:.1f} MiB at step 20, "
-                  f"{final[name] / 2**20:.1f} MiB at step {steps[-1]['step']} ({growth:+.1%})")
+        # Resident memory of every worker: its peak over steps 20-100 against
+        # its peak over the last 100 steps. Stage 0's RSS swings by 40 MiB
+        # from one step to the next (242-282 MiB, no trend, in a 300-step
+        # run), so two single samples measured the swing (+12% once), not a
+        # leak; a leak raises the late peak.
+        last = steps[-1]["step"]
+        early = [m["rss_bytes"] for m in steps if 20 <= m["step"] <= 100]
+        late = [m["rss_bytes"] for m in steps if m["step"] > last - 100]
+        for name in early[0]:
+            before = max(r[name] for r in early)
+            after = max(r[name] for r in late)
+            growth = after / before - 1
+            print(f"  {name}: peak RSS {before / 2**20:.1f} MiB over steps 20-100, "
+                  f"{after / 2**20:.1f} MiB over steps {last - 99}-{last} ({growth:+.1%})")
             self.assertLessEqual(growth, 0.10, f"{name} grew {growth:.1%}")
 
         # async-stash after the same number of samples: within 3% of sync.
