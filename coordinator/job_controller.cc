@@ -1069,6 +1069,16 @@ bool JobController::FillReplicasLocked(v1::Plan* plan, std::string* summary) con
   return added;
 }
 
+PlannerInput JobController::LivePlannerInputLocked(
+    const std::vector<WorkerRecord>& candidates) const {
+  PlannerInput input = PlannerInputFor(options_.job, candidates, CodecChoice::kPerLink);
+  input.links = network_.LinksFor(candidates);
+  network_.FillAccess(&input.workers);
+  MarkReplicaCandidatesLocked(&input);
+  CalibrateWithStageStats(*plan_, candidates, &input);
+  return input;
+}
+
 void JobController::MaybeVoluntaryReplanLocked() {
   // Not with pipelines (job.outer) yet: CompareForReplan scores the current
   // plan as one pipeline whose other pipelines' workers are replicas, which
@@ -1089,11 +1099,7 @@ void JobController::MaybeVoluntaryReplanLocked() {
     if (demoted_.count(w.id) > 0 && StageOf(*plan_, w.id) == nullptr) continue;
     if (StageOf(*plan_, w.id) != nullptr || EligibleStandbyLocked(w)) candidates.push_back(w);
   }
-  PlannerInput input = PlannerInputFor(options_.job, candidates, CodecChoice::kPerLink);
-  input.links = network_.LinksFor(candidates);
-  network_.FillAccess(&input.workers);
-  MarkReplicaCandidatesLocked(&input);
-  CalibrateWithStageStats(*plan_, candidates, &input);
+  PlannerInput input = LivePlannerInputLocked(candidates);
   absl::StatusOr<PipelinePlan> best = planner_->Plan(input);
   if (!best.ok()) return;
   absl::StatusOr<ReplanComparison> compared = CompareForReplan(
@@ -1204,11 +1210,7 @@ bool JobController::NetworkWantsMorePipelinesLocked(const std::vector<WorkerReco
   for (const WorkerRecord& w : membership_.LiveWorkers()) {
     if (StageOf(*plan_, w.id) != nullptr) candidates.push_back(w);
   }
-  PlannerInput input = PlannerInputFor(options_.job, candidates, CodecChoice::kPerLink);
-  input.links = network_.LinksFor(candidates);
-  network_.FillAccess(&input.workers);
-  MarkReplicaCandidatesLocked(&input);
-  CalibrateWithStageStats(*plan_, candidates, &input);
+  PlannerInput input = LivePlannerInputLocked(candidates);
   absl::StatusOr<PipelinePlan> best = planner_->Plan(input);
   if (!best.ok() || best->stages.empty()) return false;
   const int wanted = 1 + static_cast<int>(best->stages[0].pipeline_workers.size());

@@ -199,6 +199,11 @@ class JobController {
   // there are go on (pipeline_continuity.h). Under the network planner only
   // where it would now choose more pipelines. False when none formed.
   bool MaybeFormPipelineLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The network planner's input over `candidates` while a plan runs: the
+  // measured links and ports, replica eligibility, and the layer timings
+  // calibrated by the stages' measured compute.
+  PlannerInput LivePlannerInputLocked(const std::vector<WorkerRecord>& candidates) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The network planner's R over the plan's workers and `spares` exceeds
   // the plan's (at most once per re-plan interval; an event says so).
   bool NetworkWantsMorePipelinesLocked(const std::vector<WorkerRecord>& spares)

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "common/job_spec.h"
@@ -1471,11 +1472,13 @@ class VoluntaryReplanTest : public HostileInputTest {
 // the status shows.
 class NetworkPipelinesTest : public VoluntaryReplanTest {
  protected:
-  void SetUp() override {
+  void SetUp() override { StartOuterJob(4); }
+  void StartOuterJob(int min_workers) {
     planner_ = "network";
-    Start("gpt { context: 8 d_model: 16 heads: 2 blocks: 2 } text {} steps: 1000 "
-          "min_workers: 4 lease_ms: 1000000 microbatch_size: 4 microbatches: 2 "
-          "outer { inner_steps: 500 }");
+    Start(absl::StrCat("gpt { context: 8 d_model: 16 heads: 2 blocks: 2 } text {} steps: 1000 "
+                       "min_workers: ", min_workers,
+                       " lease_ms: 1000000 microbatch_size: 4 microbatches: 2 "
+                       "outer { inner_steps: 500 }"));
   }
 };
 
@@ -1499,14 +1502,9 @@ TEST_F(NetworkPipelinesTest, AnOuterJobIsPlannedAsPipelinesWhereTheyPay) {
 // Under the network planner, standbys that join after the first plan form
 // another pipeline where the planner would now choose more of them (join
 // order forms one whenever a stage's worth of standbys waits).
-class LateStandbysFormPipelinesTest : public VoluntaryReplanTest {
+class LateStandbysFormPipelinesTest : public NetworkPipelinesTest {
  protected:
-  void SetUp() override {
-    planner_ = "network";
-    Start("gpt { context: 8 d_model: 16 heads: 2 blocks: 2 } text {} steps: 1000 "
-          "min_workers: 2 lease_ms: 1000000 microbatch_size: 4 microbatches: 2 "
-          "outer { inner_steps: 500 }");
-  }
+  void SetUp() override { StartOuterJob(2); }
 };
 
 TEST_F(LateStandbysFormPipelinesTest, StandbysFormAPipelineWhereThePlannerWantsMore) {
