@@ -278,9 +278,10 @@ grpc::Status CoordinatorService::WatchPlan(grpc::ServerContext* context,
   JobController* controller = options_.controller;
   uint64_t sent_epoch = 0;
   while (!context->IsCancelled()) {
-    std::optional<v1::Plan> plan = controller->WaitForPlan(sent_epoch, absl::Milliseconds(500));
-    if (!plan.has_value()) {
-      if (controller->done()) return grpc::Status::OK;
+    // The stream ends with the job_done plan itself: done() may be true
+    // before that plan is durable and visible.
+    PlanPublisher::PlanPtr plan = controller->WaitForPlan(sent_epoch, absl::Milliseconds(500));
+    if (plan == nullptr) {
       if (controller->shutting_down()) {
         return grpc::Status(grpc::StatusCode::UNAVAILABLE, "coordinator shutting down");
       }

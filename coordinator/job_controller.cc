@@ -18,6 +18,7 @@
 #include "coordinator/pipeline_repair.h"
 #include "coordinator/plan_builder.h"
 #include "coordinator/stage_series.h"
+#include "coordinator/state_store.h"
 #include "coordinator/state_sources.h"
 
 namespace geotrain {
@@ -73,29 +74,26 @@ absl::StatusOr<std::unique_ptr<JobController>> JobController::Create(
   }
   absl::StatusOr<std::unique_ptr<Planner>> planner = MakePlannerByName(options.planner);
   if (!planner.ok()) return planner.status();
-  absl::StatusOr<StateStore> store = StateStore::Open(options.state_dir);
-  if (!store.ok()) return store.status();
+  std::shared_ptr<CoordinatorStore> store = options.store;
+  if (store == nullptr) {
+    absl::StatusOr<StateStore> files = StateStore::Open(options.state_dir);
+    if (!files.ok()) return files.status();
+    store = std::make_shared<StateStore>(*std::move(files));
+  }
   absl::StatusOr<std::unique_ptr<CheckpointStore>> checkpoints =
       CheckpointStore::Open(options.state_dir);
   if (!checkpoints.ok()) return checkpoints.status();
-  // The writer has its own handle on the state dir (the store is a path).
   auto state_writer = std::make_unique<DurableStateWriter>(
-      [store = *store, hook = options.before_state_write](
-          const v1::CoordinatorState& state) mutable -> absl::Status {
-        if (hook) {
-          if (absl::Status injected = hook(); !injected.ok()) return injected;
-        }
-        return store.WriteState(state);
-      });
+      [store](const v1::CoordinatorState& state) { return store->WriteState(state); });
   // Every coordinator of the state dir appends to one events log.
   AppendLogOptions events_log;
-  events_log.path = store->events_log_path();
+  events_log.path = options.state_dir + "/events.log";
   events_log.before_write = LogHook(options.before_log_write, events_log.path);
   events_log.rotate_bytes = options.events_log_rotate_bytes;
   absl::StatusOr<std::unique_ptr<AppendLog>> events_file = AppendLog::Open(std::move(events_log));
   if (!events_file.ok()) return events_file.status();
   auto controller = std::unique_ptr<JobController>(new JobController(
-      std::move(options), *std::move(planner), *std::move(store), std::move(state_writer),
+      std::move(options), *std::move(planner), std::move(store), std::move(state_writer),
       *std::move(checkpoints), *std::move(events_file)));
   absl::MutexLock lock(&controller->mu_);
   if (absl::Status recovered = controller->RecoverLocked(); !recovered.ok()) return recovered;
@@ -133,7 +131,8 @@ absl::StatusOr<std::unique_ptr<JobController>> JobController::Create(
 }
 
 JobController::JobController(JobControllerOptions options, std::unique_ptr<Planner> planner,
-                             StateStore store, std::unique_ptr<DurableStateWriter> state_writer,
+                             std::shared_ptr<CoordinatorStore> store,
+                             std::unique_ptr<DurableStateWriter> state_writer,
                              std::unique_ptr<CheckpointStore> checkpoints,
                              std::unique_ptr<AppendLog> events_file)
     : options_(std::move(options)),
@@ -142,6 +141,15 @@ JobController::JobController(JobControllerOptions options, std::unique_ptr<Plann
       membership_(options_.clock, options_.job.lease_ms()),
       store_(std::move(store)),
       state_writer_(std::move(state_writer)),
+      publisher_(std::make_unique<PlanPublisher>([&] {
+        PlanPublisherOptions publisher;
+        publisher.store = store_.get();
+        // The members a plan names (and the id counter) reach the store
+        // before the plan does: a restart must not find a plan naming a
+        // worker its state has never heard of.
+        publisher.before_write = [writer = state_writer_.get()] { writer->Flush(); };
+        return publisher;
+      }())),
       checkpoints_(std::move(checkpoints)),
       stragglers_(options_.stragglers),
       progress_([&] {
@@ -161,6 +169,7 @@ JobController::JobController(JobControllerOptions options, std::unique_ptr<Plann
       }()) {}
 
 void JobController::FlushState() {
+  publisher_->Flush();
   state_writer_->Flush();
   events_.Flush();
   // Flushed outside the lock: waiting on the disk must not hold up step
@@ -174,9 +183,9 @@ void JobController::FlushState() {
 }
 
 absl::Status JobController::RecoverLocked() {
-  absl::StatusOr<std::optional<v1::CoordinatorState>> state = store_.ReadState();
+  absl::StatusOr<std::optional<v1::CoordinatorState>> state = store_->ReadState();
   if (!state.ok()) return state.status();
-  absl::StatusOr<std::optional<v1::Plan>> plan = store_.ReadPlan();
+  absl::StatusOr<std::optional<v1::Plan>> plan = store_->ReadPlan();
   if (!plan.ok()) return plan.status();
   if (!state->has_value()) return absl::OkStatus();
   const v1::CoordinatorState& saved = **state;
@@ -204,6 +213,7 @@ absl::Status JobController::RecoverLocked() {
   done_ = saved.done();
   if (plan->has_value()) {
     plan_ = **plan;
+    publisher_->Restore(*plan_);  // durable already: the workers may see it
     training_start_s_ = ElapsedS() - saved.training_elapsed_s();
     StartProgressEpochLocked();
     epoch_started_ms_ = options_.clock->NowMs();
@@ -218,7 +228,7 @@ absl::Status JobController::RecoverLocked() {
     if (!steps.empty()) absl::StrAppend(&layers, layers.empty() ? "" : ", ", layer, "@", steps.back());
   }
   AddEventLocked("recovered", "",
-                 absl::StrCat("from ", store_.dir(), ": epoch ", plan_ ? plan_->epoch() : 0,
+                 absl::StrCat("from ", store_->Describe(), ": epoch ", plan_ ? plan_->epoch() : 0,
                               ", step ", step_, ", ", live,
                               " workers expected back, checkpoints (layer@step) ",
                               layers.empty() ? "none" : layers));
@@ -477,15 +487,9 @@ void JobController::Leave(const std::string& worker_id) {
   }
 }
 
-std::optional<v1::Plan> JobController::WaitForPlan(uint64_t after_epoch,
-                                                   absl::Duration timeout) {
-  absl::MutexLock lock(&mu_);
-  auto ready = [this, after_epoch]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return shutdown_ || (plan_.has_value() && plan_->epoch() > after_epoch);
-  };
-  mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
-  if (plan_.has_value() && plan_->epoch() > after_epoch) return *plan_;
-  return std::nullopt;
+PlanPublisher::PlanPtr JobController::WaitForPlan(uint64_t after_epoch,
+                                                  absl::Duration timeout) const {
+  return publisher_->WaitForNewer(after_epoch, timeout);
 }
 
 absl::Status JobController::CheckOnLastStageLocked(const std::string& worker_id,
@@ -1605,15 +1609,13 @@ void JobController::PublishLocked(v1::Plan plan) {
     AssignStateSources(plan_.has_value() ? &*plan_ : nullptr, &plan);
   }
   stragglers_.ResetPatience();  // figures of the old plan say nothing of the new
-  // The members the plan names (and the id counter) reach the disk before
-  // the plan does: a restart must not find a plan naming a worker its state
-  // has never heard of. Plans are rare; this is the one write that waits.
+  // The state naming the plan's members is submitted first; the publisher
+  // writes it, then the plan, and only then shows the workers the plan,
+  // all off this lock. From here on the controller acts on the plan (a
+  // report of the old epoch is refused) while the workers may still see
+  // the old one for as long as the write takes.
   PersistLocked();
-  state_writer_->Flush();
-  absl::Status written = store_.WritePlan(plan);
-  if (!written.ok()) {
-    GT_LOG(Warning) << "could not persist plan: " << written.message();
-  }
+  publisher_->Submit(plan);
   plan_ = std::move(plan);
   StartProgressEpochLocked();
   epoch_started_ms_ = options_.clock->NowMs();
@@ -1842,8 +1844,11 @@ bool JobController::shutting_down() const {
 }
 
 void JobController::Shutdown() {
-  absl::MutexLock lock(&mu_);
-  shutdown_ = true;
+  {
+    absl::MutexLock lock(&mu_);
+    shutdown_ = true;
+  }
+  publisher_->Shutdown();
 }
 
 void JobController::AddEventLocked(const std::string& kind, const std::string& worker,

@@ -25,6 +25,7 @@
 #include "common/clock.h"
 #include "coordinator/link_fault_ledger.h"
 #include "coordinator/checkpoint_store.h"
+#include "coordinator/coordinator_store.h"
 #include "coordinator/durable_state_writer.h"
 #include "coordinator/event_log.h"
 #include "coordinator/membership.h"
@@ -32,9 +33,9 @@
 #include "coordinator/network_matrix.h"
 #include "coordinator/network_planner.h"
 #include "coordinator/pipeline_continuity.h"
+#include "coordinator/plan_publisher.h"
 #include "coordinator/progress_gate.h"
 #include "coordinator/replan_policy.h"
-#include "coordinator/state_store.h"
 #include "coordinator/straggler_detector.h"
 #include "geotrain/v1/coordinator.pb.h"
 #include "geotrain/v1/job.pb.h"
@@ -61,10 +62,11 @@ struct JobControllerOptions {
   // When a slow stage's worker is swapped for a standby
   // (StragglerDetector); patience_ms INT64_MAX: never.
   StragglerOptions stragglers;
-  // Runs on the state writer's thread before each write of the state file
-  // (a fault-injecting wrapper for tests: a slow or failing disk). A
-  // non-OK result fails that write. Empty: none.
-  std::function<absl::Status()> before_state_write;
+  // Where the plan and the state are kept (tests pass an in-memory store,
+  // or one that stalls or fails). Empty: the files of state_dir
+  // (StateStore). The checkpoints and the events log are in state_dir
+  // either way.
+  std::shared_ptr<CoordinatorStore> store;
   // The same for each batch of lines appended to the events log and the
   // metrics log (AppendLog), given the file's path. Empty: none.
   std::function<absl::Status(const std::string& path)> before_log_write;
@@ -92,9 +94,9 @@ class JobController {
                                         const std::string& worker_id = "",
                                         const v1::Reachability& reachability = v1::Reachability());
   bool KnowsWorker(const std::string& worker_id) const;
-  // Waits until the state, events and metrics submitted so far are on disk
-  // (step reports and joins never wait for them; see DurableStateWriter and
-  // AppendLog).
+  // Waits until the plan, state, events and metrics submitted so far are
+  // durable (step reports and joins never wait for them; see PlanPublisher,
+  // DurableStateWriter and AppendLog).
   void FlushState();
   // Events for the Admin service and enrollments (TLS mode).
   void RecordEnrollment(const std::string& worker_id, const std::string& name,
@@ -109,10 +111,11 @@ class JobController {
                  v1::HeartbeatResponse* response = nullptr);
   void Leave(const std::string& worker_id);
 
-  // Blocks until a plan with an epoch above `after_epoch` is published or
-  // `timeout` passes (nullopt). A plan with job_done ends the watch.
-  std::optional<v1::Plan> WaitForPlan(uint64_t after_epoch,
-                                      absl::Duration timeout);
+  // Blocks until a plan with an epoch above `after_epoch` is visible or
+  // `timeout` passes (null). A plan is visible once it is durable
+  // (PlanPublisher), so shortly after the call that decided it returns. A
+  // plan with job_done ends the watch.
+  PlanPublisher::PlanPtr WaitForPlan(uint64_t after_epoch, absl::Duration timeout) const;
 
   // Refuses reports of another epoch or of a step that is not new
   // (FAILED_PRECONDITION), of workers the plan does not put on the last
@@ -173,7 +176,8 @@ class JobController {
   void Shutdown();
 
  private:
-  JobController(JobControllerOptions options, std::unique_ptr<Planner> planner, StateStore store,
+  JobController(JobControllerOptions options, std::unique_ptr<Planner> planner,
+                std::shared_ptr<CoordinatorStore> store,
                 std::unique_ptr<DurableStateWriter> state_writer,
                 std::unique_ptr<CheckpointStore> checkpoints,
                 std::unique_ptr<AppendLog> events_file);
@@ -299,11 +303,13 @@ class JobController {
   Membership membership_;
 
   mutable absl::Mutex mu_;
-  StateStore store_ ABSL_GUARDED_BY(mu_);
-  // Writes state.textproto off the lock. Plans stay synchronous: they are
-  // rare, and a plan must be durable before workers see it. Events and
-  // metrics go through AppendLog's thread (events_, metrics_).
+  const std::shared_ptr<CoordinatorStore> store_;  // thread-safe itself
+  // Write the state and the plans off every lock, each on its own thread;
+  // a plan reaches the workers once it is durable, and after the state
+  // that names its members. Events and metrics go through AppendLog's
+  // thread (events_, metrics_).
   std::unique_ptr<DurableStateWriter> state_writer_;
+  std::unique_ptr<PlanPublisher> publisher_;  // after state_writer_: it flushes that
   const std::unique_ptr<CheckpointStore> checkpoints_;  // thread-safe itself
   std::atomic<uint64_t> state_bytes_received_{0}, state_bytes_sent_{0};
   std::atomic<uint64_t> state_layers_received_{0}, state_layers_sent_{0};

@@ -366,7 +366,9 @@ int main(int argc, char** argv) {
       ExportAtEnd(*job, options.state_dir, absl::GetFlag(FLAGS_export_dir), controller->get());
     }
     if (absl::GetFlag(FLAGS_exit_when_done) && (*controller)->done()) {
-      // Give workers a moment to read the final plan before closing.
+      // The final plan visible (durable), then a moment for the workers to
+      // read it before closing.
+      (*controller)->FlushState();
       std::this_thread::sleep_for(std::chrono::milliseconds(500));
       break;
     }

@@ -1,6 +1,8 @@
-// The coordinator's state directory: the current plan (replaced atomically:
-// write, fsync, rename), the state, and where the append-only event log
-// lives (AppendLog writes it). Thread-compatible.
+// The coordinator's state directory, the default CoordinatorStore: the
+// current plan and the state, each replaced atomically (write, fsync,
+// rename), and where the append-only event log lives (AppendLog writes
+// it). Thread-safe: the two files are written independently, and the
+// object holds only the path.
 #ifndef GEOTRAIN_COORDINATOR_STATE_STORE_H_
 #define GEOTRAIN_COORDINATOR_STATE_STORE_H_
 
@@ -10,21 +12,21 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/files.h"
+#include "coordinator/coordinator_store.h"
 #include "geotrain/v1/coordinator.pb.h"
 
 namespace geotrain {
 
-class StateStore {
+class StateStore : public CoordinatorStore {
  public:
   // Creates `dir` if needed and checks that it is writable.
   static absl::StatusOr<StateStore> Open(const std::string& dir);
 
-  absl::Status WritePlan(const v1::Plan& plan);
-  absl::Status WriteState(const v1::CoordinatorState& state);
-  // What a previous coordinator left: nullopt when there is none,
-  // DATA_LOSS when a file exists but does not parse.
-  absl::StatusOr<std::optional<v1::Plan>> ReadPlan() const;
-  absl::StatusOr<std::optional<v1::CoordinatorState>> ReadState() const;
+  absl::Status WritePlan(const v1::Plan& plan) override;
+  absl::Status WriteState(const v1::CoordinatorState& state) override;
+  absl::StatusOr<std::optional<v1::Plan>> ReadPlan() const override;
+  absl::StatusOr<std::optional<v1::CoordinatorState>> ReadState() const override;
+  std::string Describe() const override { return "state dir " + dir_; }
   std::string events_log_path() const { return dir_ + "/events.log"; }
   const std::string& dir() const { return dir_; }
 

@@ -19,9 +19,43 @@
 #include "common/model_profile.h"
 #include "common/plan_util.h"
 #include "common/rpc_options.h"
+#include "coordinator/state_store.h"
 
 namespace geotrain {
 namespace {
+
+// The state dir's files, with a hook before each write of the state and of
+// the plan (a slow or failing disk).
+class HookedStore : public CoordinatorStore {
+ public:
+  HookedStore(StateStore files, std::function<absl::Status()> before_state_write,
+              std::function<absl::Status()> before_plan_write)
+      : files_(std::move(files)),
+        before_state_write_(std::move(before_state_write)),
+        before_plan_write_(std::move(before_plan_write)) {}
+  absl::Status WritePlan(const v1::Plan& plan) override {
+    if (before_plan_write_) {
+      if (absl::Status injected = before_plan_write_(); !injected.ok()) return injected;
+    }
+    return files_.WritePlan(plan);
+  }
+  absl::Status WriteState(const v1::CoordinatorState& state) override {
+    if (before_state_write_) {
+      if (absl::Status injected = before_state_write_(); !injected.ok()) return injected;
+    }
+    return files_.WriteState(state);
+  }
+  absl::StatusOr<std::optional<v1::Plan>> ReadPlan() const override { return files_.ReadPlan(); }
+  absl::StatusOr<std::optional<v1::CoordinatorState>> ReadState() const override {
+    return files_.ReadState();
+  }
+  std::string Describe() const override { return files_.Describe(); }
+
+ private:
+  StateStore files_;
+  const std::function<absl::Status()> before_state_write_;
+  const std::function<absl::Status()> before_plan_write_;
+};
 
 class JobControllerTest : public testing::Test {
  protected:
@@ -45,7 +79,12 @@ class JobControllerTest : public testing::Test {
     options.metrics_log_path = dir_ + "/metrics.jsonl";
     options.clock = &clock_;
     options.authenticated_callers = authenticated_callers_;
-    options.before_state_write = before_state_write_;
+    if (before_state_write_ || before_plan_write_) {
+      absl::StatusOr<StateStore> files = StateStore::Open(dir_);
+      ASSERT_TRUE(files.ok()) << files.status();
+      options.store = std::make_shared<HookedStore>(*std::move(files), before_state_write_,
+                                                    before_plan_write_);
+    }
     options.before_log_write = before_log_write_;
     options.planner = planner_;
     auto controller = JobController::Create(options);
@@ -115,6 +154,7 @@ class JobControllerTest : public testing::Test {
   FakeClock clock_{0};
   bool authenticated_callers_ = false;
   std::function<absl::Status()> before_state_write_;
+  std::function<absl::Status()> before_plan_write_;
   std::function<absl::Status(const std::string&)> before_log_write_;
   std::string planner_ = "join-order";
   v1::JobSpec job_;
@@ -124,11 +164,12 @@ class JobControllerTest : public testing::Test {
 
 TEST_F(JobControllerTest, PlansOnceEnoughWorkersJoined) {
   Join("a");
-  EXPECT_FALSE(controller_->WaitForPlan(0, absl::ZeroDuration()).has_value());
+  controller_->FlushState();
+  EXPECT_EQ(controller_->WaitForPlan(0, absl::ZeroDuration()), nullptr);
   EXPECT_EQ(controller_->Status().state(), "waiting");
   Join("b");
-  std::optional<v1::Plan> plan = controller_->WaitForPlan(0, absl::ZeroDuration());
-  ASSERT_TRUE(plan.has_value());
+  PlanPublisher::PlanPtr plan = controller_->WaitForPlan(0, absl::Seconds(10));
+  ASSERT_NE(plan, nullptr);
   EXPECT_EQ(plan->epoch(), 1u);
   ASSERT_EQ(plan->stages_size(), 2);
   EXPECT_EQ(plan->stages(0).address(), "a:1");
@@ -246,6 +287,62 @@ TEST_F(JobControllerTest, AStepReportNeverWaitsForASlowDisk) {
   EXPECT_NE(events.find("\"kind\":\"joined\",\"worker\":\"c\""), std::string::npos);
 }
 
+TEST_F(JobControllerTest, AStalledStoreHoldsBackThePlanAndNothingElse) {
+  // The store stalls during a plan's publication: heartbeats, step reports
+  // and status keep returning, and the workers see the plan only once it
+  // is durable.
+  std::atomic<bool> stall{false};
+  std::atomic<int> stalled_plans{0};
+  absl::Notification store_free;
+  before_plan_write_ = [&]() -> absl::Status {
+    if (!stall) return absl::OkStatus();
+    ++stalled_plans;
+    store_free.WaitForNotification();
+    return absl::OkStatus();
+  };
+  Start("gpt { context: 8 d_model: 16 heads: 2 blocks: 2 } text {} steps: 100 "
+        "min_workers: 2 lease_ms: 1000");
+  const std::string a = Join("a").worker_id();
+  const std::string b = Join("b").worker_id();
+  TrainSteps(a, b, 2);
+  ASSERT_NE(controller_->WaitForPlan(0, absl::Seconds(10)), nullptr);
+  stall = true;
+  // A third worker joins and the second leaves: epoch 2 moves stage 1 to
+  // the third, and its write is stuck.
+  const std::string c = Join("c").worker_id();
+  controller_->Leave(b);
+  for (int i = 0; i < 2000 && stalled_plans == 0; ++i) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_EQ(stalled_plans.load(), 1);
+  const absl::Time start = absl::Now();
+  for (int i = 0; i < 20; ++i) {
+    v1::HeartbeatRequest heartbeat;
+    heartbeat.set_worker_id(i % 2 == 0 ? a : c);
+    EXPECT_TRUE(controller_->Heartbeat(heartbeat));
+  }
+  // The controller acts on epoch 2 already: the last stage's report of
+  // step 3 counts once stage 0 has finished it.
+  v1::StepReport report;
+  report.set_worker_id(c);
+  report.set_epoch(2);
+  report.set_step(3);
+  report.set_loss(2.0);
+  report.set_samples(8);
+  EXPECT_TRUE(controller_->ReportStep(report).ok());
+  FinishedOnStageZero(a, 3, 2);
+  const v1::ClusterStatus status = controller_->Status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));  // a wait would never end
+  EXPECT_EQ(status.epoch(), 2u);
+  EXPECT_EQ(status.step(), 3);
+  // Not visible, and not on disk, while the store is stuck.
+  EXPECT_EQ(controller_->WaitForPlan(1, absl::Milliseconds(50)), nullptr);
+  EXPECT_EQ(ReadFile(dir_ + "/plan.textproto").find("epoch: 2"), std::string::npos);
+  store_free.Notify();
+  PlanPublisher::PlanPtr plan = controller_->WaitForPlan(1, absl::Seconds(10));
+  ASSERT_NE(plan, nullptr);
+  EXPECT_EQ(plan->epoch(), 2u);
+  EXPECT_NE(ReadFile(dir_ + "/plan.textproto").find("epoch: 2"), std::string::npos);
+}
+
 TEST_F(JobControllerTest, AFailedStateWriteIsRetriedWithTheNextState) {
   std::atomic<bool> fail{true};
   before_state_write_ = [&]() -> absl::Status {
@@ -351,8 +448,8 @@ TEST_F(JobControllerTest, JobEndsWhenEveryStageIsDone) {
   done.set_worker_id(b.worker_id());
   ASSERT_TRUE(controller_->ReportDone(done).ok());
   EXPECT_TRUE(controller_->done());
-  std::optional<v1::Plan> final_plan = controller_->WaitForPlan(1, absl::ZeroDuration());
-  ASSERT_TRUE(final_plan.has_value());
+  PlanPublisher::PlanPtr final_plan = controller_->WaitForPlan(1, absl::Seconds(10));
+  ASSERT_NE(final_plan, nullptr);
   EXPECT_TRUE(final_plan->job_done());
   EXPECT_EQ(final_plan->epoch(), 2u);
   EXPECT_EQ(controller_->Status().state(), "done");
@@ -389,7 +486,11 @@ class ReplanTest : public JobControllerTest {
     request.mutable_stats()->set_compute_s_per_microbatch(compute_s);
     controller_->Heartbeat(request);
   }
-  v1::Plan Plan() { return *controller_->WaitForPlan(0, absl::ZeroDuration()); }
+  // The newest plan decided, once visible.
+  v1::Plan Plan() {
+    controller_->FlushState();
+    return *controller_->WaitForPlan(0, absl::ZeroDuration());
+  }
   // `reporter` says its link to `peer` broke while running `epoch`.
   absl::Status ReportLinkLost(const std::string& reporter, const std::string& peer,
                               uint64_t epoch) {
@@ -1738,7 +1839,8 @@ TEST_F(ProgressClaimTest, DoneBeforeTheLastStepEndsNothing) {
   }
   EXPECT_FALSE(controller_->done());
   EXPECT_TRUE(HasEvent("suspected"));
-  EXPECT_FALSE(controller_->WaitForPlan(1, absl::ZeroDuration()).has_value())
+  controller_->FlushState();
+  EXPECT_EQ(controller_->WaitForPlan(1, absl::ZeroDuration()), nullptr)
       << "no final plan was published";
 }
 
