@@ -247,6 +247,14 @@ grpc::Status CoordinatorService::Join(grpc::ServerContext* context,
   absl::StatusOr<v1::JoinResponse> joined =
       options_.controller->Join(*request, *worker, reachability);
   if (!joined.ok()) return Refused(joined.status());
+  if (context->IsCancelled()) {
+    // The caller gave up (its deadline passed while the coordinator was
+    // busy): the answer would go nowhere, so the member it would have been
+    // goes too. Its retry joins afresh, or finds the member a retry that
+    // overtook this attempt was given (same session).
+    options_.controller->AbandonJoin(joined->worker_id(), request->session_id());
+    return grpc::Status(grpc::StatusCode::CANCELLED, "the caller gave up on the join");
+  }
   *response = *std::move(joined);
   return grpc::Status::OK;
 }

@@ -270,15 +270,19 @@ absl::StatusOr<v1::JoinResponse> JobController::Join(const v1::JoinRequest& requ
                                                      const v1::Reachability& reachability) {
   if (absl::Status valid = ValidateJoinRequest(request); !valid.ok()) return valid;
   const bool relay = request.role() == v1::MEMBER_ROLE_RELAY;
-  WorkerRecord record = membership_.Join(request.name(), request.address(), request.device(),
-                                         worker_id, request.role(), reachability);
-  network_.Learn(record.id, record.address);
+  bool retried = false;
+  WorkerRecord record =
+      membership_.Join(request.name(), request.address(), request.device(), worker_id,
+                       request.role(), reachability, request.session_id(), &retried);
   v1::JoinResponse response;
   response.set_worker_id(record.id);
   response.set_lease_ms(static_cast<int32_t>(membership_.lease_ms()));
   response.set_heartbeat_ms(options_.heartbeat_ms);
-  *response.mutable_reachability() = reachability;
+  *response.mutable_reachability() = record.reachability;
   if (!relay) *response.mutable_job() = options_.job;
+  // A retry is answered as its first attempt was: no event, no plan.
+  if (retried) return response;
+  network_.Learn(record.id, record.address);
   absl::MutexLock lock(&mu_);
   const std::string reach =
       !reachability.known() ? "" : reachability.reachable() ? ", reachable" : ", not reachable";
@@ -305,6 +309,13 @@ absl::StatusOr<v1::JoinResponse> JobController::Join(const v1::JoinRequest& requ
   MaybePlanLocked();
   PersistLocked();
   return response;
+}
+
+void JobController::AbandonJoin(const std::string& worker_id, const std::string& session) {
+  absl::MutexLock lock(&mu_);
+  // A member a plan already names stays; its lease runs out as any other.
+  if (plan_.has_value() && StageOf(*plan_, worker_id) != nullptr) return;
+  if (membership_.Abandon(worker_id, session)) network_.Forget(worker_id);
 }
 
 bool JobController::KnowsWorker(const std::string& worker_id) const {
@@ -1889,10 +1900,7 @@ PipelineDataInput JobController::DataInputLocked() const {
 }
 
 std::string JobController::NameOf(const std::string& worker_id) const {
-  for (const WorkerRecord& w : membership_.Snapshot()) {
-    if (w.id == worker_id) return w.name;
-  }
-  return worker_id;
+  return membership_.NameOf(worker_id);
 }
 
 }  // namespace geotrain

@@ -93,6 +93,10 @@ class JobController {
   absl::StatusOr<v1::JoinResponse> Join(const v1::JoinRequest& request,
                                         const std::string& worker_id = "",
                                         const v1::Reachability& reachability = v1::Reachability());
+  // The caller of a join gave up before the answer (its RPC was
+  // cancelled): the member it created is forgotten, unless a retry of the
+  // same session was answered with it or a plan names it already.
+  void AbandonJoin(const std::string& worker_id, const std::string& session);
   bool KnowsWorker(const std::string& worker_id) const;
   // Waits until the plan, state, events and metrics submitted so far are
   // durable (step reports and joins never wait for them; see PlanPublisher,

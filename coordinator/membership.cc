@@ -111,6 +111,10 @@ absl::Status ValidateJoinRequest(const v1::JoinRequest& request) {
         absl::StrCat("join ", address.message(), ": peers must be able to dial it"));
   }
   if (absl::Status finite = CheckAllFinite(request); !finite.ok()) return finite;
+  if (request.session_id().size() > 64) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "join with a session_id of ", request.session_id().size(), " bytes: at most 64"));
+  }
   if (request.role() == v1::MEMBER_ROLE_RELAY) {
     if (request.has_device()) return absl::InvalidArgumentError("a relay joins without a device");
     return absl::OkStatus();
@@ -171,19 +175,52 @@ v1::StageStats BoundedStageStats(const v1::StageStats& stats) {
 Membership::Membership(const Clock* clock, int64_t lease_ms)
     : clock_(clock), lease_ms_(lease_ms) {}
 
+WorkerRecord* Membership::FindLocked(const std::string& id) {
+  auto it = index_.find(id);
+  return it == index_.end() ? nullptr : &workers_[it->second];
+}
+
+const WorkerRecord* Membership::FindLocked(const std::string& id) const {
+  auto it = index_.find(id);
+  return it == index_.end() ? nullptr : &workers_[it->second];
+}
+
+void Membership::ReindexLocked() {
+  index_.clear();
+  for (size_t i = 0; i < workers_.size(); ++i) index_[workers_[i].id] = i;
+}
+
 WorkerRecord Membership::Join(const std::string& name, const std::string& address,
                               const v1::DeviceInfo& device, const std::string& id,
-                              v1::MemberRole role, const v1::Reachability& reachability) {
+                              v1::MemberRole role, const v1::Reachability& reachability,
+                              const std::string& session, bool* retried) {
   absl::MutexLock lock(&mu_);
-  WorkerRecord* record = nullptr;
-  for (WorkerRecord& w : workers_) {
-    if (!id.empty() && w.id == id) record = &w;
+  if (retried != nullptr) *retried = false;
+  const int64_t now = clock_->NowMs();
+  WorkerRecord* record = id.empty() ? nullptr : FindLocked(id);
+  if (!session.empty()) {
+    // A retry: the same process (session), its member still live. Without
+    // an id (insecure), the session is looked up among the live members.
+    WorkerRecord* same = record;
+    if (same == nullptr && id.empty()) {
+      for (auto it = workers_.rbegin(); it != workers_.rend() && same == nullptr; ++it) {
+        if (it->session == session && it->alive) same = &*it;
+      }
+    }
+    if (same != nullptr && same->session == session && same->alive &&
+        now - same->last_heartbeat_ms <= lease_ms_) {
+      same->last_heartbeat_ms = now;
+      ++answered_joins_[same->id];
+      if (retried != nullptr) *retried = true;
+      return *same;
+    }
   }
   if (record == nullptr) {
     record = &workers_.emplace_back();
     record->join_order = next_join_order_++;
     record->id = id.empty() ? absl::StrCat("w", next_number_) : id;
     next_number_ = std::max(next_number_, WorkerNumber(record->id) + 1);
+    index_[record->id] = workers_.size() - 1;
   }
   // A worker that joins again (with its certificate) keeps its id.
   record->name = name.empty() ? record->id : name;
@@ -191,61 +228,82 @@ WorkerRecord Membership::Join(const std::string& name, const std::string& addres
   record->device = device;
   record->role = role == v1::MEMBER_ROLE_UNSPECIFIED ? v1::MEMBER_ROLE_WORKER : role;
   record->reachability = reachability;
-  record->joined_ms = clock_->NowMs();
+  record->joined_ms = now;
   record->last_heartbeat_ms = record->joined_ms;
   record->alive = true;
   record->end_reason.clear();
   record->stats.Clear();
+  record->session = session;
+  answered_joins_[record->id] = 1;
   return *record;
+}
+
+bool Membership::Abandon(const std::string& id, const std::string& session) {
+  absl::MutexLock lock(&mu_);
+  WorkerRecord* record = FindLocked(id);
+  if (record == nullptr || record->session != session || !record->alive) return false;
+  if (--answered_joins_[id] > 0) return false;  // another attempt was answered with it
+  answered_joins_.erase(id);
+  workers_.erase(workers_.begin() + index_[id]);
+  ReindexLocked();
+  return true;
 }
 
 bool Membership::Knows(const std::string& id) const {
   absl::MutexLock lock(&mu_);
-  for (const WorkerRecord& w : workers_) {
-    if (w.id == id) return true;
-  }
-  return false;
+  return FindLocked(id) != nullptr;
+}
+
+std::optional<WorkerRecord> Membership::Find(const std::string& id) const {
+  absl::MutexLock lock(&mu_);
+  const WorkerRecord* record = FindLocked(id);
+  if (record == nullptr) return std::nullopt;
+  return *record;
+}
+
+std::string Membership::NameOf(const std::string& id) const {
+  absl::MutexLock lock(&mu_);
+  const WorkerRecord* record = FindLocked(id);
+  return record == nullptr ? id : record->name;
 }
 
 bool Membership::IsLive(const std::string& id) const {
   absl::MutexLock lock(&mu_);
-  for (const WorkerRecord& w : workers_) {
-    if (w.id == id) {
-      return w.alive && clock_->NowMs() - w.last_heartbeat_ms <= lease_ms_;
-    }
-  }
-  return false;
+  const WorkerRecord* w = FindLocked(id);
+  return w != nullptr && w->alive && clock_->NowMs() - w->last_heartbeat_ms <= lease_ms_;
 }
 
 void Membership::PruneDead(size_t keep_dead) {
   absl::MutexLock lock(&mu_);
   size_t dead = 0;
   for (const WorkerRecord& w : workers_) dead += w.alive ? 0 : 1;
+  if (dead <= keep_dead) return;
   for (auto it = workers_.begin(); it != workers_.end() && dead > keep_dead;) {
     if (it->alive) {
       ++it;
     } else {
+      answered_joins_.erase(it->id);
       it = workers_.erase(it);
       --dead;
     }
   }
+  ReindexLocked();
 }
 
 bool Membership::Heartbeat(const std::string& id, uint64_t rss_bytes, int step,
                            const v1::StageStats& stats) {
+  v1::StageStats bounded = BoundedStageStats(stats);  // off the lock
   absl::MutexLock lock(&mu_);
-  for (WorkerRecord& w : workers_) {
-    if (w.id != id) continue;
-    // A lease that ran out stays out, even before ExpireLeases notices:
-    // the worker must join again (and is planned anew).
-    if (!w.alive || clock_->NowMs() - w.last_heartbeat_ms > lease_ms_) return false;
-    w.last_heartbeat_ms = clock_->NowMs();
-    w.rss_bytes = rss_bytes;
-    w.step = step;
-    w.stats = BoundedStageStats(stats);
-    return true;
-  }
-  return false;
+  WorkerRecord* w = FindLocked(id);
+  if (w == nullptr) return false;
+  // A lease that ran out stays out, even before ExpireLeases notices:
+  // the worker must join again (and is planned anew).
+  if (!w->alive || clock_->NowMs() - w->last_heartbeat_ms > lease_ms_) return false;
+  w->last_heartbeat_ms = clock_->NowMs();
+  w->rss_bytes = rss_bytes;
+  w->step = step;
+  w->stats = std::move(bounded);
+  return true;
 }
 
 void Membership::SetLayerTimings(
@@ -257,28 +315,21 @@ void Membership::SetLayerTimings(
     kept[kind] = seconds;
   }
   absl::MutexLock lock(&mu_);
-  for (WorkerRecord& w : workers_) {
-    if (w.id == id) w.layer_seconds_per_sample = kept;
-  }
+  if (WorkerRecord* w = FindLocked(id)) w->layer_seconds_per_sample = std::move(kept);
 }
 
 void Membership::SetReachability(const std::string& id, const v1::Reachability& reachability) {
   absl::MutexLock lock(&mu_);
-  for (WorkerRecord& w : workers_) {
-    if (w.id == id) w.reachability = reachability;
-  }
+  if (WorkerRecord* w = FindLocked(id)) w->reachability = reachability;
 }
 
 bool Membership::Leave(const std::string& id, const std::string& reason) {
   absl::MutexLock lock(&mu_);
-  for (WorkerRecord& w : workers_) {
-    if (w.id == id && w.alive) {
-      w.alive = false;
-      w.end_reason = reason;
-      return true;
-    }
-  }
-  return false;
+  WorkerRecord* w = FindLocked(id);
+  if (w == nullptr || !w->alive) return false;
+  w->alive = false;
+  w->end_reason = reason;
+  return true;
 }
 
 std::vector<WorkerRecord> Membership::ExpireLeases() {
@@ -307,6 +358,7 @@ void Membership::Restore(std::vector<WorkerRecord> records, int next_number) {
     next_join_order_ = std::max(next_join_order_, record.join_order + 1);
   }
   workers_ = std::move(records);
+  ReindexLocked();
 }
 
 int Membership::next_number() const {

@@ -4,7 +4,9 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -30,6 +32,9 @@ struct WorkerRecord {
   std::string end_reason;  // why it is no longer alive
   v1::MemberRole role = v1::MEMBER_ROLE_WORKER;  // a relay holds no stage
   v1::Reachability reachability;  // found at join (see ReachabilityProber)
+  // The joining process's own random id, the same on each retry of its
+  // join (JoinRequest.session_id); empty from older clients.
+  std::string session;
   // Forward + backward seconds per sample by layer kind, as the worker timed
   // them after joining (empty until its first heartbeat that carries them).
   std::map<std::string, double> layer_seconds_per_sample;
@@ -53,7 +58,8 @@ absl::Status ValidateHeartbeatRequest(const v1::HeartbeatRequest& request);
 v1::StageStats BoundedStageStats(const v1::StageStats& stats);
 
 // Keeps worker records and leases. A worker whose last heartbeat (or join)
-// is older than the lease is dead once ExpireLeases() runs. Thread-safe.
+// is older than the lease is dead once ExpireLeases() runs. Lookups by id
+// (a heartbeat, a name) cost O(1); the lists cost O(members). Thread-safe.
 class Membership {
  public:
   Membership(const Clock* clock, int64_t lease_ms);
@@ -61,11 +67,27 @@ class Membership {
   // Admits a worker and returns its record. `id` empty: a new id
   // ("w<n>", never reused); otherwise the worker with that id (allocated
   // by the caller), which is re-admitted with a new lease if it was known.
+  //
+  // Idempotent: a join with the `session` of a live member (and, with an
+  // `id`, that member's id) is a retry of the join that admitted it. It
+  // renews the lease and returns that member unchanged, with `*retried`
+  // set; a client whose first attempt ran past its deadline gets the
+  // member the attempt created instead of a second one.
   WorkerRecord Join(const std::string& name, const std::string& address,
                     const v1::DeviceInfo& device, const std::string& id = "",
                     v1::MemberRole role = v1::MEMBER_ROLE_WORKER,
-                    const v1::Reachability& reachability = v1::Reachability());
+                    const v1::Reachability& reachability = v1::Reachability(),
+                    const std::string& session = "", bool* retried = nullptr);
+  // Undoes the admission of a join whose caller gave up before the answer
+  // (the RPC was cancelled): the member `id` of `session` is forgotten when
+  // no other attempt of that session was answered with it. True when it
+  // was forgotten.
+  bool Abandon(const std::string& id, const std::string& session);
   bool Knows(const std::string& id) const;
+  // The member's record; nullopt when unknown (or pruned).
+  std::optional<WorkerRecord> Find(const std::string& id) const;
+  // Its name, or `id` itself when unknown.
+  std::string NameOf(const std::string& id) const;
   // Known, not ended, and its lease has not run out (even if ExpireLeases
   // has not run since): what may still speak for its stage.
   bool IsLive(const std::string& id) const;
@@ -103,8 +125,15 @@ class Membership {
  private:
   const Clock* clock_;
   const int64_t lease_ms_;
+  WorkerRecord* FindLocked(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  const WorkerRecord* FindLocked(const std::string& id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReindexLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   mutable absl::Mutex mu_;
-  std::vector<WorkerRecord> workers_ ABSL_GUARDED_BY(mu_);
+  std::vector<WorkerRecord> workers_ ABSL_GUARDED_BY(mu_);  // join order
+  std::unordered_map<std::string, size_t> index_ ABSL_GUARDED_BY(mu_);  // id -> workers_[i]
+  // Answers given to the current session of each member (Abandon).
+  std::unordered_map<std::string, int> answered_joins_ ABSL_GUARDED_BY(mu_);
   int next_number_ ABSL_GUARDED_BY(mu_) = 0;  // of the next "w<n>"
   int next_join_order_ ABSL_GUARDED_BY(mu_) = 0;
 };

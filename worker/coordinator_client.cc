@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/grpc_status.h"
+#include "common/join_token.h"
 #include "common/layer_state.h"
 #include "common/logging.h"
 #include "common/process_stats.h"
@@ -33,11 +34,16 @@ absl::StatusOr<v1::JoinResponse> CoordinatorClient::JoinWithRetry(
     absl::Duration give_up_after) {
   const absl::Time give_up = absl::Now() + give_up_after;
   absl::Duration backoff = absl::Milliseconds(500);
+  // One session for every attempt of this join: an attempt whose answer
+  // came too late leaves the coordinator a member that the next attempt
+  // is given, not a second one (Membership::Join).
+  v1::JoinRequest attempt = request;
+  if (attempt.session_id().empty()) attempt.set_session_id(RandomHexSecret(16));
   while (!stop) {
     grpc::ClientContext context;
     context.set_deadline(DeadlineFromNow(kControlRpcTimeout));
     v1::JoinResponse response;
-    const grpc::Status status = stub_->Join(&context, request, &response);
+    const grpc::Status status = stub_->Join(&context, attempt, &response);
     if (status.ok()) {
       absl::MutexLock lock(&mu_);
       worker_id_ = response.worker_id();

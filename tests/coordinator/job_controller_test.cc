@@ -343,6 +343,44 @@ TEST_F(JobControllerTest, AStalledStoreHoldsBackThePlanAndNothingElse) {
   EXPECT_NE(ReadFile(dir_ + "/plan.textproto").find("epoch: 2"), std::string::npos);
 }
 
+TEST_F(JobControllerTest, ARetriedJoinIsOneMemberAndAnAbandonedOneNone) {
+  v1::JoinRequest request;
+  request.set_name("a");
+  request.set_address("a:1");
+  request.set_session_id("0123abcd");
+  request.mutable_device()->set_matmul_gflops(10);
+  absl::StatusOr<v1::JoinResponse> first = controller_->Join(request);
+  ASSERT_TRUE(first.ok()) << first.status();
+  absl::StatusOr<v1::JoinResponse> retry = controller_->Join(request);
+  ASSERT_TRUE(retry.ok()) << retry.status();
+  EXPECT_EQ(retry->worker_id(), first->worker_id());
+  EXPECT_EQ(retry->job().steps(), 3);
+  v1::ClusterStatus status = controller_->Status();
+  EXPECT_EQ(status.workers_size(), 1);
+  int joined = 0;
+  for (const v1::Event& e : status.events()) joined += e.kind() == "joined";
+  EXPECT_EQ(joined, 1);
+  // Another process whose caller gave up: it leaves nothing behind.
+  request.set_name("b");
+  request.set_address("b:1");
+  request.set_session_id("4567ef");
+  absl::StatusOr<v1::JoinResponse> abandoned = controller_->Join(request);
+  ASSERT_TRUE(abandoned.ok());
+  // Two members: min_workers is met and the plan names b, so it stays.
+  controller_->AbandonJoin(abandoned->worker_id(), "4567ef");
+  EXPECT_TRUE(controller_->KnowsWorker(abandoned->worker_id()));
+  request.set_name("c");
+  request.set_address("c:1");
+  request.set_session_id("89");
+  absl::StatusOr<v1::JoinResponse> spare = controller_->Join(request);
+  ASSERT_TRUE(spare.ok());
+  controller_->AbandonJoin(spare->worker_id(), "89");
+  EXPECT_FALSE(controller_->KnowsWorker(spare->worker_id()));
+  EXPECT_EQ(controller_->Status().workers_size(), 2);
+  request.set_session_id(std::string(65, 'x'));
+  EXPECT_EQ(controller_->Join(request).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(JobControllerTest, AFailedStateWriteIsRetriedWithTheNextState) {
   std::atomic<bool> fail{true};
   before_state_write_ = [&]() -> absl::Status {

@@ -32,6 +32,73 @@ TEST(MembershipTest, LeaseExpiresWithoutHeartbeats) {
   EXPECT_TRUE(membership.LiveWorkers().empty());
 }
 
+TEST(MembershipTest, ARetriedJoinReturnsTheMemberItsFirstAttemptCreated) {
+  FakeClock clock(1000);
+  Membership membership(&clock, /*lease_ms=*/5000);
+  bool retried = true;
+  WorkerRecord first = membership.Join("a", "h:1", {}, "", v1::MEMBER_ROLE_WORKER, {}, "s1",
+                                       &retried);
+  EXPECT_FALSE(retried);
+  clock.AdvanceMs(3000);
+  // The first answer came too late for its caller, which tries again.
+  WorkerRecord again = membership.Join("a", "h:1", {}, "", v1::MEMBER_ROLE_WORKER, {}, "s1",
+                                       &retried);
+  EXPECT_TRUE(retried);
+  EXPECT_EQ(again.id, first.id);
+  EXPECT_EQ(membership.Snapshot().size(), 1u);
+  // The retry renewed the lease.
+  clock.AdvanceMs(4000);
+  EXPECT_TRUE(membership.ExpireLeases().empty());
+  // Another process (session) with the same name and address is another member.
+  WorkerRecord other = membership.Join("a", "h:1", {}, "", v1::MEMBER_ROLE_WORKER, {}, "s2",
+                                       &retried);
+  EXPECT_FALSE(retried);
+  EXPECT_NE(other.id, first.id);
+  // With a certified id, the session must match too: a restarted process
+  // (new session) is re-admitted, not answered as a retry.
+  WorkerRecord certified = membership.Join("c", "h:3", {}, "w9", v1::MEMBER_ROLE_WORKER, {},
+                                           "s3", &retried);
+  EXPECT_FALSE(retried);
+  membership.Join("c", "h:3", {}, "w9", v1::MEMBER_ROLE_WORKER, {}, "s3", &retried);
+  EXPECT_TRUE(retried);
+  membership.Join("c", "h:3", {}, "w9", v1::MEMBER_ROLE_WORKER, {}, "s4", &retried);
+  EXPECT_FALSE(retried);
+  EXPECT_EQ(certified.id, "w9");
+  EXPECT_EQ(membership.Snapshot().size(), 3u);
+  // A member whose lease ran out is not a retry's: the join is a new one.
+  clock.AdvanceMs(6000);
+  membership.ExpireLeases();
+  WorkerRecord late = membership.Join("a", "h:1", {}, "", v1::MEMBER_ROLE_WORKER, {}, "s1",
+                                      &retried);
+  EXPECT_FALSE(retried);
+  EXPECT_NE(late.id, first.id);
+}
+
+TEST(MembershipTest, AnAbandonedJoinLeavesNoMember) {
+  FakeClock clock(1000);
+  Membership membership(&clock, /*lease_ms=*/5000);
+  WorkerRecord a = membership.Join("a", "h:1", {}, "", v1::MEMBER_ROLE_WORKER, {}, "s1");
+  WorkerRecord b = membership.Join("b", "h:2", {}, "", v1::MEMBER_ROLE_WORKER, {}, "s2");
+  EXPECT_FALSE(membership.Abandon(a.id, "another session"));
+  EXPECT_TRUE(membership.Abandon(a.id, "s1"));
+  EXPECT_FALSE(membership.Knows(a.id));
+  EXPECT_EQ(membership.NameOf(a.id), a.id);  // unknown: the id itself
+  EXPECT_EQ(membership.NameOf(b.id), "b");    // the index survived the erase
+  EXPECT_TRUE(membership.Heartbeat(b.id, 0, 1));
+  // A retry was answered with the member before the first attempt gave
+  // up: the member stays.
+  membership.Join("c", "h:3", {}, "", v1::MEMBER_ROLE_WORKER, {}, "s3");
+  bool retried = false;
+  WorkerRecord c = membership.Join("c", "h:3", {}, "", v1::MEMBER_ROLE_WORKER, {}, "s3",
+                                   &retried);
+  ASSERT_TRUE(retried);
+  EXPECT_FALSE(membership.Abandon(c.id, "s3"));
+  EXPECT_TRUE(membership.Knows(c.id));
+  EXPECT_EQ(membership.LiveWorkers().size(), 2u);
+  // Ids are never given out again.
+  EXPECT_EQ(membership.Join("d", "h:4", {}).id, "w3");
+}
+
 TEST(MembershipTest, HeartbeatRecordsHealth) {
   FakeClock clock;
   Membership membership(&clock, 1000);
