@@ -13,7 +13,7 @@ absl::Status CheckpointUpload::Begin(const v1::LayerCheckpoint& header, uint64_t
   }
   v1::LayerCheckpoint checked = header;
   checked.set_worker_id(worker_id_);
-  RETURN_IF_ERROR(controller_->AuthorizeCheckpoint(worker_id_, checked, payload_bytes));
+  RETURN_IF_ERROR(controller_->checkpoint_gate().Authorize(worker_id_, checked, payload_bytes));
   what_ = absl::StrCat("checkpoint of layer ", header.layer(), " at step ", header.step());
   payload_bytes_ = payload_bytes;
   ASSIGN_OR_RETURN(writer_, controller_->checkpoints().BeginSave(checked, payload_bytes));
@@ -22,7 +22,7 @@ absl::Status CheckpointUpload::Begin(const v1::LayerCheckpoint& header, uint64_t
 
 absl::Status CheckpointUpload::Append(absl::string_view data) {
   if (absl::Status finite = CheckFiniteFloats(data, what_); !finite.ok()) {
-    controller_->RecordCheckpointRefused(worker_id_, std::string(finite.message()));
+    controller_->checkpoint_gate().RecordRefused(worker_id_, std::string(finite.message()));
     writer_.reset();  // nothing of the layer is kept
     return finite;
   }
@@ -32,14 +32,14 @@ absl::Status CheckpointUpload::Append(absl::string_view data) {
 absl::Status CheckpointUpload::End() {
   RETURN_IF_ERROR(writer_->Commit());
   writer_.reset();
-  controller_->CountStateReceived(payload_bytes_);
+  controller_->checkpoint_gate().CountReceived(payload_bytes_);
   return absl::OkStatus();
 }
 
 absl::Status SendCheckpoint(JobController& controller, const std::string& worker_id, int layer,
                             const std::function<bool(const v1::LayerStateChunk&)>& emit) {
   ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader,
-                   controller.OpenCheckpoint(worker_id, layer));
+                   controller.checkpoint_gate().Open(worker_id, layer));
   LayerStateChunker chunker(reader->header(), reader->payload_bytes(), emit);
   std::string piece;
   while (chunker.bytes_sent() < reader->payload_bytes()) {
@@ -50,7 +50,7 @@ absl::Status SendCheckpoint(JobController& controller, const std::string& worker
   }
   RETURN_IF_ERROR(chunker.Finish());
   const uint64_t sent = chunker.bytes_sent();
-  controller.CountStateSent(sent);
+  controller.checkpoint_gate().CountSent(sent);
   return absl::OkStatus();
 }
 

@@ -35,7 +35,7 @@ class CheckpointUpload : public LayerStateSink {
 };
 
 // Streams the newest intact checkpoint of `layer` to `emit` in chunks for
-// `worker_id` (JobController::OpenCheckpoint decides whether it may have
+// `worker_id` (CheckpointGate::Open decides whether it may have
 // it). False from `emit` (the stream broke) is CANCELLED.
 absl::Status SendCheckpoint(JobController& controller, const std::string& worker_id, int layer,
                             const std::function<bool(const v1::LayerStateChunk&)>& emit);

@@ -378,7 +378,7 @@ grpc::Status CoordinatorService::LoadCheckpoint(grpc::ServerContext* context,
   if (!worker.ok()) return Refused(worker.status());
   if (request->probe()) {
     absl::StatusOr<v1::LayerCheckpoint> newest =
-        options_.controller->LoadCheckpoint(*worker, request->layer(), /*probe=*/true);
+        options_.controller->checkpoint_gate().Load(*worker, request->layer(), /*probe=*/true);
     if (!newest.ok()) return ToGrpcStatus(newest.status());
     v1::LayerStateChunk chunk;
     *chunk.mutable_header() = *std::move(newest);

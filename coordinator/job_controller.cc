@@ -166,6 +166,17 @@ JobController::JobController(JobControllerOptions options, std::unique_ptr<Plann
         events.start_ms = start_ms_;
         events.file = std::move(events_file);
         return events;
+      }()),
+      checkpoint_gate_([&] {
+        CheckpointGateOptions gate;
+        gate.job = &options_.job;
+        gate.store = checkpoints_.get();
+        gate.plan = &plan_view_;
+        gate.membership = &membership_;
+        gate.progress = &progress_;
+        gate.events = &events_;
+        gate.lead_steps = kCheckpointLeadSteps;
+        return gate;
       }()) {}
 
 void JobController::FlushState() {
@@ -213,6 +224,7 @@ absl::Status JobController::RecoverLocked() {
   done_ = saved.done();
   if (plan->has_value()) {
     plan_ = **plan;
+    plan_view_.Set(std::make_shared<const v1::Plan>(*plan_));
     publisher_->Restore(*plan_);  // durable already: the workers may see it
     training_start_s_ = ElapsedS() - saved.training_elapsed_s();
     StartProgressEpochLocked();
@@ -726,119 +738,6 @@ void JobController::Tick() {
     membership_.PruneDead(kMaxDeadMembers);
     PersistLocked();
   }
-}
-
-absl::Status JobController::AuthorizeCheckpoint(const std::string& worker_id,
-                                                const v1::LayerCheckpoint& header,
-                                                uint64_t payload_bytes) {
-  absl::Status valid;
-  {
-    absl::MutexLock lock(&mu_);
-    const v1::StageAssignment* stage = plan_.has_value() ? StageOf(*plan_, worker_id) : nullptr;
-    if (stage == nullptr || stage->worker_id() != worker_id ||
-        header.layer() < stage->layer_begin() || header.layer() >= stage->layer_end()) {
-      valid = absl::PermissionDeniedError(absl::StrCat(
-          "checkpoint of layer ", header.layer(), " from ", worker_id.substr(0, 128),
-          ", which is not the primary of the stage that holds it"));
-    } else if (!membership_.IsLive(worker_id)) {
-      valid = absl::PermissionDeniedError(absl::StrCat(
-          "checkpoint from ", worker_id.substr(0, 128), ", whose lease has ended"));
-    }
-  }
-  if (valid.ok()) valid = CheckLayerCheckpointHeader(options_.job, header, payload_bytes);
-  if (valid.ok()) {
-    // A checkpoint is of a step the pipeline has reached: one from the
-    // future would be restored in place of every honest one after it.
-    absl::MutexLock lock(&mu_);
-    const int seen = std::max(step_, progress_.claimed_step());
-    if (header.step() > seen + kCheckpointLeadSteps) {
-      valid = absl::FailedPreconditionError(absl::StrCat(
-          "checkpoint of layer ", header.layer(), " at step ", header.step(),
-          ": the job has reached step ", seen));
-    }
-  }
-  if (!valid.ok()) RecordCheckpointRefused(worker_id, std::string(valid.message()));
-  return valid;
-}
-
-void JobController::RecordCheckpointRefused(const std::string& worker_id, const std::string& why) {
-  absl::MutexLock lock(&mu_);
-  AddEventLocked("checkpoint_refused", NameOf(worker_id), why);
-}
-
-void JobController::CountStateReceived(uint64_t payload_bytes) {
-  state_bytes_received_ += payload_bytes;
-  ++state_layers_received_;
-}
-
-void JobController::CountStateSent(uint64_t payload_bytes) {
-  state_bytes_sent_ += payload_bytes;
-  ++state_layers_sent_;
-}
-
-absl::Status JobController::SaveCheckpoint(const v1::LayerCheckpoint& checkpoint) {
-  RETURN_IF_ERROR(AuthorizeCheckpoint(checkpoint.worker_id(), LayerStateHeader(checkpoint),
-                                      checkpoint.payload().size()));
-  // The content check reads every value (megabytes): not under the lock.
-  if (absl::Status finite = CheckLayerCheckpoint(options_.job, checkpoint); !finite.ok()) {
-    RecordCheckpointRefused(checkpoint.worker_id(), std::string(finite.message()));
-    return finite;
-  }
-  return checkpoints_->Save(checkpoint);
-}
-
-absl::StatusOr<std::unique_ptr<CheckpointReader>> JobController::OpenCheckpoint(
-    const std::string& worker_id, int layer) {
-  {
-    absl::MutexLock lock(&mu_);
-    const v1::StageAssignment* stage = plan_.has_value() ? StageOf(*plan_, worker_id) : nullptr;
-    if (stage == nullptr || layer < stage->layer_begin() || layer >= stage->layer_end()) {
-      return absl::PermissionDeniedError(absl::StrCat(
-          worker_id.substr(0, 128), " may load only the layers of its own stage, not ", layer));
-    }
-  }
-  std::vector<std::string> skipped;
-  absl::StatusOr<std::unique_ptr<CheckpointReader>> reader =
-      checkpoints_->OpenLatest(layer, &skipped);
-  absl::MutexLock lock(&mu_);
-  for (const std::string& why : skipped) {
-    AddEventLocked("checkpoint_corrupt", "", absl::StrCat(why, "; using an older one"));
-  }
-  if (reader.ok()) {
-    AddEventLocked("restore", NameOf(worker_id),
-                   absl::StrCat("layer ", layer, " from step ", (*reader)->header().step()));
-  }
-  return reader;
-}
-
-absl::StatusOr<v1::LayerCheckpoint> JobController::LoadCheckpoint(const std::string& worker_id,
-                                                                   int layer, bool probe) {
-  if (probe) {
-    {
-      absl::MutexLock lock(&mu_);
-      const v1::StageAssignment* stage = plan_.has_value() ? StageOf(*plan_, worker_id) : nullptr;
-      if (stage == nullptr || layer < stage->layer_begin() || layer >= stage->layer_end()) {
-        return absl::PermissionDeniedError(absl::StrCat(
-            worker_id.substr(0, 128), " may load only the layers of its own stage, not ", layer));
-      }
-    }
-    const std::map<int, std::vector<int>> index = checkpoints_->Index();
-    auto it = index.find(layer);
-    if (it == index.end() || it->second.empty()) {
-      return absl::NotFoundError(absl::StrCat("no checkpoint of layer ", layer));
-    }
-    v1::LayerCheckpoint newest;
-    newest.set_layer(layer);
-    newest.set_step(it->second.back());
-    return newest;
-  }
-  ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader, OpenCheckpoint(worker_id, layer));
-  v1::LayerCheckpoint checkpoint = reader->header();
-  while (true) {
-    ASSIGN_OR_RETURN(size_t n, reader->Read(16 << 20, checkpoint.mutable_payload()));
-    if (n == 0) break;
-  }
-  return checkpoint;
 }
 
 absl::Status JobController::RecordWorkerEvent(const v1::WorkerEvent& event) {
@@ -1627,6 +1526,7 @@ void JobController::PublishLocked(v1::Plan plan) {
   // the old one for as long as the write takes.
   PersistLocked();
   publisher_->Submit(plan);
+  plan_view_.Set(std::make_shared<const v1::Plan>(plan));
   plan_ = std::move(plan);
   StartProgressEpochLocked();
   epoch_started_ms_ = options_.clock->NowMs();
@@ -1832,11 +1732,7 @@ v1::ClusterStatus JobController::Status() const {
                                                                         *oldest_newest))
                                   : -1.0);
   for (const auto& [kind, count] : events_.Counts()) (*status.mutable_event_counts())[kind] = count;
-  v1::StateTraffic* traffic = status.mutable_state_traffic();
-  traffic->set_checkpoint_bytes_received(state_bytes_received_);
-  traffic->set_checkpoint_bytes_sent(state_bytes_sent_);
-  traffic->set_layers_received(state_layers_received_);
-  traffic->set_layers_sent(state_layers_sent_);
+  checkpoint_gate_.FillTraffic(status.mutable_state_traffic());
   // Also a pipeline left alone that goes on (it may be joined again).
   if (plan_.has_value() && (PipelinesOf(*plan_) > 1 || plan_->pipeline_info_size() > 0)) {
     AddPipelineStatusLocked(&status);

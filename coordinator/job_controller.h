@@ -24,6 +24,7 @@
 #include "absl/time/time.h"
 #include "common/clock.h"
 #include "coordinator/link_fault_ledger.h"
+#include "coordinator/checkpoint_gate.h"
 #include "coordinator/checkpoint_store.h"
 #include "coordinator/coordinator_store.h"
 #include "coordinator/durable_state_writer.h"
@@ -34,6 +35,7 @@
 #include "coordinator/network_planner.h"
 #include "coordinator/pipeline_continuity.h"
 #include "coordinator/plan_publisher.h"
+#include "coordinator/plan_view.h"
 #include "coordinator/progress_gate.h"
 #include "coordinator/replan_policy.h"
 #include "coordinator/straggler_detector.h"
@@ -130,35 +132,12 @@ class JobController {
   absl::Status ReportEval(const v1::EvalReport& report);
   absl::Status ReportDone(const v1::DoneReport& report);
 
-  // Stage checkpoints (CheckpointStore; no lock of the controller is held
-  // for the disk I/O). A worker saves only the layers of the stage it is
-  // the primary of, loads only its own stage's (PERMISSION_DENIED), and a
-  // checkpoint must match the model (CheckLayerCheckpoint) or it is refused
-  // with an event. Loading records a restore event and one for each
-  // corrupt file passed over.
-  //
-  // Streaming (the RPCs; coordinator/checkpoint_upload.h): AuthorizeCheckpoint
-  // checks the uploader and the header before any payload arrives;
-  // RecordCheckpointRefused logs a refusal found later (a value that is not
-  // finite); OpenCheckpoint opens the newest intact file for a restore.
-  absl::Status AuthorizeCheckpoint(const std::string& worker_id, const v1::LayerCheckpoint& header,
-                                   uint64_t payload_bytes);
-  void RecordCheckpointRefused(const std::string& worker_id, const std::string& why);
-  absl::StatusOr<std::unique_ptr<CheckpointReader>> OpenCheckpoint(const std::string& worker_id,
-                                                                   int layer);
+  // Who may save and load which checkpoints (thread-safe; it takes no lock
+  // of the controller).
+  CheckpointGate& checkpoint_gate() { return checkpoint_gate_; }
   CheckpointStore& checkpoints() { return *checkpoints_; }
   const v1::JobSpec& job() const { return options_.job; }
   const std::string& state_dir() const { return options_.state_dir; }
-  // Model state that crossed the coordinator's own network interface
-  // (status: state_traffic). Thread-safe.
-  void CountStateReceived(uint64_t payload_bytes);
-  void CountStateSent(uint64_t payload_bytes);
-  // Whole-layer forms of the above (tests, tools). With `probe`,
-  // LoadCheckpoint returns only the newest step (from the index, no
-  // tensors, no event).
-  absl::Status SaveCheckpoint(const v1::LayerCheckpoint& checkpoint);
-  absl::StatusOr<v1::LayerCheckpoint> LoadCheckpoint(const std::string& worker_id, int layer,
-                                                     bool probe = false);
   // A worker's report (restore, drain, dropped microbatches, dead link).
   // A link_lost report counts only from a neighbour of the accused in the
   // current plan (else PERMISSION_DENIED with an event), once per link and
@@ -315,8 +294,6 @@ class JobController {
   std::unique_ptr<DurableStateWriter> state_writer_;
   std::unique_ptr<PlanPublisher> publisher_;  // after state_writer_: it flushes that
   const std::unique_ptr<CheckpointStore> checkpoints_;  // thread-safe itself
-  std::atomic<uint64_t> state_bytes_received_{0}, state_bytes_sent_{0};
-  std::atomic<uint64_t> state_layers_received_{0}, state_layers_sent_{0};
   int64_t last_persist_ms_ ABSL_GUARDED_BY(mu_) = 0;
   bool recovered_ ABSL_GUARDED_BY(mu_) = false;
   bool waiting_for_workers_ ABSL_GUARDED_BY(mu_) = false;
@@ -411,6 +388,9 @@ class JobController {
   double val_loss_ ABSL_GUARDED_BY(mu_) = 0;
   double accuracy_ ABSL_GUARDED_BY(mu_) = 0;
   EventLog events_;  // thread-safe itself
+  // The plan decided (plan_), for readers that take no lock of ours.
+  PlanView plan_view_;
+  CheckpointGate checkpoint_gate_;  // after what it reads
 };
 
 }  // namespace geotrain

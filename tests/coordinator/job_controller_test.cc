@@ -1468,71 +1468,6 @@ TEST_F(HostileInputTest, WithoutAStandbyAnExcludedWorkersLayersGoToTheOthers) {
   EXPECT_EQ(plan.stages(0).layer_end(), 4);
 }
 
-TEST_F(HostileInputTest, CheckpointsMustFitTheModelAndComeFromTheStagesPrimary) {
-  Join("a");
-  Join("b");
-  const v1::Plan plan = Plan();
-  const v1::StageAssignment& last = plan.stages(1);
-  const std::string owner = last.worker_id();
-  const std::string other = plan.stages(0).worker_id();
-  const int layer = last.layer_begin();
-  ASSERT_TRUE(controller_->SaveCheckpoint(FittingCheckpoint(owner, layer, 2)).ok());
-  // AdamW's layout: the parameters, then m and v of each, in parameter order.
-  EXPECT_TRUE(controller_->SaveCheckpoint(FittingCheckpoint(owner, layer, 1, 2)).ok());
-  {
-    // The same values re-cut into one flat tensor: the element count fits,
-    // the shapes do not, and a restore could not load it (issue 32).
-    v1::LayerCheckpoint flat = FittingCheckpoint(owner, layer, 2);
-    v1::TensorHeader whole = flat.params(0);
-    whole.clear_shape();
-    whole.add_shape(static_cast<int64_t>(flat.payload().size() / 4));
-    whole.set_payload_bytes(flat.payload().size());
-    whole.set_encoded_bytes(flat.payload().size());
-    flat.clear_params();
-    *flat.add_params() = whole;
-    const absl::Status refused = controller_->SaveCheckpoint(flat);
-    EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
-    EXPECT_NE(refused.message().find("parameters; the layer has"), std::string::npos) << refused;
-    // One parameter transposed: the same count, a shape of its own.
-    v1::LayerCheckpoint transposed = FittingCheckpoint(owner, layer, 2);
-    for (v1::TensorHeader& h : *transposed.mutable_params()) {
-      if (h.shape_size() == 2 && h.shape(0) != h.shape(1)) {
-        const int64_t rows = h.shape(0);
-        h.set_shape(0, h.shape(1));
-        h.set_shape(1, rows);
-        break;
-      }
-    }
-    const absl::Status shape = controller_->SaveCheckpoint(transposed);
-    EXPECT_EQ(shape.code(), absl::StatusCode::kInvalidArgument) << shape;
-    EXPECT_NE(shape.message().find("has shape ["), std::string::npos) << shape;
-  }
-
-  // (Step 2 again: a later one would be refused for its step alone, as no
-  // step is reported yet.)
-  v1::LayerCheckpoint nan = FittingCheckpoint(owner, layer, 2);
-  const float bad = std::nanf("");
-  std::memcpy(nan.mutable_payload()->data() + 8, &bad, 4);
-  EXPECT_EQ(controller_->SaveCheckpoint(nan).code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(controller_->SaveCheckpoint(FittingCheckpoint(owner, layer, 2147483000)).code(),
-            absl::StatusCode::kInvalidArgument);
-  v1::LayerCheckpoint shape = FittingCheckpoint(owner, layer, 2);
-  shape.mutable_params(0)->set_shape(0, shape.params(0).shape(0) - 1);
-  shape.mutable_params(0)->set_payload_bytes(shape.params(0).payload_bytes() - 4);
-  shape.mutable_params(0)->set_encoded_bytes(shape.params(0).encoded_bytes() - 4);
-  shape.mutable_payload()->resize(shape.payload().size() - 4);
-  EXPECT_EQ(controller_->SaveCheckpoint(shape).code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(controller_->SaveCheckpoint(FittingCheckpoint(other, layer, 2)).code(),
-            absl::StatusCode::kPermissionDenied);
-  EXPECT_TRUE(HasEvent("checkpoint_refused"));
-  // The good one is still the latest.
-  absl::StatusOr<v1::LayerCheckpoint> latest = controller_->LoadCheckpoint(owner, layer);
-  ASSERT_TRUE(latest.ok()) << latest.status();
-  EXPECT_EQ(latest->step(), 2);
-  EXPECT_EQ(controller_->LoadCheckpoint(other, layer).status().code(),
-            absl::StatusCode::kPermissionDenied);
-}
-
 TEST_F(HostileInputTest, DeadMembersArePrunedAndStatusStaysSmall) {
   Join("a");
   Join("b");
@@ -1741,7 +1676,7 @@ TEST_F(VoluntaryReplanTest, AVoluntaryReplanMovesOffASlowLinkAndSaysWhy) {
   }
   for (const v1::StageAssignment& stage : first.stages()) {
     for (int l = stage.layer_begin(); l < stage.layer_end(); ++l) {
-      ASSERT_TRUE(controller_->SaveCheckpoint(FittingCheckpoint(stage.worker_id(), l, 0)).ok());
+      ASSERT_TRUE(controller_->checkpoint_gate().Save(FittingCheckpoint(stage.worker_id(), l, 0)).ok());
     }
   }
   clock_.AdvanceMs(31'000);
@@ -1889,19 +1824,8 @@ TEST_F(ProgressClaimTest, AWorkerWhoseLeaseRanOutIsOut) {
   heartbeat.set_worker_id(last_);
   EXPECT_FALSE(controller_->Heartbeat(heartbeat)) << "a lapsed lease is not renewed";
   EXPECT_EQ(Claim(3).code(), absl::StatusCode::kPermissionDenied);
-  EXPECT_EQ(controller_->SaveCheckpoint(FittingCheckpoint(last_, 3, 2)).code(),
+  EXPECT_EQ(controller_->checkpoint_gate().Save(FittingCheckpoint(last_, 3, 2)).code(),
             absl::StatusCode::kPermissionDenied);
-}
-
-TEST_F(ProgressClaimTest, ACheckpointCannotOutrunTheJob) {
-  TrainSteps(first_, last_, 10);
-  const v1::StageAssignment last_stage = Plan().stages(1);
-  const int layer = last_stage.layer_begin();
-  EXPECT_TRUE(controller_->SaveCheckpoint(FittingCheckpoint(last_, layer, 10)).ok());
-  const absl::Status future = controller_->SaveCheckpoint(FittingCheckpoint(last_, layer, 3000));
-  EXPECT_EQ(future.code(), absl::StatusCode::kFailedPrecondition) << future;
-  EXPECT_NE(future.message().find("the job has reached step 10"), std::string::npos) << future;
-  EXPECT_EQ(controller_->LoadCheckpoint(last_, layer)->step(), 10);
 }
 
 TEST_F(ProgressClaimTest, ARevokedWorkersCheckpointsAreQuarantined) {
@@ -1910,19 +1834,19 @@ TEST_F(ProgressClaimTest, ARevokedWorkersCheckpointsAreQuarantined) {
   const std::string c = Join("c").worker_id();
   TrainSteps(first_, last_, 20);
   const int layer = Plan().stages(1).layer_begin();
-  ASSERT_TRUE(controller_->SaveCheckpoint(FittingCheckpoint(last_, layer, 10)).ok());
+  ASSERT_TRUE(controller_->checkpoint_gate().Save(FittingCheckpoint(last_, layer, 10)).ok());
   v1::LayerCheckpoint poisoned = FittingCheckpoint(last_, layer, 20);
   const float scaled = -8.0f;
   for (size_t i = 0; i < poisoned.payload().size(); i += 4) {
     std::memcpy(poisoned.mutable_payload()->data() + i, &scaled, 4);
   }
-  ASSERT_TRUE(controller_->SaveCheckpoint(poisoned).ok());
-  EXPECT_EQ(controller_->LoadCheckpoint(last_, layer)->step(), 20);
+  ASSERT_TRUE(controller_->checkpoint_gate().Save(poisoned).ok());
+  EXPECT_EQ(controller_->checkpoint_gate().Load(last_, layer)->step(), 20);
   EXPECT_TRUE(controller_->RevokeWorker(last_));
   EXPECT_TRUE(HasEvent("checkpoints_quarantined"));
   const v1::Plan plan = Plan();
   ASSERT_EQ(plan.stages(1).worker_id(), c) << "the standby took the stage";
-  absl::StatusOr<v1::LayerCheckpoint> restored = controller_->LoadCheckpoint(c, layer);
+  absl::StatusOr<v1::LayerCheckpoint> restored = controller_->checkpoint_gate().Load(c, layer);
   EXPECT_EQ(restored.status().code(), absl::StatusCode::kNotFound)
       << "every checkpoint of the layer came from the revoked worker";
   EXPECT_TRUE(std::filesystem::exists(dir_ + "/checkpoints/quarantine"));
@@ -1932,7 +1856,7 @@ TEST_F(ProgressClaimTest, ARestoreFallsBackToTheNewestTrustedCheckpoint) {
   const std::string c = Join("c").worker_id();  // a standby
   TrainSteps(first_, last_, 20);
   const int layer = Plan().stages(1).layer_begin();
-  ASSERT_TRUE(controller_->SaveCheckpoint(FittingCheckpoint(last_, layer, 10)).ok());
+  ASSERT_TRUE(controller_->checkpoint_gate().Save(FittingCheckpoint(last_, layer, 10)).ok());
   // The stage moves to `c`, which uploads every weight scaled by -8 (finite)
   // at the newest step it may.
   ASSERT_TRUE(ReportLinkLost(first_, last_, 1).ok());
@@ -1942,13 +1866,13 @@ TEST_F(ProgressClaimTest, ARestoreFallsBackToTheNewestTrustedCheckpoint) {
   for (size_t i = 0; i < poisoned.payload().size(); i += 4) {
     std::memcpy(poisoned.mutable_payload()->data() + i, &scaled, 4);
   }
-  ASSERT_TRUE(controller_->SaveCheckpoint(poisoned).ok());
-  EXPECT_EQ(controller_->LoadCheckpoint(c, layer)->step(), 20);
+  ASSERT_TRUE(controller_->checkpoint_gate().Save(poisoned).ok());
+  EXPECT_EQ(controller_->checkpoint_gate().Load(c, layer)->step(), 20);
   clock_.AdvanceMs(10);
   for (const std::string& id : {first_, last_}) Heartbeat(id, 0);
   EXPECT_TRUE(controller_->RevokeWorker(c));
   ASSERT_EQ(Plan().stages(1).worker_id(), last_);
-  absl::StatusOr<v1::LayerCheckpoint> restored = controller_->LoadCheckpoint(last_, layer);
+  absl::StatusOr<v1::LayerCheckpoint> restored = controller_->checkpoint_gate().Load(last_, layer);
   ASSERT_TRUE(restored.ok()) << restored.status();
   EXPECT_EQ(restored->step(), 10);
   EXPECT_EQ(restored->payload(), std::string(restored->payload().size(), '\0'));
