@@ -167,6 +167,7 @@ JobController::JobController(JobControllerOptions options, std::unique_ptr<Plann
         events.file = std::move(events_file);
         return events;
       }()),
+      reachability_(&membership_, kPeerProbes),
       checkpoint_gate_([&] {
         CheckpointGateOptions gate;
         gate.job = &options_.job;
@@ -316,7 +317,7 @@ absl::StatusOr<v1::JoinResponse> JobController::Join(const v1::JoinRequest& requ
                  absl::StrFormat("%s at %s, %s, %.1f GFLOP/s%s", record.id, record.address,
                                  request.device().device(), request.device().matmul_gflops(),
                                  reach));
-  AskPeersToProbeLocked(record);
+  reachability_.AskPeersToProbe(record);
   MaybeReplanLocked();
   MaybePlanLocked();
   PersistLocked();
@@ -327,7 +328,11 @@ void JobController::AbandonJoin(const std::string& worker_id, const std::string&
   absl::MutexLock lock(&mu_);
   // A member a plan already names stays; its lease runs out as any other.
   if (plan_.has_value() && StageOf(*plan_, worker_id) != nullptr) return;
-  if (membership_.Abandon(worker_id, session)) network_.Forget(worker_id);
+  if (membership_.Abandon(worker_id, session)) {
+    network_.Forget(worker_id);
+    reachability_.Forget(worker_id);
+    reachability_.Forget(worker_id);
+  }
 }
 
 bool JobController::KnowsWorker(const std::string& worker_id) const {
@@ -418,85 +423,26 @@ bool JobController::Heartbeat(const v1::HeartbeatRequest& request,
       *response->mutable_access_probe() = *std::move(access);
     }
   }
-  if (!reachability_results && probe_tasks_empty_.load()) return true;
-  absl::MutexLock lock(&mu_);
+  if (response != nullptr) {
+    for (v1::ProbeTask& task : reachability_.TakeTasks(request.worker_id())) {
+      *response->add_probes() = std::move(task);
+    }
+  }
+  if (!reachability_results) return true;
   for (int i = 0; i < std::min(request.probe_results_size(), kPeerProbes * 4); ++i) {
     if (request.probe_results(i).measured()) continue;
-    RecordProbeResultLocked(request.worker_id(), request.probe_results(i));
-  }
-  if (response != nullptr) {
-    if (auto tasks = probe_tasks_.find(request.worker_id()); tasks != probe_tasks_.end()) {
-      for (v1::ProbeTask& task : tasks->second) *response->add_probes() = std::move(task);
-      probe_tasks_.erase(tasks);
+    std::optional<ReachabilityManager::Verdict> verdict =
+        reachability_.RecordResult(request.worker_id(), request.probe_results(i));
+    if (verdict.has_value() && verdict->changed) {
+      absl::MutexLock lock(&mu_);
+      AddEventLocked("reachability", NameOf(verdict->worker_id), verdict->summary);
+      if (plan_.has_value() && StageOf(*plan_, verdict->worker_id) != nullptr) {
+        RelinkLocked(absl::StrCat("the reachability of ", NameOf(verdict->worker_id),
+                                  " changed"));
+      }
     }
   }
-  probe_tasks_empty_ = probe_tasks_.empty();
   return true;
-}
-
-void JobController::AskPeersToProbeLocked(const WorkerRecord& joiner) {
-  if (!joiner.reachability.known()) return;  // probes are off
-  PeerProbes& probes = peer_probes_[joiner.id];
-  probes = PeerProbes();
-  probes.coordinator = joiner.reachability;
-  // Reachable peers first: a public host's view is the one that matters.
-  std::vector<WorkerRecord> peers = membership_.LiveWorkers();
-  std::stable_partition(peers.begin(), peers.end(), [](const WorkerRecord& w) {
-    return !w.reachability.known() || w.reachability.reachable();
-  });
-  int asked = 0;
-  for (const WorkerRecord& peer : peers) {
-    if (peer.id == joiner.id || asked == kPeerProbes) continue;
-    v1::ProbeTask task;
-    task.set_worker_id(joiner.id);
-    task.set_address(joiner.address);
-    probe_tasks_[peer.id].push_back(task);
-    probes.asked[peer.id] = false;
-    ++asked;
-  }
-  probe_tasks_empty_ = probe_tasks_.empty();
-}
-
-void JobController::RecordProbeResultLocked(const std::string& prober,
-                                            const v1::ProbeResult& result) {
-  auto probes = peer_probes_.find(result.worker_id());
-  if (probes == peer_probes_.end()) return;
-  auto asked = probes->second.asked.find(prober);
-  if (asked == probes->second.asked.end() || asked->second) return;  // not asked, or again
-  asked->second = true;
-  v1::ProbeResult kept = result;
-  kept.set_detail(result.detail().substr(0, 200));
-  probes->second.results[prober] = kept;
-  // One verdict, once every peer asked has answered (a verdict per answer
-  // could flip back and forth, and every flip re-links the plan): the
-  // coordinator's probe and every peer's, half must succeed.
-  if (probes->second.results.size() < probes->second.asked.size()) return;
-  const v1::Reachability& own = probes->second.coordinator;
-  int yes = own.reachable() ? 1 : 0, all = 1;
-  std::string peers;
-  for (const auto& [id, r] : probes->second.results) {
-    yes += r.reachable() ? 1 : 0;
-    ++all;
-    absl::StrAppend(&peers, peers.empty() ? "" : ", ", NameOf(id), r.reachable() ? " dialled it" : " could not (" + r.detail() + ")");
-  }
-  v1::Reachability verdict;
-  verdict.set_known(true);
-  verdict.set_reachable(2 * yes >= all);
-  verdict.set_detail(absl::StrCat(own.detail(), "; peers: ", peers));
-  bool changed = false;
-  for (const WorkerRecord& w : membership_.Snapshot()) {
-    if (w.id == result.worker_id()) changed = w.reachability.reachable() != verdict.reachable();
-  }
-  membership_.SetReachability(result.worker_id(), verdict);
-  if (changed) {
-    AddEventLocked("reachability", NameOf(result.worker_id()),
-                   absl::StrCat(verdict.reachable() ? "reachable" : "not reachable",
-                                " by ", yes, " of ", all, " probes: ", verdict.detail()));
-    if (plan_.has_value() && StageOf(*plan_, result.worker_id()) != nullptr) {
-      RelinkLocked(absl::StrCat("the reachability of ", NameOf(result.worker_id()),
-                                " changed"));
-    }
-  }
 }
 
 void JobController::Leave(const std::string& worker_id) {
@@ -707,6 +653,7 @@ void JobController::Tick() {
   for (const WorkerRecord& w : expired) {
     AddEventLocked("lost", w.name, absl::StrCat(w.id, ": ", w.end_reason));
     network_.Forget(w.id);
+    reachability_.Forget(w.id);
   }
   if (plan_.has_value() && !done_ && !plan_->job_done()) {
     // A link left without a relay (the only one was suspended or gone) is
@@ -714,7 +661,7 @@ void JobController::Tick() {
     const bool stranded = std::any_of(
         plan_->links().begin(), plan_->links().end(),
         [](const v1::PlannedLink& l) { return l.dialer() == v1::LINK_DIALER_NONE; });
-    if (stranded && !UsableRelaysLocked().empty()) {
+    if (stranded && !reachability_.UsableRelays().empty()) {
       RelinkLocked("a relay is usable again");
     }
     for (const WorkerRecord& w : expired) {
@@ -795,12 +742,9 @@ absl::Status JobController::RecordWorkerEvent(const v1::WorkerEvent& event) {
     }
     // A link through a relay broke: its ends are re-linked through another
     // relay (or the same one once it heartbeats again).
-    const int64_t now = options_.clock->NowMs();
-    if (auto last = relay_suspended_at_ms_.find(accused);
-        last != relay_suspended_at_ms_.end() && now - last->second < 1000) {
+    if (!reachability_.SuspendRelay(accused, options_.clock->NowMs())) {
       return absl::OkStatus();  // the other end of the same link, or another link
     }
-    relay_suspended_at_ms_[accused] = now;
     RelinkLocked(absl::StrCat("the link of ", NameOf(accuser), " through relay ",
                               NameOf(accused), " was lost"));
     return absl::OkStatus();
@@ -1472,7 +1416,7 @@ void JobController::AssignLinksLocked(v1::Plan* plan) {
     return it == records.end() || !it->second.reachability.known() ||
            it->second.reachability.reachable();
   };
-  input.relays = UsableRelaysLocked();
+  input.relays = reachability_.UsableRelays();
   input.name_of = [this](const std::string& id) { return NameOf(id); };
   AssignLinks(input, plan);
   for (const v1::PlannedLink& link : plan->links()) {
@@ -1480,19 +1424,6 @@ void JobController::AssignLinksLocked(v1::Plan* plan) {
       AddEventLocked("link_needs_relay", "", link.reason());
     }
   }
-}
-
-std::vector<WorkerRecord> JobController::UsableRelaysLocked() const {
-  std::vector<WorkerRecord> relays;
-  for (const WorkerRecord& r : membership_.LiveRelays()) {
-    auto suspended = relay_suspended_at_ms_.find(r.id);
-    if (suspended != relay_suspended_at_ms_.end() && r.last_heartbeat_ms <= suspended->second) {
-      continue;
-    }
-    if (r.reachability.known() && !r.reachability.reachable()) continue;
-    relays.push_back(r);
-  }
-  return relays;
 }
 
 void JobController::RelinkLocked(const std::string& why) {

@@ -37,6 +37,7 @@
 #include "coordinator/plan_publisher.h"
 #include "coordinator/plan_view.h"
 #include "coordinator/progress_gate.h"
+#include "coordinator/reachability_manager.h"
 #include "coordinator/replan_policy.h"
 #include "coordinator/straggler_detector.h"
 #include "geotrain/v1/coordinator.pb.h"
@@ -259,9 +260,6 @@ class JobController {
   // Fills plan->links (AssignLinks over the members' reachability and the
   // usable relays); a link no one can dial is an event.
   void AssignLinksLocked(v1::Plan* plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Live relays that are reachable and not suspended (a suspended one is
-  // usable again once it heartbeats after its suspension).
-  std::vector<WorkerRecord> UsableRelaysLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The same stages with links assigned anew (a relay came or went).
   void RelinkLocked(const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Under mu_ so that events keep the order of the changes they describe.
@@ -299,25 +297,6 @@ class JobController {
   bool waiting_for_workers_ ABSL_GUARDED_BY(mu_) = false;
   // Workers taken out of a plan for a lost link, and when.
   std::map<std::string, int64_t> suspended_at_ms_ ABSL_GUARDED_BY(mu_);
-  // Peer probes: up to kPeerProbes live workers dial each joiner back too.
-  // The verdict is the majority of the coordinator's probe and theirs (half
-  // must succeed, as Petals asks of its peers).
-  void AskPeersToProbeLocked(const WorkerRecord& joiner) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RecordProbeResultLocked(const std::string& prober, const v1::ProbeResult& result)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  struct PeerProbes {
-    v1::Reachability coordinator;              // the coordinator's own probe
-    std::map<std::string, bool> asked;         // prober -> answered
-    std::map<std::string, v1::ProbeResult> results;
-  };
-  std::map<std::string, PeerProbes> peer_probes_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, std::vector<v1::ProbeTask>> probe_tasks_ ABSL_GUARDED_BY(mu_);
-  // probe_tasks_.empty(), readable without mu_ (most heartbeats have no
-  // probes to hand out and need not take the lock).
-  std::atomic<bool> probe_tasks_empty_{true};
-  // Relays reported broken by a worker whose link ran through them, and
-  // when: not used again until they heartbeat after that.
-  std::map<std::string, int64_t> relay_suspended_at_ms_ ABSL_GUARDED_BY(mu_);
   // Workers handing their stage over (their links close on purpose).
   std::set<std::string> draining_ ABSL_GUARDED_BY(mu_);
   StragglerDetector stragglers_ ABSL_GUARDED_BY(mu_);
@@ -388,6 +367,7 @@ class JobController {
   double val_loss_ ABSL_GUARDED_BY(mu_) = 0;
   double accuracy_ ABSL_GUARDED_BY(mu_) = 0;
   EventLog events_;  // thread-safe itself
+  ReachabilityManager reachability_;  // thread-safe itself
   // The plan decided (plan_), for readers that take no lock of ours.
   PlanView plan_view_;
   CheckpointGate checkpoint_gate_;  // after what it reads

@@ -380,6 +380,21 @@ std::vector<WorkerRecord> Membership::LiveWorkers() const {
   return live;
 }
 
+std::vector<WorkerRecord> Membership::ProbeCandidates(const std::string& exclude,
+                                                      size_t n) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<WorkerRecord> picked;
+  for (const bool reachable : {true, false}) {
+    for (const WorkerRecord& w : workers_) {
+      if (picked.size() == n) return picked;
+      if (!w.alive || w.relay() || w.id == exclude) continue;
+      if ((!w.reachability.known() || w.reachability.reachable()) != reachable) continue;
+      picked.push_back(w);
+    }
+  }
+  return picked;
+}
+
 std::vector<WorkerRecord> Membership::LiveRelays() const {
   absl::MutexLock lock(&mu_);
   std::vector<WorkerRecord> live;

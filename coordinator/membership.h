@@ -120,6 +120,10 @@ class Membership {
   // Live members that may hold stages (no relays).
   std::vector<WorkerRecord> LiveWorkers() const;
   std::vector<WorkerRecord> LiveRelays() const;
+  // Up to `n` live workers other than `exclude`, in join order, those
+  // reachable (or not probed) before the others: who dials a joiner back.
+  // Copies only those it returns.
+  std::vector<WorkerRecord> ProbeCandidates(const std::string& exclude, size_t n) const;
   int64_t lease_ms() const { return lease_ms_; }
 
  private:
