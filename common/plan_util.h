@@ -73,6 +73,15 @@ inline uint64_t SessionEpochOf(const v1::Plan& plan, int pipeline) {
   return info != nullptr && info->formed_epoch() != 0 ? info->formed_epoch() : plan.epoch();
 }
 
+// The epoch `worker_id`'s reports carry: its pipeline's, or the plan's for
+// a worker the plan does not name.
+inline uint64_t WorkerSessionEpoch(const v1::Plan& plan, const std::string& worker_id) {
+  int index = 0;
+  const v1::StageAssignment* stage = StageOf(plan, worker_id, &index);
+  if (stage == nullptr) return plan.epoch();
+  return SessionEpochOf(plan, WorkersOf(*stage)[index].pipeline);
+}
+
 // An outer-sync link's epoch: the later of its two pipelines' (a link is
 // new whenever either end's pipeline is).
 inline uint64_t OuterLinkEpochOf(const v1::Plan& plan, int pipeline_a, int pipeline_b) {

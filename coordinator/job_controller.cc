@@ -119,14 +119,13 @@ absl::StatusOr<std::unique_ptr<JobController>> JobController::Create(
     curves = *std::move(opened);
     GT_LOG(Info) << "TensorBoard curves: " << curves->path();
   }
-  controller->metrics_ = std::make_unique<MetricsSink>(std::move(metrics_file), kThroughputWindow,
-                                                       std::move(curves));
-  controller->curves_step_ = controller->step_;  // a recovered job's earlier steps have theirs
+  controller->progress_.SetMetrics(
+      std::make_unique<MetricsSink>(std::move(metrics_file), kThroughputWindow, std::move(curves)));
   if (!controller->recovered_) {
     controller->AddEventLocked("started", "",
                                absl::StrCat("job ", controller->options_.job.name()));
   }
-  controller->PersistLocked();
+  controller->Persist();
   return controller;
 }
 
@@ -152,14 +151,7 @@ JobController::JobController(JobControllerOptions options, std::unique_ptr<Plann
       }())),
       checkpoints_(std::move(checkpoints)),
       stragglers_(options_.stragglers),
-      progress_([&] {
-        ProgressGateOptions progress;
-        progress.total_steps = options_.job.steps();
-        progress.max_lead_steps = ProgressLeadSteps(options_.job);
-        return progress;
-      }()),
       link_faults_(membership_.lease_ms()),
-      metrics_(std::make_unique<MetricsSink>(nullptr)),
       events_([&] {
         EventLogOptions events;
         events.clock = options_.clock;
@@ -168,13 +160,26 @@ JobController::JobController(JobControllerOptions options, std::unique_ptr<Plann
         return events;
       }()),
       reachability_(&membership_, kPeerProbes),
+      progress_([&] {
+        ProgressTrackerOptions progress;
+        progress.job = &options_.job;
+        progress.clock = options_.clock;
+        progress.start_ms = start_ms_;
+        progress.membership = &membership_;
+        progress.plan = &plan_view_;
+        progress.events = &events_;
+        progress.persist = [this] { Persist(); };
+        progress.lead_steps = ProgressLeadSteps(options_.job);
+        progress.max_suspects = 4 * kMaxDeadMembers;
+        return progress;
+      }()),
       checkpoint_gate_([&] {
         CheckpointGateOptions gate;
         gate.job = &options_.job;
         gate.store = checkpoints_.get();
         gate.plan = &plan_view_;
         gate.membership = &membership_;
-        gate.progress = &progress_;
+        gate.progress = &progress_.gate();
         gate.events = &events_;
         gate.lead_steps = kCheckpointLeadSteps;
         return gate;
@@ -184,14 +189,7 @@ void JobController::FlushState() {
   publisher_->Flush();
   state_writer_->Flush();
   events_.Flush();
-  // Flushed outside the lock: waiting on the disk must not hold up step
-  // reports (metrics_ is set once, in Create).
-  MetricsSink* metrics;
-  {
-    absl::MutexLock lock(&mu_);
-    metrics = metrics_.get();
-  }
-  metrics->Flush();
+  progress_.Flush();
 }
 
 absl::Status JobController::RecoverLocked() {
@@ -217,19 +215,13 @@ absl::Status JobController::RecoverLocked() {
     live += r.alive ? 1 : 0;
   }
   membership_.Restore(std::move(records), saved.next_worker_number());
-  step_ = saved.step();
-  samples_ = saved.samples();
-  loss_ = saved.loss();
-  val_loss_ = saved.val_loss();
-  accuracy_ = saved.accuracy();
+  progress_.Restore(saved, plan->has_value());
   done_ = saved.done();
   if (plan->has_value()) {
     plan_ = **plan;
     plan_view_.Set(std::make_shared<const v1::Plan>(*plan_));
     publisher_->Restore(*plan_);  // durable already: the workers may see it
-    training_start_s_ = ElapsedS() - saved.training_elapsed_s();
-    StartProgressEpochLocked();
-    epoch_started_ms_ = options_.clock->NowMs();
+    progress_.StartEpoch(*plan_);
     // The link figures are not persisted: a voluntary move waits a whole
     // re-plan interval for them to be measured again (on the defaults a
     // restart re-planned a healthy pipeline).
@@ -242,13 +234,13 @@ absl::Status JobController::RecoverLocked() {
   }
   AddEventLocked("recovered", "",
                  absl::StrCat("from ", store_->Describe(), ": epoch ", plan_ ? plan_->epoch() : 0,
-                              ", step ", step_, ", ", live,
+                              ", step ", progress_.committed_step(), ", ", live,
                               " workers expected back, checkpoints (layer@step) ",
                               layers.empty() ? "none" : layers));
   return absl::OkStatus();
 }
 
-void JobController::PersistLocked() {
+void JobController::Persist() {
   v1::CoordinatorState state;
   for (const WorkerRecord& w : membership_.Snapshot()) {
     v1::PersistedMember* m = state.add_members();
@@ -262,16 +254,10 @@ void JobController::PersistLocked() {
     m->set_role(w.role);
     *m->mutable_reachability() = w.reachability;
   }
-  state.set_step(step_);
-  state.set_samples(samples_);
-  state.set_loss(loss_);
-  state.set_training_elapsed_s(training_start_s_ < 0 ? 0 : ElapsedS() - training_start_s_);
-  state.set_val_loss(val_loss_);
-  state.set_accuracy(accuracy_);
+  progress_.FillState(&state);
   state.set_done(done_);
   state.set_next_worker_number(membership_.next_number());
   state_writer_->Submit(std::move(state));
-  last_persist_ms_ = options_.clock->NowMs();
 }
 
 double JobController::ElapsedS() const {
@@ -310,7 +296,7 @@ absl::StatusOr<v1::JoinResponse> JobController::Join(const v1::JoinRequest& requ
         }
       }
     }
-    PersistLocked();
+    Persist();
     return response;
   }
   AddEventLocked("joined", record.name,
@@ -320,7 +306,7 @@ absl::StatusOr<v1::JoinResponse> JobController::Join(const v1::JoinRequest& requ
   reachability_.AskPeersToProbe(record);
   MaybeReplanLocked();
   MaybePlanLocked();
-  PersistLocked();
+  Persist();
   return response;
 }
 
@@ -369,7 +355,7 @@ bool JobController::RevokeWorker(const std::string& worker_id) {
   // Live or not (a lapsed lease not yet expired), it leaves the plan.
   MaybeReplanLocked();
   membership_.PruneDead(kMaxDeadMembers);
-  PersistLocked();
+  Persist();
   return was_live;
 }
 
@@ -385,12 +371,7 @@ bool JobController::Heartbeat(const v1::HeartbeatRequest& request,
     membership_.SetLayerTimings(request.worker_id(), request.layer_seconds_per_sample());
   }
   if (request.step() > 0) {
-    // Under the controller's lock, as ReportStep's claims are: the gate's
-    // commits are recorded in its order (two of them racing for the lock
-    // wrote step 13 before step 12 to the metrics log).
-    absl::MutexLock lock(&mu_);
-    CommitStepsLocked(
-        progress_.FirstStageFinished(request.worker_id(), request.epoch(), request.step()));
+    progress_.FirstStageFinished(request.worker_id(), request.epoch(), request.step());
   }
   // The link matrix has a lock of its own: measurements never wait for the
   // controller's.
@@ -452,7 +433,7 @@ void JobController::Leave(const std::string& worker_id) {
     network_.Forget(worker_id);
     MaybeReplanLocked();
     membership_.PruneDead(kMaxDeadMembers);
-    PersistLocked();
+    Persist();
   }
 }
 
@@ -461,189 +442,28 @@ PlanPublisher::PlanPtr JobController::WaitForPlan(uint64_t after_epoch,
   return publisher_->WaitForNewer(after_epoch, timeout);
 }
 
-absl::Status JobController::CheckOnLastStageLocked(const std::string& worker_id,
-                                                   const char* what) const {
-  const v1::StageAssignment* stage = StageOf(*plan_, worker_id);
-  if (stage == nullptr || stage->stage() + 1 != plan_->stages_size()) {
-    return absl::PermissionDeniedError(absl::StrCat(what, " come from the last stage; ",
-                                                    worker_id.substr(0, 128), " is not on it"));
-  }
-  return absl::OkStatus();
-}
-
 absl::Status JobController::ReportStep(const v1::StepReport& report) {
-  absl::MutexLock lock(&mu_);
-  if (!plan_.has_value() || report.epoch() != SessionEpochOfLocked(report.worker_id())) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("step report of epoch ", report.epoch(), " refused: this worker's is ",
-                     plan_.has_value() ? SessionEpochOfLocked(report.worker_id()) : 0));
-  }
-  if (!membership_.IsLive(report.worker_id())) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "step report from ", report.worker_id().substr(0, 128), ", whose lease has ended"));
-  }
-  if (const v1::StageAssignment* stage = StageOf(*plan_, report.worker_id());
-      stage != nullptr && stage->stage() == 0 && plan_->stages_size() > 1) {
-    // Stage 0 vouches for the step (see ProgressGate).
-    if (report.step() < 1 || report.step() > options_.job.steps()) {
-      return absl::InvalidArgumentError(absl::StrCat("stage-0 step ", report.step(), " of ",
-                                                     options_.job.steps(), ": refused"));
-    }
-    CommitStepsLocked(
-        progress_.FirstStageFinished(report.worker_id(), report.epoch(), report.step()));
-    return absl::OkStatus();
-  }
-  if (absl::Status last = CheckOnLastStageLocked(report.worker_id(), "step reports");
-      !last.ok()) {
-    return last;
-  }
-  if (report.step() < 1 || report.step() > options_.job.steps() ||
-      !std::isfinite(report.loss()) || report.samples() < 0 ||
-      report.samples() > int64_t{options_.job.microbatches()} * options_.job.microbatch_size()) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "step report out of range (step %d of %d, loss %g, %d samples): refused",
-        report.step(), options_.job.steps(), report.loss(), report.samples()));
-  }
-  ProgressGate::Step claim;
-  claim.step = report.step();
-  claim.loss = report.loss();
-  claim.samples = report.samples();
-  absl::StatusOr<std::vector<ProgressGate::Step>> committed =
-      progress_.Claim(report.worker_id(), report.epoch(), claim);
-  if (absl::IsOutOfRange(committed.status())) {
-    const std::string why = absl::StrCat("step report refused: ", committed.status().message());
-    // One event per worker and plan: a liar repeating itself must not
-    // flood the log.
-    if (suspected_claims_.size() > 4 * kMaxDeadMembers) suspected_claims_.clear();
-    if (suspected_claims_.insert({report.worker_id(), plan_->epoch()}).second) {
-      AddEventLocked("suspected", NameOf(report.worker_id()), why);
-    }
-    return absl::FailedPreconditionError(why);
-  }
-  if (!committed.ok()) return committed.status();
-  // Also for a pipeline left alone that goes on (its status row).
-  if (PipelinesOf(*plan_) > 1 || plan_->pipeline_info_size() > 0) {
-    int index = 0;
-    if (const v1::StageAssignment* last = StageOf(*plan_, report.worker_id(), &index)) {
-      const int pipeline = WorkersOf(*last)[index].pipeline;
-      pipeline_claims_[pipeline] = {report.step(), report.loss()};
-      pipeline_moved_ms_[pipeline] = options_.clock->NowMs();
-    }
-  }
-  CommitStepsLocked(*committed);
-  return absl::OkStatus();
-}
-
-void JobController::CommitStepsLocked(const std::vector<ProgressGate::Step>& steps) {
-  if (steps.empty()) return;
-  const double now = ElapsedS();
-  for (const ProgressGate::Step& step : steps) {
-    step_ = step.step;
-    loss_ = step.loss;
-    samples_ += step.samples;
-    StepFigures figures;
-    figures.step = step_;
-    figures.loss = loss_;
-    figures.samples = samples_;
-    figures.pipeline_losses = step.pipeline_losses;
-    figures.training_s = now - training_start_s_;
-    figures.learning_rate =
-        options_.job.optimizer().lr() *
-        LearningRateScale(options_.job.optimizer(),
-                          static_cast<double>(step_) / std::max(1, options_.job.steps()));
-    for (const WorkerRecord& w : membership_.Snapshot()) {
-      if (w.alive) figures.rss_bytes.emplace_back(w.name, w.rss_bytes);
-    }
-    metrics_->RecordStep(now, figures);
-  }
-  const int64_t now_ms = options_.clock->NowMs();
-  if (progress_in_epoch_ && now_ms > last_progress_ms_) {
-    const int64_t interval = (now_ms - last_progress_ms_) / static_cast<int64_t>(steps.size());
-    step_interval_ms_ = step_interval_ms_ == 0 ? interval : (4 * step_interval_ms_ + interval) / 5;
-  }
-  progress_in_epoch_ = true;
-  last_progress_ms_ = now_ms;
-  // Every commit: a restarted coordinator must not resume a re-plan from a
-  // step the workers have already done.
-  PersistLocked();
+  return progress_.ReportStep(report);
 }
 
 absl::Status JobController::ReportEval(const v1::EvalReport& report) {
-  absl::MutexLock lock(&mu_);
-  if (!plan_.has_value() || report.epoch() != SessionEpochOfLocked(report.worker_id())) {
-    return absl::FailedPreconditionError("eval report of another epoch");
-  }
-  if (absl::Status last = CheckOnLastStageLocked(report.worker_id(), "evaluations");
-      !last.ok()) {
-    return last;
-  }
-  if (report.step() < 0 || report.step() > options_.job.steps() ||
-      !std::isfinite(report.val_loss()) || !std::isfinite(report.accuracy()) ||
-      report.accuracy() < 0 || report.accuracy() > 1 || report.samples() < 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "eval report out of range (step %d, val_loss %g, accuracy %g): refused", report.step(),
-        report.val_loss(), report.accuracy()));
-  }
-  val_loss_ = report.val_loss();
-  accuracy_ = report.accuracy();
-  metrics_->RecordEval(training_start_s_ < 0 ? 0.0 : ElapsedS() - training_start_s_, report);
-  AddEventLocked("evaluated", NameOf(report.worker_id()),
-                 absl::StrFormat("step %d val_loss %.4f%s", report.step(),
-                                 report.val_loss(),
-                                 report.has_accuracy()
-                                     ? absl::StrFormat(" accuracy %.4f",
-                                                       report.accuracy())
-                                     : ""));
-  return absl::OkStatus();
+  return progress_.ReportEval(report);
 }
 
 absl::Status JobController::ReportDone(const v1::DoneReport& report) {
+  absl::StatusOr<bool> all_done = progress_.ReportDone(report);
+  if (!all_done.ok()) return all_done.status();
+  if (!*all_done) return absl::OkStatus();
   absl::MutexLock lock(&mu_);
-  if (!plan_.has_value()) {
-    return absl::FailedPreconditionError("done reported before any plan");
-  }
-  if (StageOf(*plan_, report.worker_id()) == nullptr) {
-    return absl::PermissionDeniedError(
-        absl::StrCat(report.worker_id().substr(0, 128), " has no stage in the plan"));
-  }
-  if (report.step() < 0 || report.step() > options_.job.steps()) {
-    return absl::InvalidArgumentError(absl::StrCat("done at step ", report.step(), " of ",
-                                                   options_.job.steps(), ": refused"));
-  }
-  if (!membership_.IsLive(report.worker_id())) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "done from ", report.worker_id().substr(0, 128), ", whose lease has ended"));
-  }
-  // A stage is done only once the job's every step has been computed, as
-  // the last stage and stage 0 together said (ProgressGate). An honest
-  // stage that gets here first (its reports still on their way) retries.
-  if (step_ < options_.job.steps()) {
-    const std::string why =
-        absl::StrCat("done refused: the job has done ", step_, " of ", options_.job.steps(),
-                     " steps");
-    // Far from the end, it cannot be reports on their way: someone lies.
-    if (done_refused_.size() > 4 * kMaxDeadMembers) done_refused_.clear();
-    if (options_.job.steps() - step_ > ProgressLeadSteps(options_.job) &&
-        done_refused_.insert(report.worker_id()).second) {
-      AddEventLocked("suspected", NameOf(report.worker_id()), why);
-    }
-    return absl::FailedPreconditionError(why);
-  }
-  done_workers_.insert(report.worker_id());
-  AddEventLocked("worker_done", NameOf(report.worker_id()),
-                 absl::StrCat("finished at step ", report.step()));
-  int done_in_plan = 0;
-  for (const std::string& id : done_workers_) done_in_plan += StageOf(*plan_, id) != nullptr;
-  if (!done_ && done_in_plan == WorkersInPlan(*plan_)) {
-    done_ = true;
-    WriteStageCurvesLocked(/*job_done=*/true);
-    PersistLocked();
-    v1::Plan final_plan = *plan_;
-    final_plan.set_epoch(plan_->epoch() + 1);
-    final_plan.set_job_done(true);
-    AddEventLocked("job_done", "", absl::StrCat("after step ", step_));
-    PublishLocked(std::move(final_plan));
-  }
+  if (done_ || !plan_.has_value()) return absl::OkStatus();
+  done_ = true;
+  progress_.WriteStageCurves(/*job_done=*/true);
+  Persist();
+  v1::Plan final_plan = *plan_;
+  final_plan.set_epoch(plan_->epoch() + 1);
+  final_plan.set_job_done(true);
+  AddEventLocked("job_done", "", absl::StrCat("after step ", progress_.committed_step()));
+  PublishLocked(std::move(final_plan));
   return absl::OkStatus();
 }
 
@@ -680,10 +500,10 @@ void JobController::Tick() {
   CheckStragglersLocked();
   MaybeVoluntaryReplanLocked();
   CheckProgressLocked();
-  WriteStageCurvesLocked(/*job_done=*/false);
+  progress_.WriteStageCurves(/*job_done=*/false);
   if (!expired.empty()) {
     membership_.PruneDead(kMaxDeadMembers);
-    PersistLocked();
+    Persist();
   }
 }
 
@@ -789,21 +609,20 @@ void JobController::TakeOutForBrokenLinkLocked(const std::string& reporter,
 void JobController::CheckProgressLocked() {
   // Once the last step is committed the job is finishing (final stats,
   // checkpoints, DONE), not stalled: no step is owed.
-  if (!plan_.has_value() || done_ || plan_->job_done() || !done_workers_.empty() ||
-      plan_->stages_size() == 0 || step_ >= options_.job.steps()) {
-    return;
-  }
+  if (!plan_.has_value() || done_ || plan_->job_done() || plan_->stages_size() == 0) return;
+  const ProgressTracker::Pace pace = progress_.pace();
+  if (pace.any_done || pace.step >= options_.job.steps()) return;
   const int64_t now = options_.clock->NowMs();
   const int64_t lease = membership_.lease_ms();
   // Once the epoch has made a step: two leases, or ten steps at the pace so
   // far (a slow model is not a stalled one). Before: the time a new plan
   // may take to restore state and open its links.
   const int64_t limit =
-      progress_in_epoch_ ? std::max<int64_t>(2 * lease, 10 * step_interval_ms_)
-                         : std::max<int64_t>(10 * lease, kStartupGraceMs);
-  const int64_t since = std::max(last_progress_ms_, epoch_started_ms_);
+      pace.progress_in_epoch ? std::max<int64_t>(2 * lease, 10 * pace.step_interval_ms)
+                             : std::max<int64_t>(10 * lease, kStartupGraceMs);
+  const int64_t since = std::max(pace.last_progress_ms, pace.epoch_started_ms);
   if (now - since <= limit) return;
-  if (PipelinesOf(*plan_) > 1 && CheckPipelinesProgressLocked(now, limit)) return;
+  if (PipelinesOf(*plan_) > 1 && CheckPipelinesProgressLocked(pace, now, limit)) return;
   // Follow whom the plan's workers wait on (their heartbeats) to one that
   // is owed an answer and waits on nobody: the stall is there.
   std::map<std::string, WorkerRecord> records;
@@ -821,7 +640,7 @@ void JobController::CheckProgressLocked() {
     }
   }
   const std::string stalled_for = absl::StrFormat("%.1f s", (now - since) / 1000.0);
-  last_progress_ms_ = now;  // one action per stall period
+  progress_.MarkStallHandled(now);  // one action per stall period
   for (const auto& [waiter, on] : waits_on) {
     if (waits_on.count(on) > 0) continue;
     AddEventLocked("stalled", NameOf(on),
@@ -842,16 +661,17 @@ void JobController::CheckProgressLocked() {
   }
 }
 
-bool JobController::CheckPipelinesProgressLocked(int64_t now, int64_t limit) {
+bool JobController::CheckPipelinesProgressLocked(const ProgressTracker::Pace& pace, int64_t now,
+                                                 int64_t limit) {
   int64_t latest = 0;
-  for (const auto& [r, ms] : pipeline_moved_ms_) latest = std::max(latest, ms);
+  for (const auto& [r, ms] : pace.pipeline_moved_ms) latest = std::max(latest, ms);
   if (now - latest > limit) return false;  // none moves: the job is stalled
   // The job's step waits for the slowest pipeline, but the others move: a
   // pipeline that alone stands still for as long as a new plan may take to
   // start (a newcomer restoring its state over a thin link) is taken out
   // of the plan, and only it.
   const int64_t grace = std::max<int64_t>(10 * membership_.lease_ms(), kStartupGraceMs);
-  for (const auto& [r, ms] : pipeline_moved_ms_) {
+  for (const auto& [r, ms] : pace.pipeline_moved_ms) {
     if (now - ms <= std::max(limit, grace)) continue;
     const std::vector<StageWorker> first = WorkersOf(plan_->stages(0), r);
     if (first.empty()) continue;
@@ -859,7 +679,7 @@ bool JobController::CheckPipelinesProgressLocked(int64_t now, int64_t limit) {
                    absl::StrFormat("pipeline %d made no step for %.1f s while the others "
                                    "did: its stage 0 is taken out",
                                    r, (now - ms) / 1000.0));
-    last_progress_ms_ = now;  // one action per stall period
+    progress_.MarkStallHandled(now);  // one action per stall period
     ReplaceLocked(first[0].id, absl::StrCat("pipeline ", r, " stalled"), Replacement::kTakeOut);
     return true;
   }
@@ -942,7 +762,7 @@ void JobController::MaybeVoluntaryReplanLocked() {
   // plan as one pipeline whose other pipelines' workers are replicas, which
   // is not what the planner's figure for R pipelines means.
   if (options_.planner != "network" || !plan_.has_value() || done_ || plan_->job_done() ||
-      !done_workers_.empty() || options_.job.has_outer()) {
+      progress_.AnyDone() || options_.job.has_outer()) {
     return;
   }
   const int64_t now = options_.clock->NowMs();
@@ -961,7 +781,8 @@ void JobController::MaybeVoluntaryReplanLocked() {
   absl::StatusOr<PipelinePlan> best = planner_->Plan(input);
   if (!best.ok()) return;
   absl::StatusOr<ReplanComparison> compared = CompareForReplan(
-      options_.job, input, candidates, *plan_, *best, checkpoints_->Index(), step_);
+      options_.job, input, candidates, *plan_, *best, checkpoints_->Index(),
+      progress_.committed_step());
   if (!compared.ok()) return;  // a failure: the involuntary path handles it
   // What status shows from now on: the current plan on calibrated figures
   // (still the plan an exhaustive search chose, if one did).
@@ -969,7 +790,7 @@ void JobController::MaybeVoluntaryReplanLocked() {
   compared->current.exact = prediction_.exact();
   prediction_ = PredictionOf(input, compared->current);
   ReplanCandidate& candidate = compared->candidate;
-  candidate.measured_s_per_sample = metrics_->SecondsPerSample();
+  candidate.measured_s_per_sample = progress_.Snapshot().seconds_per_sample;
   const ReplanDecision decision = replan_policy_.Decide(candidate, now);
   const bool better_exists =
       candidate.best_s_per_sample < candidate.current_s_per_sample * 0.99;
@@ -993,17 +814,20 @@ void JobController::MaybeVoluntaryReplanLocked() {
 }
 
 void JobController::PublishReplanLocked(v1::Plan next, const std::string& summary) {
+  // No step commits from here until the plan starts its epoch: it resumes
+  // after exactly this one.
+  const int start_step = progress_.CloseEpoch();
   replan_policy_.Switched(options_.clock->NowMs());
   next.set_epoch(plan_->epoch() + 1);
   // Every index drawn so far is below the next plan's data_base, so that
   // a change of pipelines draws no index twice (StageRuntime::SetDataShard).
   next.set_data_base(static_cast<uint64_t>(DataHighWater(*plan_, DataInputLocked())));
-  next.set_start_step(step_);
+  next.set_start_step(start_step);
   AddEventLocked("replanned", "",
-                 absl::StrCat("epoch ", next.epoch(), ", resuming after step ", step_, "; ",
+                 absl::StrCat("epoch ", next.epoch(), ", resuming after step ", start_step, "; ",
                               summary));
   PublishLocked(std::move(next));
-  PersistLocked();
+  Persist();
 }
 
 bool JobController::RepairPipelinesLocked(std::set<std::string> live, const std::string& why) {
@@ -1026,7 +850,7 @@ bool JobController::RepairPipelinesLocked(std::set<std::string> live, const std:
 }
 
 bool JobController::MaybeFormPipelineLocked() {
-  if (!options_.job.has_outer() || !done_workers_.empty() || plan_->stages_size() == 0) {
+  if (!options_.job.has_outer() || progress_.AnyDone() || plan_->stages_size() == 0) {
     return false;
   }
   const int pipelines = PipelinesOf(*plan_);
@@ -1196,40 +1020,9 @@ bool JobController::ReplaceLocked(const std::string& worker_id, const std::strin
   return true;
 }
 
-void JobController::WriteStageCurvesLocked(bool job_done) {
-  if (!metrics_->has_curves() || !plan_.has_value() || curves_step_ >= step_) return;
-  // A stage whose figures never come (dead until a re-plan, or a worker that
-  // reports none) holds the curves back this long at most; then the steps
-  // get what is known.
-  constexpr double kMaxWaitS = 10;
-  const double now = ElapsedS();
-  if (curves_waiting_since_s_ < 0) curves_waiting_since_s_ = now;
-  const std::vector<WorkerRecord> workers = membership_.Snapshot();
-  int covered = step_;
-  if (!job_done && now - curves_waiting_since_s_ < kMaxWaitS) {
-    for (const v1::StageAssignment& stage : plan_->stages()) {
-      const auto primary =
-          std::find_if(workers.begin(), workers.end(),
-                       [&](const WorkerRecord& w) { return w.id == stage.worker_id(); });
-      if (primary == workers.end() || !primary->alive ||
-          primary->stats.compute_s_per_microbatch() <= 0) {
-        return;  // its figures are still to come
-      }
-      covered = std::min(covered, primary->step);
-    }
-  }
-  if (covered <= curves_step_) return;
-  const Scalars series = StageSeries(*plan_, workers);
-  for (int step = curves_step_ + 1; step <= covered; ++step) {
-    metrics_->RecordStageCurves(step, series);
-  }
-  curves_step_ = covered;
-  curves_waiting_since_s_ = curves_step_ < step_ ? now : -1;
-}
-
 void JobController::CheckStragglersLocked() {
   // Not while the job is ending (see MaybeReplanLocked).
-  if (!plan_.has_value() || done_ || plan_->job_done() || !done_workers_.empty()) return;
+  if (!plan_.has_value() || done_ || plan_->job_done() || progress_.AnyDone()) return;
   std::map<std::string, WorkerRecord> records;
   for (const WorkerRecord& w : membership_.Snapshot()) records[w.id] = w;
   std::vector<StageTimings> stages;
@@ -1263,7 +1056,7 @@ void JobController::MaybeReplanLocked() {
   // A worker that reported DONE has finished its part and may exit: it is
   // not lost. (With pipelines one finishes before another, and its
   // workers' leases run out while the others' final rounds go on.)
-  for (const std::string& id : done_workers_) live_ids.insert(id);
+  for (const std::string& id : progress_.DoneWorkers()) live_ids.insert(id);
   if (PipelinesOf(*plan_) > 1) {
     if (!RepairPipelinesLocked(live_ids)) MaybeFormPipelineLocked();
     return;
@@ -1343,7 +1136,7 @@ void JobController::MaybeReplanLocked() {
   // Once a worker has finished the job is ending: an extra replica is not
   // worth a new epoch that aborts the stages still finishing (failures
   // still are: the job cannot end without the stages they hold).
-  if (done_workers_.empty()) changed = FillReplicasLocked(&next, &summary) || changed;
+  if (!progress_.AnyDone()) changed = FillReplicasLocked(&next, &summary) || changed;
   if (!changed) {
     MaybeFormPipelineLocked();
     return;
@@ -1401,9 +1194,9 @@ void JobController::MaybePlanLocked() {
   plan->set_start_step(0);
   AddEventLocked("planned", "", absl::StrCat("epoch 1: ", summary));
   replan_policy_.MarkChecked(options_.clock->NowMs());  // the first check a whole interval on
-  training_start_s_ = ElapsedS();
+  progress_.StartTraining();
   PublishLocked(*std::move(plan));
-  PersistLocked();
+  Persist();
 }
 
 void JobController::AssignLinksLocked(v1::Plan* plan) {
@@ -1455,16 +1248,15 @@ void JobController::PublishLocked(v1::Plan plan) {
   // all off this lock. From here on the controller acts on the plan (a
   // report of the old epoch is refused) while the workers may still see
   // the old one for as long as the write takes.
-  PersistLocked();
+  Persist();
   publisher_->Submit(plan);
   plan_view_.Set(std::make_shared<const v1::Plan>(plan));
   plan_ = std::move(plan);
-  StartProgressEpochLocked();
-  epoch_started_ms_ = options_.clock->NowMs();
-  progress_in_epoch_ = false;
+  progress_.StartEpoch(*plan_);
 }
 
-void JobController::AddPipelineStatusLocked(v1::ClusterStatus* status) const {
+void JobController::AddPipelineStatusLocked(const ProgressTracker::Figures& figures,
+                                            v1::ClusterStatus* status) const {
   const int pipelines = PipelinesOf(*plan_);
   for (int r = 0; r < pipelines; ++r) {
     v1::PipelineStatus* p = status->add_pipeline_status();
@@ -1476,7 +1268,7 @@ void JobController::AddPipelineStatusLocked(v1::ClusterStatus* status) const {
         last = w.id;
       }
     }
-    if (auto claim = pipeline_claims_.find(r); claim != pipeline_claims_.end()) {
+    if (auto claim = figures.pipeline_claims.find(r); claim != figures.pipeline_claims.end()) {
       p->set_step(claim->second.first);
       p->set_loss(claim->second.second);
     }
@@ -1488,60 +1280,29 @@ void JobController::AddPipelineStatusLocked(v1::ClusterStatus* status) const {
   }
 }
 
-void JobController::StartProgressEpochLocked() {
-  if (!plan_.has_value() || plan_->job_done() || plan_->stages_size() == 0) return;
-  std::map<std::string, int> first, last;  // worker -> pipeline
-  for (const StageWorker& w : WorkersOf(plan_->stages(0))) first[w.id] = w.pipeline;
-  for (const StageWorker& w : WorkersOf(plan_->stages(plan_->stages_size() - 1))) {
-    last[w.id] = w.pipeline;
-  }
-  std::map<int, ProgressGate::PipelineStart> starts;
-  for (const v1::PipelineInfo& info : plan_->pipeline_info()) {
-    starts[info.pipeline()] = {info.formed_epoch(), info.start_step()};
-  }
-  progress_.StartEpoch(plan_->epoch(), step_, std::move(first), std::move(last), starts);
-  // A continuing pipeline's last claim still stands.
-  auto continues = [&](int pipeline) {
-    auto start = starts.find(pipeline);
-    return start != starts.end() && start->second.formed_epoch < plan_->epoch();
-  };
-  for (auto it = pipeline_claims_.begin(); it != pipeline_claims_.end();) {
-    it = continues(it->first) ? std::next(it) : pipeline_claims_.erase(it);
-  }
-  const int64_t now = options_.clock->NowMs();
-  std::map<int, int64_t> moved;
-  for (int r = 0; r < PipelinesOf(*plan_); ++r) {
-    auto it = pipeline_moved_ms_.find(r);
-    moved[r] = continues(r) && it != pipeline_moved_ms_.end() ? it->second : now;
-  }
-  pipeline_moved_ms_ = std::move(moved);
-}
-
-ProgressHistory JobController::History() const {
-  absl::MutexLock lock(&mu_);
-  return metrics_->history();
-}
+ProgressHistory JobController::History() const { return progress_.History(); }
 
 v1::ClusterStatus JobController::Status() const {
   v1::ClusterStatus status;
   const int64_t now_ms = options_.clock->NowMs();
   std::vector<WorkerRecord> workers = membership_.Snapshot();
+  const ProgressTracker::Figures figures = progress_.Snapshot();
   absl::MutexLock lock(&mu_);
   status.set_job(options_.job.name());
   status.set_state(done_ ? "done" : plan_.has_value() ? "training" : "waiting");
-  status.set_step(step_);
+  status.set_step(figures.step);
   status.set_steps(options_.job.steps());
-  status.set_loss(loss_);
-  status.set_samples(samples_);
+  status.set_loss(figures.loss);
+  status.set_samples(figures.samples);
   status.set_epoch(plan_.has_value() ? plan_->epoch() : 0);
   if (plan_.has_value()) status.set_pipelines(PipelinesOf(*plan_));
   status.set_schedule(ScheduleName(options_.job.schedule()));
   if (plan_.has_value()) *status.mutable_prediction() = prediction_;
   for (v1::NetworkLink& link : network_.Status(now_ms)) *status.add_network() = std::move(link);
-  status.set_val_loss(val_loss_);
-  status.set_accuracy(accuracy_);
+  status.set_val_loss(figures.val_loss);
+  status.set_accuracy(figures.accuracy);
   status.set_elapsed_s(ElapsedS());
-  status.set_samples_per_s(metrics_->SamplesPerSecond());
+  status.set_samples_per_s(figures.samples_per_s);
   if (static_cast<int>(workers.size()) > kMaxStatusWorkers) {
     // Live workers first, then the most recent of the dead.
     std::stable_partition(workers.begin(), workers.end(),
@@ -1610,7 +1371,7 @@ v1::ClusterStatus JobController::Status() const {
       out->set_replica(replica);
       out->set_pipeline(WorkersOf(*s)[replica].pipeline);
     }
-    if (done_workers_.count(w.id) > 0) {
+    if (figures.done_workers.count(w.id) > 0) {
       out->set_state(v1::WORKER_STATE_DONE);
     } else if (!w.alive) {
       out->set_state(w.end_reason == "left" ? v1::WORKER_STATE_LEFT
@@ -1666,7 +1427,7 @@ v1::ClusterStatus JobController::Status() const {
   checkpoint_gate_.FillTraffic(status.mutable_state_traffic());
   // Also a pipeline left alone that goes on (it may be joined again).
   if (plan_.has_value() && (PipelinesOf(*plan_) > 1 || plan_->pipeline_info_size() > 0)) {
-    AddPipelineStatusLocked(&status);
+    AddPipelineStatusLocked(figures, &status);
   }
   return status;
 }
@@ -1694,22 +1455,15 @@ void JobController::AddEventLocked(const std::string& kind, const std::string& w
   events_.Add(kind, worker, detail);
 }
 
-uint64_t JobController::SessionEpochOfLocked(const std::string& worker_id) const {
-  int index = 0;
-  const v1::StageAssignment* stage = StageOf(*plan_, worker_id, &index);
-  if (stage == nullptr) return plan_->epoch();
-  return SessionEpochOf(*plan_, WorkersOf(*stage)[index].pipeline);
-}
-
 uint64_t JobController::LinkEpochOfLocked(const std::string& reporter,
                                           const std::string& peer) const {
   // A pipeline link's ends share their pipeline's epoch; an outer-sync
   // link's is the later of its ends' (a relay is in no pipeline).
   // A relay, or a worker the plan does not have (its accusation is
   // refused as such): the reporter's.
-  const uint64_t mine = SessionEpochOfLocked(reporter);
+  const uint64_t mine = WorkerSessionEpoch(*plan_, reporter);
   if (StageOf(*plan_, peer) == nullptr) return mine;
-  return std::max(mine, SessionEpochOfLocked(peer));
+  return std::max(mine, WorkerSessionEpoch(*plan_, peer));
 }
 
 PipelineDataInput JobController::DataInputLocked() const {
@@ -1719,10 +1473,7 @@ PipelineDataInput JobController::DataInputLocked() const {
       std::max({options_.job.in_flight(), plan_.has_value() ? plan_->in_flight() : 0,
                 kMaxPlannedWindow});
   input.in_flight_steps = static_cast<int>((window + input.microbatches - 1) / input.microbatches);
-  const int committed = step_;
-  input.first_stage_step = [this, committed](int pipeline) {
-    return std::max(committed, progress_.first_stage_step(pipeline));
-  };
+  input.first_stage_step = [this](int pipeline) { return progress_.FirstStageStep(pipeline); };
   return input;
 }
 

@@ -36,7 +36,7 @@
 #include "coordinator/pipeline_continuity.h"
 #include "coordinator/plan_publisher.h"
 #include "coordinator/plan_view.h"
-#include "coordinator/progress_gate.h"
+#include "coordinator/progress_tracker.h"
 #include "coordinator/reachability_manager.h"
 #include "coordinator/replan_policy.h"
 #include "coordinator/straggler_detector.h"
@@ -172,11 +172,13 @@ class JobController {
   void MaybePlanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeReplanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Status: each pipeline's members, newest step and loss, and rate.
-  void AddPipelineStatusLocked(v1::ClusterStatus* status) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AddPipelineStatusLocked(const ProgressTracker::Figures& figures,
+                               v1::ClusterStatus* status) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Several pipelines, the job's step stalled: true when another pipeline
   // still moves (then only a pipeline that alone stood still past the
   // start-up grace is taken out), false when none does.
-  bool CheckPipelinesProgressLocked(int64_t now, int64_t limit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool CheckPipelinesProgressLocked(const ProgressTracker::Pace& pace, int64_t now,
+                                    int64_t limit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A plan of several pipelines where a worker outside `live` left: a
   // standby takes its place or its pipeline is dissolved (pipeline_repair.h).
   // False when nothing changed.
@@ -219,14 +221,6 @@ class JobController {
   // to a standby when there is one; a replica far slower than its fastest
   // sibling is reported and demoted to standby.
   void CheckStragglersLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // TensorBoard's per-stage and per-link curves get one point per step:
-  // step s's are the figures of the first heartbeats that came after every
-  // stage's primary had finished s (its heartbeat's step >= s), so each
-  // point is a measurement that covers its step; once the job is done
-  // (`job_done`), or after 10 s without the figures of every stage, the
-  // last figures cover the steps still open. Nothing without
-  // --tensorboard_dir.
-  void WriteStageCurvesLocked(bool job_done) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool EligibleStandbyLocked(const WorkerRecord& worker) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Live workers outside `plan` that may take a stage, fastest first.
   std::vector<WorkerRecord> StandbysLocked(const v1::Plan& plan) const
@@ -250,12 +244,9 @@ class JobController {
   std::optional<v1::Plan> PartitionLocked(const std::vector<WorkerRecord>& live,
                                           std::string* summary)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void PersistLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Records steps the ProgressGate committed (the metrics log, the state).
-  void CommitStepsLocked(const std::vector<ProgressGate::Step>& steps)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Tells progress_ who the current plan's first and last stages are.
-  void StartProgressEpochLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Submits the state (members, progress, done) to the writer; needs no
+  // lock of the controller.
+  void Persist();
   void PublishLocked(v1::Plan plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Fills plan->links (AssignLinks over the members' reachability and the
   // usable relays); a link no one can dial is an event.
@@ -267,10 +258,6 @@ class JobController {
                       const std::string& detail)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string NameOf(const std::string& worker_id) const;
-  // The epoch `worker_id`'s reports carry: its pipeline's (Plan.
-  // pipeline_info), else the plan's. REQUIRES: a plan.
-  uint64_t SessionEpochOfLocked(const std::string& worker_id) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The epoch of the current plan's link between `reporter` and `peer`.
   uint64_t LinkEpochOfLocked(const std::string& reporter, const std::string& peer) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -292,7 +279,6 @@ class JobController {
   std::unique_ptr<DurableStateWriter> state_writer_;
   std::unique_ptr<PlanPublisher> publisher_;  // after state_writer_: it flushes that
   const std::unique_ptr<CheckpointStore> checkpoints_;  // thread-safe itself
-  int64_t last_persist_ms_ ABSL_GUARDED_BY(mu_) = 0;
   bool recovered_ ABSL_GUARDED_BY(mu_) = false;
   bool waiting_for_workers_ ABSL_GUARDED_BY(mu_) = false;
   // Workers taken out of a plan for a lost link, and when.
@@ -300,16 +286,6 @@ class JobController {
   // Workers handing their stage over (their links close on purpose).
   std::set<std::string> draining_ ABSL_GUARDED_BY(mu_);
   StragglerDetector stragglers_ ABSL_GUARDED_BY(mu_);
-  // Which steps count (thread-safe itself: heartbeats corroborate without
-  // mu_). step_ follows what it commits.
-  ProgressGate progress_;
-  // The progress watchdog's clock: when a step was last committed (or the
-  // watchdog last acted), when the plan began, whether it has made a step,
-  // and the recent time per step.
-  int64_t last_progress_ms_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t epoch_started_ms_ ABSL_GUARDED_BY(mu_) = 0;
-  bool progress_in_epoch_ ABSL_GUARDED_BY(mu_) = false;
-  int64_t step_interval_ms_ ABSL_GUARDED_BY(mu_) = 0;
   // The progress watchdog: when no step is committed for long (see the
   // .cc), it follows whom the workers wait on to the stalled one (or takes
   // stage 0, when nobody is owed anything) and re-plans around it.
@@ -318,34 +294,18 @@ class JobController {
   // LinkFaultLedger's verdict takes one of them out. `how`: "was lost".
   void TakeOutForBrokenLinkLocked(const std::string& reporter, const std::string& accused,
                                   const char* how) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Workers already suspected for a premature ReportDone (one event each).
-  std::set<std::string> done_refused_ ABSL_GUARDED_BY(mu_);
   // Each worker's event rate (RecordWorkerEvent).
   struct EventBucket {
     double tokens = 0;
     int64_t at_ms = 0;
   };
   std::map<std::string, EventBucket> event_buckets_ ABSL_GUARDED_BY(mu_);
-  // (worker, epoch) already suspected for a jump in its step reports.
-  std::set<std::pair<std::string, uint64_t>> suspected_claims_ ABSL_GUARDED_BY(mu_);
-  // With pipelines: each one's newest claimed step and its loss (this epoch).
-  std::map<int, std::pair<int, double>> pipeline_claims_ ABSL_GUARDED_BY(mu_);
-  // When each pipeline last claimed a step (or was formed): with several,
-  // the job is stalled only when none moves (CheckProgressLocked).
-  std::map<int, int64_t> pipeline_moved_ms_ ABSL_GUARDED_BY(mu_);
   // Workers demoted as stragglers: standbys, but never made replicas again.
   std::set<std::string> demoted_ ABSL_GUARDED_BY(mu_);
   // Broken links and whom they take out (coordinator/link_fault_ledger.h).
   LinkFaultLedger link_faults_ ABSL_GUARDED_BY(mu_);
   // A worker the link faults exclude: no stage, no standby place.
   bool ExcludedLocked(const std::string& worker_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // PERMISSION_DENIED unless the current plan puts `worker_id` on the last
-  // stage (which owns the loss). REQUIRES: a plan.
-  absl::Status CheckOnLastStageLocked(const std::string& worker_id, const char* what) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The metrics log and the throughput (opened once recovery has said
-  // whether the log continues).
-  std::unique_ptr<MetricsSink> metrics_ ABSL_GUARDED_BY(mu_);
   std::optional<v1::Plan> plan_ ABSL_GUARDED_BY(mu_);
   // What the planner predicted when it last partitioned the layers.
   v1::PlanPrediction prediction_ ABSL_GUARDED_BY(mu_);
@@ -356,20 +316,14 @@ class JobController {
   int64_t last_replan_event_ms_ ABSL_GUARDED_BY(mu_) = 0;
   void MaybeVoluntaryReplanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
-  bool done_ ABSL_GUARDED_BY(mu_) = false;
-  std::set<std::string> done_workers_ ABSL_GUARDED_BY(mu_);
-  int step_ ABSL_GUARDED_BY(mu_) = 0;
-  int curves_step_ ABSL_GUARDED_BY(mu_) = 0;  // the last step with stage curves
-  double curves_waiting_since_s_ ABSL_GUARDED_BY(mu_) = -1;  // for the figures of step+1
-  double loss_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t samples_ ABSL_GUARDED_BY(mu_) = 0;
-  double training_start_s_ ABSL_GUARDED_BY(mu_) = -1;
-  double val_loss_ ABSL_GUARDED_BY(mu_) = 0;
-  double accuracy_ ABSL_GUARDED_BY(mu_) = 0;
+  // Written under mu_; read without it (Persist).
+  std::atomic<bool> done_{false};
   EventLog events_;  // thread-safe itself
   ReachabilityManager reachability_;  // thread-safe itself
   // The plan decided (plan_), for readers that take no lock of ours.
   PlanView plan_view_;
+  // Reports, committed figures, the metrics log (thread-safe itself).
+  ProgressTracker progress_;
   CheckpointGate checkpoint_gate_;  // after what it reads
 };
 

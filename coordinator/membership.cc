@@ -395,6 +395,15 @@ std::vector<WorkerRecord> Membership::ProbeCandidates(const std::string& exclude
   return picked;
 }
 
+std::vector<std::pair<std::string, int64_t>> Membership::LiveRss() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::pair<std::string, int64_t>> rss;
+  for (const WorkerRecord& w : workers_) {
+    if (w.alive) rss.emplace_back(w.name, static_cast<int64_t>(w.rss_bytes));
+  }
+  return rss;
+}
+
 std::vector<WorkerRecord> Membership::LiveRelays() const {
   absl::MutexLock lock(&mu_);
   std::vector<WorkerRecord> live;

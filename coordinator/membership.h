@@ -7,6 +7,7 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -120,6 +121,8 @@ class Membership {
   // Live members that may hold stages (no relays).
   std::vector<WorkerRecord> LiveWorkers() const;
   std::vector<WorkerRecord> LiveRelays() const;
+  // Each live member's name and resident memory (the metrics log's).
+  std::vector<std::pair<std::string, int64_t>> LiveRss() const;
   // Up to `n` live workers other than `exclude`, in join order, those
   // reachable (or not probed) before the others: who dials a joiner back.
   // Copies only those it returns.
