@@ -532,7 +532,7 @@ grpc::Status AdminService::RevokeWorker(grpc::ServerContext* context,
 }
 
 grpc::Status StatusService::GetClusterStatus(grpc::ServerContext* context,
-                                             const v1::ClusterStatusRequest*,
+                                             const v1::ClusterStatusRequest* request,
                                              v1::ClusterStatus* response) {
   const bool anonymous = !caller_.insecure() && PeerIdentity(*context).empty();
   std::optional<InFlight> in_flight;
@@ -541,7 +541,9 @@ grpc::Status StatusService::GetClusterStatus(grpc::ServerContext* context,
     return Busy("too many status calls without a certificate in flight; try again");
   }
   if (absl::Status viewer = caller_.Viewer(*context); !viewer.ok()) return Refused(viewer);
-  *response = options_.controller->Status();
+  absl::StatusOr<v1::ClusterStatus> status = options_.controller->Status(*request);
+  if (!status.ok()) return Refused(status.status());
+  *response = *std::move(status);
   response->set_security(caller_.insecure()
                              ? "insecure (plaintext, no authentication)"
                              : absl::StrCat("tls, CA ",

@@ -40,9 +40,8 @@ std::function<absl::Status()> LogHook(
 constexpr size_t kMaxDeadMembers = 256;
 // Workers asked to dial each joiner back, besides the coordinator.
 constexpr int kPeerProbes = 2;
-// Status shows at most this many workers (live first) and cuts event
-// details, so that it stays far below the 16 MiB message limit.
-constexpr int kMaxStatusWorkers = 2000;
+// Status cuts event kinds and details (and pages its members), so that it
+// stays far below the 16 MiB message limit.
 constexpr size_t kMaxEventKindBytes = 64;
 // A worker's own event detail, before the peer's name is added (the event
 // log cuts the whole at its own bound).
@@ -183,6 +182,21 @@ JobController::JobController(JobControllerOptions options, std::unique_ptr<Plann
         gate.events = &events_;
         gate.lead_steps = kCheckpointLeadSteps;
         return gate;
+      }()),
+      status_([&] {
+        StatusSources sources;
+        sources.job = &options_.job;
+        sources.clock = options_.clock;
+        sources.start_ms = start_ms_;
+        sources.membership = &membership_;
+        sources.plan = &plan_view_;
+        sources.progress = &progress_;
+        sources.network = &network_;
+        sources.events = &events_;
+        sources.checkpoints = checkpoints_.get();
+        sources.checkpoint_gate = &checkpoint_gate_;
+        sources.facts = [this](const std::vector<std::string>& ids) { return FactsFor(ids); };
+        return sources;
       }()) {}
 
 void JobController::FlushState() {
@@ -1255,181 +1269,31 @@ void JobController::PublishLocked(v1::Plan plan) {
   progress_.StartEpoch(*plan_);
 }
 
-void JobController::AddPipelineStatusLocked(const ProgressTracker::Figures& figures,
-                                            v1::ClusterStatus* status) const {
-  const int pipelines = PipelinesOf(*plan_);
-  for (int r = 0; r < pipelines; ++r) {
-    v1::PipelineStatus* p = status->add_pipeline_status();
-    p->set_pipeline(r);
-    std::string last;
-    for (const v1::StageAssignment& stage : plan_->stages()) {
-      for (const StageWorker& w : WorkersOf(stage, r)) {
-        p->add_workers(w.id);
-        last = w.id;
-      }
-    }
-    if (auto claim = figures.pipeline_claims.find(r); claim != figures.pipeline_claims.end()) {
-      p->set_step(claim->second.first);
-      p->set_loss(claim->second.second);
-    }
-    for (const v1::WorkerStatus& w : status->workers()) {
-      if (w.id() == last) {
-        p->set_samples_per_s(w.microbatches_per_s() * options_.job.microbatch_size());
-      }
-    }
-  }
-}
-
 ProgressHistory JobController::History() const { return progress_.History(); }
 
 v1::ClusterStatus JobController::Status() const {
-  v1::ClusterStatus status;
+  return *Status(v1::ClusterStatusRequest());  // the defaults are valid
+}
+
+absl::StatusOr<v1::ClusterStatus> JobController::Status(
+    const v1::ClusterStatusRequest& request) const {
+  return status_.Assemble(request);
+}
+
+ControllerFacts JobController::FactsFor(const std::vector<std::string>& ids) const {
+  ControllerFacts facts;
   const int64_t now_ms = options_.clock->NowMs();
-  std::vector<WorkerRecord> workers = membership_.Snapshot();
-  const ProgressTracker::Figures figures = progress_.Snapshot();
   absl::MutexLock lock(&mu_);
-  status.set_job(options_.job.name());
-  status.set_state(done_ ? "done" : plan_.has_value() ? "training" : "waiting");
-  status.set_step(figures.step);
-  status.set_steps(options_.job.steps());
-  status.set_loss(figures.loss);
-  status.set_samples(figures.samples);
-  status.set_epoch(plan_.has_value() ? plan_->epoch() : 0);
-  if (plan_.has_value()) status.set_pipelines(PipelinesOf(*plan_));
-  status.set_schedule(ScheduleName(options_.job.schedule()));
-  if (plan_.has_value()) *status.mutable_prediction() = prediction_;
-  for (v1::NetworkLink& link : network_.Status(now_ms)) *status.add_network() = std::move(link);
-  status.set_val_loss(figures.val_loss);
-  status.set_accuracy(figures.accuracy);
-  status.set_elapsed_s(ElapsedS());
-  status.set_samples_per_s(figures.samples_per_s);
-  if (static_cast<int>(workers.size()) > kMaxStatusWorkers) {
-    // Live workers first, then the most recent of the dead.
-    std::stable_partition(workers.begin(), workers.end(),
-                          [](const WorkerRecord& w) { return w.alive; });
-    status.add_truncated(absl::StrCat("showing ", kMaxStatusWorkers, " of ", workers.size(),
-                                      " workers (live ones first)"));
-    workers.resize(kMaxStatusWorkers);
-  }
-  for (const WorkerRecord& w : workers) {
-    v1::WorkerStatus* out = status.add_workers();
-    if (std::optional<std::string> why = link_faults_.ExclusionOf(w.id, now_ms);
-        why.has_value() && options_.authenticated_callers) {
-      out->set_suspected(*why);
-    }
-    out->set_id(w.id);
-    out->set_name(w.name);
-    out->set_address(w.address);
-    out->set_role(w.relay() ? "relay" : "worker");
-    out->set_reachable(!w.reachability.known() || w.reachability.reachable());
-    out->set_reachability(w.reachability.known() ? w.reachability.detail() : "not probed");
-    out->set_device(w.device.device());
-    out->set_gflops(w.device.matmul_gflops());
-    out->set_blas(w.device.blas());
-    out->set_environment(w.device.environment());
-    out->set_memory_bytes(w.device.memory_bytes());
-    if (std::optional<NetworkMatrix::Access> access = network_.AccessOf(w.id)) {
-      out->set_uplink_bps(access->uplink_bps);
-      out->set_downlink_bps(access->downlink_bps);
-    }
-    // Threads as the worker last reported them (they follow the host's
-    // workers), else as it joined.
-    out->set_threads(w.stats.threads() > 0 ? w.stats.threads() : w.device.threads());
-    out->set_threads_reason(w.stats.threads() > 0 ? w.stats.threads_reason()
-                                                  : w.device.threads_reason());
-    out->set_stage(-1);
-    out->set_rss_bytes(w.rss_bytes);
-    out->set_step(w.step);
-    out->set_heartbeat_age_s((now_ms - w.last_heartbeat_ms) / 1000.0);
-    const v1::StageStats& stats = w.stats;
-    out->set_schedule(stats.schedule());
-    out->set_weight_versions(stats.weight_versions());
-    out->set_max_weight_versions(stats.max_weight_versions());
-    out->set_weight_bytes(stats.weight_bytes());
-    out->set_staleness_max(stats.staleness_max());
-    out->set_staleness_mean(stats.staleness_mean());
-    out->set_bubble_fraction(stats.bubble_fraction());
-    out->set_microbatches_per_s(stats.microbatches_per_s());
-    out->set_compute_s_per_microbatch(stats.compute_s_per_microbatch());
-    out->set_microbatches(stats.microbatches());
-    out->set_peak_rss_bytes(stats.peak_rss_bytes());
-    out->set_dropped_microbatches(stats.dropped_microbatches());
-    status.set_dropped_microbatches(status.dropped_microbatches() +
-                                    stats.dropped_microbatches());
-    *out->mutable_links() = stats.links();
-    *out->mutable_routes() = stats.routes();
-    out->set_weight_averages(stats.weight_averages());
-    out->set_outer_rounds(stats.outer_rounds());
-    out->set_outer_bytes_sent(stats.outer_bytes_sent());
-    out->set_outer_bytes_received(stats.outer_bytes_received());
-    int replica = 0;
-    if (const v1::StageAssignment* s = plan_.has_value() ? StageOf(*plan_, w.id, &replica)
-                                                         : nullptr) {
-      out->set_stage(s->stage());
-      out->set_layer_begin(s->layer_begin());
-      out->set_layer_end(s->layer_end());
-      out->set_replica(replica);
-      out->set_pipeline(WorkersOf(*s)[replica].pipeline);
-    }
-    if (figures.done_workers.count(w.id) > 0) {
-      out->set_state(v1::WORKER_STATE_DONE);
-    } else if (!w.alive) {
-      out->set_state(w.end_reason == "left" ? v1::WORKER_STATE_LEFT
-                                            : v1::WORKER_STATE_DEAD);
-    } else {
-      out->set_state(out->stage() >= 0 ? v1::WORKER_STATE_TRAINING
-                                       : v1::WORKER_STATE_STANDBY);
-    }
-  }
-  for (v1::Event& e : events_.Recent()) *status.add_events() = std::move(e);
-  if (plan_.has_value()) {
-    std::map<std::string, int> stage_of;
-    for (const v1::StageAssignment& s : plan_->stages()) {
-      for (const StageWorker& w : WorkersOf(s)) stage_of[w.id] = s.stage();
-    }
-    for (const v1::PlannedLink& link : plan_->links()) {
-      v1::LinkStatus* out = status.add_links();
-      out->set_upstream_stage(stage_of[link.upstream_worker()]);
-      out->set_upstream_worker(link.upstream_worker());
-      out->set_downstream_worker(link.downstream_worker());
-      switch (link.dialer()) {
-        case v1::LINK_DIALER_DOWNSTREAM: out->set_dialer("downstream"); break;
-        case v1::LINK_DIALER_RELAY: out->set_dialer("relay"); break;
-        case v1::LINK_DIALER_NONE: out->set_dialer("none"); break;
-        default: out->set_dialer("upstream"); break;
+  facts.done = done_;
+  facts.prediction = prediction_;
+  if (options_.authenticated_callers) {
+    for (const std::string& id : ids) {
+      if (std::optional<std::string> why = link_faults_.ExclusionOf(id, now_ms)) {
+        facts.suspected[id] = *why;
       }
-      out->set_relay_worker(link.relay_worker());
-      out->set_relay_address(link.relay_address());
-      out->set_reason(link.reason());
-      out->set_outer(link.outer());
     }
   }
-  const std::map<int, std::vector<int>> index = checkpoints_->Index();
-  std::optional<absl::Time> oldest_newest;  // of the layers' newest checkpoints
-  bool every_layer = true;
-  for (int layer = 0; layer < NumLayers(options_.job); ++layer) {
-    auto it = index.find(layer);
-    const bool has = it != index.end() && !it->second.empty();
-    status.add_checkpoint_steps(has ? it->second.back() : -1);
-    std::optional<absl::Time> written =
-        has ? checkpoints_->WrittenAt(layer, it->second.back()) : std::nullopt;
-    if (!written.has_value()) {
-      every_layer = false;
-    } else if (!oldest_newest.has_value() || *written < *oldest_newest) {
-      oldest_newest = written;
-    }
-  }
-  status.set_checkpoint_age_s(every_layer && oldest_newest.has_value()
-                                  ? std::max(0.0, absl::ToDoubleSeconds(absl::Now() -
-                                                                        *oldest_newest))
-                                  : -1.0);
-  for (const auto& [kind, count] : events_.Counts()) (*status.mutable_event_counts())[kind] = count;
-  checkpoint_gate_.FillTraffic(status.mutable_state_traffic());
-  // Also a pipeline left alone that goes on (it may be joined again).
-  if (plan_.has_value() && (PipelinesOf(*plan_) > 1 || plan_->pipeline_info_size() > 0)) {
-    AddPipelineStatusLocked(figures, &status);
-  }
-  return status;
+  return facts;
 }
 
 bool JobController::done() const {

@@ -39,6 +39,7 @@
 #include "coordinator/progress_tracker.h"
 #include "coordinator/reachability_manager.h"
 #include "coordinator/replan_policy.h"
+#include "coordinator/status_assembler.h"
 #include "coordinator/straggler_detector.h"
 #include "geotrain/v1/coordinator.pb.h"
 #include "geotrain/v1/job.pb.h"
@@ -151,6 +152,10 @@ class JobController {
   // survivors) and plans when enough workers are live. Call periodically.
   void Tick();
 
+  // Paginated and filtered (StatusAssembler); INVALID_ARGUMENT for a bad
+  // page token or filter.
+  absl::StatusOr<v1::ClusterStatus> Status(const v1::ClusterStatusRequest& request) const;
+  // The first page of the default size: every member of any job so far.
   v1::ClusterStatus Status() const;
   // The steps' losses and throughput and the evaluations so far (bounded).
   ProgressHistory History() const;
@@ -171,9 +176,6 @@ class JobController {
   double ElapsedS() const;
   void MaybePlanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeReplanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Status: each pipeline's members, newest step and loss, and rate.
-  void AddPipelineStatusLocked(const ProgressTracker::Figures& figures,
-                               v1::ClusterStatus* status) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Several pipelines, the job's step stalled: true when another pipeline
   // still moves (then only a pipeline that alone stood still past the
   // start-up grace is taken out), false when none does.
@@ -325,6 +327,9 @@ class JobController {
   // Reports, committed figures, the metrics log (thread-safe itself).
   ProgressTracker progress_;
   CheckpointGate checkpoint_gate_;  // after what it reads
+  StatusAssembler status_;          // after everything it reads
+  // The status's facts only the controller keeps (under mu_).
+  ControllerFacts FactsFor(const std::vector<std::string>& ids) const;
 };
 
 }  // namespace geotrain
