@@ -1,7 +1,16 @@
-// The coordinator's brain for one job: admits workers (Membership), plans
-// once enough have joined (Planner), publishes plans with epochs, records
-// progress to the metrics log and answers status queries. It knows nothing
-// of gRPC; the service adapters in coordinator_service.h call it.
+// The coordinator of one job, as a composition root: it makes the parts
+// and routes each call to the part that owns it.
+//   - Membership: who has joined, and their leases.
+//   - ReachabilityManager: peer probes and relays.
+//   - PlanManager: the plan's lifecycle and the responses to faults.
+//   - PlanPublisher: plans durable (CoordinatorStore), then visible.
+//   - ProgressTracker: step, evaluation and done reports; the metrics log.
+//   - CheckpointGate: who may save and load which checkpoints.
+//   - StatusAssembler: the status, paginated.
+// Each part has its own lock (or none); no call holds one part's lock
+// while it waits on the store, and heartbeats take no lock of the plan.
+// It knows nothing of gRPC; the service adapters in coordinator_service.h
+// call it.
 //
 // Thread-safe: every public method may be called from any thread.
 #ifndef GEOTRAIN_COORDINATOR_JOB_CONTROLLER_H_
@@ -9,12 +18,9 @@
 
 #include <atomic>
 #include <cstdint>
-#include <deque>
 #include <functional>
-#include <map>
 #include <memory>
 #include <optional>
-#include <set>
 #include <utility>
 #include <string>
 #include <vector>
@@ -23,7 +29,6 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
-#include "coordinator/link_fault_ledger.h"
 #include "coordinator/checkpoint_gate.h"
 #include "coordinator/checkpoint_store.h"
 #include "coordinator/coordinator_store.h"
@@ -33,12 +38,11 @@
 #include "coordinator/metrics_sink.h"
 #include "coordinator/network_matrix.h"
 #include "coordinator/network_planner.h"
-#include "coordinator/pipeline_continuity.h"
+#include "coordinator/plan_manager.h"
 #include "coordinator/plan_publisher.h"
 #include "coordinator/plan_view.h"
 #include "coordinator/progress_tracker.h"
 #include "coordinator/reachability_manager.h"
-#include "coordinator/replan_policy.h"
 #include "coordinator/status_assembler.h"
 #include "coordinator/straggler_detector.h"
 #include "geotrain/v1/coordinator.pb.h"
@@ -170,166 +174,35 @@ class JobController {
                 std::unique_ptr<DurableStateWriter> state_writer,
                 std::unique_ptr<CheckpointStore> checkpoints,
                 std::unique_ptr<AppendLog> events_file);
-  // Takes over what a previous coordinator persisted in the state dir.
-  absl::Status RecoverLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-
-  double ElapsedS() const;
-  void MaybePlanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void MaybeReplanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Several pipelines, the job's step stalled: true when another pipeline
-  // still moves (then only a pipeline that alone stood still past the
-  // start-up grace is taken out), false when none does.
-  bool CheckPipelinesProgressLocked(const ProgressTracker::Pace& pace, int64_t now,
-                                    int64_t limit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A plan of several pipelines where a worker outside `live` left: a
-  // standby takes its place or its pipeline is dissolved (pipeline_repair.h).
-  // False when nothing changed.
-  bool RepairPipelinesLocked(std::set<std::string> live, const std::string& why = "")
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // With the outer optimizer: enough standbys (one per stage) form another
-  // pipeline at the plan's cuts (up to outer.max_pipelines); the pipelines
-  // there are go on (pipeline_continuity.h). Under the network planner only
-  // where it would now choose more pipelines. False when none formed.
-  bool MaybeFormPipelineLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The network planner's input over `candidates` while a plan runs: the
-  // measured links and ports, replica eligibility, and the layer timings
-  // calibrated by the stages' measured compute.
-  PlannerInput LivePlannerInputLocked(const std::vector<WorkerRecord>& candidates) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The network planner's R over the plan's workers and `spares` exceeds
-  // the plan's (at most once per re-plan interval; an event says so).
-  bool NetworkWantsMorePipelinesLocked(const std::vector<WorkerRecord>& spares)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A new partition over the eligible workers of `live` (the event says
-  // `why` first), or waiting when there are none.
-  void RepartitionLocked(const std::set<std::string>& live, const std::string& why)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // How ReplaceLocked treats the worker it replaces.
-  enum class Replacement {
-    // Out of the plan (a lost link, a demoted replica): a replica just
-    // leaves its stage; a primary with replicas hands the stage to the
-    // first of them; a stage's only worker goes to a standby, or with none
-    // the same stages get a new epoch (new links).
-    kTakeOut,
-    // A standby that was never demoted takes exactly this worker's place
-    // (a straggler); nothing happens without one.
-    kSwapWithStandby,
-  };
-  // True when a plan was published.
-  bool ReplaceLocked(const std::string& worker_id, const std::string& why, Replacement how)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Reports a stage far slower per microbatch than every other stage, whose
-  // worker has also slowed down well below its own best pace, and hands it
-  // to a standby when there is one; a replica far slower than its fastest
-  // sibling is reported and demoted to standby.
-  void CheckStragglersLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  bool EligibleStandbyLocked(const WorkerRecord& worker) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Live workers outside `plan` that may take a stage, fastest first.
-  std::vector<WorkerRecord> StandbysLocked(const v1::Plan& plan) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Whether a worker may become a replica: not a demoted straggler, and not
-  // one taken out for a lost link within the last kReplicaCooldownMs.
-  bool MayReplicateLocked(const std::string& worker_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Sets PlannerWorkerInfo::may_replicate from MayReplicateLocked.
-  void MarkReplicaCandidatesLocked(PlannerInput* input) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Gives the stages of `plan` but the last standbys as replicas (middle
-  // stages first, then stage 0) until each has
-  // job.replicas workers (never a worker demoted as a straggler). True when
-  // it added one. Join order only: the network planner chooses replicas.
-  bool FillReplicasLocked(v1::Plan* plan, std::string* summary) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Publishes `next` as the following epoch, resuming after the last step.
-  void PublishReplanLocked(v1::Plan next, const std::string& summary)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Stages over `live` as the planner partitions them; nullopt (and an
-  // event) when it cannot.
-  std::optional<v1::Plan> PartitionLocked(const std::vector<WorkerRecord>& live,
-                                          std::string* summary)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes over what a previous coordinator persisted in the store. True
+  // when there was something.
+  absl::StatusOr<bool> Recover();
   // Submits the state (members, progress, done) to the writer; needs no
-  // lock of the controller.
+  // lock.
   void Persist();
-  void PublishLocked(v1::Plan plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Fills plan->links (AssignLinks over the members' reachability and the
-  // usable relays); a link no one can dial is an event.
-  void AssignLinksLocked(v1::Plan* plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The same stages with links assigned anew (a relay came or went).
-  void RelinkLocked(const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Under mu_ so that events keep the order of the changes they describe.
-  void AddEventLocked(const std::string& kind, const std::string& worker,
-                      const std::string& detail)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  std::string NameOf(const std::string& worker_id) const;
-  // The epoch of the current plan's link between `reporter` and `peer`.
-  uint64_t LinkEpochOfLocked(const std::string& reporter, const std::string& peer) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // What the current plan's pipelines have drawn of the data.
-  PipelineDataInput DataInputLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const JobControllerOptions options_;
   const std::unique_ptr<Planner> planner_;
-  NetworkMatrix network_;  // thread-safe itself
   const int64_t start_ms_;
+  // The parts, each thread-safe itself with its own lock (or none); in
+  // the order they are made, as the later ones read the earlier.
+  NetworkMatrix network_;
   Membership membership_;
-
-  mutable absl::Mutex mu_;
-  const std::shared_ptr<CoordinatorStore> store_;  // thread-safe itself
+  const std::shared_ptr<CoordinatorStore> store_;
   // Write the state and the plans off every lock, each on its own thread;
   // a plan reaches the workers once it is durable, and after the state
-  // that names its members. Events and metrics go through AppendLog's
-  // thread (events_, metrics_).
+  // that names its members.
   std::unique_ptr<DurableStateWriter> state_writer_;
   std::unique_ptr<PlanPublisher> publisher_;  // after state_writer_: it flushes that
-  const std::unique_ptr<CheckpointStore> checkpoints_;  // thread-safe itself
-  bool recovered_ ABSL_GUARDED_BY(mu_) = false;
-  bool waiting_for_workers_ ABSL_GUARDED_BY(mu_) = false;
-  // Workers taken out of a plan for a lost link, and when.
-  std::map<std::string, int64_t> suspended_at_ms_ ABSL_GUARDED_BY(mu_);
-  // Workers handing their stage over (their links close on purpose).
-  std::set<std::string> draining_ ABSL_GUARDED_BY(mu_);
-  StragglerDetector stragglers_ ABSL_GUARDED_BY(mu_);
-  // The progress watchdog: when no step is committed for long (see the
-  // .cc), it follows whom the workers wait on to the stalled one (or takes
-  // stage 0, when nobody is owed anything) and re-plans around it.
-  void CheckProgressLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A broken (or stalled) link between `reporter` and `accused`: the
-  // LinkFaultLedger's verdict takes one of them out. `how`: "was lost".
-  void TakeOutForBrokenLinkLocked(const std::string& reporter, const std::string& accused,
-                                  const char* how) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Each worker's event rate (RecordWorkerEvent).
-  struct EventBucket {
-    double tokens = 0;
-    int64_t at_ms = 0;
-  };
-  std::map<std::string, EventBucket> event_buckets_ ABSL_GUARDED_BY(mu_);
-  // Workers demoted as stragglers: standbys, but never made replicas again.
-  std::set<std::string> demoted_ ABSL_GUARDED_BY(mu_);
-  // Broken links and whom they take out (coordinator/link_fault_ledger.h).
-  LinkFaultLedger link_faults_ ABSL_GUARDED_BY(mu_);
-  // A worker the link faults exclude: no stage, no standby place.
-  bool ExcludedLocked(const std::string& worker_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  std::optional<v1::Plan> plan_ ABSL_GUARDED_BY(mu_);
-  // What the planner predicted when it last partitioned the layers.
-  v1::PlanPrediction prediction_ ABSL_GUARDED_BY(mu_);
-  // Network planner: re-run on fresh figures every 30 s; a better plan is
-  // taken when it is worth the move (coordinator/replan_policy.h).
-  ReplanPolicy replan_policy_ ABSL_GUARDED_BY(mu_);
-  int last_replan_verdict_ ABSL_GUARDED_BY(mu_) = -1;
-  int64_t last_replan_event_ms_ ABSL_GUARDED_BY(mu_) = 0;
-  void MaybeVoluntaryReplanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
-  // Written under mu_; read without it (Persist).
-  std::atomic<bool> done_{false};
-  EventLog events_;  // thread-safe itself
-  ReachabilityManager reachability_;  // thread-safe itself
-  // The plan decided (plan_), for readers that take no lock of ours.
-  PlanView plan_view_;
-  // Reports, committed figures, the metrics log (thread-safe itself).
+  const std::unique_ptr<CheckpointStore> checkpoints_;
+  EventLog events_;
+  ReachabilityManager reachability_;
+  PlanView plan_view_;  // the plan decided, for readers
   ProgressTracker progress_;
-  CheckpointGate checkpoint_gate_;  // after what it reads
-  StatusAssembler status_;          // after everything it reads
-  // The status's facts only the controller keeps (under mu_).
-  ControllerFacts FactsFor(const std::vector<std::string>& ids) const;
+  CheckpointGate checkpoint_gate_;
+  PlanManager plans_;
+  StatusAssembler status_;
+  std::atomic<bool> shutdown_{false};
 };
 
 }  // namespace geotrain

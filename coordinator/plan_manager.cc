@@ -1,0 +1,961 @@
+#include "coordinator/plan_manager.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/job_spec.h"
+#include "common/logging.h"
+#include "common/model_profile.h"
+#include "common/plan_util.h"
+#include "coordinator/link_assigner.h"
+#include "coordinator/pipeline_repair.h"
+#include "coordinator/plan_builder.h"
+#include "coordinator/state_sources.h"
+
+namespace geotrain {
+namespace {
+
+// A worker taken out of the plan for a lost link waits this long before it
+// is made a replica again (it may still replace a lost worker before that):
+// a link that keeps failing would otherwise cycle it in and out.
+constexpr int64_t kReplicaCooldownMs = 30000;
+// A worker's event kind and own detail, before the peer's name is added
+// (the event log cuts the whole at its own bound).
+constexpr size_t kMaxEventKindBytes = 64;
+constexpr size_t kMaxEventDetailBytes = 512;
+// A new plan's first step may take this long at least (state restored,
+// links opened) before the progress watchdog looks for a stall.
+constexpr int64_t kStartupGraceMs = 60000;
+
+}  // namespace
+
+PlanManager::PlanManager(PlanManagerOptions options, PlanManagerParts parts)
+    : options_(std::move(options)),
+      parts_(std::move(parts)),
+      planner_(parts_.planner),
+      membership_(*parts_.membership),
+      network_(*parts_.network),
+      progress_(*parts_.progress),
+      reachability_(*parts_.reachability),
+      events_(*parts_.events),
+      checkpoints_(parts_.checkpoints),
+      publisher_(parts_.publisher),
+      stragglers_(options_.stragglers),
+      link_faults_(membership_.lease_ms()) {}
+
+void PlanManager::Restore(std::optional<v1::Plan> plan, bool done) {
+  absl::MutexLock lock(&mu_);
+  done_ = done;
+  if (!plan.has_value()) return;
+  plan_ = std::move(plan);
+  parts_.plan_view->Set(std::make_shared<const v1::Plan>(*plan_));
+  publisher_->Restore(*plan_);  // durable already: the workers may see it
+  progress_.StartEpoch(*plan_);
+  // The link figures are not persisted: a voluntary move waits a whole
+  // re-plan interval for them to be measured again (on the defaults a
+  // restart re-planned a healthy pipeline).
+  replan_policy_.MarkChecked(options_.clock->NowMs());
+}
+
+void PlanManager::OnJoined(const WorkerRecord& record, const std::string& detail) {
+  absl::MutexLock lock(&mu_);
+  AddEventLocked("joined", record.name, detail);
+  if (record.relay()) {
+    if (plan_.has_value() && !done_) {
+      for (const v1::PlannedLink& link : plan_->links()) {
+        if (link.dialer() == v1::LINK_DIALER_NONE) {
+          RelinkLocked(absl::StrCat("relay ", NameOf(record.id), " joined"));
+          break;
+        }
+      }
+    }
+    return;
+  }
+  MaybeReplanLocked();
+  MaybePlanLocked();
+}
+
+void PlanManager::OnLeft(const std::string& worker_id) {
+  absl::MutexLock lock(&mu_);
+  AddEventLocked("left", NameOf(worker_id), worker_id);
+  MaybeReplanLocked();
+}
+
+void PlanManager::OnRevoked(const std::string& worker_id,
+                            const absl::StatusOr<int>& quarantined) {
+  absl::MutexLock lock(&mu_);
+  AddEventLocked("revoked", NameOf(worker_id),
+                 absl::StrCat(worker_id, ": its certificate is denied from now on"));
+  if (!quarantined.ok()) {
+    AddEventLocked("checkpoint_quarantine_failed", NameOf(worker_id),
+                   std::string(quarantined.status().message()));
+  } else if (*quarantined > 0) {
+    AddEventLocked("checkpoints_quarantined", NameOf(worker_id),
+                   absl::StrCat(*quarantined, " checkpoint files it uploaded; restores use "
+                                              "the newest of the others"));
+  }
+  // Live or not (a lapsed lease not yet expired), it leaves the plan.
+  MaybeReplanLocked();
+}
+
+void PlanManager::OnReachabilityChanged(const ReachabilityManager::Verdict& verdict) {
+  absl::MutexLock lock(&mu_);
+  AddEventLocked("reachability", NameOf(verdict.worker_id), verdict.summary);
+  if (plan_.has_value() && StageOf(*plan_, verdict.worker_id) != nullptr) {
+    RelinkLocked(absl::StrCat("the reachability of ", NameOf(verdict.worker_id), " changed"));
+  }
+}
+
+bool PlanManager::ForgetAbandoned(const std::string& worker_id, const std::string& session) {
+  absl::MutexLock lock(&mu_);
+  // A member a plan already names stays; its lease runs out as any other.
+  if (plan_.has_value() && StageOf(*plan_, worker_id) != nullptr) return false;
+  return membership_.Abandon(worker_id, session);
+}
+
+void PlanManager::FinishJob() {
+  absl::MutexLock lock(&mu_);
+  if (done_ || !plan_.has_value()) return;
+  done_ = true;
+  progress_.WriteStageCurves(/*job_done=*/true);
+  Persist();
+  v1::Plan final_plan = *plan_;
+  final_plan.set_epoch(plan_->epoch() + 1);
+  final_plan.set_job_done(true);
+  AddEventLocked("job_done", "", absl::StrCat("after step ", progress_.committed_step()));
+  PublishLocked(std::move(final_plan));
+}
+
+void PlanManager::Tick(const std::vector<WorkerRecord>& expired) {
+  absl::MutexLock lock(&mu_);
+  for (const WorkerRecord& w : expired) {
+    AddEventLocked("lost", w.name, absl::StrCat(w.id, ": ", w.end_reason));
+  }
+  if (plan_.has_value() && !done_ && !plan_->job_done()) {
+    // A link left without a relay (the only one was suspended or gone) is
+    // re-linked as soon as one is usable again (it heartbeated, or joined).
+    const bool stranded = std::any_of(
+        plan_->links().begin(), plan_->links().end(),
+        [](const v1::PlannedLink& l) { return l.dialer() == v1::LINK_DIALER_NONE; });
+    if (stranded && !reachability_.UsableRelays().empty()) {
+      RelinkLocked("a relay is usable again");
+    }
+    for (const WorkerRecord& w : expired) {
+      if (!w.relay()) continue;
+      const bool used = std::any_of(
+          plan_->links().begin(), plan_->links().end(),
+          [&w](const v1::PlannedLink& l) { return l.relay_worker() == w.id; });
+      if (used) {
+        RelinkLocked(absl::StrCat("relay ", NameOf(w.id), " was lost"));
+        break;
+      }
+    }
+  }
+  MaybeReplanLocked();
+  MaybePlanLocked();
+  CheckStragglersLocked();
+  MaybeVoluntaryReplanLocked();
+  CheckProgressLocked();
+}
+
+ControllerFacts PlanManager::Facts(const std::vector<std::string>& ids) const {
+  ControllerFacts facts;
+  const int64_t now_ms = options_.clock->NowMs();
+  absl::MutexLock lock(&mu_);
+  facts.done = done_;
+  facts.prediction = prediction_;
+  if (options_.authenticated_callers) {
+    for (const std::string& id : ids) {
+      if (std::optional<std::string> why = link_faults_.ExclusionOf(id, now_ms)) {
+        facts.suspected[id] = *why;
+      }
+    }
+  }
+  return facts;
+}
+
+bool PlanManager::done() const { return done_; }
+
+std::string PlanManager::NameOf(const std::string& worker_id) const {
+  return membership_.NameOf(worker_id);
+}
+
+absl::Status PlanManager::RecordWorkerEvent(const v1::WorkerEvent& event) {
+  if (event.kind().size() > kMaxEventKindBytes) {
+    return absl::InvalidArgumentError("event kind longer than 64 bytes");
+  }
+  absl::MutexLock lock(&mu_);
+  const std::string& accuser = event.worker_id();
+  if (!membership_.Knows(accuser)) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("event from unknown worker '", accuser.substr(0, 128), "'"));
+  }
+  // Each worker's events come out of a bucket of its own (issue 32: one
+  // wrote 3,000 in 1.3 s): a flood is refused, not logged.
+  {
+    const int64_t now = options_.clock->NowMs();
+    if (event_buckets_.size() > 4 * options_.max_dead_members && event_buckets_.count(accuser) == 0) {
+      event_buckets_.clear();  // ids come and go; a fresh start costs nothing
+    }
+    auto [bucket, fresh] = event_buckets_.try_emplace(accuser, EventBucket{options_.event_burst, now});
+    EventBucket& b = bucket->second;
+    b.tokens = std::min(options_.event_burst,
+                        b.tokens + (now - b.at_ms) / 1000.0 * options_.events_per_s);
+    b.at_ms = now;
+    if (b.tokens < 1) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "more than %g events a second from %s: refused", options_.events_per_s,
+          accuser.substr(0, 128)));
+    }
+    b.tokens -= 1;
+  }
+  AddEventLocked(event.kind(), NameOf(accuser),
+                 event.peer().empty()
+                     ? event.detail()
+                     : absl::StrCat(event.detail().substr(0, kMaxEventDetailBytes), " (peer ",
+                                    NameOf(event.peer()).substr(0, 128), ")"));
+  if (event.kind() == "draining") draining_.insert(accuser);
+  // A lost link on the current plan: the neighbour accused is taken out of
+  // the pipeline (it stays a standby if it is alive). Only the first report
+  // of an epoch counts: the other end of the same link accuses this one.
+  // A draining worker closes its links on purpose: not a failure. The
+  // report carries the link's epoch (a pipeline that continues through
+  // re-plans keeps the one it was formed in): one of a link the current
+  // plan no longer has is old news.
+  if (event.kind() != "link_lost" || !plan_.has_value() || done_ ||
+      event.epoch() != LinkEpochOfLocked(accuser, event.peer()) ||
+      draining_.count(event.peer()) > 0) {
+    return absl::OkStatus();
+  }
+  const std::string& accused = event.peer();
+  for (const v1::PlannedLink& link : plan_->links()) {
+    if (link.dialer() != v1::LINK_DIALER_RELAY || link.relay_worker() != accused ||
+        (link.upstream_worker() != accuser && link.downstream_worker() != accuser)) {
+      continue;
+    }
+    // A link through a relay broke: its ends are re-linked through another
+    // relay (or the same one once it heartbeats again).
+    if (!reachability_.SuspendRelay(accused, options_.clock->NowMs())) {
+      return absl::OkStatus();  // the other end of the same link, or another link
+    }
+    RelinkLocked(absl::StrCat("the link of ", NameOf(accuser), " through relay ",
+                              NameOf(accused), " was lost"));
+    return absl::OkStatus();
+  }
+  const v1::StageAssignment* accuser_stage = StageOf(*plan_, accuser);
+  const v1::StageAssignment* accused_stage = StageOf(*plan_, accused);
+  if (accuser_stage == nullptr || accused_stage == nullptr ||
+      std::abs(accuser_stage->stage() - accused_stage->stage()) != 1) {
+    const std::string why = absl::StrCat(
+        "accusation of ", accused.substr(0, 128), " by ", accuser,
+        " refused: they are not neighbours in the plan of epoch ", plan_->epoch());
+    AddEventLocked("accusation_refused", NameOf(accuser), why);
+    return absl::PermissionDeniedError(why);
+  }
+  TakeOutForBrokenLinkLocked(accuser, accused, "was lost");
+  return absl::OkStatus();
+}
+
+void PlanManager::TakeOutForBrokenLinkLocked(const std::string& reporter,
+                                               const std::string& accused, const char* how) {
+  const int64_t now = options_.clock->NowMs();
+  std::optional<LinkFaultLedger::Verdict> verdict =
+      link_faults_.Report(reporter, accused, plan_->epoch(), now);
+  if (!verdict.has_value()) return;  // this break is counted already
+  // Insecure, anyone may speak for anyone: nobody is excluded on what
+  // "they" said.
+  const bool exclude = verdict->exclude && options_.authenticated_callers;
+  const std::string& out = verdict->take_out;
+  if (exclude) {
+    AddEventLocked("excluded", NameOf(out),
+                   absl::StrCat(out, ": ", verdict->why, "; no stage until its record clears"));
+  }
+  ReplaceLocked(out,
+                out == accused
+                    ? absl::StrCat("its link from ", NameOf(reporter), " ", how)
+                    : absl::StrCat("its link to ", NameOf(accused), " ", how,
+                                   ", and it was in more broken links"),
+                Replacement::kTakeOut);
+  suspended_at_ms_[out] = now;
+}
+
+void PlanManager::CheckProgressLocked() {
+  // Once the last step is committed the job is finishing (final stats,
+  // checkpoints, DONE), not stalled: no step is owed.
+  if (!plan_.has_value() || done_ || plan_->job_done() || plan_->stages_size() == 0) return;
+  const ProgressTracker::Pace pace = progress_.pace();
+  if (pace.any_done || pace.step >= options_.job.steps()) return;
+  const int64_t now = options_.clock->NowMs();
+  const int64_t lease = membership_.lease_ms();
+  // Once the epoch has made a step: two leases, or ten steps at the pace so
+  // far (a slow model is not a stalled one). Before: the time a new plan
+  // may take to restore state and open its links.
+  const int64_t limit =
+      pace.progress_in_epoch ? std::max<int64_t>(2 * lease, 10 * pace.step_interval_ms)
+                             : std::max<int64_t>(10 * lease, kStartupGraceMs);
+  const int64_t since = std::max(pace.last_progress_ms, pace.epoch_started_ms);
+  if (now - since <= limit) return;
+  if (PipelinesOf(*plan_) > 1 && CheckPipelinesProgressLocked(pace, now, limit)) return;
+  // Follow whom the plan's workers wait on (their heartbeats) to one that
+  // is owed an answer and waits on nobody: the stall is there.
+  std::map<std::string, WorkerRecord> records;
+  for (const WorkerRecord& w : membership_.Snapshot()) records[w.id] = w;
+  std::map<std::string, std::string> waits_on;
+  for (const v1::StageAssignment& stage : plan_->stages()) {
+    for (const StageWorker& w : WorkersOf(stage)) {
+      auto it = records.find(w.id);
+      if (it == records.end() || !it->second.alive) continue;
+      const v1::StageStats& stats = it->second.stats;
+      if (!stats.waiting_on().empty() && stats.waiting_s() * 1000 >= lease &&
+          StageOf(*plan_, stats.waiting_on()) != nullptr) {
+        waits_on[w.id] = stats.waiting_on();
+      }
+    }
+  }
+  const std::string stalled_for = absl::StrFormat("%.1f s", (now - since) / 1000.0);
+  progress_.MarkStallHandled(now);  // one action per stall period
+  for (const auto& [waiter, on] : waits_on) {
+    if (waits_on.count(on) > 0) continue;
+    AddEventLocked("stalled", NameOf(on),
+                   absl::StrCat("no step for ", stalled_for, "; ", NameOf(waiter),
+                                " has waited on ", NameOf(on), ", which waits on nobody"));
+    TakeOutForBrokenLinkLocked(waiter, on, "stalled");
+    return;
+  }
+  // Nobody is owed anything, and nothing moves: stage 0 issues nothing.
+  const std::string first = plan_->stages(0).worker_id();
+  AddEventLocked("stalled", NameOf(first),
+                 absl::StrCat("no step for ", stalled_for,
+                              " and no stage is owed an answer: stage 0 issues nothing"));
+  if (plan_->stages_size() > 1) {
+    TakeOutForBrokenLinkLocked(plan_->stages(1).worker_id(), first, "stalled");
+  } else {
+    ReplaceLocked(first, "it made no step", Replacement::kTakeOut);
+  }
+}
+
+bool PlanManager::CheckPipelinesProgressLocked(const ProgressTracker::Pace& pace, int64_t now,
+                                                 int64_t limit) {
+  int64_t latest = 0;
+  for (const auto& [r, ms] : pace.pipeline_moved_ms) latest = std::max(latest, ms);
+  if (now - latest > limit) return false;  // none moves: the job is stalled
+  // The job's step waits for the slowest pipeline, but the others move: a
+  // pipeline that alone stands still for as long as a new plan may take to
+  // start (a newcomer restoring its state over a thin link) is taken out
+  // of the plan, and only it.
+  const int64_t grace = std::max<int64_t>(10 * membership_.lease_ms(), kStartupGraceMs);
+  for (const auto& [r, ms] : pace.pipeline_moved_ms) {
+    if (now - ms <= std::max(limit, grace)) continue;
+    const std::vector<StageWorker> first = WorkersOf(plan_->stages(0), r);
+    if (first.empty()) continue;
+    AddEventLocked("stalled", NameOf(first[0].id),
+                   absl::StrFormat("pipeline %d made no step for %.1f s while the others "
+                                   "did: its stage 0 is taken out",
+                                   r, (now - ms) / 1000.0));
+    progress_.MarkStallHandled(now);  // one action per stall period
+    ReplaceLocked(first[0].id, absl::StrCat("pipeline ", r, " stalled"), Replacement::kTakeOut);
+    return true;
+  }
+  return true;
+}
+
+bool PlanManager::ExcludedLocked(const std::string& worker_id) const {
+  return options_.authenticated_callers &&
+         link_faults_.ExclusionOf(worker_id, options_.clock->NowMs()).has_value();
+}
+
+bool PlanManager::EligibleStandbyLocked(const WorkerRecord& worker) const {
+  if (ExcludedLocked(worker.id)) return false;
+  auto suspended = suspended_at_ms_.find(worker.id);
+  // A worker taken out for a lost link may simply be dead (its lease has
+  // not run out yet): it is a standby again once it has sent a heartbeat.
+  return suspended == suspended_at_ms_.end() || worker.last_heartbeat_ms > suspended->second;
+}
+
+std::vector<WorkerRecord> PlanManager::StandbysLocked(const v1::Plan& plan) const {
+  std::vector<WorkerRecord> standbys;
+  for (const WorkerRecord& w : membership_.LiveWorkers()) {
+    if (StageOf(plan, w.id) == nullptr && EligibleStandbyLocked(w)) standbys.push_back(w);
+  }
+  std::sort(standbys.begin(), standbys.end(), [](const WorkerRecord& a, const WorkerRecord& b) {
+    return a.device.matmul_gflops() > b.device.matmul_gflops();
+  });
+  return standbys;
+}
+
+bool PlanManager::MayReplicateLocked(const std::string& worker_id) const {
+  if (demoted_.count(worker_id) > 0) return false;
+  auto suspended = suspended_at_ms_.find(worker_id);
+  return suspended == suspended_at_ms_.end() ||
+         options_.clock->NowMs() - suspended->second >= kReplicaCooldownMs;
+}
+
+void PlanManager::MarkReplicaCandidatesLocked(PlannerInput* input) const {
+  for (PlannerWorkerInfo& w : input->workers) w.may_replicate = MayReplicateLocked(w.id);
+}
+
+bool PlanManager::FillReplicasLocked(v1::Plan* plan, std::string* summary) const {
+  const int wanted = options_.job.replicas();
+  // The network planner chooses replicas itself, only where they pay
+  // (PlannerInput::max_replicas); a voluntary re-plan adds them later.
+  if (wanted <= 1 || options_.planner == "network") return false;
+  std::vector<WorkerRecord> candidates;
+  for (const WorkerRecord& w : StandbysLocked(*plan)) {
+    if (MayReplicateLocked(w.id)) candidates.push_back(w);
+  }
+  bool added = false;
+  size_t next = 0;
+  for (int k : ReplicableStages(plan->stages_size())) {
+    v1::StageAssignment* stage = plan->mutable_stages(k);
+    while (1 + stage->replicas_size() < wanted && next < candidates.size()) {
+      const WorkerRecord& w = candidates[next++];
+      v1::Replica* replica = stage->add_replicas();
+      replica->set_worker_id(w.id);
+      replica->set_address(w.address);
+      absl::StrAppend(summary, summary->empty() ? "" : ", ", "stage ", k, ": + ", w.name,
+                      " (replica)");
+      added = true;
+    }
+  }
+  return added;
+}
+
+PlannerInput PlanManager::LivePlannerInputLocked(
+    const std::vector<WorkerRecord>& candidates) const {
+  PlannerInput input = PlannerInputFor(options_.job, candidates, CodecChoice::kPerLink);
+  input.links = network_.LinksFor(candidates);
+  network_.FillAccess(&input.workers);
+  MarkReplicaCandidatesLocked(&input);
+  CalibrateWithStageStats(*plan_, candidates, &input);
+  return input;
+}
+
+void PlanManager::MaybeVoluntaryReplanLocked() {
+  // Not with pipelines (job.outer) yet: CompareForReplan scores the current
+  // plan as one pipeline whose other pipelines' workers are replicas, which
+  // is not what the planner's figure for R pipelines means.
+  if (options_.planner != "network" || !plan_.has_value() || done_ || plan_->job_done() ||
+      progress_.AnyDone() || options_.job.has_outer()) {
+    return;
+  }
+  const int64_t now = options_.clock->NowMs();
+  if (!replan_policy_.Due(now)) return;
+  // Marked before the planner runs: a check that returns early must not run
+  // the planner again on the next tick (under this lock).
+  replan_policy_.MarkChecked(now);
+  // The members a plan may use: the current plan's and the standbys (not
+  // the demoted stragglers: a median calibration would bring them back).
+  std::vector<WorkerRecord> candidates;
+  for (const WorkerRecord& w : membership_.LiveWorkers()) {
+    if (demoted_.count(w.id) > 0 && StageOf(*plan_, w.id) == nullptr) continue;
+    if (StageOf(*plan_, w.id) != nullptr || EligibleStandbyLocked(w)) candidates.push_back(w);
+  }
+  PlannerInput input = LivePlannerInputLocked(candidates);
+  absl::StatusOr<PipelinePlan> best = planner_->Plan(input);
+  if (!best.ok()) return;
+  absl::StatusOr<ReplanComparison> compared = CompareForReplan(
+      options_.job, input, candidates, *plan_, *best, checkpoints_->Index(),
+      progress_.committed_step());
+  if (!compared.ok()) return;  // a failure: the involuntary path handles it
+  // What status shows from now on: the current plan on calibrated figures
+  // (still the plan an exhaustive search chose, if one did).
+  compared->current.planner = planner_->name();
+  compared->current.exact = prediction_.exact();
+  prediction_ = PredictionOf(input, compared->current);
+  ReplanCandidate& candidate = compared->candidate;
+  candidate.measured_s_per_sample = progress_.Snapshot().seconds_per_sample;
+  const ReplanDecision decision = replan_policy_.Decide(candidate, now);
+  const bool better_exists =
+      candidate.best_s_per_sample < candidate.current_s_per_sample * 0.99;
+  if (decision.verdict != ReplanDecision::Verdict::kSwitch) {
+    // One event per verdict change, or per 30 s while it stands (a deferred
+    // move is looked at every second).
+    const int verdict = static_cast<int>(decision.verdict);
+    if (better_exists && (verdict != last_replan_verdict_ || now - last_replan_event_ms_ >= 30000)) {
+      AddEventLocked("replan_considered", "", decision.reason);
+      last_replan_verdict_ = verdict;
+      last_replan_event_ms_ = now;
+    }
+    return;
+  }
+  last_replan_verdict_ = -1;
+  v1::Plan next = PlanProtoFor(*best, input, candidates);
+  std::string summary = SummaryOf(*best, candidates);
+  FillReplicasLocked(&next, &summary);
+  prediction_ = PredictionOf(input, *best);
+  PublishReplanLocked(std::move(next), absl::StrCat("voluntary: ", decision.reason, "; ", summary));
+}
+
+void PlanManager::PublishReplanLocked(v1::Plan next, const std::string& summary) {
+  // No step commits from here until the plan starts its epoch: it resumes
+  // after exactly this one.
+  const int start_step = progress_.CloseEpoch();
+  replan_policy_.Switched(options_.clock->NowMs());
+  next.set_epoch(plan_->epoch() + 1);
+  // Every index drawn so far is below the next plan's data_base, so that
+  // a change of pipelines draws no index twice (StageRuntime::SetDataShard).
+  next.set_data_base(static_cast<uint64_t>(DataHighWater(*plan_, DataInputLocked())));
+  next.set_start_step(start_step);
+  AddEventLocked("replanned", "",
+                 absl::StrCat("epoch ", next.epoch(), ", resuming after step ", start_step, "; ",
+                              summary));
+  PublishLocked(std::move(next));
+  Persist();
+}
+
+bool PlanManager::RepairPipelinesLocked(std::set<std::string> live, const std::string& why) {
+  std::vector<StageWorker> standbys;
+  for (const WorkerRecord& w : StandbysLocked(*plan_)) {
+    if (demoted_.count(w.id) == 0) standbys.push_back({w.id, w.address});
+  }
+  PipelineRepair repair = RepairPipelines(*plan_, live, standbys,
+                                          [this](const std::string& id) { return NameOf(id); });
+  if (!repair.changed) return false;
+  const std::string reason = why.empty() ? "" : absl::StrCat(", because ", why);
+  if (!repair.none_left) {
+    waiting_for_workers_ = false;
+    PublishReplanLocked(std::move(repair.plan), repair.summary + reason);
+    return true;
+  }
+  // Every pipeline lost a stage: the live workers are partitioned anew.
+  RepartitionLocked(live, absl::StrCat(repair.summary, reason, "; "));
+  return true;
+}
+
+bool PlanManager::MaybeFormPipelineLocked() {
+  if (!options_.job.has_outer() || progress_.AnyDone() || plan_->stages_size() == 0) {
+    return false;
+  }
+  const int pipelines = PipelinesOf(*plan_);
+  const int most = options_.job.outer().max_pipelines();
+  if (most > 0 && pipelines >= most) return false;
+  std::vector<WorkerRecord> spares;
+  for (const WorkerRecord& w : StandbysLocked(*plan_)) {
+    if (demoted_.count(w.id) == 0 && MayReplicateLocked(w.id)) spares.push_back(w);
+  }
+  const int stages = plan_->stages_size();
+  if (static_cast<int>(spares.size()) < stages) return false;
+  if (options_.planner == "network" && !NetworkWantsMorePipelinesLocked(spares)) return false;
+  // The fastest standbys, one per stage at the plan's cuts, as pipeline R.
+  v1::Plan next = *plan_;
+  std::string names;
+  for (int k = 0; k < stages; ++k) {
+    std::vector<StageWorker> workers = WorkersOf(next.stages(k));
+    workers.push_back({spares[k].id, spares[k].address, pipelines});
+    SetStageWorkers(next.mutable_stages(k), std::move(workers));
+    absl::StrAppend(&names, k == 0 ? "" : ", ", spares[k].name);
+  }
+  next.set_pipelines(pipelines + 1);
+  waiting_for_workers_ = false;
+  PublishReplanLocked(std::move(next), absl::StrCat("pipeline ", pipelines,
+                                                    " formed from standbys ", names));
+  return true;
+}
+
+bool PlanManager::NetworkWantsMorePipelinesLocked(const std::vector<WorkerRecord>& spares) {
+  // The network planner chose R where pipelines pay (counting the outer
+  // sync's traffic); standbys form another pipeline only where it would now
+  // choose more than the plan has, on the figures of the plan's workers and
+  // these spares. Looked at once per re-plan interval (the search runs
+  // under the lock).
+  const int64_t now = options_.clock->NowMs();
+  if (!replan_policy_.Due(now)) return false;
+  replan_policy_.MarkChecked(now);
+  std::vector<WorkerRecord> candidates = spares;
+  for (const WorkerRecord& w : membership_.LiveWorkers()) {
+    if (StageOf(*plan_, w.id) != nullptr) candidates.push_back(w);
+  }
+  PlannerInput input = LivePlannerInputLocked(candidates);
+  absl::StatusOr<PipelinePlan> best = planner_->Plan(input);
+  if (!best.ok() || best->stages.empty()) return false;
+  const int wanted = 1 + static_cast<int>(best->stages[0].pipeline_workers.size());
+  if (wanted <= PipelinesOf(*plan_)) return false;
+  AddEventLocked("replan_considered", "",
+                 absl::StrCat("the network planner would train ", wanted,
+                              " pipelines on the plan's workers and ", spares.size(),
+                              " standbys; forming one from standbys at the current cuts"));
+  return true;
+}
+
+void PlanManager::RepartitionLocked(const std::set<std::string>& live,
+                                      const std::string& why) {
+  std::vector<WorkerRecord> usable;
+  for (const WorkerRecord& w : membership_.LiveWorkers()) {
+    if (live.count(w.id) > 0 && EligibleStandbyLocked(w)) usable.push_back(w);
+  }
+  if (usable.empty()) {
+    if (!waiting_for_workers_) {
+      AddEventLocked("waiting", "", "no live worker to re-plan on; waiting for one to join");
+    }
+    waiting_for_workers_ = true;
+    return;
+  }
+  std::string partition;
+  std::optional<v1::Plan> partitioned = PartitionLocked(usable, &partition);
+  if (!partitioned.has_value()) return;
+  waiting_for_workers_ = false;
+  PublishReplanLocked(*std::move(partitioned),
+                      absl::StrCat(why, "re-partitioned over ", usable.size(), " workers: ",
+                                   partition));
+}
+
+bool PlanManager::ReplaceLocked(const std::string& worker_id, const std::string& why,
+                                  Replacement how) {
+  int index = 0;
+  const v1::StageAssignment* current = StageOf(*plan_, worker_id, &index);
+  if (current == nullptr) return false;
+  if (PipelinesOf(*plan_) > 1 && how != Replacement::kSwapWithStandby) {
+    // Only the worker's own pipeline stops: a standby takes its place, or
+    // the pipeline goes.
+    std::set<std::string> keep;
+    for (const WorkerRecord& w : membership_.LiveWorkers()) {
+      if (w.id != worker_id) keep.insert(w.id);
+    }
+    RepairPipelinesLocked(std::move(keep), why);
+    return true;
+  }
+  const int stage = current->stage();
+  v1::Plan next = *plan_;
+  v1::StageAssignment* s = next.mutable_stages(stage);
+  if (how == Replacement::kSwapWithStandby) {
+    std::optional<WorkerRecord> standby;
+    for (const WorkerRecord& w : StandbysLocked(*plan_)) {
+      if (demoted_.count(w.id) == 0) {
+        standby = w;
+        break;
+      }
+    }
+    if (!standby.has_value()) return false;
+    if (index == 0) {
+      s->set_worker_id(standby->id);
+      s->set_address(standby->address);
+    } else {
+      s->mutable_replicas(index - 1)->set_worker_id(standby->id);
+      s->mutable_replicas(index - 1)->set_address(standby->address);
+    }
+    PublishReplanLocked(std::move(next),
+                        absl::StrCat("stage ", stage, ": ", NameOf(worker_id), " -> ",
+                                     standby->name, " (standby), because ", why));
+    return true;
+  }
+  if (current->replicas_size() > 0) {
+    // The stage keeps running on its other workers.
+    std::vector<StageWorker> rest;
+    for (const StageWorker& w : WorkersOf(*current)) {
+      if (w.id != worker_id) rest.push_back(w);
+    }
+    s->set_worker_id(rest[0].id);
+    s->set_address(rest[0].address);
+    s->clear_replicas();
+    for (size_t i = 1; i < rest.size(); ++i) {
+      v1::Replica* replica = s->add_replicas();
+      replica->set_worker_id(rest[i].id);
+      replica->set_address(rest[i].address);
+    }
+    PublishReplanLocked(std::move(next),
+                        index == 0 ? absl::StrCat("stage ", stage, ": ", NameOf(worker_id), " -> ",
+                                                  NameOf(rest[0].id), " (its replica), because ",
+                                                  why)
+                                   : absl::StrCat("stage ", stage, ": replica ",
+                                                  NameOf(worker_id), " removed, because ", why));
+    return true;
+  }
+  const std::vector<WorkerRecord> standbys = StandbysLocked(*plan_);
+  if (standbys.empty() && ExcludedLocked(worker_id)) {
+    // It may not keep its stage: the layers go to the others.
+    std::vector<WorkerRecord> usable;
+    for (const WorkerRecord& w : membership_.LiveWorkers()) {
+      if (w.id != worker_id && (StageOf(*plan_, w.id) != nullptr || EligibleStandbyLocked(w))) {
+        usable.push_back(w);
+      }
+    }
+    std::string partition;
+    std::optional<v1::Plan> partitioned =
+        usable.empty() ? std::nullopt : PartitionLocked(usable, &partition);
+    if (partitioned.has_value()) {
+      PublishReplanLocked(*std::move(partitioned),
+                          absl::StrCat(NameOf(worker_id), " is excluded (", why,
+                                       "); re-partitioned over ", usable.size(),
+                                       " workers: ", partition));
+      return true;
+    }
+  }
+  if (standbys.empty()) {
+    PublishReplanLocked(std::move(next), absl::StrCat("no standby to replace ", NameOf(worker_id),
+                                                      " (", why, "); same stages, new links"));
+    return true;
+  }
+  s->set_worker_id(standbys[0].id);
+  s->set_address(standbys[0].address);
+  PublishReplanLocked(std::move(next),
+                      absl::StrCat("stage ", stage, ": ", NameOf(worker_id), " -> ",
+                                   standbys[0].name, " (standby), because ", why));
+  return true;
+}
+
+void PlanManager::CheckStragglersLocked() {
+  // Not while the job is ending (see MaybeReplanLocked).
+  if (!plan_.has_value() || done_ || plan_->job_done() || progress_.AnyDone()) return;
+  std::map<std::string, WorkerRecord> records;
+  for (const WorkerRecord& w : membership_.Snapshot()) records[w.id] = w;
+  std::vector<StageTimings> stages;
+  for (const v1::StageAssignment& s : plan_->stages()) {
+    StageTimings& timings = stages.emplace_back();
+    timings.layer_begin = s.layer_begin();
+    timings.layer_end = s.layer_end();
+    for (const StageWorker& worker : WorkersOf(s)) {
+      const WorkerRecord& w = records[worker.id];
+      const double measured = w.stats.compute_s_per_microbatch();
+      if (w.alive && measured > 0) timings.workers.emplace_back(worker.id, measured);
+    }
+  }
+  for (const StragglerVerdict& slow : stragglers_.Check(stages, options_.clock->NowMs())) {
+    AddEventLocked("straggler", NameOf(slow.worker_id), slow.reason);
+    // A replica slower than its siblings is demoted to standby and not made
+    // a replica again; a slow stage swaps its slowest worker for a standby.
+    if (slow.demote) demoted_.insert(slow.worker_id);
+    if (ReplaceLocked(slow.worker_id, absl::StrCat("it straggles (", slow.reason, ")"),
+                      slow.demote ? Replacement::kTakeOut : Replacement::kSwapWithStandby)) {
+      return;
+    }
+  }
+}
+
+void PlanManager::MaybeReplanLocked() {
+  if (!plan_.has_value() || done_ || plan_->job_done()) return;
+  const std::vector<WorkerRecord> live = membership_.LiveWorkers();
+  std::set<std::string> live_ids;
+  for (const WorkerRecord& w : live) live_ids.insert(w.id);
+  // A worker that reported DONE has finished its part and may exit: it is
+  // not lost. (With pipelines one finishes before another, and its
+  // workers' leases run out while the others' final rounds go on.)
+  for (const std::string& id : progress_.DoneWorkers()) live_ids.insert(id);
+  if (PipelinesOf(*plan_) > 1) {
+    if (!RepairPipelinesLocked(live_ids)) MaybeFormPipelineLocked();
+    return;
+  }
+  v1::Plan next = *plan_;
+  std::string summary;
+  bool changed = false;
+  std::vector<int> orphaned;
+  // Dead workers leave their stages; a stage keeps its live workers (the
+  // first becomes the primary) and is orphaned when none is left.
+  for (v1::StageAssignment& stage : *next.mutable_stages()) {
+    const std::vector<StageWorker> workers = WorkersOf(stage);
+    std::vector<StageWorker> alive;
+    for (const StageWorker& w : workers) {
+      if (live_ids.count(w.id) > 0) alive.push_back(w);
+    }
+    if (alive.size() == workers.size()) continue;
+    if (alive.empty()) {
+      orphaned.push_back(stage.stage());
+      stage.clear_replicas();
+      continue;
+    }
+    changed = true;
+    for (const StageWorker& w : workers) {
+      if (live_ids.count(w.id) == 0) {
+        absl::StrAppend(&summary, summary.empty() ? "" : ", ", "stage ", stage.stage(), ": ",
+                        NameOf(w.id), " lost, ", NameOf(alive[0].id), " carries on");
+      }
+    }
+    stage.set_worker_id(alive[0].id);
+    stage.set_address(alive[0].address);
+    stage.clear_replicas();
+    for (size_t i = 1; i < alive.size(); ++i) {
+      v1::Replica* replica = stage.add_replicas();
+      replica->set_worker_id(alive[i].id);
+      replica->set_address(alive[i].address);
+    }
+  }
+  if (!orphaned.empty()) {
+    // Standbys first; then replicas taken from stages that have some.
+    std::vector<std::pair<StageWorker, std::string>> spares;  // and where from
+    for (const WorkerRecord& w : StandbysLocked(next)) {
+      spares.push_back({{w.id, w.address}, "standby"});
+    }
+    for (v1::StageAssignment& stage : *next.mutable_stages()) {
+      for (const v1::Replica& r : stage.replicas()) {
+        spares.push_back({{r.worker_id(), r.address()},
+                          absl::StrCat("a replica of stage ", stage.stage())});
+      }
+    }
+    if (spares.size() < orphaned.size()) {
+      RepartitionLocked(live_ids, "no standby; ");
+      return;
+    }
+    for (size_t i = 0; i < orphaned.size(); ++i) {
+      const auto& [spare, origin] = spares[i];
+      // A spare taken from another stage's replicas leaves that stage.
+      for (v1::StageAssignment& stage : *next.mutable_stages()) {
+        auto* replicas = stage.mutable_replicas();
+        for (auto r = replicas->begin(); r != replicas->end(); ++r) {
+          if (r->worker_id() != spare.id) continue;
+          replicas->erase(r);
+          absl::StrAppend(&summary, summary.empty() ? "" : ", ", "replica ", NameOf(spare.id),
+                          " leaves stage ", stage.stage());
+          break;
+        }
+      }
+      v1::StageAssignment* stage = next.mutable_stages(orphaned[i]);
+      absl::StrAppend(&summary, summary.empty() ? "" : ", ", "stage ", stage->stage(), ": ",
+                      NameOf(stage->worker_id()), " -> ", NameOf(spare.id), " (", origin, ")");
+      stage->set_worker_id(spare.id);
+      stage->set_address(spare.address);
+      stage->clear_replicas();
+    }
+    changed = true;
+  }
+  // Once a worker has finished the job is ending: an extra replica is not
+  // worth a new epoch that aborts the stages still finishing (failures
+  // still are: the job cannot end without the stages they hold).
+  if (!progress_.AnyDone()) changed = FillReplicasLocked(&next, &summary) || changed;
+  if (!changed) {
+    MaybeFormPipelineLocked();
+    return;
+  }
+  waiting_for_workers_ = false;
+  PublishReplanLocked(std::move(next), summary);
+}
+
+std::optional<v1::Plan> PlanManager::PartitionLocked(const std::vector<WorkerRecord>& live,
+                                                       std::string* summary) {
+  PlannerInput input = PlannerInputFor(
+      options_.job, live,
+      options_.planner == "network" ? CodecChoice::kPerLink : CodecChoice::kJobWide);
+  input.links = network_.LinksFor(live);
+  network_.FillAccess(&input.workers);
+  MarkReplicaCandidatesLocked(&input);
+  absl::StatusOr<PipelinePlan> planned = planner_->Plan(input);
+  if (!planned.ok()) {
+    AddEventLocked("plan_failed", "", std::string(planned.status().message()));
+    return std::nullopt;
+  }
+  v1::Plan plan = PlanProtoFor(*planned, input, live);
+  absl::StrAppend(summary, SummaryOf(*planned, live));
+  prediction_ = PredictionOf(input, *planned);
+  FillReplicasLocked(&plan, summary);
+  return plan;
+}
+
+// How long the first plan waits for a worker's layer timings and probes
+// (network planner): its timing budget and a probe per heartbeat for each
+// of up to 8 peers, with room.
+constexpr int64_t kPreflightWaitMs = 10000;
+
+void PlanManager::MaybePlanLocked() {
+  if (plan_.has_value() || done_) return;
+  std::vector<WorkerRecord> live = membership_.LiveWorkers();
+  if (static_cast<int>(live.size()) < options_.job.min_workers()) return;
+  if (options_.planner == "network") {
+    // Pre-flight admission: the first plan waits (a few seconds at most)
+    // for every worker's layer timings and probes of its peers, the
+    // planner's compute and network figures.
+    const int64_t now = options_.clock->NowMs();
+    for (const WorkerRecord& w : live) {
+      if (now - w.joined_ms >= kPreflightWaitMs) continue;
+      if (w.layer_seconds_per_sample.empty() || !network_.SampleMeasured(w.id, live) ||
+          !network_.AccessSettled(w.id, live)) {
+        return;
+      }
+    }
+  }
+  std::string summary;
+  std::optional<v1::Plan> plan = PartitionLocked(live, &summary);
+  if (!plan.has_value()) return;
+  plan->set_epoch(1);
+  plan->set_start_step(0);
+  AddEventLocked("planned", "", absl::StrCat("epoch 1: ", summary));
+  replan_policy_.MarkChecked(options_.clock->NowMs());  // the first check a whole interval on
+  progress_.StartTraining();
+  PublishLocked(*std::move(plan));
+  Persist();
+}
+
+void PlanManager::AssignLinksLocked(v1::Plan* plan) {
+  std::map<std::string, WorkerRecord> records;
+  for (const WorkerRecord& w : membership_.Snapshot()) records[w.id] = w;
+  LinkAssignerInput input;
+  input.reachable = [&records](const std::string& id) {
+    auto it = records.find(id);
+    // Not probed (e.g. a record from before probes): as before, reachable.
+    return it == records.end() || !it->second.reachability.known() ||
+           it->second.reachability.reachable();
+  };
+  input.relays = reachability_.UsableRelays();
+  input.name_of = [this](const std::string& id) { return NameOf(id); };
+  AssignLinks(input, plan);
+  for (const v1::PlannedLink& link : plan->links()) {
+    if (link.dialer() == v1::LINK_DIALER_NONE) {
+      AddEventLocked("link_needs_relay", "", link.reason());
+    }
+  }
+}
+
+void PlanManager::RelinkLocked(const std::string& why) {
+  if (!plan_.has_value() || done_ || plan_->job_done()) return;
+  PublishReplanLocked(*plan_, why);
+}
+
+void PlanManager::PublishLocked(v1::Plan plan) {
+  if (!plan.job_done()) {
+    AssignLinksLocked(&plan);
+    if (options_.job.has_outer()) {
+      const std::set<int> continuing =
+          AssignPipelineInfo(plan_.has_value() ? &*plan_ : nullptr, DataInputLocked(), &plan);
+      if (!continuing.empty()) {
+        std::string which;
+        for (int r : continuing) absl::StrAppend(&which, which.empty() ? "" : ", ", r);
+        AddEventLocked("pipelines_continue", "",
+                       absl::StrCat("epoch ", plan.epoch(), ": pipeline",
+                                    continuing.size() == 1 ? " " : "s ", which,
+                                    " go on as they were"));
+      }
+    }
+    // After the pipelines' entries: a pipeline formed anew takes no holder.
+    AssignStateSources(plan_.has_value() ? &*plan_ : nullptr, &plan);
+  }
+  stragglers_.ResetPatience();  // figures of the old plan say nothing of the new
+  // The state naming the plan's members is submitted first; the publisher
+  // writes it, then the plan, and only then shows the workers the plan,
+  // all off this lock. From here on the controller acts on the plan (a
+  // report of the old epoch is refused) while the workers may still see
+  // the old one for as long as the write takes.
+  Persist();
+  publisher_->Submit(plan);
+  parts_.plan_view->Set(std::make_shared<const v1::Plan>(plan));
+  plan_ = std::move(plan);
+  progress_.StartEpoch(*plan_);
+}
+
+void PlanManager::AddEventLocked(const std::string& kind, const std::string& worker,
+                                   const std::string& detail) {
+  events_.Add(kind, worker, detail);
+}
+
+uint64_t PlanManager::LinkEpochOfLocked(const std::string& reporter,
+                                          const std::string& peer) const {
+  // A pipeline link's ends share their pipeline's epoch; an outer-sync
+  // link's is the later of its ends' (a relay is in no pipeline).
+  // A relay, or a worker the plan does not have (its accusation is
+  // refused as such): the reporter's.
+  const uint64_t mine = WorkerSessionEpoch(*plan_, reporter);
+  if (StageOf(*plan_, peer) == nullptr) return mine;
+  return std::max(mine, WorkerSessionEpoch(*plan_, peer));
+}
+
+PipelineDataInput PlanManager::DataInputLocked() const {
+  PipelineDataInput input;
+  input.microbatches = std::max(1, options_.job.microbatches());
+  const int window =
+      std::max({options_.job.in_flight(), plan_.has_value() ? plan_->in_flight() : 0,
+                kMaxPlannedWindow});
+  input.in_flight_steps = static_cast<int>((window + input.microbatches - 1) / input.microbatches);
+  input.first_stage_step = [this](int pipeline) { return progress_.FirstStageStep(pipeline); };
+  return input;
+}
+
+}  // namespace geotrain

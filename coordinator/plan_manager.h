@@ -1,0 +1,260 @@
+// The plan's lifecycle: the first plan once enough workers have joined,
+// re-plans around lost and revoked workers (a standby takes an orphaned
+// stage; without one the layers are re-partitioned over the survivors),
+// replicas filled, pipelines repaired and formed, voluntary moves to a
+// better plan, and the responses to faults: broken links (LinkFaultLedger),
+// stragglers (StragglerDetector) and a stalled job (the progress watchdog).
+//
+// It owns the decided plan and its lock. It does no I/O: each plan it
+// decides goes to the PlanView (readers) and the PlanPublisher (which
+// makes it durable, then visible, on its own thread), and state changes
+// are handed to `persist` (DurableStateWriter's queue). Heartbeats never
+// take its lock; only events that may change the plan do (a join, a loss,
+// a worker's report of a broken link, the periodic Tick). Thread-safe.
+#ifndef GEOTRAIN_COORDINATOR_PLAN_MANAGER_H_
+#define GEOTRAIN_COORDINATOR_PLAN_MANAGER_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "common/clock.h"
+#include "coordinator/checkpoint_store.h"
+#include "coordinator/event_log.h"
+#include "coordinator/link_fault_ledger.h"
+#include "coordinator/membership.h"
+#include "coordinator/network_matrix.h"
+#include "coordinator/network_planner.h"
+#include "coordinator/pipeline_continuity.h"
+#include "coordinator/plan_publisher.h"
+#include "coordinator/plan_view.h"
+#include "coordinator/progress_tracker.h"
+#include "coordinator/reachability_manager.h"
+#include "coordinator/replan_policy.h"
+#include "coordinator/status_assembler.h"
+#include "coordinator/straggler_detector.h"
+#include "geotrain/v1/coordinator.pb.h"
+#include "geotrain/v1/job.pb.h"
+
+namespace geotrain {
+
+struct PlanManagerOptions {
+  v1::JobSpec job;
+  const Clock* clock = nullptr;  // not owned
+  // "network" or "join-order" (the planner's name; JobControllerOptions).
+  std::string planner = "network";
+  // Certified callers: an accuser whose accusations are not confirmed can
+  // be excluded; insecure, nobody is excluded on what "they" said.
+  bool authenticated_callers = false;
+  StragglerOptions stragglers;
+  // A worker's events (RecordWorkerEvent): a bucket of `event_burst` that
+  // refills at `events_per_s`.
+  double events_per_s = 2;
+  double event_burst = 20;
+  // Dead members kept (status, state); older ones are forgotten.
+  size_t max_dead_members = 256;
+};
+
+// What the plan manager works with; none owned, all must outlive it.
+struct PlanManagerParts {
+  const Planner* planner = nullptr;
+  Membership* membership = nullptr;
+  NetworkMatrix* network = nullptr;
+  ProgressTracker* progress = nullptr;
+  ReachabilityManager* reachability = nullptr;
+  EventLog* events = nullptr;
+  const CheckpointStore* checkpoints = nullptr;
+  PlanView* plan_view = nullptr;
+  PlanPublisher* publisher = nullptr;
+  // Submits the state (members, progress, done) for writing; never blocks.
+  std::function<void()> persist;
+};
+
+class PlanManager {
+ public:
+  PlanManager(PlanManagerOptions options, PlanManagerParts parts);
+
+  // A recovered coordinator's plan and whether the job had ended.
+  void Restore(std::optional<v1::Plan> plan, bool done);
+
+  // Membership changes, after Membership has recorded them.
+  void OnJoined(const WorkerRecord& record, const std::string& detail);
+  void OnLeft(const std::string& worker_id);
+  // A revoked worker: `quarantined` checkpoint files it uploaded were set
+  // aside (or the error doing so).
+  void OnRevoked(const std::string& worker_id, const absl::StatusOr<int>& quarantined);
+  // Peer probes changed a member's verdict (ReachabilityManager).
+  void OnReachabilityChanged(const ReachabilityManager::Verdict& verdict);
+  // The member of a join whose caller gave up is forgotten, unless a plan
+  // names it already. True when it was forgotten.
+  bool ForgetAbandoned(const std::string& worker_id, const std::string& session);
+  // Every worker of the plan reported done: the final plan (job_done).
+  void FinishJob();
+
+  // A worker's report (restore, drain, dropped microbatches, dead link).
+  // A link_lost report counts only from a neighbour of the accused in the
+  // current plan (else PERMISSION_DENIED with an event), once per link and
+  // epoch; LinkFaultLedger decides which end leaves the pipeline, and
+  // which is excluded from plans for a while. RESOURCE_EXHAUSTED past the
+  // worker's event rate.
+  absl::Status RecordWorkerEvent(const v1::WorkerEvent& event);
+
+  // Re-plans around `expired` (leases Membership ended), plans when enough
+  // workers are live, and checks stragglers, voluntary moves and stalls.
+  void Tick(const std::vector<WorkerRecord>& expired);
+
+  // For the status: done, the prediction, the suspects among `ids`.
+  ControllerFacts Facts(const std::vector<std::string>& ids) const;
+  bool done() const;
+
+ private:
+  void MaybePlanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MaybeReplanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Several pipelines, the job's step stalled: true when another pipeline
+  // still moves (then only a pipeline that alone stood still past the
+  // start-up grace is taken out), false when none does.
+  bool CheckPipelinesProgressLocked(const ProgressTracker::Pace& pace, int64_t now,
+                                    int64_t limit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A plan of several pipelines where a worker outside `live` left: a
+  // standby takes its place or its pipeline is dissolved (pipeline_repair.h).
+  // False when nothing changed.
+  bool RepairPipelinesLocked(std::set<std::string> live, const std::string& why = "")
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // With the outer optimizer: enough standbys (one per stage) form another
+  // pipeline at the plan's cuts (up to outer.max_pipelines); the pipelines
+  // there are go on (pipeline_continuity.h). Under the network planner only
+  // where it would now choose more pipelines. False when none formed.
+  bool MaybeFormPipelineLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The network planner's input over `candidates` while a plan runs: the
+  // measured links and ports, replica eligibility, and the layer timings
+  // calibrated by the stages' measured compute.
+  PlannerInput LivePlannerInputLocked(const std::vector<WorkerRecord>& candidates) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The network planner's R over the plan's workers and `spares` exceeds
+  // the plan's (at most once per re-plan interval; an event says so).
+  bool NetworkWantsMorePipelinesLocked(const std::vector<WorkerRecord>& spares)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A new partition over the eligible workers of `live` (the event says
+  // `why` first), or waiting when there are none.
+  void RepartitionLocked(const std::set<std::string>& live, const std::string& why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // How ReplaceLocked treats the worker it replaces.
+  enum class Replacement {
+    // Out of the plan (a lost link, a demoted replica): a replica just
+    // leaves its stage; a primary with replicas hands the stage to the
+    // first of them; a stage's only worker goes to a standby, or with none
+    // the same stages get a new epoch (new links).
+    kTakeOut,
+    // A standby that was never demoted takes exactly this worker's place
+    // (a straggler); nothing happens without one.
+    kSwapWithStandby,
+  };
+  // True when a plan was published.
+  bool ReplaceLocked(const std::string& worker_id, const std::string& why, Replacement how)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Reports a stage far slower per microbatch than every other stage, whose
+  // worker has also slowed down well below its own best pace, and hands it
+  // to a standby when there is one; a replica far slower than its fastest
+  // sibling is reported and demoted to standby.
+  void CheckStragglersLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool EligibleStandbyLocked(const WorkerRecord& worker) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Live workers outside `plan` that may take a stage, fastest first.
+  std::vector<WorkerRecord> StandbysLocked(const v1::Plan& plan) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether a worker may become a replica: not a demoted straggler, and not
+  // one taken out for a lost link within the last kReplicaCooldownMs.
+  bool MayReplicateLocked(const std::string& worker_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sets PlannerWorkerInfo::may_replicate from MayReplicateLocked.
+  void MarkReplicaCandidatesLocked(PlannerInput* input) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Gives the stages of `plan` but the last standbys as replicas (middle
+  // stages first, then stage 0) until each has job.replicas workers (never
+  // a worker demoted as a straggler). True when it added one. Join order
+  // only: the network planner chooses replicas.
+  bool FillReplicasLocked(v1::Plan* plan, std::string* summary) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Publishes `next` as the following epoch, resuming after the last step.
+  void PublishReplanLocked(v1::Plan next, const std::string& summary)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Stages over `live` as the planner partitions them; nullopt (and an
+  // event) when it cannot.
+  std::optional<v1::Plan> PartitionLocked(const std::vector<WorkerRecord>& live,
+                                          std::string* summary) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void PublishLocked(v1::Plan plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Fills plan->links (AssignLinks over the members' reachability and the
+  // usable relays); a link no one can dial is an event.
+  void AssignLinksLocked(v1::Plan* plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The same stages with links assigned anew (a relay came or went).
+  void RelinkLocked(const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Under mu_ so that events keep the order of the changes they describe.
+  void AddEventLocked(const std::string& kind, const std::string& worker,
+                      const std::string& detail) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::string NameOf(const std::string& worker_id) const;
+  void Persist() { parts_.persist(); }
+  // The epoch of the current plan's link between `reporter` and `peer`.
+  uint64_t LinkEpochOfLocked(const std::string& reporter, const std::string& peer) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What the current plan's pipelines have drawn of the data.
+  PipelineDataInput DataInputLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The progress watchdog: when no step is committed for long (see the
+  // .cc), it follows whom the workers wait on to the stalled one (or takes
+  // stage 0, when nobody is owed anything) and re-plans around it.
+  void CheckProgressLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A broken (or stalled) link between `reporter` and `accused`: the
+  // LinkFaultLedger's verdict takes one of them out. `how`: "was lost".
+  void TakeOutForBrokenLinkLocked(const std::string& reporter, const std::string& accused,
+                                  const char* how) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A worker the link faults exclude: no stage, no standby place.
+  bool ExcludedLocked(const std::string& worker_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MaybeVoluntaryReplanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const PlanManagerOptions options_;
+  const PlanManagerParts parts_;
+  // The parts, by the names the plan code has always used.
+  const Planner* const planner_;
+  Membership& membership_;
+  NetworkMatrix& network_;
+  ProgressTracker& progress_;
+  ReachabilityManager& reachability_;
+  EventLog& events_;
+  const CheckpointStore* const checkpoints_;
+  PlanPublisher* const publisher_;
+
+  mutable absl::Mutex mu_;
+  std::optional<v1::Plan> plan_ ABSL_GUARDED_BY(mu_);
+  // What the planner predicted when it last partitioned the layers.
+  v1::PlanPrediction prediction_ ABSL_GUARDED_BY(mu_);
+  // Written under mu_; read without it (done(), persistence).
+  std::atomic<bool> done_{false};
+  bool waiting_for_workers_ ABSL_GUARDED_BY(mu_) = false;
+  // Workers taken out of a plan for a lost link, and when.
+  std::map<std::string, int64_t> suspended_at_ms_ ABSL_GUARDED_BY(mu_);
+  // Workers handing their stage over (their links close on purpose).
+  std::set<std::string> draining_ ABSL_GUARDED_BY(mu_);
+  StragglerDetector stragglers_ ABSL_GUARDED_BY(mu_);
+  // Each worker's event rate (RecordWorkerEvent).
+  struct EventBucket {
+    double tokens = 0;
+    int64_t at_ms = 0;
+  };
+  std::map<std::string, EventBucket> event_buckets_ ABSL_GUARDED_BY(mu_);
+  // Workers demoted as stragglers: standbys, but never made replicas again.
+  std::set<std::string> demoted_ ABSL_GUARDED_BY(mu_);
+  // Broken links and whom they take out (coordinator/link_fault_ledger.h).
+  LinkFaultLedger link_faults_ ABSL_GUARDED_BY(mu_);
+  // Network planner: re-run on fresh figures every 30 s; a better plan is
+  // taken when it is worth the move (coordinator/replan_policy.h).
+  ReplanPolicy replan_policy_ ABSL_GUARDED_BY(mu_);
+  int last_replan_verdict_ ABSL_GUARDED_BY(mu_) = -1;
+  int64_t last_replan_event_ms_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace geotrain
+
+#endif  // GEOTRAIN_COORDINATOR_PLAN_MANAGER_H_
