@@ -149,16 +149,27 @@ JobController::JobController(JobControllerOptions options, std::unique_ptr<Plann
         gate.lead_steps = kProgressLeadSteps;
         return gate;
       }()),
+      faults_([&] {
+        FaultResponderOptions faults;
+        faults.clock = options_.clock;
+        faults.membership = &membership_;
+        faults.progress = &progress_;
+        faults.reachability = &reachability_;
+        faults.events = &events_;
+        faults.total_steps = options_.job.steps();
+        faults.authenticated_callers = options_.authenticated_callers;
+        faults.stragglers = options_.stragglers;
+        faults.events_per_s = options_.events_per_s;
+        faults.event_burst = options_.event_burst;
+        faults.max_buckets = 4 * kMaxDeadMembers;
+        return faults;
+      }()),
       plans_(
           [&] {
             PlanManagerOptions plans;
             plans.job = options_.job;
             plans.clock = options_.clock;
             plans.planner = options_.planner;
-            plans.authenticated_callers = options_.authenticated_callers;
-            plans.stragglers = options_.stragglers;
-            plans.events_per_s = options_.events_per_s;
-            plans.event_burst = options_.event_burst;
             plans.max_dead_members = kMaxDeadMembers;
             return plans;
           }(),
@@ -173,6 +184,7 @@ JobController::JobController(JobControllerOptions options, std::unique_ptr<Plann
             parts.checkpoints = checkpoints_.get();
             parts.plan_view = &plan_view_;
             parts.publisher = publisher_.get();
+            parts.faults = &faults_;
             parts.persist = [this] { Persist(); };
             return parts;
           }()),
@@ -408,7 +420,10 @@ absl::Status JobController::ReportDone(const v1::DoneReport& report) {
 }
 
 absl::Status JobController::RecordWorkerEvent(const v1::WorkerEvent& event) {
-  return plans_.RecordWorkerEvent(event);
+  // The rate and the log first, off the plan's lock: a flood of events
+  // never reaches it.
+  if (absl::Status admitted = faults_.Admit(event); !admitted.ok()) return admitted;
+  return plans_.OnWorkerEvent(event);
 }
 
 void JobController::Tick() {

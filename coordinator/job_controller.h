@@ -2,7 +2,9 @@
 // and routes each call to the part that owns it.
 //   - Membership: who has joined, and their leases.
 //   - ReachabilityManager: peer probes and relays.
-//   - PlanManager: the plan's lifecycle and the responses to faults.
+//   - FaultResponder: who leaves the plan for a broken link, a straggler
+//     or a stall, and who may stand by or replicate.
+//   - PlanManager: the plan's lifecycle; it carries out those decisions.
 //   - PlanPublisher: plans durable (CoordinatorStore), then visible.
 //   - ProgressTracker: step, evaluation and done reports; the metrics log.
 //   - CheckpointGate: who may save and load which checkpoints.
@@ -34,6 +36,7 @@
 #include "coordinator/coordinator_store.h"
 #include "coordinator/durable_state_writer.h"
 #include "coordinator/event_log.h"
+#include "coordinator/fault_responder.h"
 #include "coordinator/membership.h"
 #include "coordinator/metrics_sink.h"
 #include "coordinator/network_matrix.h"
@@ -200,6 +203,7 @@ class JobController {
   PlanView plan_view_;  // the plan decided, for readers
   ProgressTracker progress_;
   CheckpointGate checkpoint_gate_;
+  FaultResponder faults_;
   PlanManager plans_;
   StatusAssembler status_;
   std::atomic<bool> shutdown_{false};

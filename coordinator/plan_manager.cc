@@ -16,22 +16,6 @@
 #include "coordinator/state_sources.h"
 
 namespace geotrain {
-namespace {
-
-// A worker taken out of the plan for a lost link waits this long before it
-// is made a replica again (it may still replace a lost worker before that):
-// a link that keeps failing would otherwise cycle it in and out.
-constexpr int64_t kReplicaCooldownMs = 30000;
-// A worker's event kind and own detail, before the peer's name is added
-// (the event log cuts the whole at its own bound).
-constexpr size_t kMaxEventKindBytes = 64;
-constexpr size_t kMaxEventDetailBytes = 512;
-// A new plan's first step may take this long at least (state restored,
-// links opened) before the progress watchdog looks for a stall.
-constexpr int64_t kStartupGraceMs = 60000;
-
-}  // namespace
-
 PlanManager::PlanManager(PlanManagerOptions options, PlanManagerParts parts)
     : options_(std::move(options)),
       parts_(std::move(parts)),
@@ -43,8 +27,7 @@ PlanManager::PlanManager(PlanManagerOptions options, PlanManagerParts parts)
       events_(*parts_.events),
       checkpoints_(parts_.checkpoints),
       publisher_(parts_.publisher),
-      stragglers_(options_.stragglers),
-      link_faults_(membership_.lease_ms()) {}
+      faults_(*parts_.faults) {}
 
 void PlanManager::Restore(std::optional<v1::Plan> plan, bool done) {
   absl::MutexLock lock(&mu_);
@@ -156,23 +139,27 @@ void PlanManager::Tick(const std::vector<WorkerRecord>& expired) {
   }
   MaybeReplanLocked();
   MaybePlanLocked();
-  CheckStragglersLocked();
-  MaybeVoluntaryReplanLocked();
-  CheckProgressLocked();
+  if (plan_.has_value() && !done_ && !plan_->job_done()) {
+    // Stragglers: not while the job is ending (see MaybeReplanLocked).
+    if (!progress_.AnyDone()) {
+      for (const FaultResponder::Action& action : faults_.Stragglers(*plan_)) {
+        if (ApplyLocked(action)) break;
+      }
+    }
+    MaybeVoluntaryReplanLocked();
+    if (std::optional<FaultResponder::Action> stall = faults_.CheckProgress(*plan_)) {
+      ApplyLocked(*stall);
+    }
+  }
 }
 
 ControllerFacts PlanManager::Facts(const std::vector<std::string>& ids) const {
   ControllerFacts facts;
-  const int64_t now_ms = options_.clock->NowMs();
   absl::MutexLock lock(&mu_);
   facts.done = done_;
   facts.prediction = prediction_;
-  if (options_.authenticated_callers) {
-    for (const std::string& id : ids) {
-      if (std::optional<std::string> why = link_faults_.ExclusionOf(id, now_ms)) {
-        facts.suspected[id] = *why;
-      }
-    }
+  for (const std::string& id : ids) {
+    if (std::optional<std::string> why = faults_.ExclusionOf(id)) facts.suspected[id] = *why;
   }
   return facts;
 }
@@ -183,202 +170,38 @@ std::string PlanManager::NameOf(const std::string& worker_id) const {
   return membership_.NameOf(worker_id);
 }
 
-absl::Status PlanManager::RecordWorkerEvent(const v1::WorkerEvent& event) {
-  if (event.kind().size() > kMaxEventKindBytes) {
-    return absl::InvalidArgumentError("event kind longer than 64 bytes");
-  }
+absl::Status PlanManager::OnWorkerEvent(const v1::WorkerEvent& event) {
   absl::MutexLock lock(&mu_);
-  const std::string& accuser = event.worker_id();
-  if (!membership_.Knows(accuser)) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("event from unknown worker '", accuser.substr(0, 128), "'"));
-  }
-  // Each worker's events come out of a bucket of its own (issue 32: one
-  // wrote 3,000 in 1.3 s): a flood is refused, not logged.
-  {
-    const int64_t now = options_.clock->NowMs();
-    if (event_buckets_.size() > 4 * options_.max_dead_members && event_buckets_.count(accuser) == 0) {
-      event_buckets_.clear();  // ids come and go; a fresh start costs nothing
-    }
-    auto [bucket, fresh] = event_buckets_.try_emplace(accuser, EventBucket{options_.event_burst, now});
-    EventBucket& b = bucket->second;
-    b.tokens = std::min(options_.event_burst,
-                        b.tokens + (now - b.at_ms) / 1000.0 * options_.events_per_s);
-    b.at_ms = now;
-    if (b.tokens < 1) {
-      return absl::ResourceExhaustedError(absl::StrFormat(
-          "more than %g events a second from %s: refused", options_.events_per_s,
-          accuser.substr(0, 128)));
-    }
-    b.tokens -= 1;
-  }
-  AddEventLocked(event.kind(), NameOf(accuser),
-                 event.peer().empty()
-                     ? event.detail()
-                     : absl::StrCat(event.detail().substr(0, kMaxEventDetailBytes), " (peer ",
-                                    NameOf(event.peer()).substr(0, 128), ")"));
-  if (event.kind() == "draining") draining_.insert(accuser);
-  // A lost link on the current plan: the neighbour accused is taken out of
-  // the pipeline (it stays a standby if it is alive). Only the first report
-  // of an epoch counts: the other end of the same link accuses this one.
-  // A draining worker closes its links on purpose: not a failure. The
-  // report carries the link's epoch (a pipeline that continues through
-  // re-plans keeps the one it was formed in): one of a link the current
-  // plan no longer has is old news.
-  if (event.kind() != "link_lost" || !plan_.has_value() || done_ ||
-      event.epoch() != LinkEpochOfLocked(accuser, event.peer()) ||
-      draining_.count(event.peer()) > 0) {
-    return absl::OkStatus();
-  }
-  const std::string& accused = event.peer();
-  for (const v1::PlannedLink& link : plan_->links()) {
-    if (link.dialer() != v1::LINK_DIALER_RELAY || link.relay_worker() != accused ||
-        (link.upstream_worker() != accuser && link.downstream_worker() != accuser)) {
-      continue;
-    }
-    // A link through a relay broke: its ends are re-linked through another
-    // relay (or the same one once it heartbeats again).
-    if (!reachability_.SuspendRelay(accused, options_.clock->NowMs())) {
-      return absl::OkStatus();  // the other end of the same link, or another link
-    }
-    RelinkLocked(absl::StrCat("the link of ", NameOf(accuser), " through relay ",
-                              NameOf(accused), " was lost"));
-    return absl::OkStatus();
-  }
-  const v1::StageAssignment* accuser_stage = StageOf(*plan_, accuser);
-  const v1::StageAssignment* accused_stage = StageOf(*plan_, accused);
-  if (accuser_stage == nullptr || accused_stage == nullptr ||
-      std::abs(accuser_stage->stage() - accused_stage->stage()) != 1) {
-    const std::string why = absl::StrCat(
-        "accusation of ", accused.substr(0, 128), " by ", accuser,
-        " refused: they are not neighbours in the plan of epoch ", plan_->epoch());
-    AddEventLocked("accusation_refused", NameOf(accuser), why);
-    return absl::PermissionDeniedError(why);
-  }
-  TakeOutForBrokenLinkLocked(accuser, accused, "was lost");
+  if (!plan_.has_value() || done_) return absl::OkStatus();
+  absl::StatusOr<std::optional<FaultResponder::Action>> action = faults_.OnWorkerEvent(
+      event, *plan_, LinkEpochOfLocked(event.worker_id(), event.peer()));
+  if (!action.ok()) return action.status();
+  if (action->has_value()) ApplyLocked(**action);
   return absl::OkStatus();
 }
 
-void PlanManager::TakeOutForBrokenLinkLocked(const std::string& reporter,
-                                               const std::string& accused, const char* how) {
-  const int64_t now = options_.clock->NowMs();
-  std::optional<LinkFaultLedger::Verdict> verdict =
-      link_faults_.Report(reporter, accused, plan_->epoch(), now);
-  if (!verdict.has_value()) return;  // this break is counted already
-  // Insecure, anyone may speak for anyone: nobody is excluded on what
-  // "they" said.
-  const bool exclude = verdict->exclude && options_.authenticated_callers;
-  const std::string& out = verdict->take_out;
-  if (exclude) {
-    AddEventLocked("excluded", NameOf(out),
-                   absl::StrCat(out, ": ", verdict->why, "; no stage until its record clears"));
+bool PlanManager::ApplyLocked(const FaultResponder::Action& action) {
+  bool published = true;
+  switch (action.kind) {
+    case FaultResponder::Action::Kind::kRelink:
+      RelinkLocked(action.why);
+      break;
+    case FaultResponder::Action::Kind::kTakeOut:
+      published = ReplaceLocked(action.worker_id, action.why, Replacement::kTakeOut);
+      break;
+    case FaultResponder::Action::Kind::kSwapWithStandby:
+      published = ReplaceLocked(action.worker_id, action.why, Replacement::kSwapWithStandby);
+      break;
   }
-  ReplaceLocked(out,
-                out == accused
-                    ? absl::StrCat("its link from ", NameOf(reporter), " ", how)
-                    : absl::StrCat("its link to ", NameOf(accused), " ", how,
-                                   ", and it was in more broken links"),
-                Replacement::kTakeOut);
-  suspended_at_ms_[out] = now;
+  if (action.broken_link) faults_.MarkTakenOut(action.worker_id);
+  return published;
 }
 
-void PlanManager::CheckProgressLocked() {
-  // Once the last step is committed the job is finishing (final stats,
-  // checkpoints, DONE), not stalled: no step is owed.
-  if (!plan_.has_value() || done_ || plan_->job_done() || plan_->stages_size() == 0) return;
-  const ProgressTracker::Pace pace = progress_.pace();
-  if (pace.any_done || pace.step >= options_.job.steps()) return;
-  const int64_t now = options_.clock->NowMs();
-  const int64_t lease = membership_.lease_ms();
-  // Once the epoch has made a step: two leases, or ten steps at the pace so
-  // far (a slow model is not a stalled one). Before: the time a new plan
-  // may take to restore state and open its links.
-  const int64_t limit =
-      pace.progress_in_epoch ? std::max<int64_t>(2 * lease, 10 * pace.step_interval_ms)
-                             : std::max<int64_t>(10 * lease, kStartupGraceMs);
-  const int64_t since = std::max(pace.last_progress_ms, pace.epoch_started_ms);
-  if (now - since <= limit) return;
-  if (PipelinesOf(*plan_) > 1 && CheckPipelinesProgressLocked(pace, now, limit)) return;
-  // Follow whom the plan's workers wait on (their heartbeats) to one that
-  // is owed an answer and waits on nobody: the stall is there.
-  std::map<std::string, WorkerRecord> records;
-  for (const WorkerRecord& w : membership_.Snapshot()) records[w.id] = w;
-  std::map<std::string, std::string> waits_on;
-  for (const v1::StageAssignment& stage : plan_->stages()) {
-    for (const StageWorker& w : WorkersOf(stage)) {
-      auto it = records.find(w.id);
-      if (it == records.end() || !it->second.alive) continue;
-      const v1::StageStats& stats = it->second.stats;
-      if (!stats.waiting_on().empty() && stats.waiting_s() * 1000 >= lease &&
-          StageOf(*plan_, stats.waiting_on()) != nullptr) {
-        waits_on[w.id] = stats.waiting_on();
-      }
-    }
-  }
-  const std::string stalled_for = absl::StrFormat("%.1f s", (now - since) / 1000.0);
-  progress_.MarkStallHandled(now);  // one action per stall period
-  for (const auto& [waiter, on] : waits_on) {
-    if (waits_on.count(on) > 0) continue;
-    AddEventLocked("stalled", NameOf(on),
-                   absl::StrCat("no step for ", stalled_for, "; ", NameOf(waiter),
-                                " has waited on ", NameOf(on), ", which waits on nobody"));
-    TakeOutForBrokenLinkLocked(waiter, on, "stalled");
-    return;
-  }
-  // Nobody is owed anything, and nothing moves: stage 0 issues nothing.
-  const std::string first = plan_->stages(0).worker_id();
-  AddEventLocked("stalled", NameOf(first),
-                 absl::StrCat("no step for ", stalled_for,
-                              " and no stage is owed an answer: stage 0 issues nothing"));
-  if (plan_->stages_size() > 1) {
-    TakeOutForBrokenLinkLocked(plan_->stages(1).worker_id(), first, "stalled");
-  } else {
-    ReplaceLocked(first, "it made no step", Replacement::kTakeOut);
-  }
-}
-
-bool PlanManager::CheckPipelinesProgressLocked(const ProgressTracker::Pace& pace, int64_t now,
-                                                 int64_t limit) {
-  int64_t latest = 0;
-  for (const auto& [r, ms] : pace.pipeline_moved_ms) latest = std::max(latest, ms);
-  if (now - latest > limit) return false;  // none moves: the job is stalled
-  // The job's step waits for the slowest pipeline, but the others move: a
-  // pipeline that alone stands still for as long as a new plan may take to
-  // start (a newcomer restoring its state over a thin link) is taken out
-  // of the plan, and only it.
-  const int64_t grace = std::max<int64_t>(10 * membership_.lease_ms(), kStartupGraceMs);
-  for (const auto& [r, ms] : pace.pipeline_moved_ms) {
-    if (now - ms <= std::max(limit, grace)) continue;
-    const std::vector<StageWorker> first = WorkersOf(plan_->stages(0), r);
-    if (first.empty()) continue;
-    AddEventLocked("stalled", NameOf(first[0].id),
-                   absl::StrFormat("pipeline %d made no step for %.1f s while the others "
-                                   "did: its stage 0 is taken out",
-                                   r, (now - ms) / 1000.0));
-    progress_.MarkStallHandled(now);  // one action per stall period
-    ReplaceLocked(first[0].id, absl::StrCat("pipeline ", r, " stalled"), Replacement::kTakeOut);
-    return true;
-  }
-  return true;
-}
-
-bool PlanManager::ExcludedLocked(const std::string& worker_id) const {
-  return options_.authenticated_callers &&
-         link_faults_.ExclusionOf(worker_id, options_.clock->NowMs()).has_value();
-}
-
-bool PlanManager::EligibleStandbyLocked(const WorkerRecord& worker) const {
-  if (ExcludedLocked(worker.id)) return false;
-  auto suspended = suspended_at_ms_.find(worker.id);
-  // A worker taken out for a lost link may simply be dead (its lease has
-  // not run out yet): it is a standby again once it has sent a heartbeat.
-  return suspended == suspended_at_ms_.end() || worker.last_heartbeat_ms > suspended->second;
-}
 
 std::vector<WorkerRecord> PlanManager::StandbysLocked(const v1::Plan& plan) const {
   std::vector<WorkerRecord> standbys;
   for (const WorkerRecord& w : membership_.LiveWorkers()) {
-    if (StageOf(plan, w.id) == nullptr && EligibleStandbyLocked(w)) standbys.push_back(w);
+    if (StageOf(plan, w.id) == nullptr && faults_.EligibleStandby(w)) standbys.push_back(w);
   }
   std::sort(standbys.begin(), standbys.end(), [](const WorkerRecord& a, const WorkerRecord& b) {
     return a.device.matmul_gflops() > b.device.matmul_gflops();
@@ -386,15 +209,8 @@ std::vector<WorkerRecord> PlanManager::StandbysLocked(const v1::Plan& plan) cons
   return standbys;
 }
 
-bool PlanManager::MayReplicateLocked(const std::string& worker_id) const {
-  if (demoted_.count(worker_id) > 0) return false;
-  auto suspended = suspended_at_ms_.find(worker_id);
-  return suspended == suspended_at_ms_.end() ||
-         options_.clock->NowMs() - suspended->second >= kReplicaCooldownMs;
-}
-
 void PlanManager::MarkReplicaCandidatesLocked(PlannerInput* input) const {
-  for (PlannerWorkerInfo& w : input->workers) w.may_replicate = MayReplicateLocked(w.id);
+  for (PlannerWorkerInfo& w : input->workers) w.may_replicate = faults_.MayReplicate(w.id);
 }
 
 bool PlanManager::FillReplicasLocked(v1::Plan* plan, std::string* summary) const {
@@ -404,7 +220,7 @@ bool PlanManager::FillReplicasLocked(v1::Plan* plan, std::string* summary) const
   if (wanted <= 1 || options_.planner == "network") return false;
   std::vector<WorkerRecord> candidates;
   for (const WorkerRecord& w : StandbysLocked(*plan)) {
-    if (MayReplicateLocked(w.id)) candidates.push_back(w);
+    if (faults_.MayReplicate(w.id)) candidates.push_back(w);
   }
   bool added = false;
   size_t next = 0;
@@ -450,8 +266,8 @@ void PlanManager::MaybeVoluntaryReplanLocked() {
   // the demoted stragglers: a median calibration would bring them back).
   std::vector<WorkerRecord> candidates;
   for (const WorkerRecord& w : membership_.LiveWorkers()) {
-    if (demoted_.count(w.id) > 0 && StageOf(*plan_, w.id) == nullptr) continue;
-    if (StageOf(*plan_, w.id) != nullptr || EligibleStandbyLocked(w)) candidates.push_back(w);
+    if (faults_.Demoted(w.id) && StageOf(*plan_, w.id) == nullptr) continue;
+    if (StageOf(*plan_, w.id) != nullptr || faults_.EligibleStandby(w)) candidates.push_back(w);
   }
   PlannerInput input = LivePlannerInputLocked(candidates);
   absl::StatusOr<PipelinePlan> best = planner_->Plan(input);
@@ -509,7 +325,7 @@ void PlanManager::PublishReplanLocked(v1::Plan next, const std::string& summary)
 bool PlanManager::RepairPipelinesLocked(std::set<std::string> live, const std::string& why) {
   std::vector<StageWorker> standbys;
   for (const WorkerRecord& w : StandbysLocked(*plan_)) {
-    if (demoted_.count(w.id) == 0) standbys.push_back({w.id, w.address});
+    if (!faults_.Demoted(w.id)) standbys.push_back({w.id, w.address});
   }
   PipelineRepair repair = RepairPipelines(*plan_, live, standbys,
                                           [this](const std::string& id) { return NameOf(id); });
@@ -534,7 +350,7 @@ bool PlanManager::MaybeFormPipelineLocked() {
   if (most > 0 && pipelines >= most) return false;
   std::vector<WorkerRecord> spares;
   for (const WorkerRecord& w : StandbysLocked(*plan_)) {
-    if (demoted_.count(w.id) == 0 && MayReplicateLocked(w.id)) spares.push_back(w);
+    if (!faults_.Demoted(w.id) && faults_.MayReplicate(w.id)) spares.push_back(w);
   }
   const int stages = plan_->stages_size();
   if (static_cast<int>(spares.size()) < stages) return false;
@@ -584,7 +400,7 @@ void PlanManager::RepartitionLocked(const std::set<std::string>& live,
                                       const std::string& why) {
   std::vector<WorkerRecord> usable;
   for (const WorkerRecord& w : membership_.LiveWorkers()) {
-    if (live.count(w.id) > 0 && EligibleStandbyLocked(w)) usable.push_back(w);
+    if (live.count(w.id) > 0 && faults_.EligibleStandby(w)) usable.push_back(w);
   }
   if (usable.empty()) {
     if (!waiting_for_workers_) {
@@ -623,7 +439,7 @@ bool PlanManager::ReplaceLocked(const std::string& worker_id, const std::string&
   if (how == Replacement::kSwapWithStandby) {
     std::optional<WorkerRecord> standby;
     for (const WorkerRecord& w : StandbysLocked(*plan_)) {
-      if (demoted_.count(w.id) == 0) {
+      if (!faults_.Demoted(w.id)) {
         standby = w;
         break;
       }
@@ -664,11 +480,11 @@ bool PlanManager::ReplaceLocked(const std::string& worker_id, const std::string&
     return true;
   }
   const std::vector<WorkerRecord> standbys = StandbysLocked(*plan_);
-  if (standbys.empty() && ExcludedLocked(worker_id)) {
+  if (standbys.empty() && faults_.ExclusionOf(worker_id).has_value()) {
     // It may not keep its stage: the layers go to the others.
     std::vector<WorkerRecord> usable;
     for (const WorkerRecord& w : membership_.LiveWorkers()) {
-      if (w.id != worker_id && (StageOf(*plan_, w.id) != nullptr || EligibleStandbyLocked(w))) {
+      if (w.id != worker_id && (StageOf(*plan_, w.id) != nullptr || faults_.EligibleStandby(w))) {
         usable.push_back(w);
       }
     }
@@ -694,34 +510,6 @@ bool PlanManager::ReplaceLocked(const std::string& worker_id, const std::string&
                       absl::StrCat("stage ", stage, ": ", NameOf(worker_id), " -> ",
                                    standbys[0].name, " (standby), because ", why));
   return true;
-}
-
-void PlanManager::CheckStragglersLocked() {
-  // Not while the job is ending (see MaybeReplanLocked).
-  if (!plan_.has_value() || done_ || plan_->job_done() || progress_.AnyDone()) return;
-  std::map<std::string, WorkerRecord> records;
-  for (const WorkerRecord& w : membership_.Snapshot()) records[w.id] = w;
-  std::vector<StageTimings> stages;
-  for (const v1::StageAssignment& s : plan_->stages()) {
-    StageTimings& timings = stages.emplace_back();
-    timings.layer_begin = s.layer_begin();
-    timings.layer_end = s.layer_end();
-    for (const StageWorker& worker : WorkersOf(s)) {
-      const WorkerRecord& w = records[worker.id];
-      const double measured = w.stats.compute_s_per_microbatch();
-      if (w.alive && measured > 0) timings.workers.emplace_back(worker.id, measured);
-    }
-  }
-  for (const StragglerVerdict& slow : stragglers_.Check(stages, options_.clock->NowMs())) {
-    AddEventLocked("straggler", NameOf(slow.worker_id), slow.reason);
-    // A replica slower than its siblings is demoted to standby and not made
-    // a replica again; a slow stage swaps its slowest worker for a standby.
-    if (slow.demote) demoted_.insert(slow.worker_id);
-    if (ReplaceLocked(slow.worker_id, absl::StrCat("it straggles (", slow.reason, ")"),
-                      slow.demote ? Replacement::kTakeOut : Replacement::kSwapWithStandby)) {
-      return;
-    }
-  }
 }
 
 void PlanManager::MaybeReplanLocked() {
@@ -918,7 +706,7 @@ void PlanManager::PublishLocked(v1::Plan plan) {
     // After the pipelines' entries: a pipeline formed anew takes no holder.
     AssignStateSources(plan_.has_value() ? &*plan_ : nullptr, &plan);
   }
-  stragglers_.ResetPatience();  // figures of the old plan say nothing of the new
+  faults_.PlanChanged();
   // The state naming the plan's members is submitted first; the publisher
   // writes it, then the plan, and only then shows the workers the plan,
   // all off this lock. From here on the controller acts on the plan (a

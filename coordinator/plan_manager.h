@@ -2,8 +2,8 @@
 // re-plans around lost and revoked workers (a standby takes an orphaned
 // stage; without one the layers are re-partitioned over the survivors),
 // replicas filled, pipelines repaired and formed, voluntary moves to a
-// better plan, and the responses to faults: broken links (LinkFaultLedger),
-// stragglers (StragglerDetector) and a stalled job (the progress watchdog).
+// better plan, and carrying out what the FaultResponder decides about
+// broken links, stragglers and stalls.
 //
 // It owns the decided plan and its lock. It does no I/O: each plan it
 // decides goes to the PlanView (readers) and the PlanPublisher (which
@@ -28,7 +28,7 @@
 #include "common/clock.h"
 #include "coordinator/checkpoint_store.h"
 #include "coordinator/event_log.h"
-#include "coordinator/link_fault_ledger.h"
+#include "coordinator/fault_responder.h"
 #include "coordinator/membership.h"
 #include "coordinator/network_matrix.h"
 #include "coordinator/network_planner.h"
@@ -39,7 +39,6 @@
 #include "coordinator/reachability_manager.h"
 #include "coordinator/replan_policy.h"
 #include "coordinator/status_assembler.h"
-#include "coordinator/straggler_detector.h"
 #include "geotrain/v1/coordinator.pb.h"
 #include "geotrain/v1/job.pb.h"
 
@@ -50,14 +49,6 @@ struct PlanManagerOptions {
   const Clock* clock = nullptr;  // not owned
   // "network" or "join-order" (the planner's name; JobControllerOptions).
   std::string planner = "network";
-  // Certified callers: an accuser whose accusations are not confirmed can
-  // be excluded; insecure, nobody is excluded on what "they" said.
-  bool authenticated_callers = false;
-  StragglerOptions stragglers;
-  // A worker's events (RecordWorkerEvent): a bucket of `event_burst` that
-  // refills at `events_per_s`.
-  double events_per_s = 2;
-  double event_burst = 20;
   // Dead members kept (status, state); older ones are forgotten.
   size_t max_dead_members = 256;
 };
@@ -73,6 +64,7 @@ struct PlanManagerParts {
   const CheckpointStore* checkpoints = nullptr;
   PlanView* plan_view = nullptr;
   PlanPublisher* publisher = nullptr;
+  FaultResponder* faults = nullptr;
   // Submits the state (members, progress, done) for writing; never blocks.
   std::function<void()> persist;
 };
@@ -98,13 +90,10 @@ class PlanManager {
   // Every worker of the plan reported done: the final plan (job_done).
   void FinishJob();
 
-  // A worker's report (restore, drain, dropped microbatches, dead link).
-  // A link_lost report counts only from a neighbour of the accused in the
-  // current plan (else PERMISSION_DENIED with an event), once per link and
-  // epoch; LinkFaultLedger decides which end leaves the pipeline, and
-  // which is excluded from plans for a while. RESOURCE_EXHAUSTED past the
-  // worker's event rate.
-  absl::Status RecordWorkerEvent(const v1::WorkerEvent& event);
+  // A worker's event the FaultResponder admitted, against the current
+  // plan: what the responder decides is done (PERMISSION_DENIED for an
+  // accusation of someone not a neighbour).
+  absl::Status OnWorkerEvent(const v1::WorkerEvent& event);
 
   // Re-plans around `expired` (leases Membership ended), plans when enough
   // workers are live, and checks stragglers, voluntary moves and stalls.
@@ -117,11 +106,9 @@ class PlanManager {
  private:
   void MaybePlanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeReplanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Several pipelines, the job's step stalled: true when another pipeline
-  // still moves (then only a pipeline that alone stood still past the
-  // start-up grace is taken out), false when none does.
-  bool CheckPipelinesProgressLocked(const ProgressTracker::Pace& pace, int64_t now,
-                                    int64_t limit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Carries out the FaultResponder's `action`; true when a plan was
+  // published.
+  bool ApplyLocked(const FaultResponder::Action& action) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A plan of several pipelines where a worker outside `live` left: a
   // standby takes its place or its pipeline is dissolved (pipeline_repair.h).
   // False when nothing changed.
@@ -159,19 +146,10 @@ class PlanManager {
   // True when a plan was published.
   bool ReplaceLocked(const std::string& worker_id, const std::string& why, Replacement how)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Reports a stage far slower per microbatch than every other stage, whose
-  // worker has also slowed down well below its own best pace, and hands it
-  // to a standby when there is one; a replica far slower than its fastest
-  // sibling is reported and demoted to standby.
-  void CheckStragglersLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  bool EligibleStandbyLocked(const WorkerRecord& worker) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Live workers outside `plan` that may take a stage, fastest first.
   std::vector<WorkerRecord> StandbysLocked(const v1::Plan& plan) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Whether a worker may become a replica: not a demoted straggler, and not
-  // one taken out for a lost link within the last kReplicaCooldownMs.
-  bool MayReplicateLocked(const std::string& worker_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Sets PlannerWorkerInfo::may_replicate from MayReplicateLocked.
+  // Sets PlannerWorkerInfo::may_replicate (FaultResponder::MayReplicate).
   void MarkReplicaCandidatesLocked(PlannerInput* input) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Gives the stages of `plan` but the last standbys as replicas (middle
   // stages first, then stage 0) until each has job.replicas workers (never
@@ -202,16 +180,6 @@ class PlanManager {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // What the current plan's pipelines have drawn of the data.
   PipelineDataInput DataInputLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The progress watchdog: when no step is committed for long (see the
-  // .cc), it follows whom the workers wait on to the stalled one (or takes
-  // stage 0, when nobody is owed anything) and re-plans around it.
-  void CheckProgressLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A broken (or stalled) link between `reporter` and `accused`: the
-  // LinkFaultLedger's verdict takes one of them out. `how`: "was lost".
-  void TakeOutForBrokenLinkLocked(const std::string& reporter, const std::string& accused,
-                                  const char* how) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A worker the link faults exclude: no stage, no standby place.
-  bool ExcludedLocked(const std::string& worker_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeVoluntaryReplanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const PlanManagerOptions options_;
@@ -225,6 +193,7 @@ class PlanManager {
   EventLog& events_;
   const CheckpointStore* const checkpoints_;
   PlanPublisher* const publisher_;
+  FaultResponder& faults_;  // its lock is taken under mu_, never the other way
 
   mutable absl::Mutex mu_;
   std::optional<v1::Plan> plan_ ABSL_GUARDED_BY(mu_);
@@ -233,21 +202,6 @@ class PlanManager {
   // Written under mu_; read without it (done(), persistence).
   std::atomic<bool> done_{false};
   bool waiting_for_workers_ ABSL_GUARDED_BY(mu_) = false;
-  // Workers taken out of a plan for a lost link, and when.
-  std::map<std::string, int64_t> suspended_at_ms_ ABSL_GUARDED_BY(mu_);
-  // Workers handing their stage over (their links close on purpose).
-  std::set<std::string> draining_ ABSL_GUARDED_BY(mu_);
-  StragglerDetector stragglers_ ABSL_GUARDED_BY(mu_);
-  // Each worker's event rate (RecordWorkerEvent).
-  struct EventBucket {
-    double tokens = 0;
-    int64_t at_ms = 0;
-  };
-  std::map<std::string, EventBucket> event_buckets_ ABSL_GUARDED_BY(mu_);
-  // Workers demoted as stragglers: standbys, but never made replicas again.
-  std::set<std::string> demoted_ ABSL_GUARDED_BY(mu_);
-  // Broken links and whom they take out (coordinator/link_fault_ledger.h).
-  LinkFaultLedger link_faults_ ABSL_GUARDED_BY(mu_);
   // Network planner: re-run on fresh figures every 30 s; a better plan is
   // taken when it is worth the move (coordinator/replan_policy.h).
   ReplanPolicy replan_policy_ ABSL_GUARDED_BY(mu_);
