@@ -68,7 +68,7 @@ absl::StatusOr<TransportSecurity> LoadCredentialFile(const std::string& path) {
   return security;
 }
 
-std::string PeerIdentity(const grpc::ServerContext& context) {
+std::string PeerIdentity(const grpc::ServerContextBase& context) {
   std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
   if (auth == nullptr || !auth->IsPeerAuthenticated()) return "";
   std::vector<grpc::string_ref> names = auth->FindPropertyValues(GRPC_X509_CN_PROPERTY_NAME);

@@ -67,7 +67,7 @@ absl::StatusOr<TransportSecurity> LoadCredentialFile(const std::string& path);
 
 // The common name of the verified client certificate of the call, or ""
 // when the caller presented none (or the server is insecure).
-std::string PeerIdentity(const grpc::ServerContext& context);
+std::string PeerIdentity(const grpc::ServerContextBase& context);
 
 }  // namespace geotrain
 

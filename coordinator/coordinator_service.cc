@@ -52,7 +52,7 @@ bool JoinRateLimiter::Admit(const std::string& source) {
   return true;
 }
 
-absl::StatusOr<std::string> CallerCheck::Worker(const grpc::ServerContext& context,
+absl::StatusOr<std::string> CallerCheck::Worker(const grpc::ServerContextBase& context,
                                                 const std::string& claimed) const {
   if (insecure()) return claimed;
   const std::string identity = PeerIdentity(context);
@@ -73,7 +73,7 @@ absl::StatusOr<std::string> CallerCheck::Worker(const grpc::ServerContext& conte
   return identity;
 }
 
-absl::Status CallerCheck::Admin(const grpc::ServerContext& context) const {
+absl::Status CallerCheck::Admin(const grpc::ServerContextBase& context) const {
   if (insecure()) return absl::OkStatus();
   const std::string identity = PeerIdentity(context);
   if (identity == kAdminIdentity) return absl::OkStatus();
@@ -86,7 +86,7 @@ absl::Status CallerCheck::Admin(const grpc::ServerContext& context) const {
       absl::StrCat("admin calls need the admin credential, not worker ", identity, "'s"));
 }
 
-absl::Status CallerCheck::Viewer(const grpc::ServerContext& context) const {
+absl::Status CallerCheck::Viewer(const grpc::ServerContextBase& context) const {
   if (insecure()) return absl::OkStatus();
   const std::string identity = PeerIdentity(context);
   if (identity == kAdminIdentity) return absl::OkStatus();
@@ -271,43 +271,59 @@ grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
-grpc::Status CoordinatorService::WatchPlan(grpc::ServerContext* context,
-                                           const v1::WatchPlanRequest* request,
-                                           grpc::ServerWriter<v1::Plan>* writer) {
+namespace {
+
+// A WatchPlan call refused before it streamed anything.
+class RefusedStream : public grpc::ServerWriteReactor<v1::Plan> {
+ public:
+  explicit RefusedStream(const grpc::Status& status) { Finish(status); }
+  void OnDone() override { delete this; }
+};
+
+}  // namespace
+
+CoordinatorService::CoordinatorService(CoordinatorServiceOptions options)
+    : options_(options),
+      caller_(&options_),
+      joins_(options.clock, options.joins_per_source_per_minute),
+      enrolls_(options.clock, options.joins_per_source_per_minute),
+      refusals_(options.clock, options.joins_per_source_per_minute),
+      watches_(options.watches_per_identity, options.max_watches),
+      anonymous_(options.anonymous_calls_per_source, options.max_anonymous_calls),
+      plan_streams_(std::make_shared<PlanStreams>(
+          [this](const v1::Plan& plan, const std::string& worker) {
+            // Each link's rendezvous goes only to its ends and its relay;
+            // the revoked identities go to everyone, whose peers refuse them.
+            v1::Plan view = PlanViewFor(plan, worker);
+            if (!caller_.insecure()) {
+              for (std::string& id : options_.access->RevokedWorkers(kRevokedInPlan)) {
+                view.add_revoked_workers(std::move(id));
+              }
+            }
+            return view;
+          })) {
+  // Plans are pushed from the publisher's notification, not polled.
+  std::weak_ptr<PlanStreams> streams = plan_streams_;
+  options_.controller->AddPlanListener([streams](const PlanPublisher::PlanPtr& plan) {
+    if (std::shared_ptr<PlanStreams> open = streams.lock()) open->Publish(plan);
+  });
+}
+
+void CoordinatorService::EndPlanStreams() { plan_streams_->Shutdown(); }
+
+grpc::ServerWriteReactor<v1::Plan>* CoordinatorService::WatchPlan(
+    grpc::CallbackServerContext* context, const v1::WatchPlanRequest* request) {
   absl::StatusOr<std::string> worker = caller_.Worker(*context, request->worker_id());
-  if (!worker.ok()) return Refused(worker.status());
-  // Each stream holds a thread: a few per identity, a bound in all.
-  InFlight watch(watches_, *worker);
-  if (!watch.held()) {
-    return Busy(absl::StrCat(worker->substr(0, 128), " holds ", options_.watches_per_identity,
-                             " plan streams already (or the coordinator its ",
-                             options_.max_watches, ")"));
+  if (!worker.ok()) return new RefusedStream(Refused(worker.status()));
+  // A few streams per identity, a bound in all.
+  if (!watches_.Acquire(*worker)) {
+    return new RefusedStream(
+        Busy(absl::StrCat(worker->substr(0, 128), " holds ", options_.watches_per_identity,
+                          " plan streams already (or the coordinator its ",
+                          options_.max_watches, ")")));
   }
-  JobController* controller = options_.controller;
-  uint64_t sent_epoch = 0;
-  while (!context->IsCancelled()) {
-    // The stream ends with the job_done plan itself: done() may be true
-    // before that plan is durable and visible.
-    PlanPublisher::PlanPtr plan = controller->WaitForPlan(sent_epoch, absl::Milliseconds(500));
-    if (plan == nullptr) {
-      if (controller->shutting_down()) {
-        return grpc::Status(grpc::StatusCode::UNAVAILABLE, "coordinator shutting down");
-      }
-      continue;
-    }
-    // Each link's rendezvous goes only to its ends and its relay; the
-    // revoked identities go to everyone, whose peers refuse them.
-    v1::Plan view = PlanViewFor(*plan, *worker);
-    if (!caller_.insecure()) {
-      for (std::string& id : options_.access->RevokedWorkers(kRevokedInPlan)) {
-        view.add_revoked_workers(std::move(id));
-      }
-    }
-    if (!writer->Write(view)) return grpc::Status::CANCELLED;
-    sent_epoch = plan->epoch();
-    if (plan->job_done()) return grpc::Status::OK;
-  }
-  return grpc::Status::CANCELLED;
+  return plan_streams_->Open(*worker, options_.controller->VisiblePlan(),
+                             [this, id = *worker] { watches_.Release(id); });
 }
 
 grpc::Status CoordinatorService::Leave(grpc::ServerContext* context,

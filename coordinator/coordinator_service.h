@@ -23,6 +23,7 @@
 #include "coordinator/access_store.h"
 #include "coordinator/cluster_authority.h"
 #include "coordinator/job_controller.h"
+#include "coordinator/plan_streams.h"
 #include "coordinator/reachability_prober.h"
 #include "geotrain/v1/coordinator.grpc.pb.h"
 #include "geotrain/v1/status.grpc.pb.h"
@@ -92,25 +93,21 @@ class CallerCheck {
   bool insecure() const { return options_->access == nullptr; }
   // The worker the caller is. With TLS: the certificate's identity, which a
   // non-empty `claimed` id must equal; insecure: `claimed`.
-  absl::StatusOr<std::string> Worker(const grpc::ServerContext& context,
+  absl::StatusOr<std::string> Worker(const grpc::ServerContextBase& context,
                                      const std::string& claimed) const;
-  absl::Status Admin(const grpc::ServerContext& context) const;
-  absl::Status Viewer(const grpc::ServerContext& context) const;
+  absl::Status Admin(const grpc::ServerContextBase& context) const;
+  absl::Status Viewer(const grpc::ServerContextBase& context) const;
 
  private:
   const CoordinatorServiceOptions* options_;
 };
 
-class CoordinatorService final : public v1::Coordinator::Service {
+// WatchPlan runs on gRPC's callback API (PlanStreams: no thread per
+// stream); the other methods are synchronous.
+class CoordinatorService final
+    : public v1::Coordinator::WithCallbackMethod_WatchPlan<v1::Coordinator::Service> {
  public:
-  explicit CoordinatorService(CoordinatorServiceOptions options)
-      : options_(options),
-        caller_(&options_),
-        joins_(options.clock, options.joins_per_source_per_minute),
-        enrolls_(options.clock, options.joins_per_source_per_minute),
-        refusals_(options.clock, options.joins_per_source_per_minute),
-        watches_(options.watches_per_identity, options.max_watches),
-        anonymous_(options.anonymous_calls_per_source, options.max_anonymous_calls) {}
+  explicit CoordinatorService(CoordinatorServiceOptions options);
 
   grpc::Status Enroll(grpc::ServerContext* context, const v1::EnrollRequest* request,
                       v1::EnrollResponse* response) override;
@@ -119,9 +116,8 @@ class CoordinatorService final : public v1::Coordinator::Service {
   grpc::Status Heartbeat(grpc::ServerContext* context,
                          const v1::HeartbeatRequest* request,
                          v1::HeartbeatResponse* response) override;
-  grpc::Status WatchPlan(grpc::ServerContext* context,
-                         const v1::WatchPlanRequest* request,
-                         grpc::ServerWriter<v1::Plan>* writer) override;
+  grpc::ServerWriteReactor<v1::Plan>* WatchPlan(grpc::CallbackServerContext* context,
+                                                const v1::WatchPlanRequest* request) override;
   grpc::Status Leave(grpc::ServerContext* context,
                      const v1::LeaveRequest* request,
                      v1::LeaveResponse* response) override;
@@ -143,6 +139,11 @@ class CoordinatorService final : public v1::Coordinator::Service {
   grpc::Status ReportEvent(grpc::ServerContext* context, const v1::WorkerEvent* request,
                            v1::ReportAck* response) override;
 
+  // Ends every plan stream (UNAVAILABLE: the coordinator is going away);
+  // call before the server's Shutdown.
+  void EndPlanStreams();
+  int open_plan_streams() const { return plan_streams_->open(); }
+
  private:
   // RESOURCE_EXHAUSTED when `key` is over its budget in `limiter`.
   grpc::Status Admit(JoinRateLimiter& limiter, const std::string& key, const char* what);
@@ -154,6 +155,8 @@ class CoordinatorService final : public v1::Coordinator::Service {
   JoinRateLimiter refusals_;  // refused Enrolls: per source host
   InFlightLimit watches_;
   InFlightLimit anonymous_;
+  // Shared with the publisher's listener, which holds it weakly.
+  std::shared_ptr<PlanStreams> plan_streams_;
 };
 
 class AdminService final : public v1::Admin::Service {

@@ -131,6 +131,12 @@ class JobController {
   // (PlanPublisher), so shortly after the call that decided it returns. A
   // plan with job_done ends the watch.
   PlanPublisher::PlanPtr WaitForPlan(uint64_t after_epoch, absl::Duration timeout) const;
+  // The newest visible plan (null before the first), and a listener called
+  // with each plan made visible from now on, on the publisher's thread.
+  PlanPublisher::PlanPtr VisiblePlan() const { return publisher_->Visible(); }
+  void AddPlanListener(PlanPublisher::Listener listener) {
+    publisher_->AddListener(std::move(listener));
+  }
 
   // Refuses reports of another epoch or of a step that is not new
   // (FAILED_PRECONDITION), of workers the plan does not put on the last

@@ -377,6 +377,7 @@ int main(int argc, char** argv) {
   GT_LOG(Info) << "shutting down";
   health.ShutDown("shutting down");
   (*controller)->Shutdown();
+  coordinator_service.EndPlanStreams();
   server->Shutdown(geotrain::DeadlineFromNow(std::chrono::milliseconds(2000)));
   health.DetachAll();
   if (health_server) health_server->Shutdown(geotrain::DeadlineFromNow(std::chrono::milliseconds(500)));
