@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 
 #include <algorithm>
+#include <random>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -101,6 +102,11 @@ absl::Status ValidateHostPort(const std::string& flag, const std::string& addres
     return absl::InvalidArgumentError(absl::StrCat("--", flag, ": ", valid.message()));
   }
   return absl::OkStatus();
+}
+
+absl::Duration Jittered(absl::Duration base) {
+  thread_local std::mt19937 random(std::random_device{}());
+  return base * std::uniform_real_distribution<double>(0.5, 1.5)(random);
 }
 
 std::chrono::system_clock::time_point DeadlineFromNow(

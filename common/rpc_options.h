@@ -20,6 +20,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/time/time.h"
 
 namespace geotrain {
 
@@ -73,6 +74,11 @@ absl::Status ValidateHostPort(const std::string& flag, const std::string& addres
                               bool allow_any_port);
 
 // now + timeout, for ClientContext::set_deadline.
+// `base` times a random factor in [0.5, 1.5): the retries of many clients
+// (a thousand workers whose coordinator restarted) spread out instead of
+// arriving together. Thread-safe.
+absl::Duration Jittered(absl::Duration base);
+
 std::chrono::system_clock::time_point DeadlineFromNow(
     std::chrono::milliseconds timeout);
 

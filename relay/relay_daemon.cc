@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "common/rpc_options.h"
 #include "common/status_macros.h"
 #include "worker/worker_credentials.h"
 
@@ -150,8 +151,12 @@ absl::Status RelayDaemon::Run() {
       break;
     }
     if (!stop_) {
-      GT_LOG(Warning) << "plan watch ended (" << status.error_message() << "); reconnecting";
-      absl::SleepFor(absl::Seconds(1));
+      // Jittered: relays and workers whose coordinator restarted do not
+      // all return in the same instant.
+      const absl::Duration wait = Jittered(absl::Seconds(1));
+      GT_LOG(Warning) << "plan watch ended (" << status.error_message() << "); reconnecting in "
+                      << absl::FormatDuration(absl::Trunc(wait, absl::Milliseconds(1)));
+      absl::SleepFor(wait);
     }
   }
   const SpliceRelayStats stats = splicer->stats();

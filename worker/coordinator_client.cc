@@ -60,10 +60,11 @@ absl::StatusOr<v1::JoinResponse> CoordinatorClient::JoinWithRetry(
       return absl::UnavailableError(absl::StrFormat(
           "cannot reach coordinator at %s: %s", address_, status.error_message()));
     }
+    const absl::Duration wait = Jittered(backoff);
     GT_LOG(Warning) << "cannot reach coordinator at " << address_ << " ("
                     << status.error_message() << "); retrying in "
-                    << absl::FormatDuration(backoff);
-    absl::SleepFor(backoff);
+                    << absl::FormatDuration(absl::Trunc(wait, absl::Milliseconds(1)));
+    absl::SleepFor(wait);
     backoff = std::min(backoff * 2, absl::Seconds(10));
   }
   return absl::CancelledError("stopped before joining");

@@ -599,6 +599,10 @@ void Worker::HeartbeatLoop(int interval_ms) {
 }
 
 void Worker::WatchLoop() {
+  // Reconnects are jittered, and back off while the coordinator answers
+  // nothing: a thousand workers whose coordinator restarted do not all
+  // return in the same instant.
+  absl::Duration backoff = absl::Seconds(1);
   while (!stop_) {
     auto context = std::make_unique<grpc::ClientContext>();
     grpc::ClientContext* raw = context.get();
@@ -611,6 +615,7 @@ void Worker::WatchLoop() {
     v1::Plan plan;
     bool done = false;
     while (reader->Read(&plan)) {
+      backoff = absl::Seconds(1);  // it answered
       absl::MutexLock lock(&mu_);
       if (latest_plan_.has_value() && plan.epoch() <= latest_plan_->epoch()) continue;
       GT_LOG(Info) << "plan epoch " << plan.epoch() << (plan.job_done() ? " (job done)" : "");
@@ -637,8 +642,13 @@ void Worker::WatchLoop() {
     const grpc::Status status = reader->Finish();
     if (done) break;
     if (!stop_) {
-      GT_LOG(Warning) << "plan watch ended (" << status.error_message() << "); reconnecting";
-      absl::SleepFor(absl::Seconds(1));
+      const absl::Duration wait = Jittered(backoff);
+      GT_LOG(Warning) << "plan watch ended (" << status.error_message() << "); reconnecting in "
+                      << absl::FormatDuration(absl::Trunc(wait, absl::Milliseconds(1)));
+      for (absl::Duration waited; waited < wait && !stop_; waited += absl::Milliseconds(50)) {
+        absl::SleepFor(absl::Milliseconds(50));
+      }
+      backoff = std::min(backoff * 2, absl::Seconds(10));
     }
   }
   absl::MutexLock lock(&mu_);

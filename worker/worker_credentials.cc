@@ -144,9 +144,10 @@ absl::StatusOr<WorkerCredentials> ObtainWorkerCredentials(const WorkerCredential
     if (!Retryable(enrolled.status().code()) || absl::Now() + backoff > give_up) {
       return enrolled.status();
     }
+    const absl::Duration wait = Jittered(backoff);
     GT_LOG(Warning) << enrolled.status().message() << "; retrying in "
-                    << absl::FormatDuration(backoff);
-    absl::SleepFor(backoff);
+                    << absl::FormatDuration(absl::Trunc(wait, absl::Milliseconds(1)));
+    absl::SleepFor(wait);
     backoff = std::min(backoff * 2, absl::Seconds(10));
   }
   return absl::CancelledError("stopped before enrolling");
