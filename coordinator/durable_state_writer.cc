@@ -6,8 +6,8 @@
 
 namespace geotrain {
 
-DurableStateWriter::DurableStateWriter(WriteFn write)
-    : write_(std::move(write)), thread_([this] { Run(); }) {}
+DurableStateWriter::DurableStateWriter(WriteFn write, SnapshotFn snapshot)
+    : write_(std::move(write)), snapshot_(std::move(snapshot)), thread_([this] { Run(); }) {}
 
 DurableStateWriter::~DurableStateWriter() {
   {
@@ -20,8 +20,18 @@ DurableStateWriter::~DurableStateWriter() {
 
 void DurableStateWriter::Submit(v1::CoordinatorState state) {
   absl::MutexLock lock(&mu_);
-  if (pending_.has_value()) ++superseded_;
+  if (pending_.has_value() || dirty_) ++superseded_;
+  dirty_ = false;
   pending_ = std::move(state);
+  ++submitted_;
+  changed_.SignalAll();
+}
+
+void DurableStateWriter::MarkDirty() {
+  absl::MutexLock lock(&mu_);
+  if (pending_.has_value() || dirty_) ++superseded_;
+  pending_.reset();  // the snapshot will be newer
+  dirty_ = true;
   ++submitted_;
   changed_.SignalAll();
 }
@@ -46,14 +56,19 @@ void DurableStateWriter::Run() {
   while (true) {
     v1::CoordinatorState state;
     int64_t sequence;
+    bool snapshot;
     {
       absl::MutexLock lock(&mu_);
-      while (!pending_.has_value() && !stopping_) changed_.Wait(&mu_);
-      if (!pending_.has_value()) return;  // stopping, nothing left
-      state = std::move(*pending_);
+      while (!pending_.has_value() && !dirty_ && !stopping_) changed_.Wait(&mu_);
+      if (!pending_.has_value() && !dirty_) return;  // stopping, nothing left
+      snapshot = dirty_;
+      if (!snapshot) state = std::move(*pending_);
       pending_.reset();
+      dirty_ = false;
       sequence = submitted_;
     }
+    // Taken after the mark: it holds every change marked before it.
+    if (snapshot) state = snapshot_();
     absl::Status written = write_(state);
     if (!written.ok()) GT_LOG(Warning) << "could not persist state: " << written.message();
     absl::MutexLock lock(&mu_);

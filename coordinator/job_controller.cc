@@ -52,8 +52,6 @@ absl::StatusOr<std::unique_ptr<JobController>> JobController::Create(
   absl::StatusOr<std::unique_ptr<CheckpointStore>> checkpoints =
       CheckpointStore::Open(options.state_dir);
   if (!checkpoints.ok()) return checkpoints.status();
-  auto state_writer = std::make_unique<DurableStateWriter>(
-      [store](const v1::CoordinatorState& state) { return store->WriteState(state); });
   // Every coordinator of the state dir appends to one events log.
   AppendLogOptions events_log;
   events_log.path = options.state_dir + "/events.log";
@@ -62,8 +60,8 @@ absl::StatusOr<std::unique_ptr<JobController>> JobController::Create(
   absl::StatusOr<std::unique_ptr<AppendLog>> events_file = AppendLog::Open(std::move(events_log));
   if (!events_file.ok()) return events_file.status();
   auto controller = std::unique_ptr<JobController>(new JobController(
-      std::move(options), *std::move(planner), std::move(store), std::move(state_writer),
-      *std::move(checkpoints), *std::move(events_file)));
+      std::move(options), *std::move(planner), std::move(store), *std::move(checkpoints),
+      *std::move(events_file)));
   absl::StatusOr<bool> recovered = controller->Recover();
   if (!recovered.ok()) return recovered.status();
   const JobControllerOptions& opts = controller->options_;
@@ -98,7 +96,6 @@ absl::StatusOr<std::unique_ptr<JobController>> JobController::Create(
 
 JobController::JobController(JobControllerOptions options, std::unique_ptr<Planner> planner,
                              std::shared_ptr<CoordinatorStore> store,
-                             std::unique_ptr<DurableStateWriter> state_writer,
                              std::unique_ptr<CheckpointStore> checkpoints,
                              std::unique_ptr<AppendLog> events_file)
     : options_(std::move(options)),
@@ -106,7 +103,10 @@ JobController::JobController(JobControllerOptions options, std::unique_ptr<Plann
       start_ms_(options_.clock->NowMs()),
       membership_(options_.clock, options_.job.lease_ms()),
       store_(std::move(store)),
-      state_writer_(std::move(state_writer)),
+      // The state is snapshotted on the writer's thread: Persist costs O(1).
+      state_writer_(std::make_unique<DurableStateWriter>(
+          [store = store_](const v1::CoordinatorState& state) { return store->WriteState(state); },
+          [this] { return StateSnapshot(); })),
       publisher_(std::make_unique<PlanPublisher>([&] {
         PlanPublisherOptions publisher;
         publisher.store = store_.get();
@@ -242,7 +242,18 @@ absl::StatusOr<bool> JobController::Recover() {
   return true;
 }
 
-void JobController::Persist() {
+JobController::~JobController() {
+  // Their threads finish what is pending while every part they read is
+  // still here: the publisher first (it flushes the writer), then the
+  // writer (its snapshot reads the members, the progress and the plan's
+  // end).
+  publisher_.reset();
+  state_writer_.reset();
+}
+
+void JobController::Persist() { state_writer_->MarkDirty(); }
+
+v1::CoordinatorState JobController::StateSnapshot() const {
   v1::CoordinatorState state;
   for (const WorkerRecord& w : membership_.Snapshot()) {
     v1::PersistedMember* m = state.add_members();
@@ -259,7 +270,7 @@ void JobController::Persist() {
   progress_.FillState(&state);
   state.set_done(plans_.done());
   state.set_next_worker_number(membership_.next_number());
-  state_writer_->Submit(std::move(state));
+  return state;
 }
 
 void JobController::FlushState() {

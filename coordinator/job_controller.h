@@ -94,6 +94,7 @@ class JobController {
  public:
   static absl::StatusOr<std::unique_ptr<JobController>> Create(
       JobControllerOptions options);
+  ~JobController();
 
   // INVALID_ARGUMENT for a join whose fields are out of range
   // (ValidateJoinRequest). `worker_id`: the caller's certified id (TLS),
@@ -180,15 +181,16 @@ class JobController {
  private:
   JobController(JobControllerOptions options, std::unique_ptr<Planner> planner,
                 std::shared_ptr<CoordinatorStore> store,
-                std::unique_ptr<DurableStateWriter> state_writer,
                 std::unique_ptr<CheckpointStore> checkpoints,
                 std::unique_ptr<AppendLog> events_file);
   // Takes over what a previous coordinator persisted in the store. True
   // when there was something.
   absl::StatusOr<bool> Recover();
-  // Submits the state (members, progress, done) to the writer; needs no
-  // lock.
+  // The state changed: the writer writes a snapshot (StateSnapshot) on its
+  // own thread. O(1); needs no lock.
   void Persist();
+  // Members, progress and the job's end, as the store keeps them.
+  v1::CoordinatorState StateSnapshot() const;
 
   const JobControllerOptions options_;
   const std::unique_ptr<Planner> planner_;
