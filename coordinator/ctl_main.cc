@@ -45,6 +45,15 @@ ABSL_FLAG(bool, brief, false, "print one line: state, step, loss, samples/s");
 ABSL_FLAG(int, timeout_ms, 3000, "deadline of the status call");
 ABSL_FLAG(bool, explain, false, "plan: per stage, the predicted compute, link time and why");
 ABSL_FLAG(int, events, 8, "how many recent events to show (table only)");
+ABSL_FLAG(int, page_size, -1,
+          "status: members per page (default: 50 in the table, every member with --json)");
+ABSL_FLAG(std::string, page_token, "", "status: the page a previous one named (next page)");
+ABSL_FLAG(std::string, state, "",
+          "status: only members in this state (training, standby, dead, left, done)");
+ABSL_FLAG(int, stage, -1, "status: only the members of this stage");
+ABSL_FLAG(int, pipeline, -1, "status: only the members of this pipeline");
+ABSL_FLAG(std::string, name, "", "token create: a label shown by token list; status: only "
+          "members whose name or id contains it");
 ABSL_FLAG(std::string, admin_credential, "",
           "credential file: the coordinator's <state_dir>/tls/admin.credential (or a worker's)");
 ABSL_FLAG(std::string, token, "", "a viewer token (status only); it also pins the CA");
@@ -53,7 +62,6 @@ ABSL_FLAG(std::string, tls_server_name, "geotrain-coordinator",
           "the name the coordinator's certificate must carry");
 ABSL_FLAG(absl::Duration, ttl, absl::Hours(24), "token create: how long the token is valid");
 ABSL_FLAG(int, uses, 0, "token create: how many workers may enroll with it (0: unlimited)");
-ABSL_FLAG(std::string, name, "", "token create: a label shown by token list");
 ABSL_FLAG(std::string, role, "worker",
           "token create: worker, viewer (status only) or relay (geotrain-relay only)");
 ABSL_FLAG(bool, keep_workers, false,
@@ -87,6 +95,34 @@ void PrintBrief(const geotrain::v1::ClusterStatus& s) {
   std::printf("\n");
 }
 
+// The members at a glance, before any of them: how many in each state,
+// and each stage's layers and workers.
+void PrintSummary(const geotrain::v1::ClusterStatus& s) {
+  std::string states;
+  for (const char* state : {"training", "standby", "done", "dead", "left"}) {
+    auto it = s.worker_states().find(state);
+    if (it != s.worker_states().end() && it->second > 0) {
+      absl::StrAppend(&states, states.empty() ? "" : ", ", it->second, " ", state);
+    }
+  }
+  std::printf("members %d%s%s\n", s.workers_total(), states.empty() ? "" : ": ", states.c_str());
+  if (s.stage_summary_size() > 0) {
+    std::string stages;
+    for (const auto& stage : s.stage_summary()) {
+      absl::StrAppendFormat(&stages, "%s%d [%d,%d) x%d", stages.empty() ? "" : "  ",
+                            stage.stage(), stage.layer_begin(), stage.layer_end(),
+                            stage.workers());
+    }
+    std::printf("stages %s\n", stages.c_str());
+  }
+  if (!s.next_page_token().empty()) {
+    std::printf("showing %d of the %d matching members; next page: --page_token=%s\n",
+                s.workers_size(), s.workers_matched(), s.next_page_token().c_str());
+  } else if (s.workers_matched() != s.workers_total()) {
+    std::printf("showing the %d matching members\n", s.workers_matched());
+  }
+}
+
 void PrintTable(const geotrain::v1::ClusterStatus& s) {
   std::printf("job %s  state %s  schedule %s  epoch %lu\n", s.job().c_str(),
               s.state().c_str(), s.schedule().c_str(),
@@ -97,8 +133,9 @@ void PrintTable(const geotrain::v1::ClusterStatus& s) {
   if (s.val_loss() > 0) std::printf("  val_loss %.4f", s.val_loss());
   if (s.accuracy() > 0) std::printf("  accuracy %.4f", s.accuracy());
   if (!s.security().empty()) std::printf("\nsecurity %s", s.security().c_str());
-  for (const std::string& note : s.truncated()) std::printf("\nnote: %s", note.c_str());
-  std::printf("\n\n%-4s %-12s %-22s %-7s %8s %5s %-8s %-9s %6s %8s %5s %5s\n", "ID",
+  std::printf("\n");
+  PrintSummary(s);
+  std::printf("\n%-4s %-12s %-22s %-7s %8s %5s %-8s %-9s %6s %8s %5s %5s\n", "ID",
               "NAME", "ADDRESS", "DEVICE", "GFLOP/s", "STAGE", "LAYERS",
               "STATE", "HB_AGE", "RSS_MiB", "STEP", "REACH");
   for (const auto& w : s.workers()) {
@@ -233,7 +270,8 @@ namespace {
 constexpr char kUsage[] =
     "usage: geotrain-ctl COMMAND --coordinator=HOST:PORT (--admin_credential=FILE | "
     "--token=TOKEN | --insecure)\n"
-    "  status [--json | --brief]\n"
+    "  status [--json | --brief] [--page_size=N] [--page_token=T] [--state=S] [--stage=K]\n"
+    "      [--pipeline=R] [--name=TEXT]: a summary first, then a page of the members\n"
     "  plan [--explain]\n"
     "  network\n"
     "  token create [--ttl=24h] [--uses=N] [--name=LABEL] [--role=worker|viewer|relay]\n"
@@ -656,8 +694,19 @@ int main(int argc, char** argv) {
   if (args[1] == "watch") return WatchCommand(*connection, address);
   auto stub = geotrain::v1::Status::NewStub(connection->channel);
   geotrain::v1::ClusterStatus status;
-  grpc::Status rpc = stub->GetClusterStatus(NewContext(*connection).get(),
-                                            geotrain::v1::ClusterStatusRequest(), &status);
+  geotrain::v1::ClusterStatusRequest request;
+  if (args[1] == "status") {
+    const bool table = !absl::GetFlag(FLAGS_json) && !absl::GetFlag(FLAGS_brief);
+    const int page_size = absl::GetFlag(FLAGS_page_size);
+    request.set_page_size(page_size >= 0 ? page_size : table ? 50 : 0);
+    request.set_page_token(absl::GetFlag(FLAGS_page_token));
+    geotrain::v1::WorkerFilter* filter = request.mutable_filter();
+    filter->set_state(absl::GetFlag(FLAGS_state));
+    if (absl::GetFlag(FLAGS_stage) >= 0) filter->set_stage(absl::GetFlag(FLAGS_stage));
+    if (absl::GetFlag(FLAGS_pipeline) >= 0) filter->set_pipeline(absl::GetFlag(FLAGS_pipeline));
+    filter->set_name_contains(absl::GetFlag(FLAGS_name));
+  }
+  grpc::Status rpc = stub->GetClusterStatus(NewContext(*connection).get(), request, &status);
   if (!rpc.ok()) return RpcFailed("status", address, rpc);
   if (args[1] == "plan") return PrintPlan(status);
   if (args[1] == "network") return PrintNetwork(status);

@@ -1,4 +1,5 @@
 """Real coordinator and worker processes training over gRPC on loopback."""
+import json
 import os
 import subprocess
 import unittest
@@ -81,6 +82,21 @@ class PipelineTest(unittest.TestCase):
             for text in ("gpt-tiny", "STAGE", "GFLOP/s", "w0", "done", "BLAS", "THREADS",
                          "fair share"):
                 self.assertIn(text, table.stdout)
+            # A summary first; pages and filters on request.
+            self.assertIn("members 3: 3 done", table.stdout)
+            self.assertIn("stages 0 [0,", table.stdout)
+            page = c.ctl("status", "--page_size=1")
+            self.assertEqual(page.returncode, 0, page.stderr)
+            self.assertIn("showing 1 of the 3 matching members; next page: --page_token=1",
+                          page.stdout)
+            last = c.ctl("status", "--stage=2", "--json")
+            self.assertEqual(last.returncode, 0, last.stderr)
+            shown = json.loads(last.stdout)
+            self.assertEqual([w["stage"] for w in shown["workers"]], [2])
+            self.assertEqual(shown["workers_total"], 3)
+            bad = c.ctl("status", "--page_token=nonsense")
+            self.assertNotEqual(bad.returncode, 0)
+            self.assertIn("page_token", bad.stderr)
             for w in c.workers:
                 w.popen.wait(timeout=30)
                 self.assertEqual(w.popen.returncode, 0, w.log()[-2000:])
