@@ -271,17 +271,6 @@ grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
-namespace {
-
-// A WatchPlan call refused before it streamed anything.
-class RefusedStream : public grpc::ServerWriteReactor<v1::Plan> {
- public:
-  explicit RefusedStream(const grpc::Status& status) { Finish(status); }
-  void OnDone() override { delete this; }
-};
-
-}  // namespace
-
 CoordinatorService::CoordinatorService(CoordinatorServiceOptions options)
     : options_(options),
       caller_(&options_),
@@ -301,7 +290,23 @@ CoordinatorService::CoordinatorService(CoordinatorServiceOptions options)
               }
             }
             return view;
-          })) {
+          },
+          [this](const grpc::ServerContext& context, const v1::WatchPlanRequest& request,
+                 std::string* worker) -> grpc::Status {
+            absl::StatusOr<std::string> caller = caller_.Worker(context, request.worker_id());
+            if (!caller.ok()) return Refused(caller.status());
+            // A few streams per identity, a bound in all.
+            if (!watches_.Acquire(*caller)) {
+              return Busy(absl::StrCat(caller->substr(0, 128), " holds ",
+                                       options_.watches_per_identity,
+                                       " plan streams already (or the coordinator its ",
+                                       options_.max_watches, ")"));
+            }
+            *worker = *std::move(caller);
+            return grpc::Status::OK;
+          },
+          [this](const std::string& worker) { watches_.Release(worker); },
+          [controller = options.controller] { return controller->VisiblePlan(); })) {
   // Plans are pushed from the publisher's notification, not polled.
   std::weak_ptr<PlanStreams> streams = plan_streams_;
   options_.controller->AddPlanListener([streams](const PlanPublisher::PlanPtr& plan) {
@@ -309,21 +314,12 @@ CoordinatorService::CoordinatorService(CoordinatorServiceOptions options)
   });
 }
 
-void CoordinatorService::EndPlanStreams() { plan_streams_->Shutdown(); }
-
-grpc::ServerWriteReactor<v1::Plan>* CoordinatorService::WatchPlan(
-    grpc::CallbackServerContext* context, const v1::WatchPlanRequest* request) {
-  absl::StatusOr<std::string> worker = caller_.Worker(*context, request->worker_id());
-  if (!worker.ok()) return new RefusedStream(Refused(worker.status()));
-  // A few streams per identity, a bound in all.
-  if (!watches_.Acquire(*worker)) {
-    return new RefusedStream(
-        Busy(absl::StrCat(worker->substr(0, 128), " holds ", options_.watches_per_identity,
-                          " plan streams already (or the coordinator its ",
-                          options_.max_watches, ")")));
-  }
-  return plan_streams_->Open(*worker, options_.controller->VisiblePlan(),
-                             [this, id = *worker] { watches_.Release(id); });
+void CoordinatorService::StartPlanStreams() {
+  plan_streams_->Start([this](grpc::ServerContext* context, v1::WatchPlanRequest* request,
+                              grpc::ServerAsyncWriter<v1::Plan>* writer,
+                              grpc::ServerCompletionQueue* queue, void* tag) {
+    RequestWatchPlan(context, request, writer, queue, queue, tag);
+  });
 }
 
 grpc::Status CoordinatorService::Leave(grpc::ServerContext* context,

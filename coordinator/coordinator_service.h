@@ -102,10 +102,10 @@ class CallerCheck {
   const CoordinatorServiceOptions* options_;
 };
 
-// WatchPlan runs on gRPC's callback API (PlanStreams: no thread per
-// stream); the other methods are synchronous.
+// WatchPlan runs on gRPC's asynchronous API (PlanStreams: one thread for
+// every stream); the other methods are synchronous.
 class CoordinatorService final
-    : public v1::Coordinator::WithCallbackMethod_WatchPlan<v1::Coordinator::Service> {
+    : public v1::Coordinator::WithAsyncMethod_WatchPlan<v1::Coordinator::Service> {
  public:
   explicit CoordinatorService(CoordinatorServiceOptions options);
 
@@ -116,8 +116,6 @@ class CoordinatorService final
   grpc::Status Heartbeat(grpc::ServerContext* context,
                          const v1::HeartbeatRequest* request,
                          v1::HeartbeatResponse* response) override;
-  grpc::ServerWriteReactor<v1::Plan>* WatchPlan(grpc::CallbackServerContext* context,
-                                                const v1::WatchPlanRequest* request) override;
   grpc::Status Leave(grpc::ServerContext* context,
                      const v1::LeaveRequest* request,
                      v1::LeaveResponse* response) override;
@@ -139,9 +137,13 @@ class CoordinatorService final
   grpc::Status ReportEvent(grpc::ServerContext* context, const v1::WorkerEvent* request,
                            v1::ReportAck* response) override;
 
-  // Ends every plan stream (UNAVAILABLE: the coordinator is going away);
-  // call before the server's Shutdown.
-  void EndPlanStreams();
+  // The plan streams' queue: AttachPlanStreams before the server is built,
+  // StartPlanStreams after; EndPlanStreams (UNAVAILABLE: the coordinator is
+  // going away) before the server's Shutdown, StopPlanStreams after it.
+  void AttachPlanStreams(grpc::ServerBuilder* builder) { plan_streams_->Attach(builder); }
+  void StartPlanStreams();
+  void EndPlanStreams() { plan_streams_->Shutdown(); }
+  void StopPlanStreams() { plan_streams_->Stop(); }
   int open_plan_streams() const { return plan_streams_->open(); }
 
  private:

@@ -307,6 +307,7 @@ int main(int argc, char** argv) {
       geotrain::MakeServerCredentials(server_security, geotrain::ClientCertificates::kOptional),
       &port);
   builder.RegisterService(&coordinator_service);
+  coordinator_service.AttachPlanStreams(&builder);
   builder.RegisterService(&admin_service);
   builder.RegisterService(&status_service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
@@ -314,6 +315,7 @@ int main(int argc, char** argv) {
     return Fail(absl::StrCat("cannot listen on ", absl::GetFlag(FLAGS_listen)));
   }
   health.Attach(server.get());
+  coordinator_service.StartPlanStreams();
   std::unique_ptr<grpc::Server> health_server;
   if (const std::string listen = absl::GetFlag(FLAGS_health_listen); !listen.empty()) {
     if (absl::Status valid = geotrain::ValidateHostPort("health_listen", listen, true);
@@ -379,6 +381,7 @@ int main(int argc, char** argv) {
   (*controller)->Shutdown();
   coordinator_service.EndPlanStreams();
   server->Shutdown(geotrain::DeadlineFromNow(std::chrono::milliseconds(2000)));
+  coordinator_service.StopPlanStreams();
   health.DetachAll();
   if (health_server) health_server->Shutdown(geotrain::DeadlineFromNow(std::chrono::milliseconds(500)));
   return 0;

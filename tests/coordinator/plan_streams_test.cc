@@ -1,7 +1,7 @@
 // WatchPlan over real gRPC, in one process: a CoordinatorService on
 // loopback and hundreds of plan streams opened with gRPC's callback client.
 // Each stream gets every plan pushed from the publisher, and open streams
-// hold no server thread.
+// hold no server thread (one thread drives them all).
 #include "coordinator/plan_streams.h"
 
 #include <gtest/gtest.h>
@@ -109,8 +109,10 @@ class PlanStreamsTest : public testing::Test {
     int port = 0;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
     builder.RegisterService(service_.get());
+    service_->AttachPlanStreams(&builder);
     server_ = builder.BuildAndStart();
     ASSERT_NE(server_, nullptr);
+    service_->StartPlanStreams();
     channel_ = grpc::CreateChannel(absl::StrCat("127.0.0.1:", port),
                                    grpc::InsecureChannelCredentials());
     stub_ = v1::Coordinator::NewStub(channel_);
@@ -120,6 +122,7 @@ class PlanStreamsTest : public testing::Test {
     service_->EndPlanStreams();
     for (auto& w : watchers_) w->WaitDone(absl::Seconds(10));
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    service_->StopPlanStreams();
   }
 
   void Join(const std::string& name) {
