@@ -10,20 +10,10 @@
 #include "common/job_spec.h"
 #include "common/model_profile.h"
 #include "common/plan_util.h"
+#include "coordinator/watch_view.h"
 
 namespace geotrain {
 namespace {
-
-const char* StateName(v1::WorkerState state) {
-  switch (state) {
-    case v1::WORKER_STATE_STANDBY: return "standby";
-    case v1::WORKER_STATE_TRAINING: return "training";
-    case v1::WORKER_STATE_DEAD: return "dead";
-    case v1::WORKER_STATE_LEFT: return "left";
-    case v1::WORKER_STATE_DONE: return "done";
-    default: return "unknown";
-  }
-}
 
 // Where a member stands: its stage, replica and pipeline in `plan`, and
 // its state.
@@ -50,7 +40,7 @@ Placement PlacementOf(const WorkerRecord& w, const v1::Plan* plan,
 }
 
 bool Matches(const v1::WorkerFilter& filter, const WorkerRecord& w, const Placement& p) {
-  if (!filter.state().empty() && filter.state() != StateName(p.state)) return false;
+  if (!filter.state().empty() && filter.state() != WorkerStateName(p.state)) return false;
   if (filter.has_stage() && (p.stage == nullptr || p.stage->stage() != filter.stage())) {
     return false;
   }
@@ -226,7 +216,7 @@ absl::StatusOr<v1::ClusterStatus> StatusAssembler::Assemble(
   int matched = 0;
   for (const WorkerRecord& w : workers) {
     const Placement p = PlacementOf(w, plan.get(), figures.done_workers);
-    ++(*status.mutable_worker_states())[StateName(p.state)];
+    ++(*status.mutable_worker_states())[WorkerStateName(p.state)];
     status.set_dropped_microbatches(status.dropped_microbatches() +
                                     w.stats.dropped_microbatches());
     if (!Matches(request.filter(), w, p)) continue;
