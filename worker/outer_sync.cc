@@ -289,7 +289,10 @@ absl::Status OuterSync::Apply(int round, const std::vector<v1::LayerWeights>& me
   if (round != applied_ + 1) {
     return absl::InternalError(absl::StrCat("round ", round, "'s mean after round ", applied_));
   }
-  RETURN_IF_ERROR(compute_->ApplyMean(mean, /*keep_local_progress=*/options_.streaming));
+  // The final round leaves every replica on the outer weights, a replica
+  // whose own contribution missed it included.
+  RETURN_IF_ERROR(compute_->ApplyMean(
+      mean, /*keep_local_progress=*/options_.streaming && round != final_round()));
   applied_ = round;
   members_[round] = std::move(contributors);
   return absl::OkStatus();

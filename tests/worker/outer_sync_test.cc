@@ -217,6 +217,32 @@ TEST_F(OuterSyncTest, StreamingSyncsEachStageAtItsOffsetAndAppliesARoundLate) {
   EXPECT_EQ(computes_[1]->applied, both);
 }
 
+// Streaming keeps the inner steps taken since a round's export on top of
+// its mean, but not in the final round: a replica whose contribution missed
+// it (it trailed past the reducer's deadline) ends on the outer weights like
+// the others, and nothing of its own is left on top.
+TEST_F(OuterSyncTest, TheFinalRoundsMeanLeavesNoLocalProgressEvenForAReplicaThatMissedIt) {
+  OuterSyncOptions options = Options(1, 0, 1, 2, /*streaming=*/true, 0, absl::Seconds(1));
+  options.final_step = 4;
+  Make(2, options);
+  for (int step = 1; step <= 4; ++step) ASSERT_TRUE(syncs_[0]->AfterStep(step, 4, now_).ok());
+  for (int step = 1; step <= 2; ++step) ASSERT_TRUE(syncs_[1]->AfterStep(step, 4, now_).ok());
+  Deliver();
+  // Round 1 closed with both at the reducer's round 2; the final round
+  // (2) waits for pipeline 1 until its deadline, then closes without it.
+  now_ += absl::Seconds(2);
+  ASSERT_TRUE(syncs_[0]->OnTime(now_).ok());
+  Deliver();
+  for (int p = 0; p < 2; ++p) {
+    ASSERT_EQ(computes_[p]->applied.size(), 2u) << p;
+    EXPECT_TRUE(computes_[p]->kept_progress[0]) << p;
+    EXPECT_FALSE(computes_[p]->kept_progress[1]) << p;  // the final round
+    EXPECT_TRUE(syncs_[p]->finished()) << p;
+  }
+  EXPECT_EQ(syncs_[0]->members().at(2), std::vector<int>({0}));
+  EXPECT_EQ(computes_[1]->applied[1], computes_[0]->applied[1]);
+}
+
 TEST_F(OuterSyncTest, ReplicasTakeTheReducersStateBeforeTheirFirstRound) {
   OuterSyncOptions options = Options(3, 0, 1, 2);
   options.share_state = true;

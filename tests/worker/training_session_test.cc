@@ -45,7 +45,7 @@ class FakeNetwork {
       broken.link_epoch = epoch;
       inbox->TryPush(std::move(broken));
     }
-    active_[worker] = {stage, epoch, std::move(inbox)};
+    active_[worker] = {stage, epoch, std::move(inbox), ++registrations_[worker]};
   }
   // The outer-sync link between replicas `a` and `b` breaks as soon as it
   // opens: both ends' readers report it, and nothing goes through.
@@ -78,6 +78,24 @@ class FakeNetwork {
     }
     if (*stop) return absl::CancelledError("stopped");
     return absl::OkStatus();
+  }
+  // Waits until `worker` serves `epoch` or a later one in a session after
+  // its registration `after` (0: any): a dial-in comes from a session that
+  // has the plan, and a session whose link ended on purpose does not dial
+  // again. Returns the serving session's registration.
+  absl::StatusOr<int> AwaitDialler(const std::string& worker, uint64_t epoch, int after,
+                                   const std::atomic<bool>* stop) {
+    absl::MutexLock lock(&mu_);
+    auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      auto it = active_.find(worker);
+      return *stop || (it != active_.end() && it->second.epoch >= epoch &&
+                       it->second.registration > after);
+    };
+    if (!mu_.AwaitWithTimeout(absl::Condition(&ready), absl::Seconds(20))) {
+      return absl::UnavailableError(absl::StrCat("'", worker, "' never dialled in"));
+    }
+    if (*stop) return absl::CancelledError("stopped");
+    return active_[worker].registration;
   }
   absl::Status Deliver(const std::string& from, const std::string& to, bool from_upstream,
                        LinkMessage message, bool from_replica = false) {
@@ -143,9 +161,11 @@ class FakeNetwork {
     int stage = 0;
     uint64_t epoch = 0;
     std::shared_ptr<Inbox> inbox;
+    int registration = 0;  // the worker's sessions, counted from 1
   };
   absl::Mutex mu_;
   std::map<std::string, Active> active_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, int> registrations_ ABSL_GUARDED_BY(mu_);
   std::map<std::pair<std::string, uint64_t>, std::string> origin_ ABSL_GUARDED_BY(mu_);
   std::map<std::pair<std::string, int>, std::string> eval_origin_ ABSL_GUARDED_BY(mu_);
   std::set<std::pair<std::string, std::string>> cut_ ABSL_GUARDED_BY(mu_);
@@ -233,11 +253,18 @@ class FakeLinks : public SessionLinks {
       absl::MutexLock lock(&mu_);
       ++dial_ins_awaited_[peer];
     }
-    if (absl::Status up = net_->AwaitActive(peer, epoch_, stop, /*at_least=*/true); !up.ok()) {
-      return up;
+    // A peer whose earlier link this worker took dials in again only from
+    // a new session (the old link ended on purpose, as a re-plan does).
+    int after = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      after = dialler_registration_[peer];
     }
+    absl::StatusOr<int> dialler = net_->AwaitDialler(peer, epoch_, after, stop);
+    if (!dialler.ok()) return dialler.status();
     auto link = std::make_shared<FakeLink>(net_, self_, peer, side);
     absl::MutexLock lock(&mu_);
+    dialler_registration_[peer] = *dialler;
     dialled_in_.push_back(link);
     return std::shared_ptr<PipelineLink>(link);
   }
@@ -268,6 +295,8 @@ class FakeLinks : public SessionLinks {
   FakeUpstream upstream_;
   absl::Mutex mu_;
   std::vector<std::shared_ptr<FakeLink>> dialled_ ABSL_GUARDED_BY(mu_);
+  // The registration of the session each peer's newest dial-in came from.
+  std::map<std::string, int> dialler_registration_ ABSL_GUARDED_BY(mu_);
   std::vector<std::shared_ptr<FakeLink>> dialled_in_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int> dial_ins_awaited_ ABSL_GUARDED_BY(mu_);
 };
