@@ -171,6 +171,7 @@ JobController::JobController(JobControllerOptions options, std::unique_ptr<Plann
             plans.clock = options_.clock;
             plans.planner = options_.planner;
             plans.max_dead_members = kMaxDeadMembers;
+            plans.heartbeat_ms = options_.heartbeat_ms;
             return plans;
           }(),
           [&] {

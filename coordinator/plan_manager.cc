@@ -203,9 +203,14 @@ std::vector<WorkerRecord> PlanManager::StandbysLocked(const v1::Plan& plan) cons
   for (const WorkerRecord& w : membership_.LiveWorkers()) {
     if (StageOf(plan, w.id) == nullptr && faults_.EligibleStandby(w)) standbys.push_back(w);
   }
-  std::sort(standbys.begin(), standbys.end(), [](const WorkerRecord& a, const WorkerRecord& b) {
-    return a.device.matmul_gflops() > b.device.matmul_gflops();
-  });
+  const int64_t heard_since = options_.clock->NowMs() - 2 * options_.heartbeat_ms;
+  std::stable_sort(standbys.begin(), standbys.end(),
+                   [heard_since](const WorkerRecord& a, const WorkerRecord& b) {
+                     const bool a_heard = a.last_heartbeat_ms >= heard_since;
+                     const bool b_heard = b.last_heartbeat_ms >= heard_since;
+                     if (a_heard != b_heard) return a_heard;
+                     return a.device.matmul_gflops() > b.device.matmul_gflops();
+                   });
   return standbys;
 }
 

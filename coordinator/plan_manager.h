@@ -51,6 +51,9 @@ struct PlanManagerOptions {
   std::string planner = "network";
   // Dead members kept (status, state); older ones are forgotten.
   size_t max_dead_members = 256;
+  // The workers' heartbeat period: a standby not heard from in two of them
+  // is taken only after those that were (it may be dying with the others).
+  int heartbeat_ms = 1000;
 };
 
 // What the plan manager works with; none owned, all must outlive it.
@@ -146,7 +149,11 @@ class PlanManager {
   // True when a plan was published.
   bool ReplaceLocked(const std::string& worker_id, const std::string& why, Replacement how)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Live workers outside `plan` that may take a stage, fastest first.
+  // Live workers outside `plan` that may take a stage: those heard from
+  // within two heartbeat periods first, each group fastest first. A mass
+  // failure silences many at once while their leases run on; without the
+  // first key a repair picks a silent standby, then that one's replacement
+  // when its lease ends, a new plan each time.
   std::vector<WorkerRecord> StandbysLocked(const v1::Plan& plan) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sets PlannerWorkerInfo::may_replicate (FaultResponder::MayReplicate).

@@ -1,419 +1,455 @@
 // A simulated swarm over the real protocol: N fake workers in this one
-// process join a real geotrain-coordinator (its own process, on loopback),
-// each with its own session, heartbeat at the real period, and hold a
-// WatchPlan stream, all on gRPC's callback API (no thread per worker).
-// It prints, for each N: joins (p50/p99 latency, time until all joined,
-// members the coordinator counts), Heartbeat and first-page Status
-// latency, the time to the first plan, the coordinator's CPU, RSS and
-// threads from /proc while the swarm heartbeats, and the time from 10% of
-// the members going silent at once to a plan without them.
+// process (fake_worker.h) against a real geotrain-coordinator in its own
+// process on loopback. With TLS (the default) each worker enrolls with a
+// token and its own CSR and talks over a channel of its own that presents
+// its certificate. Workers join with a speed class and report their
+// region's links when the coordinator asks (swarm_model.h), so the
+// network planner (the default) plans them; the last stage of each
+// pipeline reports steps.
 //
-// Run: build/bench/swarm [--workers=100,1000] [--steady_s=20]
+// For each N it prints:
+//   - enrollment and join: p50/p99, errors, the time until all joined, and
+//     the members the coordinator counts (a retried join must not add one);
+//   - the time to the first plan;
+//   - steady state (every worker heartbeating once a second, status polled):
+//     Heartbeat and first-page Status p50/p99, the first page's size, the
+//     coordinator's CPU, RSS per member and threads from /proc, plan
+//     messages per worker per minute, and the events log's bytes per minute;
+//   - a mass failure: 10% of the members (the plan's among them) go silent
+//     at once; the time until a published plan excludes them, and plan
+//     fan-out (from the first worker that has an epoch to each other);
+//   - with --restart: a kill -9 of the coordinator and a restart on the
+//     same state: the time until every live member heartbeats as known and
+//     holds a plan stream again, members lost, and whether the step count
+//     went back;
+//   - with --churn_s: a seeded script of deaths, pauses and returns.
 //
-// Not yet (issue 34): TLS with a certificate per worker, speed classes and
-// region links in the heartbeats, fake stages that report steps and upload
-// checkpoints, a churn script, N = 10,000. The coordinator runs insecure
-// with --probe_timeout=0 (the fake addresses serve nothing), the join-order
-// planner and a lifted join limit.
+// Run: build/bench/swarm [--workers=100,1000,10000] [--steady_s=15]
+//      [--restart] [--churn_s=30] [--insecure] [--planner=join-order]
 #include <signal.h>
-#include <sys/wait.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
-#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <memory>
+#include <random>
 #include <set>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
-#include "common/join_token.h"
-#include "common/rpc_options.h"
-#include "geotrain/v1/coordinator.grpc.pb.h"
+#include "bench/swarm/coordinator_process.h"
+#include "bench/swarm/fake_worker.h"
+#include "common/transport_security.h"
 #include "geotrain/v1/status.grpc.pb.h"
 
-ABSL_FLAG(std::string, workers, "100,1000", "swarm sizes, comma-separated");
+ABSL_FLAG(std::string, workers, "100,1000", "swarm sizes, comma-separated (5 to 10000)");
 ABSL_FLAG(std::string, coordinator_bin, "", "geotrain-coordinator (default: next to this bench)");
-ABSL_FLAG(int, steady_s, 20, "seconds of heartbeats measured once all have joined");
-ABSL_FLAG(int, joins_in_flight, 64, "joins outstanding at once (workers arriving)");
+ABSL_FLAG(int, steady_s, 15, "seconds of heartbeats measured once all have joined");
+ABSL_FLAG(int, arrivals_per_s, 500, "workers that start per second (they arrive, not all at once)");
+ABSL_FLAG(bool, insecure, false, "run the coordinator --insecure (no enrollment, no TLS)");
+ABSL_FLAG(std::string, planner, "network", "the coordinator's --planner");
+ABSL_FLAG(bool, restart, false, "kill -9 the coordinator and restart it on the same state");
+ABSL_FLAG(int, churn_s, 0, "seconds of seeded churn (deaths, pauses, returns); 0: none");
+ABSL_FLAG(int, seed, 1, "the churn script's seed");
+ABSL_FLAG(double, steps_per_second, 2, "steps each pipeline's last stage reports per second");
 
-namespace geotrain {
+namespace geotrain::swarm {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-double Since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
-
-// Latencies in ms, thread-safe.
-class Latencies {
- public:
-  void Add(double ms) {
-    absl::MutexLock lock(&mu_);
-    ms_.push_back(ms);
-  }
-  double Quantile(double q) {
-    absl::MutexLock lock(&mu_);
-    if (ms_.empty()) return 0;
-    std::vector<double> sorted = ms_;
-    std::sort(sorted.begin(), sorted.end());
-    return sorted[std::min(sorted.size() - 1, static_cast<size_t>(q * sorted.size()))];
-  }
-  size_t size() {
-    absl::MutexLock lock(&mu_);
-    return ms_.size();
-  }
-  void Clear() {
-    absl::MutexLock lock(&mu_);
-    ms_.clear();
-  }
-
- private:
-  absl::Mutex mu_;
-  std::vector<double> ms_ ABSL_GUARDED_BY(mu_);
-};
-
-struct ProcStat {
-  double cpu_s = 0;
-  double rss_mib = 0;
-  int threads = 0;
-};
-
-ProcStat ReadProc(pid_t pid) {
-  ProcStat out;
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string text((std::istreambuf_iterator<char>(stat)), {});
-  // Fields after the ")" of the command: state is 3rd, utime 14th, stime 15th.
-  const size_t close = text.rfind(')');
-  if (close != std::string::npos) {
-    std::vector<std::string> fields = absl::StrSplit(text.substr(close + 2), ' ');
-    if (fields.size() > 13) {
-      double utime = 0, stime = 0;
-      (void)absl::SimpleAtod(fields[11], &utime);
-      (void)absl::SimpleAtod(fields[12], &stime);
-      out.cpu_s = (utime + stime) / sysconf(_SC_CLK_TCK);
-    }
-  }
-  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.rfind("VmRSS:", 0) == 0) out.rss_mib = std::stod(line.substr(6)) / 1024;
-    if (line.rfind("Threads:", 0) == 0) out.threads = std::stoi(line.substr(8));
-  }
-  return out;
-}
-
-// One fake worker: its join, its lease, its plan stream.
-struct FakeWorker {
-  int index = 0;
-  std::string name, session, id;
-  v1::Coordinator::Stub* stub = nullptr;
-  std::atomic<bool> joined{false}, silent{false};
-  std::atomic<uint64_t> epoch{0};
-  absl::Mutex mu;
-  std::set<std::string> plan_members ABSL_GUARDED_BY(mu);
-};
-
-// The WatchPlan stream of one fake worker (owned by the swarm; cancelled
-// at the end).
-class PlanReader : public grpc::ClientReadReactor<v1::Plan> {
- public:
-  PlanReader(FakeWorker* worker, std::function<void(FakeWorker*, uint64_t)> on_plan)
-      : worker_(worker), on_plan_(std::move(on_plan)) {
-    request_.set_worker_id(worker->id);
-    worker->stub->async()->WatchPlan(&context_, &request_, this);
-    StartRead(&plan_);
-    StartCall();
-  }
-  void OnReadDone(bool ok) override {
-    if (!ok) return;
-    {
-      absl::MutexLock lock(&worker_->mu);
-      worker_->plan_members.clear();
-      for (const v1::StageAssignment& s : plan_.stages()) {
-        worker_->plan_members.insert(s.worker_id());
-        for (const auto& r : s.replicas()) worker_->plan_members.insert(r.worker_id());
-      }
-    }
-    worker_->epoch = plan_.epoch();
-    on_plan_(worker_, plan_.epoch());
-    StartRead(&plan_);
-  }
-  void OnDone(const grpc::Status&) override { done_ = true; }
-  void Cancel() { context_.TryCancel(); }
-  bool done() const { return done_; }
-
- private:
-  FakeWorker* worker_;
-  std::function<void(FakeWorker*, uint64_t)> on_plan_;
-  grpc::ClientContext context_;
-  v1::WatchPlanRequest request_;
-  v1::Plan plan_;
-  std::atomic<bool> done_{false};
-};
-
 struct Row {
-  int n = 0, joined = 0, members = 0;
-  double join_p50 = 0, join_p99 = 0, all_joined_s = 0;
-  double hb_p50 = 0, hb_p99 = 0, status_p50 = 0, status_p99 = 0;
-  double first_plan_s = -1, cpu_cores = 0, rss_mib = 0;
-  int threads = 0, join_errors = 0;
-  double replan_s = -1;
+  int n = 0, enrolled = 0, joined = 0, members = 0, enroll_errors = 0, join_errors = 0;
+  double enroll_p50 = 0, enroll_p99 = 0, join_p50 = 0, join_p99 = 0, all_joined_s = -1;
+  double first_plan_s = -1, hb_p50 = 0, hb_p99 = 0, status_p50 = 0, status_p99 = 0;
+  size_t status_bytes = 0;
+  double cpu_cores = 0, rss_mib = 0, rss_kib_per_member = 0;
+  int threads = 0;
+  double plans_per_worker_minute = 0, events_bytes_per_minute = 0;
+  double replan_s = -1, fanout_p50 = 0, fanout_p99 = 0;
+  int pipelines = 0;
+  // --restart
+  double reattach_s = -1;
+  int members_after_restart = -1, step_before = 0, step_after = 0;
+  // --churn_s
+  int churn_deaths = 0, churn_pauses = 0, churn_plans = 0, churn_members = 0;
 };
+
+uint64_t FileSize(const std::string& path) {
+  struct stat st;
+  return stat(path.c_str(), &st) == 0 ? static_cast<uint64_t>(st.st_size) : 0;
+}
 
 std::string WriteJob(const std::string& dir) {
   const std::string path = dir + "/swarm.textproto";
   std::ofstream(path) << "name: \"swarm\"\n"
-                         "gpt { context: 8 d_model: 16 heads: 2 blocks: 2 }\n"
-                         "text {}\nsteps: 1000000\nmin_workers: 4\nlease_ms: 5000\n";
+                         "gpt { context: 8 d_model: 16 heads: 2 blocks: 6 }\n"
+                         "text {}\nsteps: 100000000\nmin_workers: 4\nlease_ms: 5000\n"
+                         "outer { inner_steps: 50 lr: 0.7 momentum: 0.9 codec: CODEC_INT8 "
+                         "max_pipelines: 8 }\n";
   return path;
 }
 
-Row RunSwarm(int n, const std::string& coordinator_bin) {
-  Row row;
-  row.n = n;
-  char dir_template[] = "/tmp/swarm-XXXXXX";
-  const std::string dir = mkdtemp(dir_template);
-  const std::string job = WriteJob(dir);
-  const std::string port_file = dir + "/port";
-  std::fflush(stdout);  // the child must not repeat what is buffered
-  const pid_t pid = fork();
-  if (pid == 0) {
-    const std::string log = dir + "/coordinator.log";
-    freopen(log.c_str(), "w", stderr);
-    freopen(log.c_str(), "a", stdout);
-    execl(coordinator_bin.c_str(), coordinator_bin.c_str(), ("--job=" + job).c_str(),
-          ("--state_dir=" + dir + "/state").c_str(), "--listen=127.0.0.1:0",
-          ("--port_file=" + port_file).c_str(), "--insecure", "--probe_timeout=0",
-          "--planner=join-order", "--joins_per_minute=10000000", nullptr);
-    _exit(127);
-  }
-  std::string port;
-  for (int i = 0; i < 300 && port.empty(); ++i) {
-    std::ifstream in(port_file);
-    std::getline(in, port);
-    if (port.empty()) absl::SleepFor(absl::Milliseconds(100));
-  }
-  if (port.empty()) {
-    std::fprintf(stderr, "swarm: the coordinator did not start (see %s/coordinator.log)\n",
-                 dir.c_str());
-    kill(pid, SIGKILL);
-    waitpid(pid, nullptr, 0);
-    return row;
-  }
-  const std::string target = "127.0.0.1:" + port;
-  // Several connections, as many hosts would have.
-  std::vector<std::shared_ptr<grpc::Channel>> channels;
-  std::vector<std::unique_ptr<v1::Coordinator::Stub>> stubs;
-  for (int c = 0; c < 16; ++c) {
-    grpc::ChannelArguments args;
-    args.SetInt("swarm.connection", c);  // distinct channels, distinct connections
-    channels.push_back(
-        grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args));
-    stubs.push_back(v1::Coordinator::NewStub(channels.back()));
-  }
-  auto status_stub = v1::Status::NewStub(channels[0]);
+// The admin's channel, a worker token, and the coordinator's CA.
+struct Admin {
+  std::unique_ptr<v1::Admin::Stub> admin;
+  std::unique_ptr<v1::Status::Stub> status;
+  std::string token, ca_pem;
+};
 
-  std::vector<std::unique_ptr<FakeWorker>> workers;
-  for (int i = 0; i < n; ++i) {
-    auto w = std::make_unique<FakeWorker>();
-    w->index = i;
-    w->name = absl::StrCat("fake-", i);
-    w->session = RandomHexSecret(8);
-    w->stub = stubs[i % stubs.size()].get();
-    workers.push_back(std::move(w));
+absl::StatusOr<Admin> Administer(const CoordinatorProcess& coordinator, bool tls) {
+  Admin admin;
+  TransportSecurity security;
+  if (tls) {
+    absl::StatusOr<TransportSecurity> loaded =
+        LoadCredentialFile(coordinator.state_dir() + "/tls/admin.credential");
+    if (!loaded.ok()) return loaded.status();
+    security = *loaded;
+    admin.ca_pem = security.trusted_ca_pem;
   }
-  // Plan delivery: the first plan seen by anyone, and each epoch's arrival.
-  const Clock::time_point start = Clock::now();
-  std::atomic<double> first_plan_s{-1};
-  std::vector<std::unique_ptr<PlanReader>> readers;
-  absl::Mutex readers_mu;
-  auto on_plan = [&](FakeWorker*, uint64_t) {
-    double expected = -1;
-    first_plan_s.compare_exchange_strong(expected, Since(start));
-  };
+  auto channel = MakeSecureChannel(coordinator.address(), security, kCoordinatorServerName,
+                                   Connection::kOwn);
+  admin.admin = v1::Admin::NewStub(channel);
+  admin.status = v1::Status::NewStub(channel);
+  if (!tls) return admin;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  v1::CreateTokenRequest request;
+  request.set_label("swarm");
+  request.set_ttl_s(3600);
+  v1::CreateTokenResponse response;
+  const grpc::Status status = admin.admin->CreateToken(&context, request, &response);
+  if (!status.ok()) {
+    return absl::UnavailableError(absl::StrCat("token create: ", status.error_message()));
+  }
+  admin.token = response.token();
+  return admin;
+}
 
-  // Joins: `joins_in_flight` at a time; a failed attempt is retried with
-  // the same session after a jittered pause.
-  Latencies join_ms;
-  std::atomic<int> joined{0}, join_errors{0}, in_flight{0}, next{0};
-  const int window = absl::GetFlag(FLAGS_joins_in_flight);
-  std::function<void(FakeWorker*)> join = [&](FakeWorker* w) {
-    auto context = std::make_shared<grpc::ClientContext>();
-    context->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    auto request = std::make_shared<v1::JoinRequest>();
-    request->set_name(w->name);
-    request->set_address(absl::StrCat("192.0.2.", 1 + w->index % 250, ":", 7000 + w->index));
-    request->set_session_id(w->session);
-    request->mutable_device()->set_device("cpu");
-    request->mutable_device()->set_matmul_gflops(10 + w->index % 3 * 10);
-    auto response = std::make_shared<v1::JoinResponse>();
-    const Clock::time_point sent = Clock::now();
-    w->stub->async()->Join(
-        context.get(), request.get(), response.get(),
-        [&, w, context, request, response, sent](grpc::Status status) {
-          if (status.ok()) {
-            join_ms.Add(Since(sent) * 1000);
-            w->id = response->worker_id();
-            w->joined = true;
-            ++joined;
-            --in_flight;
-            auto reader = std::make_unique<PlanReader>(w, on_plan);
-            absl::MutexLock lock(&readers_mu);
-            readers.push_back(std::move(reader));
-            return;
-          }
-          ++join_errors;
-          // Retried from the driver loop below.
-          std::thread([&, w] {
-            absl::SleepFor(Jittered(absl::Seconds(1)));
-            join(w);
-          }).detach();
-        });
-  };
-  while (joined < n && Since(start) < 120) {
-    while (next < n && in_flight < window) {
-      ++in_flight;
-      join(workers[next++].get());
+// The swarm of one run: its context, workers and the drivers that beat
+// their hearts and poll the status.
+class Swarm {
+ public:
+  Swarm(int n, const CoordinatorProcess& coordinator, const Admin& admin, bool tls) {
+    context_.address = coordinator.address();
+    context_.tls = tls;
+    context_.coordinator_ca_pem = admin.ca_pem;
+    context_.token = admin.token;
+    context_.timers = &timers_;
+    context_.steps_per_second = absl::GetFlag(FLAGS_steps_per_second);
+    TransportSecurity anonymous;
+    anonymous.insecure = !tls;
+    anonymous.trusted_ca_pem = admin.ca_pem;
+    for (int c = 0; c < 16; ++c) {
+      context_.shared_stubs.push_back(v1::Coordinator::NewStub(
+          MakeSecureChannel(coordinator.address(), anonymous, kCoordinatorServerName,
+                            Connection::kOwn)));
     }
-    absl::SleepFor(absl::Milliseconds(2));
+    for (int i = 0; i < n; ++i) workers_.push_back(std::make_unique<FakeWorker>(i, &context_));
   }
-  row.all_joined_s = joined == n ? Since(start) : -1;
-  row.joined = joined;
-  row.join_errors = join_errors;
-  row.join_p50 = join_ms.Quantile(0.5);
-  row.join_p99 = join_ms.Quantile(0.99);
+  ~Swarm() {
+    StopDrivers();
+    for (auto& w : workers_) w->Stop();
+    absl::SleepFor(absl::Seconds(1));  // streams' OnDone, the last callbacks
+  }
 
-  // Heartbeats: each worker once a second, spread over the second.
-  Latencies heartbeat_ms, status_ms;
-  std::atomic<bool> stop{false};
-  std::atomic<int> live_members{0};
-  std::thread beats([&] {
-    Clock::time_point round = Clock::now();
-    while (!stop) {
-      for (int i = 0; i < n && !stop; ++i) {
-        FakeWorker* w = workers[i].get();
-        const Clock::time_point due =
-            round + std::chrono::microseconds(static_cast<int64_t>(1e6 * i / n));
-        std::this_thread::sleep_until(due);
-        if (!w->joined || w->silent) continue;
-        auto context = std::make_shared<grpc::ClientContext>();
-        context->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-        auto request = std::make_shared<v1::HeartbeatRequest>();
-        request->set_worker_id(w->id);
-        request->set_epoch(w->epoch);
-        auto response = std::make_shared<v1::HeartbeatResponse>();
-        const Clock::time_point sent = Clock::now();
-        w->stub->async()->Heartbeat(context.get(), request.get(), response.get(),
-                                    [&, context, request, response, sent](grpc::Status s) {
-                                      if (s.ok()) heartbeat_ms.Add(Since(sent) * 1000);
-                                    });
-      }
-      round += std::chrono::seconds(1);
-    }
-  });
-  std::thread statuses([&] {
-    while (!stop) {
-      grpc::ClientContext context;
-      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-      v1::ClusterStatusRequest request;
-      request.set_page_size(50);
-      v1::ClusterStatus status;
-      const Clock::time_point sent = Clock::now();
-      if (status_stub->GetClusterStatus(&context, request, &status).ok()) {
-        status_ms.Add(Since(sent) * 1000);
-        int live = 0;
-        for (const auto& [state, count] : status.worker_states()) {
-          if (state == "training" || state == "standby") live += count;
+  SwarmContext& context() { return context_; }
+  std::vector<std::unique_ptr<FakeWorker>>& workers() { return workers_; }
+
+  // Heartbeats of every joined, live worker once a second, spread over it.
+  void StartDrivers(v1::Status::Stub* status_stub) {
+    beats_ = std::thread([this] {
+      Clock::time_point round = Clock::now();
+      while (!stop_) {
+        const int n = workers_.size();
+        for (int i = 0; i < n && !stop_; ++i) {
+          std::this_thread::sleep_until(round + std::chrono::microseconds(
+                                                    static_cast<int64_t>(1e6 * i / n)));
+          workers_[i]->Heartbeat();
         }
-        live_members = live;
+        round += std::chrono::seconds(1);
       }
-      absl::SleepFor(absl::Milliseconds(200));
-    }
-  });
-  // The steady window: heartbeats of everyone, status polled.
-  absl::SleepFor(absl::Seconds(2));
-  heartbeat_ms.Clear();
-  status_ms.Clear();
-  const ProcStat before = ReadProc(pid);
-  const Clock::time_point steady = Clock::now();
-  absl::SleepFor(absl::Seconds(absl::GetFlag(FLAGS_steady_s)));
-  const ProcStat after = ReadProc(pid);
-  row.cpu_cores = (after.cpu_s - before.cpu_s) / Since(steady);
-  row.rss_mib = after.rss_mib;
-  row.threads = after.threads;
-  row.hb_p50 = heartbeat_ms.Quantile(0.5);
-  row.hb_p99 = heartbeat_ms.Quantile(0.99);
-  row.status_p50 = status_ms.Quantile(0.5);
-  row.status_p99 = status_ms.Quantile(0.99);
-  row.first_plan_s = first_plan_s;
-  row.members = live_members;
+    });
+    statuses_ = std::thread([this, status_stub] {
+      while (!stop_) {
+        grpc::ClientContext context;
+        context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+        v1::ClusterStatusRequest request;
+        request.set_page_size(50);
+        v1::ClusterStatus status;
+        const Clock::time_point sent = Clock::now();
+        if (status_stub->GetClusterStatus(&context, request, &status).ok()) {
+          status_ms_.Add(SecondsSince(sent) * 1000);
+          int live = 0;
+          for (const auto& [state, count] : status.worker_states()) {
+            if (state == "training" || state == "standby") live += count;
+          }
+          live_members_ = live;
+          status_bytes_ = status.ByteSizeLong();
+          pipelines_ = status.pipelines();
+        }
+        absl::SleepFor(absl::Milliseconds(200));
+      }
+    });
+  }
+  void StopDrivers() {
+    stop_ = true;
+    if (beats_.joinable()) beats_.join();
+    if (statuses_.joinable()) statuses_.join();
+  }
+  Latencies& status_ms() { return status_ms_; }
+  int live_members() const { return live_members_; }
+  size_t status_bytes() const { return status_bytes_; }
+  int pipelines() const { return pipelines_; }
 
-  // 10% of the members go silent at once, the plan's own among them.
-  std::set<std::string> silenced;
-  std::set<std::string> planned;
-  {
-    absl::MutexLock lock(&workers[0]->mu);
-    planned = workers[0]->plan_members;
-  }
-  for (int i = 0; i < n && static_cast<int>(silenced.size()) < std::max(1, n / 10); ++i) {
-    FakeWorker* w = workers[i].get();
-    if (planned.count(w->id) > 0 || i % 10 == 0) {
-      w->silent = true;
-      silenced.insert(w->id);
+  // A worker that is live, outside `silenced`, to watch the plans through.
+  FakeWorker* Witness(const std::set<std::string>& silenced) {
+    for (auto& w : workers_) {
+      if (!w->silent() && w->joined() && silenced.count(w->id()) == 0) return w.get();
     }
+    return nullptr;
   }
-  const Clock::time_point silence = Clock::now();
-  FakeWorker* witness = nullptr;
-  for (auto& w : workers) {
-    if (!w->silent) {
-      witness = w.get();
-      break;
-    }
-  }
-  while (Since(silence) < 60 && witness != nullptr) {
-    bool clear = true;
-    {
-      absl::MutexLock lock(&witness->mu);
-      for (const std::string& id : witness->plan_members) clear = clear && !silenced.count(id);
-    }
-    if (clear && witness->epoch > 1) {
-      row.replan_s = Since(silence);
-      break;
+
+ private:
+  Timers timers_;
+  SwarmContext context_;
+  std::vector<std::unique_ptr<FakeWorker>> workers_;
+  std::atomic<bool> stop_{false};
+  std::thread beats_, statuses_;
+  Latencies status_ms_;
+  std::atomic<int> live_members_{0}, pipelines_{0};
+  std::atomic<size_t> status_bytes_{0};
+};
+
+// Waits until `witness` has a plan newer than `after_epoch` naming none of
+// `gone`; the seconds it took, or -1 after `limit_s`.
+double AwaitPlanWithout(FakeWorker* witness, uint64_t after_epoch,
+                        const std::set<std::string>& gone, double limit_s) {
+  const Clock::time_point start = Clock::now();
+  while (witness != nullptr && SecondsSince(start) < limit_s) {
+    if (witness->epoch() > after_epoch) {
+      bool clear = true;
+      for (const std::string& id : witness->plan_members()) clear = clear && !gone.count(id);
+      if (clear) return SecondsSince(start);
     }
     absl::SleepFor(absl::Milliseconds(20));
   }
-  stop = true;
-  beats.join();
-  statuses.join();
-  {
-    absl::MutexLock lock(&readers_mu);
-    for (auto& r : readers) r->Cancel();
+  return -1;
+}
+
+Row RunSwarm(int n, const std::string& binary) {
+  Row row;
+  row.n = n;
+  const bool tls = !absl::GetFlag(FLAGS_insecure);
+  char dir_template[] = "/tmp/swarm-XXXXXX";
+  const std::string dir = mkdtemp(dir_template);
+  std::vector<std::string> flags = {"--job=" + WriteJob(dir), "--probe_timeout=0",
+                                    "--joins_per_minute=100000000",
+                                    "--planner=" + absl::GetFlag(FLAGS_planner)};
+  if (!tls) flags.push_back("--insecure");
+  CoordinatorProcess coordinator(binary, dir, flags);
+  if (absl::Status started = coordinator.Start(); !started.ok()) {
+    std::fprintf(stderr, "swarm: %s\n", std::string(started.message()).c_str());
+    return row;
   }
-  kill(pid, SIGTERM);
-  waitpid(pid, nullptr, 0);
-  absl::SleepFor(absl::Milliseconds(500));  // the readers' OnDone
+  absl::StatusOr<Admin> admin = Administer(coordinator, tls);
+  if (!admin.ok()) {
+    std::fprintf(stderr, "swarm: %s\n", std::string(admin.status().message()).c_str());
+    return row;
+  }
+  auto swarm = std::make_unique<Swarm>(n, coordinator, *admin, tls);
+  SwarmContext& context = swarm->context();
+  auto& workers = swarm->workers();
+
+  // Arrivals, paced; then every worker enrolls (TLS) and joins on its own.
+  const Clock::time_point start = Clock::now();
+  const int rate = std::max(1, absl::GetFlag(FLAGS_arrivals_per_s));
+  swarm->StartDrivers(admin->status.get());
+  for (int i = 0; i < n; ++i) {
+    std::this_thread::sleep_until(start + std::chrono::microseconds(int64_t{1000000} * i / rate));
+    workers[i]->Start();
+  }
+  double first_plan_s = -1;
+  while (context.joined < n && SecondsSince(start) < 300) {
+    if (first_plan_s < 0) {
+      absl::MutexLock lock(&context.plans_mu);
+      if (!context.epoch_first_seen.empty()) {
+        first_plan_s =
+            std::chrono::duration<double>(context.epoch_first_seen.begin()->second - start)
+                .count();
+      }
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  row.all_joined_s = context.joined == n ? SecondsSince(start) : -1;
+  std::fprintf(stderr, "swarm: %d of %d joined in %.1f s\n", context.joined.load(), n,
+               SecondsSince(start));
+  // The first plan may come after the last join (the planner waits for
+  // measurements).
+  while (first_plan_s < 0 && SecondsSince(start) < 300) {
+    {
+      absl::MutexLock lock(&context.plans_mu);
+      if (!context.epoch_first_seen.empty()) {
+        first_plan_s =
+            std::chrono::duration<double>(context.epoch_first_seen.begin()->second - start)
+                .count();
+      }
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  row.first_plan_s = first_plan_s;
+  row.enrolled = context.enrolled;
+  row.joined = context.joined;
+  row.enroll_errors = context.enroll_errors;
+  row.join_errors = context.join_errors;
+  row.enroll_p50 = context.enroll_ms.Quantile(0.5);
+  row.enroll_p99 = context.enroll_ms.Quantile(0.99);
+  row.join_p50 = context.join_ms.Quantile(0.5);
+  row.join_p99 = context.join_ms.Quantile(0.99);
+
+  // The steady window.
+  absl::SleepFor(absl::Seconds(3));
+  context.heartbeat_ms.Clear();
+  swarm->status_ms().Clear();
+  const uint64_t plans_before = context.plans_received;
+  const uint64_t events_before = FileSize(coordinator.state_dir() + "/events.log");
+  const ProcStat before = coordinator.Stat();
+  const Clock::time_point steady = Clock::now();
+  absl::SleepFor(absl::Seconds(absl::GetFlag(FLAGS_steady_s)));
+  const ProcStat after = coordinator.Stat();
+  const double minutes = SecondsSince(steady) / 60;
+  row.cpu_cores = (after.cpu_s - before.cpu_s) / SecondsSince(steady);
+  row.rss_mib = after.rss_mib;
+  row.rss_kib_per_member = after.rss_mib * 1024 / n;
+  row.threads = after.threads;
+  row.hb_p50 = context.heartbeat_ms.Quantile(0.5);
+  row.hb_p99 = context.heartbeat_ms.Quantile(0.99);
+  row.status_p50 = swarm->status_ms().Quantile(0.5);
+  row.status_p99 = swarm->status_ms().Quantile(0.99);
+  row.status_bytes = swarm->status_bytes();
+  row.members = swarm->live_members();
+  row.pipelines = swarm->pipelines();
+  row.plans_per_worker_minute = (context.plans_received - plans_before) / minutes / n;
+  row.events_bytes_per_minute =
+      (FileSize(coordinator.state_dir() + "/events.log") - events_before) / minutes;
+
+  // 10% of the members go silent at once, the plan's own among them.
+  std::set<std::string> silenced;
+  FakeWorker* observer = swarm->Witness({});
+  const std::set<std::string> planned =
+      observer != nullptr ? observer->plan_members() : std::set<std::string>();
+  const uint64_t epoch_before = observer != nullptr ? observer->epoch() : 0;
+  for (auto& w : workers) {
+    if (static_cast<int>(silenced.size()) >= std::max(1, n / 10)) break;
+    if (planned.count(w->id()) > 0 || w->index() % 10 == 0) {
+      w->Silence();
+      silenced.insert(w->id());
+    }
+  }
+  context.plan_fanout_ms.Clear();
+  row.replan_s = AwaitPlanWithout(swarm->Witness(silenced), epoch_before, silenced, 60);
+  absl::SleepFor(absl::Seconds(2));  // the plan reaches everyone
+  row.fanout_p50 = context.plan_fanout_ms.Quantile(0.5);
+  row.fanout_p99 = context.plan_fanout_ms.Quantile(0.99);
+
+  if (absl::GetFlag(FLAGS_restart)) {
+    absl::SleepFor(absl::Seconds(3));  // the state after the re-plan is written
+    row.step_before = context.newest_step;
+    const int live_before = swarm->live_members();
+    coordinator.Kill();
+    const Clock::time_point killed = Clock::now();
+    if (absl::Status started = coordinator.Start(); !started.ok()) {
+      std::fprintf(stderr, "swarm: restart: %s\n", std::string(started.message()).c_str());
+    } else {
+      const Clock::time_point restarted = Clock::now();
+      std::fprintf(stderr, "swarm: coordinator restarted in %.1f s\n", SecondsSince(killed));
+      while (SecondsSince(restarted) < 120) {
+        int attached = 0, live = 0;
+        for (auto& w : workers) {
+          if (w->silent()) continue;
+          ++live;
+          attached += w->AttachedSince(restarted) ? 1 : 0;
+        }
+        if (attached == live) {
+          row.reattach_s = SecondsSince(restarted);
+          break;
+        }
+        absl::SleepFor(absl::Milliseconds(50));
+      }
+      absl::SleepFor(absl::Seconds(3));
+      row.members_after_restart = swarm->live_members();
+      row.step_after = context.newest_step;
+      std::fprintf(stderr, "swarm: live members %d before the kill, %d after; steps %d -> %d\n",
+                   live_before, row.members_after_restart, row.step_before, row.step_after);
+    }
+  }
+
+  if (absl::GetFlag(FLAGS_churn_s) > 0) {
+    // Each second: 1% of the live workers die (they come back as new
+    // members after 20 s), 1% pause for 2 s (within the lease), and the
+    // silenced of the mass failure return a few at a time.
+    std::mt19937 random(absl::GetFlag(FLAGS_seed));
+    std::vector<std::pair<Clock::time_point, FakeWorker*>> returns;
+    const uint64_t plans_at_start = context.plans_received;
+    const uint64_t epoch_at_start = swarm->Witness({}) ? swarm->Witness({})->epoch() : 0;
+    const Clock::time_point churn = Clock::now();
+    while (SecondsSince(churn) < absl::GetFlag(FLAGS_churn_s)) {
+      for (int k = 0; k < std::max(1, n / 100); ++k) {
+        FakeWorker* w = workers[random() % n].get();
+        if (w->silent()) continue;
+        w->Silence();
+        if (random() % 2 == 0) {
+          ++row.churn_deaths;
+          returns.push_back({Clock::now() + std::chrono::seconds(20), w});
+        } else {
+          ++row.churn_pauses;
+          returns.push_back({Clock::now() + std::chrono::seconds(2), w});
+        }
+      }
+      absl::SleepFor(absl::Seconds(1));
+      for (auto it = returns.begin(); it != returns.end();) {
+        if (it->first <= Clock::now()) {
+          it->second->Revive();
+          it = returns.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    for (auto& [when, w] : returns) w->Revive();
+    absl::SleepFor(absl::Seconds(8));
+    FakeWorker* witness = swarm->Witness({});
+    row.churn_plans = witness != nullptr ? static_cast<int>(witness->epoch() - epoch_at_start) : 0;
+    row.churn_members = swarm->live_members();
+    (void)plans_at_start;
+  }
+
+  swarm.reset();
+  coordinator.Terminate();
   return row;
 }
 
 }  // namespace
-}  // namespace geotrain
+}  // namespace geotrain::swarm
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
+  using geotrain::swarm::Row;
+  // Two descriptors per TLS worker at most (its channel, the enrollment's).
+  rlimit files;
+  if (getrlimit(RLIMIT_NOFILE, &files) == 0) {
+    files.rlim_cur = files.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &files);
+  }
+  signal(SIGPIPE, SIG_IGN);
   std::string bin = absl::GetFlag(FLAGS_coordinator_bin);
   if (bin.empty()) {
     char self[4096];
@@ -430,27 +466,54 @@ int main(int argc, char** argv) {
   std::vector<int> sizes;
   for (absl::string_view part : absl::StrSplit(absl::GetFlag(FLAGS_workers), ',')) {
     int n = 0;
-    if (!absl::SimpleAtoi(part, &n) || n < 5 || n > 20000) {
-      std::fprintf(stderr, "swarm: --workers wants sizes of 5 to 20000, not '%s'\n",
+    if (!absl::SimpleAtoi(part, &n) || n < 5 || n > 10000) {
+      std::fprintf(stderr, "swarm: --workers wants sizes of 5 to 10000, not '%s'\n",
                    std::string(part).c_str());
+      return 2;
+    }
+    if (n + 100 > static_cast<int>(files.rlim_cur) / 2) {
+      std::fprintf(stderr, "swarm: %d workers need about %d file descriptors; the limit is %d\n",
+                   n, 2 * n + 200, static_cast<int>(files.rlim_cur));
       return 2;
     }
     sizes.push_back(n);
   }
-  std::printf("swarm: fake workers over loopback against %s (insecure, join-order)\n",
-              bin.c_str());
-  std::printf("%7s %7s %8s %11s %11s %9s %9s %10s %10s %10s %10s %9s %8s %8s %10s\n",
-              "workers", "joined", "members", "join p50ms", "join p99ms", "all in s",
-              "join errs", "hb p50ms", "hb p99ms", "status p50", "status p99", "1st plan",
-              "cores", "RSS MiB", "10% lost");
+  const bool tls = !absl::GetFlag(FLAGS_insecure);
+  std::printf("swarm: fake workers over loopback against %s (%s, --planner=%s)\n", bin.c_str(),
+              tls ? "TLS, a certificate per worker" : "insecure",
+              absl::GetFlag(FLAGS_planner).c_str());
   for (int n : sizes) {
     std::fprintf(stderr, "swarm: %d workers...\n", n);
-    const geotrain::Row r = geotrain::RunSwarm(n, bin);
-    std::printf("%7d %7d %8d %11.1f %11.1f %9.1f %9d %10.1f %10.1f %10.1f %10.1f %8.1fs %8.2f "
-                "%8.0f %9.1fs  threads %d\n",
-                r.n, r.joined, r.members, r.join_p50, r.join_p99, r.all_joined_s, r.join_errors,
-                r.hb_p50, r.hb_p99, r.status_p50, r.status_p99, r.first_plan_s, r.cpu_cores,
-                r.rss_mib, r.replan_s, r.threads);
+    const Row r = geotrain::swarm::RunSwarm(n, bin);
+    std::printf("\n== %d workers\n", r.n);
+    if (tls) {
+      std::printf("  enrolled %d (errors %d), enroll p50 %.1f ms p99 %.1f ms\n", r.enrolled,
+                  r.enroll_errors, r.enroll_p50, r.enroll_p99);
+    }
+    std::printf("  joined %d (errors %d) in %.1f s, join p50 %.1f ms p99 %.1f ms; members the "
+                "coordinator counts: %d\n",
+                r.joined, r.join_errors, r.all_joined_s, r.join_p50, r.join_p99, r.members);
+    std::printf("  first plan at %.1f s; pipelines %d\n", r.first_plan_s, r.pipelines);
+    std::printf("  heartbeat p50 %.1f ms p99 %.1f ms; status (first page) p50 %.1f ms p99 %.1f ms, "
+                "%zu bytes\n",
+                r.hb_p50, r.hb_p99, r.status_p50, r.status_p99, r.status_bytes);
+    std::printf("  coordinator: %.2f cores, RSS %.0f MiB (%.0f KiB per member), %d threads\n",
+                r.cpu_cores, r.rss_mib, r.rss_kib_per_member, r.threads);
+    std::printf("  plan messages per worker per minute: %.2f; events log: %.0f bytes/min\n",
+                r.plans_per_worker_minute, r.events_bytes_per_minute);
+    std::printf("  10%% silent at once -> plan without them in %.1f s; plan fan-out p50 %.0f ms "
+                "p99 %.0f ms\n",
+                r.replan_s, r.fanout_p50, r.fanout_p99);
+    if (absl::GetFlag(FLAGS_restart)) {
+      std::printf("  kill -9 and restart: every live member re-attached in %.1f s; members %d; "
+                  "step %d before, %d after\n",
+                  r.reattach_s, r.members_after_restart, r.step_before, r.step_after);
+    }
+    if (absl::GetFlag(FLAGS_churn_s) > 0) {
+      std::printf("  churn %d s: %d deaths, %d pauses, %d plans; members at the end %d\n",
+                  absl::GetFlag(FLAGS_churn_s), r.churn_deaths, r.churn_pauses, r.churn_plans,
+                  r.churn_members);
+    }
     std::fflush(stdout);
   }
   return 0;

@@ -86,6 +86,7 @@ class JobControllerTest : public testing::Test {
     options.state_dir = dir_;
     options.metrics_log_path = dir_ + "/metrics.jsonl";
     options.clock = &clock_;
+    options.heartbeat_ms = std::max(100, job->lease_ms() / 5);  // as main.cc
     options.authenticated_callers = authenticated_callers_;
     if (before_state_write_ || before_plan_write_) {
       absl::StatusOr<StateStore> files = StateStore::Open(dir_);
@@ -108,6 +109,7 @@ class JobControllerTest : public testing::Test {
     options.state_dir = dir_;
     options.metrics_log_path = dir_ + "/metrics.jsonl";
     options.clock = &clock_;
+    options.heartbeat_ms = std::max(100, job_.lease_ms() / 5);
     options.authenticated_callers = authenticated_callers_;
     options.planner = planner_;
     auto controller = JobController::Create(options);

@@ -25,6 +25,34 @@ TEST_F(ReplanTest, AStandbyTakesTheStageOfALostWorker) {
   EXPECT_NE(plan.stages(1).worker_id(), b);
 }
 
+// A mass failure silences workers at once while their leases run on: the
+// repair takes a standby it has heard from lately over a faster one that
+// has fallen silent too (which would be lost next, and need a plan of its
+// own).
+TEST_F(ReplanTest, AStandbyHeardFromLatelyGoesBeforeAFasterSilentOne) {
+  const std::string a = Join("a").worker_id(), b = Join("b").worker_id();
+  ASSERT_EQ(Plan().epoch(), 1u);
+  v1::JoinRequest fast;
+  fast.set_name("fast");
+  fast.set_address("fast:1");
+  fast.mutable_device()->set_matmul_gflops(1000);
+  const std::string silent_fast = controller_->Join(fast)->worker_id();
+  const std::string slow = Join("slow").worker_id();
+  // b and the fast standby fall silent together; the fast one's lease
+  // runs longer, as it joined later.
+  for (int t = 0; t < 15; ++t) {
+    clock_.AdvanceMs(100);
+    Heartbeat(a, 0);
+    Heartbeat(slow, 0);
+    if (t < 3) Heartbeat(silent_fast, 0);
+    controller_->Tick();
+  }
+  const v1::Plan plan = Plan();
+  EXPECT_EQ(plan.epoch(), 2u);
+  EXPECT_EQ(plan.stages(1).worker_id(), slow);
+  EXPECT_NE(plan.stages(1).worker_id(), b);
+}
+
 TEST_F(ReplanTest, WithoutAStandbyTheLayersAreRepartitioned) {
   const std::string a = Join("a").worker_id();
   Join("b");

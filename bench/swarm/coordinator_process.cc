@@ -1,0 +1,107 @@
+#include "bench/swarm/coordinator_process.h"
+
+#include <signal.h>
+#include <stdio.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+
+namespace geotrain::swarm {
+
+ProcStat ReadProc(pid_t pid) {
+  ProcStat out;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(stat)), {});
+  // Fields after the ")" of the command: utime is the 14th, stime the 15th.
+  const size_t close = text.rfind(')');
+  if (close != std::string::npos && close + 2 < text.size()) {
+    std::vector<std::string> fields = absl::StrSplit(text.substr(close + 2), ' ');
+    if (fields.size() > 13) {
+      double utime = 0, stime = 0;
+      (void)absl::SimpleAtod(fields[11], &utime);
+      (void)absl::SimpleAtod(fields[12], &stime);
+      out.cpu_s = (utime + stime) / sysconf(_SC_CLK_TCK);
+    }
+  }
+  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) out.rss_mib = std::stod(line.substr(6)) / 1024;
+    if (line.rfind("Threads:", 0) == 0) out.threads = std::stoi(line.substr(8));
+  }
+  return out;
+}
+
+CoordinatorProcess::CoordinatorProcess(std::string binary, std::string dir,
+                                       std::vector<std::string> flags)
+    : binary_(std::move(binary)), dir_(std::move(dir)), flags_(std::move(flags)) {}
+
+CoordinatorProcess::~CoordinatorProcess() {
+  if (pid_ > 0) Kill();
+}
+
+absl::Status CoordinatorProcess::Start() {
+  const std::string port_file = dir_ + "/port";
+  unlink(port_file.c_str());
+  std::vector<std::string> args = {binary_, "--state_dir=" + state_dir(),
+                                   "--port_file=" + port_file};
+  args.push_back(address_.empty() ? "--listen=127.0.0.1:0" : "--listen=" + address_);
+  args.insert(args.end(), flags_.begin(), flags_.end());
+  std::fflush(stdout);  // the child must not repeat what is buffered
+  std::fflush(stderr);
+  pid_ = fork();
+  if (pid_ == 0) {
+    const std::string log = dir_ + "/coordinator.log";
+    if (freopen(log.c_str(), "a", stderr) == nullptr || freopen(log.c_str(), "a", stdout) == nullptr) {
+      _exit(126);
+    }
+    std::vector<char*> argv;
+    for (std::string& arg : args) argv.push_back(arg.data());
+    argv.push_back(nullptr);
+    execv(binary_.c_str(), argv.data());
+    _exit(127);
+  }
+  std::string port;
+  for (int i = 0; i < 600 && port.empty(); ++i) {
+    std::ifstream in(port_file);
+    std::getline(in, port);
+    if (port.empty()) {
+      if (waitpid(pid_, nullptr, WNOHANG) == pid_) {
+        pid_ = -1;
+        break;
+      }
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+  }
+  if (port.empty()) {
+    if (pid_ > 0) Kill();
+    return absl::UnavailableError(
+        absl::StrCat("the coordinator did not start (see ", dir_, "/coordinator.log)"));
+  }
+  address_ = "127.0.0.1:" + port;
+  return absl::OkStatus();
+}
+
+void CoordinatorProcess::Kill() {
+  if (pid_ <= 0) return;
+  kill(pid_, SIGKILL);
+  waitpid(pid_, nullptr, 0);
+  pid_ = -1;
+}
+
+void CoordinatorProcess::Terminate() {
+  if (pid_ <= 0) return;
+  kill(pid_, SIGTERM);
+  waitpid(pid_, nullptr, 0);
+  pid_ = -1;
+}
+
+}  // namespace geotrain::swarm
