@@ -619,6 +619,9 @@ int PrintPlan(const geotrain::v1::ClusterStatus& status) {
                 1 / p.time_per_sample_s());
   }
   std::printf("\n");
+  if (p.candidates() > 0) {
+    std::printf("planned in %.3f s from %d workers\n", p.planning_s(), p.candidates());
+  }
   if (absl::GetFlag(FLAGS_explain)) std::printf("%s", p.explanation().c_str());
   return 0;
 }

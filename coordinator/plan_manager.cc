@@ -622,7 +622,9 @@ std::optional<v1::Plan> PlanManager::PartitionLocked(const std::vector<WorkerRec
   input.links = network_.LinksFor(live);
   network_.FillAccess(&input.workers);
   MarkReplicaCandidatesLocked(&input);
+  const absl::Time started = absl::Now();
   absl::StatusOr<PipelinePlan> planned = planner_->Plan(input);
+  const double planning_s = absl::ToDoubleSeconds(absl::Now() - started);
   if (!planned.ok()) {
     AddEventLocked("plan_failed", "", std::string(planned.status().message()));
     return std::nullopt;
@@ -630,6 +632,8 @@ std::optional<v1::Plan> PlanManager::PartitionLocked(const std::vector<WorkerRec
   v1::Plan plan = PlanProtoFor(*planned, input, live);
   absl::StrAppend(summary, SummaryOf(*planned, live));
   prediction_ = PredictionOf(input, *planned);
+  prediction_.set_planning_s(planning_s);
+  prediction_.set_candidates(static_cast<int>(live.size()));
   FillReplicasLocked(&plan, summary);
   return plan;
 }
@@ -646,14 +650,26 @@ void PlanManager::MaybePlanLocked() {
   if (options_.planner == "network") {
     // Pre-flight admission: the first plan waits (a few seconds at most)
     // for every worker's layer timings and probes of its peers, the
-    // planner's compute and network figures.
+    // planner's compute and network figures. Workers keep arriving in a
+    // large swarm: once there have been enough for kPreflightWaitMs, the
+    // plan goes ahead with those whose figures are in, and the newcomers
+    // are standbys until a voluntary re-plan takes them.
     const int64_t now = options_.clock->NowMs();
+    if (quorum_since_ms_ < 0) quorum_since_ms_ = now;
+    std::vector<WorkerRecord> ready;
     for (const WorkerRecord& w : live) {
-      if (now - w.joined_ms >= kPreflightWaitMs) continue;
-      if (w.layer_seconds_per_sample.empty() || !network_.SampleMeasured(w.id, live) ||
-          !network_.AccessSettled(w.id, live)) {
+      if (now - w.joined_ms >= kPreflightWaitMs ||
+          (!w.layer_seconds_per_sample.empty() && network_.SampleMeasured(w.id, live) &&
+           network_.AccessSettled(w.id, live))) {
+        ready.push_back(w);
+      }
+    }
+    if (ready.size() < live.size()) {
+      if (now - quorum_since_ms_ < kPreflightWaitMs ||
+          static_cast<int>(ready.size()) < options_.job.min_workers()) {
         return;
       }
+      live = std::move(ready);
     }
   }
   std::string summary;

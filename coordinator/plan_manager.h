@@ -209,6 +209,9 @@ class PlanManager {
   // Written under mu_; read without it (done(), persistence).
   std::atomic<bool> done_{false};
   bool waiting_for_workers_ ABSL_GUARDED_BY(mu_) = false;
+  // When min_workers were first live with no plan yet (-1: not yet): the
+  // first plan's pre-flight wait is bounded from there.
+  int64_t quorum_since_ms_ ABSL_GUARDED_BY(mu_) = -1;
   // Network planner: re-run on fresh figures every 30 s; a better plan is
   // taken when it is worth the move (coordinator/replan_policy.h).
   ReplanPolicy replan_policy_ ABSL_GUARDED_BY(mu_);

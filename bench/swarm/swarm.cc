@@ -34,6 +34,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <random>
 #include <set>
@@ -76,6 +77,8 @@ struct Row {
   double plans_per_worker_minute = 0, events_bytes_per_minute = 0;
   double replan_s = -1, fanout_p50 = 0, fanout_p99 = 0;
   int pipelines = 0;
+  double planning_s = -1;  // the slowest full plan the status showed
+  int planning_candidates = 0;
   // --restart
   double reattach_s = -1;
   int members_after_restart = -1, step_before = 0, step_after = 0;
@@ -195,6 +198,11 @@ class Swarm {
           live_members_ = live;
           status_bytes_ = status.ByteSizeLong();
           pipelines_ = status.pipelines();
+          if (status.prediction().candidates() > 0) {
+            absl::MutexLock lock(&planning_mu_);
+            planning_[status.epoch()] = {status.prediction().planning_s(),
+                                         status.prediction().candidates()};
+          }
         }
         absl::SleepFor(absl::Milliseconds(200));
       }
@@ -209,6 +217,12 @@ class Swarm {
   int live_members() const { return live_members_; }
   size_t status_bytes() const { return status_bytes_; }
   int pipelines() const { return pipelines_; }
+  // The planner's wall time of each full plan the status showed (epoch ->
+  // seconds, candidates).
+  std::map<uint64_t, std::pair<double, int>> planning() {
+    absl::MutexLock lock(&planning_mu_);
+    return planning_;
+  }
 
   // A worker that is live, outside `silenced`, to watch the plans through.
   FakeWorker* Witness(const std::set<std::string>& silenced) {
@@ -227,6 +241,8 @@ class Swarm {
   Latencies status_ms_;
   std::atomic<int> live_members_{0}, pipelines_{0};
   std::atomic<size_t> status_bytes_{0};
+  absl::Mutex planning_mu_;
+  std::map<uint64_t, std::pair<double, int>> planning_ ABSL_GUARDED_BY(planning_mu_);
 };
 
 // Waits until `witness` has a plan newer than `after_epoch` naming none of
@@ -337,6 +353,12 @@ Row RunSwarm(int n, const std::string& binary) {
   row.status_bytes = swarm->status_bytes();
   row.members = swarm->live_members();
   row.pipelines = swarm->pipelines();
+  for (const auto& [epoch, planned] : swarm->planning()) {
+    if (planned.first > row.planning_s) {
+      row.planning_s = planned.first;
+      row.planning_candidates = planned.second;
+    }
+  }
   row.plans_per_worker_minute = (context.plans_received - plans_before) / minutes / n;
   row.events_bytes_per_minute =
       (FileSize(coordinator.state_dir() + "/events.log") - events_before) / minutes;
@@ -493,7 +515,8 @@ int main(int argc, char** argv) {
     std::printf("  joined %d (errors %d) in %.1f s, join p50 %.1f ms p99 %.1f ms; members the "
                 "coordinator counts: %d\n",
                 r.joined, r.join_errors, r.all_joined_s, r.join_p50, r.join_p99, r.members);
-    std::printf("  first plan at %.1f s; pipelines %d\n", r.first_plan_s, r.pipelines);
+    std::printf("  first plan at %.1f s; pipelines %d; the planner took %.3f s over %d workers\n",
+                r.first_plan_s, r.pipelines, r.planning_s, r.planning_candidates);
     std::printf("  heartbeat p50 %.1f ms p99 %.1f ms; status (first page) p50 %.1f ms p99 %.1f ms, "
                 "%zu bytes\n",
                 r.hb_p50, r.hb_p99, r.status_p50, r.status_p99, r.status_bytes);

@@ -90,6 +90,33 @@ TEST_F(NetworkPipelinesTest, AnOuterJobIsPlannedAsPipelinesWhereTheyPay) {
       << status.prediction().explanation();
 }
 
+// Workers keep arriving in a large swarm, each with its figures still to
+// come: the first plan waits for them only a bounded time from when there
+// were enough workers, then plans those whose figures are in (the others
+// are standbys), and says how long the planner took over how many.
+TEST_F(VoluntaryReplanTest, ArrivalsDoNotHoldTheFirstPlanPastThePreflightWait) {
+  std::vector<std::string> measured;
+  for (const char* name : {"a", "b", "c"}) measured.push_back(Join(name).worker_id());
+  for (const std::string& id : measured) ReportTimings(id);
+  AnswerMeasureTasks(measured, {});
+  std::string newcomer;
+  for (int t = 0; t < 120; ++t) {  // 12 s; a newcomer every 2 s
+    if (t % 20 == 0) newcomer = Join(absl::StrCat("late", t)).worker_id();
+    clock_.AdvanceMs(100);
+    controller_->Tick();
+  }
+  ASSERT_EQ(controller_->Status().state(), "training");
+  const v1::Plan plan = Plan();
+  for (const v1::StageAssignment& stage : plan.stages()) {
+    EXPECT_NE(stage.worker_id(), newcomer);  // its figures never came
+  }
+  const v1::ClusterStatus status = controller_->Status();
+  // a, b, c and the first newcomer, whose 10 s without figures had passed
+  // (it is planned on defaults, as before); not the one that just came.
+  EXPECT_EQ(status.prediction().candidates(), 4);
+  EXPECT_GT(status.prediction().planning_s(), 0);
+}
+
 // Under the network planner, standbys that join after the first plan form
 // another pipeline where the planner would now choose more of them (join
 // order forms one whenever a stage's worth of standbys waits).
