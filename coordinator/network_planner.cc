@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
 #include "coordinator/plan_cost_model.h"
 #include "coordinator/planner.h"
 
@@ -163,8 +164,12 @@ class NetworkPlanner : public Planner {
   absl::StatusOr<PipelinePlan> Plan(const PlannerInput& input) const override {
     if (absl::Status valid = Validate(input); !valid.ok()) return valid;
     CostModel model(input);
+    // One wall-clock budget for every search below (time_budget).
+    const absl::Time deadline = options_.time_budget > absl::ZeroDuration()
+                                    ? absl::Now() + options_.time_budget
+                                    : absl::InfiniteFuture();
     std::string how;
-    std::optional<PipelinePlan> best = PlanForWindow(input, &how);
+    std::optional<PipelinePlan> best = PlanForWindow(input, &how, deadline);
     if (!best.has_value()) return NoFit(model, StageLimit(input));
     // Goodput: under async-stash each microbatch in flight beyond one per
     // stage is one more weight version of staleness in stage 0's gradients,
@@ -179,7 +184,7 @@ class NetworkPlanner : public Planner {
         PlannerInput capped = input;
         capped.max_in_flight = cap;  // below widest, so within input's cap
         std::string capped_how;
-        std::optional<PipelinePlan> narrower = PlanForWindow(capped, &capped_how);
+        std::optional<PipelinePlan> narrower = PlanForWindow(capped, &capped_how, deadline);
         // Workers run at least one microbatch in flight per stage.
         if (!narrower.has_value() ||
             narrower->in_flight < static_cast<int>(narrower->stages.size())) {
@@ -212,10 +217,17 @@ class NetworkPlanner : public Planner {
 
   // The best plan for `input` by samples/s (its window the one that covers
   // the round trip, within input.max_in_flight); `how` says how it was found.
-  std::optional<PipelinePlan> PlanForWindow(const PlannerInput& input, std::string* how) const {
+  std::optional<PipelinePlan> PlanForWindow(const PlannerInput& input, std::string* how,
+                                            absl::Time deadline) const {
     CostModel model(input);
     const bool exhaustive = model.workers() <= options_.exhaustive_max_workers;
-    std::optional<PipelinePlan> best = Search(input, exhaustive);
+    const int caps = input.max_pipelines == 1 ? 0 : StageLimit(input) - 1;
+    // Each search has an equal share of the time left.
+    auto share = [&deadline](int searches_left) {
+      if (deadline == absl::InfiniteFuture()) return deadline;
+      return absl::Now() + (deadline - absl::Now()) / std::max(1, searches_left);
+    };
+    std::optional<PipelinePlan> best = Search(input, exhaustive, share(caps + 1));
     if (!best.has_value()) return std::nullopt;
     *how = exhaustive ? "optimal" : "searched";
     if (input.max_pipelines == 1) {
@@ -230,7 +242,7 @@ class NetworkPlanner : public Planner {
         if (model.workers() / cap < 2) continue;
         PlannerInput capped = input;
         capped.max_stages = cap;
-        std::optional<PipelinePlan> pipelines = Search(capped, exhaustive);
+        std::optional<PipelinePlan> pipelines = Search(capped, exhaustive, share(cap));
         if (!pipelines.has_value()) continue;
         AddPipelines(model, &*pipelines);
         if (pipelines->time_per_sample_s < best->time_per_sample_s * (1 - kStrictlyBetter)) {
@@ -255,7 +267,9 @@ class NetworkPlanner : public Planner {
 
   // The best single pipeline for `input` (its max_stages included);
   // nothing when none fits.
-  std::optional<PipelinePlan> Search(const PlannerInput& input, bool exhaustive) const {
+  // The local search stops at `deadline` (the exhaustive one never does).
+  std::optional<PipelinePlan> Search(const PlannerInput& input, bool exhaustive,
+                                     absl::Time deadline) const {
     CostModel model(input);
     Sweep sweep(model);
     Best best;
@@ -263,7 +277,7 @@ class NetworkPlanner : public Planner {
     if (exhaustive) {
       Exhaustive(model, &sweep, &best);
     } else {
-      LocalSearch(model, &sweep, &best);
+      LocalSearch(model, &sweep, &best, deadline);
     }
     if (best.order.empty()) return std::nullopt;
     return std::move(best.plan);
@@ -460,7 +474,7 @@ class NetworkPlanner : public Planner {
   // Moves on the best order (swap, reverse a segment, replace by, insert or
   // remove a worker), each kept if it lowers the objective. Seeded, so the
   // same inputs give the same plan.
-  void LocalSearch(const CostModel& model, Sweep* sweep, Best* best) const {
+  void LocalSearch(const CostModel& model, Sweep* sweep, Best* best, absl::Time deadline) const {
     if (best->order.empty()) return;
     const int n = model.workers();
     const int limit = StageLimit(model.input());
@@ -475,7 +489,8 @@ class NetworkPlanner : public Planner {
     auto uniform = [&](int bound) {
       return static_cast<int>(std::uniform_int_distribution<int>(0, bound - 1)(random));
     };
-    while (sweep->sweeps() < budget) {
+    for (int64_t moves = 0; sweep->sweeps() < budget; ++moves) {
+      if (moves % 16 == 15 && absl::Now() > deadline) break;
       std::vector<int> order = best->order;
       const int p = static_cast<int>(order.size());
       std::vector<int> unused;
