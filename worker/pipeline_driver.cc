@@ -674,12 +674,17 @@ absl::Status PipelineDriver::RunLaterStage() {
         // With replicas upstream each sends one (once); the last ends the
         // stage, and it ends nothing before the job's last step: this stage
         // must have finished every microbatch that is its to finish (a
-        // replica, which sees only some ids, all but the last window's).
-        // An early or repeated one is a lie or a bug upstream, and costs
-        // the sender its link.
-        const int64_t end = static_cast<int64_t>(job_.steps()) * job_.microbatches();
-        const int64_t reached =
-            options_.replicated ? position_ + options_.schedule.window : position_;
+        // replica, which sees only some ids, those up to the end of what the
+        // upstream router sent it, which its DONE names). An early or
+        // repeated one is a lie or a bug upstream, and costs the sender its
+        // link. (A router that understates its end ends a replica early;
+        // the last stage, unreplicated, still counts every microbatch.)
+        const int64_t job_end = static_cast<int64_t>(job_.steps()) * job_.microbatches();
+        const int64_t end =
+            options_.replicated
+                ? std::min<int64_t>(job_end, static_cast<int64_t>(header.microbatch()))
+                : job_end;
+        const int64_t reached = position_;
         const bool repeated = !in.peer.empty() && !done_from_.insert(in.peer).second;
         const bool last_done = dones_ + 1 >= options_.upstream_workers;
         if (repeated || (last_done && reached < end)) {

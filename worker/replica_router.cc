@@ -77,6 +77,7 @@ absl::Status ReplicaRouter::Send(LinkMessage message) {
       RouteState& chosen = routes_[route];
       ++chosen.sent;
       chosen.outstanding[message.header.microbatch()] = now;
+      chosen.sent_end = std::max(chosen.sent_end, message.header.microbatch() + 1);
       route_of_[message.header.microbatch()] = route;
       break;
     }
@@ -93,13 +94,18 @@ absl::Status ReplicaRouter::Send(LinkMessage message) {
       break;
     }
     case v1::MESSAGE_KIND_DONE: {
-      size_t count;
+      // Each replica's DONE names the end of what was routed to it (its
+      // microbatch field): the router may have sent any run of the last ids
+      // to the others.
+      std::vector<uint64_t> ends;
       {
         absl::MutexLock lock(&mu_);
-        count = routes_.size();
+        for (const RouteState& r : routes_) ends.push_back(r.sent_end);
       }
-      for (size_t r = 0; r < count; ++r) {
-        absl::Status sent = SendTo(static_cast<int>(r), message);  // a copy: DONE has no payload
+      for (size_t r = 0; r < ends.size(); ++r) {
+        LinkMessage done = message;  // a copy: DONE has no payload
+        done.header.set_microbatch(ends[r]);
+        absl::Status sent = SendTo(static_cast<int>(r), std::move(done));
         if (!sent.ok()) return sent;
       }
       return absl::OkStatus();

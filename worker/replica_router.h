@@ -62,6 +62,7 @@ class ReplicaRouter final : public MessageSink {
     double latency_s = 0;  // 0: nothing measured yet
     absl::Time last_reply_at = absl::InfinitePast();
     std::map<uint64_t, absl::Time> outstanding;  // microbatch -> sent at
+    uint64_t sent_end = 0;  // the highest microbatch id sent on it, plus one
   };
   // The route expected to finish one more microbatch first.
   int ChooseLocked(absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

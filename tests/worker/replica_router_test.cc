@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <map>
+
 #include <vector>
 
 namespace geotrain {
@@ -138,6 +140,23 @@ TEST_F(ReplicaRouterTest, DoneGoesToEveryWorker) {
   ASSERT_TRUE(router_.Send(Message(v1::MESSAGE_KIND_DONE)).ok());
   EXPECT_EQ(a_.kinds, std::vector<v1::MessageKind>{v1::MESSAGE_KIND_DONE});
   EXPECT_EQ(b_.kinds, std::vector<v1::MessageKind>{v1::MESSAGE_KIND_DONE});
+}
+
+// A replica may see none of the last ids (the router sent a run of them to
+// the other): each DONE names the end of what its own route carried, which
+// is what the replica must have finished.
+TEST_F(ReplicaRouterTest, EachDoneNamesTheEndOfWhatItsRouteCarried) {
+  std::map<char, uint64_t> end;
+  for (uint64_t id = 0; id < 12; ++id) {
+    const char to = SendActivation(id);
+    end[to] = id + 1;
+    if (to == 'a') router_.OnReply(id);  // a keeps up; b never replies
+  }
+  ASSERT_TRUE(router_.Send(Message(v1::MESSAGE_KIND_DONE)).ok());
+  EXPECT_EQ(a_.kinds.back(), v1::MESSAGE_KIND_DONE);
+  EXPECT_EQ(a_.microbatches.back(), end['a']);
+  EXPECT_EQ(b_.microbatches.back(), end['b']);
+  EXPECT_NE(end['a'], end['b']);
 }
 
 TEST_F(ReplicaRouterTest, AFailedSendNamesItsPeerAndUnknownRepliesAreIgnored) {

@@ -4,6 +4,7 @@
 // this process, the fake links carry messages between their inboxes.
 // Covers what a session meets in a run: DONE, a plan change mid-step, a
 // lost link, and a replica that is absent from the weight sync.
+#include "common/logging.h"
 #include "worker/training_session.h"
 
 #include <gtest/gtest.h>
@@ -582,6 +583,7 @@ class TrainingSessionTest : public ::testing::Test {
     w->finished = false;
     threads_.emplace_back([w] {
       w->result = w->session->Run(w->runtime.get(), /*stale_weights=*/false);
+      GT_LOG(Info) << w->id << "'s session ended: " << w->result;  // for a post-mortem
       w->finished = true;
     });
   }
