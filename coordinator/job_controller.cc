@@ -378,7 +378,9 @@ bool JobController::Heartbeat(const v1::HeartbeatRequest& request,
     network_.RecordAccess(request.worker_id(), request.access_probe_results(i), now_ms);
   }
   if (response != nullptr && network_.WantsTask(request.worker_id(), now_ms)) {
-    const std::vector<WorkerRecord> live = membership_.LiveWorkers();
+    // Shared, not copied: after a join every member may want a task.
+    const std::shared_ptr<const std::vector<WorkerRecord>> shared = membership_.SharedLiveWorkers();
+    const std::vector<WorkerRecord>& live = *shared;
     if (std::optional<v1::ProbeTask> task = network_.NextTask(request.worker_id(), live, now_ms)) {
       *response->add_probes() = *std::move(task);
     }

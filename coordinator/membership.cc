@@ -195,6 +195,7 @@ WorkerRecord Membership::Join(const std::string& name, const std::string& addres
                               v1::MemberRole role, const v1::Reachability& reachability,
                               const std::string& session, bool* retried) {
   absl::MutexLock lock(&mu_);
+  live_cache_.reset();
   if (retried != nullptr) *retried = false;
   const int64_t now = clock_->NowMs();
   WorkerRecord* record = id.empty() ? nullptr : FindLocked(id);
@@ -240,6 +241,7 @@ WorkerRecord Membership::Join(const std::string& name, const std::string& addres
 
 bool Membership::Abandon(const std::string& id, const std::string& session) {
   absl::MutexLock lock(&mu_);
+  live_cache_.reset();
   WorkerRecord* record = FindLocked(id);
   if (record == nullptr || record->session != session || !record->alive) return false;
   if (--answered_joins_[id] > 0) return false;  // another attempt was answered with it
@@ -275,6 +277,7 @@ bool Membership::IsLive(const std::string& id) const {
 
 void Membership::PruneDead(size_t keep_dead) {
   absl::MutexLock lock(&mu_);
+  live_cache_.reset();
   size_t dead = 0;
   for (const WorkerRecord& w : workers_) dead += w.alive ? 0 : 1;
   if (dead <= keep_dead) return;
@@ -315,16 +318,19 @@ void Membership::SetLayerTimings(
     kept[kind] = seconds;
   }
   absl::MutexLock lock(&mu_);
+  live_cache_.reset();
   if (WorkerRecord* w = FindLocked(id)) w->layer_seconds_per_sample = std::move(kept);
 }
 
 void Membership::SetReachability(const std::string& id, const v1::Reachability& reachability) {
   absl::MutexLock lock(&mu_);
+  live_cache_.reset();
   if (WorkerRecord* w = FindLocked(id)) w->reachability = reachability;
 }
 
 bool Membership::Leave(const std::string& id, const std::string& reason) {
   absl::MutexLock lock(&mu_);
+  live_cache_.reset();
   WorkerRecord* w = FindLocked(id);
   if (w == nullptr || !w->alive) return false;
   w->alive = false;
@@ -344,11 +350,13 @@ std::vector<WorkerRecord> Membership::ExpireLeases() {
       expired.push_back(w);
     }
   }
+  if (!expired.empty()) live_cache_.reset();
   return expired;
 }
 
 void Membership::Restore(std::vector<WorkerRecord> records, int next_number) {
   absl::MutexLock lock(&mu_);
+  live_cache_.reset();
   next_number_ = std::max(next_number_, next_number);
   const int64_t now = clock_->NowMs();
   for (WorkerRecord& record : records) {
@@ -378,6 +386,18 @@ std::vector<WorkerRecord> Membership::LiveWorkers() const {
     if (w.alive && !w.relay()) live.push_back(w);
   }
   return live;
+}
+
+std::shared_ptr<const std::vector<WorkerRecord>> Membership::SharedLiveWorkers() const {
+  absl::MutexLock lock(&mu_);
+  if (live_cache_ == nullptr) {
+    auto live = std::make_shared<std::vector<WorkerRecord>>();
+    for (const WorkerRecord& w : workers_) {
+      if (w.alive && !w.relay()) live->push_back(w);
+    }
+    live_cache_ = std::move(live);
+  }
+  return live_cache_;
 }
 
 std::vector<WorkerRecord> Membership::ProbeCandidates(const std::string& exclude,

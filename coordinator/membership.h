@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -120,6 +121,11 @@ class Membership {
   std::vector<WorkerRecord> Snapshot() const;
   // Live members that may hold stages (no relays).
   std::vector<WorkerRecord> LiveWorkers() const;
+  // The same, shared: built once per change of the live set or of what a
+  // member declared (join, leave, expiry, reachability, layer timings) and
+  // not per call, for the heartbeat path. The heartbeat fields (its time,
+  // RSS, step, stats) are as of that change.
+  std::shared_ptr<const std::vector<WorkerRecord>> SharedLiveWorkers() const;
   std::vector<WorkerRecord> LiveRelays() const;
   // Each live member's name and resident memory (the metrics log's).
   std::vector<std::pair<std::string, int64_t>> LiveRss() const;
@@ -138,6 +144,8 @@ class Membership {
 
   mutable absl::Mutex mu_;
   std::vector<WorkerRecord> workers_ ABSL_GUARDED_BY(mu_);  // join order
+  // SharedLiveWorkers(), reset by every change but a heartbeat.
+  mutable std::shared_ptr<const std::vector<WorkerRecord>> live_cache_ ABSL_GUARDED_BY(mu_);
   std::unordered_map<std::string, size_t> index_ ABSL_GUARDED_BY(mu_);  // id -> workers_[i]
   // Answers given to the current session of each member (Abandon).
   std::unordered_map<std::string, int> answered_joins_ ABSL_GUARDED_BY(mu_);

@@ -19,21 +19,43 @@ bool Plausible(double rtt_s, double rate_bps) {
          rate_bps >= 0 && rate_bps <= kMaxRateBps;
 }
 
+// The rank of `peer` in `worker`'s sample order (lower first): the two
+// ids' hashes mixed (splitmix64's finalizer), without building a string.
+uint64_t PairRank(size_t worker_hash, const std::string& peer) {
+  uint64_t h = static_cast<uint64_t>(worker_hash) * 0x9e3779b97f4a7c15ull ^
+               static_cast<uint64_t>(std::hash<std::string>()(peer));
+  h ^= h >> 30;
+  h *= 0xbf58476d1ce4e5b9ull;
+  h ^= h >> 27;
+  h *= 0x94d049bb133111ebull;
+  h ^= h >> 31;
+  return h;
+}
+
 }  // namespace
 
 std::vector<const WorkerRecord*> NetworkMatrix::SampleFor(
     const std::string& worker, const std::vector<WorkerRecord>& live) const {
-  std::vector<std::pair<size_t, const WorkerRecord*>> ranked;
+  const size_t worker_hash = std::hash<std::string>()(worker);
+  std::vector<std::pair<uint64_t, const WorkerRecord*>> ranked;
+  ranked.reserve(live.size());
   for (const WorkerRecord& w : live) {
     if (w.id == worker || w.relay() || !w.alive) continue;
-    ranked.push_back({std::hash<std::string>()(worker + "|" + w.id), &w});
+    ranked.push_back({PairRank(worker_hash, w.id), &w});
   }
-  std::sort(ranked.begin(), ranked.end(), [](const auto& a, const auto& b) {
+  auto before = [](const auto& a, const auto& b) {
     return a.first != b.first ? a.first < b.first : a.second->id < b.second->id;
-  });
+  };
+  const size_t k = std::min(ranked.size(), static_cast<size_t>(std::max(0, options_.sample)));
+  std::partial_sort(ranked.begin(), ranked.begin() + k, ranked.end(), before);
   std::vector<const WorkerRecord*> sample;
-  for (size_t i = 0; i < ranked.size() && static_cast<int>(i) < options_.sample; ++i) {
-    sample.push_back(ranked[i].second);
+  for (size_t i = 0; i < k; ++i) sample.push_back(ranked[i].second);
+  // A newcomer enters this sample only below the last one's rank (Learn).
+  absl::MutexLock lock(&mu_);
+  if (k > 0 && k == static_cast<size_t>(options_.sample)) {
+    sample_bound_[worker] = ranked[k - 1].first;
+  } else {
+    sample_bound_.erase(worker);
   }
   return sample;
 }
@@ -122,7 +144,19 @@ bool NetworkMatrix::WantsTask(const std::string& worker, int64_t now_ms) const {
 void NetworkMatrix::Learn(const std::string& worker, const std::string& address) {
   absl::MutexLock lock(&mu_);
   worker_at_[address] = worker;
-  next_check_ms_.clear();  // a new peer: every worker may have it to measure
+  // A new peer: the workers whose sample it enters have it to measure
+  // (those with a sample not yet full, and those it ranks into); the others
+  // are not asked again, so a join costs a hash per member, not a sample.
+  for (auto it = next_check_ms_.begin(); it != next_check_ms_.end();) {
+    auto bound = sample_bound_.find(it->first);
+    if (it->first != worker &&
+        (bound == sample_bound_.end() ||
+         PairRank(std::hash<std::string>()(it->first), worker) < bound->second)) {
+      it = next_check_ms_.erase(it);
+    } else {
+      ++it;
+    }
+  }
 }
 
 void NetworkMatrix::RecordLinkRate(const std::string& worker, const std::string& peer_address,

@@ -117,6 +117,8 @@ class NetworkMatrix {
   // Outstanding measure task per prober: its target and when it was sent.
   std::map<std::string, std::pair<std::string, int64_t>> pending_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int64_t> next_check_ms_ ABSL_GUARDED_BY(mu_);
+  // Per worker with a full sample: the rank of its last member (SampleFor).
+  mutable std::map<std::string, uint64_t> sample_bound_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> worker_at_ ABSL_GUARDED_BY(mu_);  // address -> worker
   std::map<std::string, Access> access_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int64_t> access_pending_ ABSL_GUARDED_BY(mu_);  // worker -> sent at

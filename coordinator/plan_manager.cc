@@ -44,7 +44,18 @@ void PlanManager::Restore(std::optional<v1::Plan> plan, bool done) {
 }
 
 void PlanManager::OnJoined(const WorkerRecord& record, const std::string& detail) {
-  absl::MutexLock lock(&mu_);
+  // A join never waits for the plan lock: while a search holds it, the
+  // next Tick (every 100 ms) plans with the newcomer, and a relay that
+  // could carry a stranded link is used then ("a relay is usable again").
+  if (!mu_.TryLock()) {
+    events_.Add("joined", record.name, detail);
+    return;
+  }
+  OnJoinedLocked(record, detail);
+  mu_.Unlock();
+}
+
+void PlanManager::OnJoinedLocked(const WorkerRecord& record, const std::string& detail) {
   AddEventLocked("joined", record.name, detail);
   if (record.relay()) {
     if (plan_.has_value() && !done_) {
@@ -154,10 +165,13 @@ void PlanManager::Tick(const std::vector<WorkerRecord>& expired) {
 }
 
 ControllerFacts PlanManager::Facts(const std::vector<std::string>& ids) const {
+  // Not under mu_: the status never waits for a search.
   ControllerFacts facts;
-  absl::MutexLock lock(&mu_);
   facts.done = done_;
-  facts.prediction = prediction_;
+  {
+    absl::MutexLock lock(&facts_mu_);
+    facts.prediction = published_prediction_;
+  }
   for (const std::string& id : ids) {
     if (std::optional<std::string> why = faults_.ExclusionOf(id)) facts.suspected[id] = *why;
   }
@@ -285,7 +299,7 @@ void PlanManager::MaybeVoluntaryReplanLocked() {
   // (still the plan an exhaustive search chose, if one did).
   compared->current.planner = planner_->name();
   compared->current.exact = prediction_.exact();
-  prediction_ = PredictionOf(input, compared->current);
+  SetPredictionLocked(PredictionOf(input, compared->current));
   ReplanCandidate& candidate = compared->candidate;
   candidate.measured_s_per_sample = progress_.Snapshot().seconds_per_sample;
   const ReplanDecision decision = replan_policy_.Decide(candidate, now);
@@ -306,7 +320,7 @@ void PlanManager::MaybeVoluntaryReplanLocked() {
   v1::Plan next = PlanProtoFor(*best, input, candidates);
   std::string summary = SummaryOf(*best, candidates);
   FillReplicasLocked(&next, &summary);
-  prediction_ = PredictionOf(input, *best);
+  SetPredictionLocked(PredictionOf(input, *best));
   PublishReplanLocked(std::move(next), absl::StrCat("voluntary: ", decision.reason, "; ", summary));
 }
 
@@ -631,9 +645,10 @@ std::optional<v1::Plan> PlanManager::PartitionLocked(const std::vector<WorkerRec
   }
   v1::Plan plan = PlanProtoFor(*planned, input, live);
   absl::StrAppend(summary, SummaryOf(*planned, live));
-  prediction_ = PredictionOf(input, *planned);
-  prediction_.set_planning_s(planning_s);
-  prediction_.set_candidates(static_cast<int>(live.size()));
+  v1::PlanPrediction prediction = PredictionOf(input, *planned);
+  prediction.set_planning_s(planning_s);
+  prediction.set_candidates(static_cast<int>(live.size()));
+  SetPredictionLocked(std::move(prediction));
   FillReplicasLocked(&plan, summary);
   return plan;
 }
@@ -656,21 +671,24 @@ void PlanManager::MaybePlanLocked() {
     // are standbys until a voluntary re-plan takes them.
     const int64_t now = options_.clock->NowMs();
     if (quorum_since_ms_ < 0) quorum_since_ms_ = now;
+    const bool waited = now - quorum_since_ms_ >= kPreflightWaitMs;
     std::vector<WorkerRecord> ready;
     for (const WorkerRecord& w : live) {
-      if (now - w.joined_ms >= kPreflightWaitMs ||
+      // A worker found ready stays so: each tick looks only at newcomers.
+      if (preflight_ready_.count(w.id) > 0 || now - w.joined_ms >= kPreflightWaitMs ||
           (!w.layer_seconds_per_sample.empty() && network_.SampleMeasured(w.id, live) &&
            network_.AccessSettled(w.id, live))) {
+        preflight_ready_.insert(w.id);
         ready.push_back(w);
+      } else if (!waited) {
+        return;
       }
     }
     if (ready.size() < live.size()) {
-      if (now - quorum_since_ms_ < kPreflightWaitMs ||
-          static_cast<int>(ready.size()) < options_.job.min_workers()) {
-        return;
-      }
+      if (static_cast<int>(ready.size()) < options_.job.min_workers()) return;
       live = std::move(ready);
     }
+    preflight_ready_.clear();
   }
   std::string summary;
   std::optional<v1::Plan> plan = PartitionLocked(live, &summary);
@@ -738,6 +756,12 @@ void PlanManager::PublishLocked(v1::Plan plan) {
   parts_.plan_view->Set(std::make_shared<const v1::Plan>(plan));
   plan_ = std::move(plan);
   progress_.StartEpoch(*plan_);
+}
+
+void PlanManager::SetPredictionLocked(v1::PlanPrediction prediction) {
+  prediction_ = prediction;
+  absl::MutexLock lock(&facts_mu_);
+  published_prediction_ = std::move(prediction);
 }
 
 void PlanManager::AddEventLocked(const std::string& kind, const std::string& worker,

@@ -107,6 +107,9 @@ class PlanManager {
   bool done() const;
 
  private:
+  void SetPredictionLocked(v1::PlanPrediction prediction) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void OnJoinedLocked(const WorkerRecord& record, const std::string& detail)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybePlanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeReplanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Carries out the FaultResponder's `action`; true when a plan was
@@ -206,12 +209,17 @@ class PlanManager {
   std::optional<v1::Plan> plan_ ABSL_GUARDED_BY(mu_);
   // What the planner predicted when it last partitioned the layers.
   v1::PlanPrediction prediction_ ABSL_GUARDED_BY(mu_);
+  // Its copy for Facts(), which must not wait for mu_ (a search holds it).
+  mutable absl::Mutex facts_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  v1::PlanPrediction published_prediction_ ABSL_GUARDED_BY(facts_mu_);
   // Written under mu_; read without it (done(), persistence).
   std::atomic<bool> done_{false};
   bool waiting_for_workers_ ABSL_GUARDED_BY(mu_) = false;
   // When min_workers were first live with no plan yet (-1: not yet): the
   // first plan's pre-flight wait is bounded from there.
   int64_t quorum_since_ms_ ABSL_GUARDED_BY(mu_) = -1;
+  // Workers whose figures the first plan's pre-flight found in.
+  std::set<std::string> preflight_ready_ ABSL_GUARDED_BY(mu_);
   // Network planner: re-run on fresh figures every 30 s; a better plan is
   // taken when it is worth the move (coordinator/replan_policy.h).
   ReplanPolicy replan_policy_ ABSL_GUARDED_BY(mu_);

@@ -249,8 +249,10 @@ absl::StatusOr<v1::ClusterStatus> StatusAssembler::Assemble(
     *status.mutable_prediction() = facts.prediction;
   }
   status.set_schedule(ScheduleName(job.schedule()));
-  for (v1::NetworkLink& link : sources_.network->Status(now_ms)) {
-    *status.add_network() = std::move(link);
+  if (request.page_size() == 0 || request.include_network()) {
+    for (v1::NetworkLink& link : sources_.network->Status(now_ms)) {
+      *status.add_network() = std::move(link);
+    }
   }
   status.set_val_loss(figures.val_loss);
   status.set_accuracy(figures.accuracy);

@@ -72,6 +72,7 @@ struct Row {
   double enroll_p50 = 0, enroll_p99 = 0, join_p50 = 0, join_p99 = 0, all_joined_s = -1;
   double first_plan_s = -1, hb_p50 = 0, hb_p99 = 0, status_p50 = 0, status_p99 = 0;
   size_t status_bytes = 0;
+  std::string status_fields;
   double cpu_cores = 0, rss_mib = 0, rss_kib_per_member = 0;
   int threads = 0;
   double plans_per_worker_minute = 0, events_bytes_per_minute = 0;
@@ -99,6 +100,30 @@ std::string WriteJob(const std::string& dir) {
                          "outer { inner_steps: 50 lr: 0.7 momentum: 0.9 codec: CODEC_INT8 "
                          "max_pipelines: 8 }\n";
   return path;
+}
+
+// The status's three largest fields and their bytes, e.g. "workers 120 KB".
+std::string LargestFields(const v1::ClusterStatus& status) {
+  const google::protobuf::Reflection* reflection = status.GetReflection();
+  std::vector<const google::protobuf::FieldDescriptor*> fields;
+  reflection->ListFields(status, &fields);
+  std::vector<std::pair<size_t, std::string>> sizes;
+  for (const google::protobuf::FieldDescriptor* field : fields) {
+    v1::ClusterStatus only;
+    only.CopyFrom(status);
+    std::vector<const google::protobuf::FieldDescriptor*> others;
+    only.GetReflection()->ListFields(only, &others);
+    for (const google::protobuf::FieldDescriptor* other : others) {
+      if (other != field) only.GetReflection()->ClearField(&only, other);
+    }
+    sizes.push_back({only.ByteSizeLong(), field->name()});
+  }
+  std::sort(sizes.rbegin(), sizes.rend());
+  std::string out;
+  for (size_t i = 0; i < sizes.size() && i < 3; ++i) {
+    absl::StrAppend(&out, i > 0 ? ", " : "", sizes[i].second, " ", sizes[i].first / 1024, " KiB");
+  }
+  return out;
 }
 
 // The admin's channel, a worker token, and the coordinator's CA.
@@ -197,6 +222,10 @@ class Swarm {
           }
           live_members_ = live;
           status_bytes_ = status.ByteSizeLong();
+          {
+            absl::MutexLock lock(&planning_mu_);
+            status_fields_ = LargestFields(status);
+          }
           pipelines_ = status.pipelines();
           if (status.prediction().candidates() > 0) {
             absl::MutexLock lock(&planning_mu_);
@@ -224,6 +253,11 @@ class Swarm {
     return planning_;
   }
 
+  std::string status_fields() {
+    absl::MutexLock lock(&planning_mu_);
+    return status_fields_;
+  }
+
   // A worker that is live, outside `silenced`, to watch the plans through.
   FakeWorker* Witness(const std::set<std::string>& silenced) {
     for (auto& w : workers_) {
@@ -243,6 +277,7 @@ class Swarm {
   std::atomic<size_t> status_bytes_{0};
   absl::Mutex planning_mu_;
   std::map<uint64_t, std::pair<double, int>> planning_ ABSL_GUARDED_BY(planning_mu_);
+  std::string status_fields_ ABSL_GUARDED_BY(planning_mu_);
 };
 
 // Waits until `witness` has a plan newer than `after_epoch` naming none of
@@ -351,6 +386,7 @@ Row RunSwarm(int n, const std::string& binary) {
   row.status_p50 = swarm->status_ms().Quantile(0.5);
   row.status_p99 = swarm->status_ms().Quantile(0.99);
   row.status_bytes = swarm->status_bytes();
+  row.status_fields = swarm->status_fields();
   row.members = swarm->live_members();
   row.pipelines = swarm->pipelines();
   for (const auto& [epoch, planned] : swarm->planning()) {
@@ -518,8 +554,9 @@ int main(int argc, char** argv) {
     std::printf("  first plan at %.1f s; pipelines %d; the planner took %.3f s over %d workers\n",
                 r.first_plan_s, r.pipelines, r.planning_s, r.planning_candidates);
     std::printf("  heartbeat p50 %.1f ms p99 %.1f ms; status (first page) p50 %.1f ms p99 %.1f ms, "
-                "%zu bytes\n",
-                r.hb_p50, r.hb_p99, r.status_p50, r.status_p99, r.status_bytes);
+                "%zu bytes (largest: %s)\n",
+                r.hb_p50, r.hb_p99, r.status_p50, r.status_p99, r.status_bytes,
+                r.status_fields.c_str());
     std::printf("  coordinator: %.2f cores, RSS %.0f MiB (%.0f KiB per member), %d threads\n",
                 r.cpu_cores, r.rss_mib, r.rss_kib_per_member, r.threads);
     std::printf("  plan messages per worker per minute: %.2f; events log: %.0f bytes/min\n",

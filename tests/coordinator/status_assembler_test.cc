@@ -126,6 +126,19 @@ TEST_F(StatusAssemblerTest, PagesWalkEveryMemberOnceWithCountsOnEachPage) {
   EXPECT_EQ(asked_.size(), 5u);
 }
 
+// The link matrix grows with the members: a page leaves it out unless asked.
+TEST_F(StatusAssemblerTest, ThePagedStatusCarriesTheLinkMatrixOnlyWhenAsked) {
+  Members(4);
+  network_.Learn("w1", "peer:1");
+  network_.RecordLinkRate("w0", "peer:1", 1e9, 1000);
+  EXPECT_EQ(Get(v1::ClusterStatusRequest()).network_size(), 1);  // the whole status
+  v1::ClusterStatusRequest page;
+  page.set_page_size(2);
+  EXPECT_EQ(Get(page).network_size(), 0);
+  page.set_include_network(true);
+  EXPECT_EQ(Get(page).network_size(), 1);
+}
+
 TEST_F(StatusAssemblerTest, FiltersByStateStageAndName) {
   Members(12);
   v1::ClusterStatusRequest request;
