@@ -10,6 +10,7 @@
 #include "absl/time/clock.h"
 #include "common/files.h"
 #include "common/join_token.h"
+#include "common/status_macros.h"
 
 namespace geotrain {
 namespace {
@@ -43,10 +44,19 @@ absl::StatusOr<std::unique_ptr<AccessStore>> AccessStore::Open(const std::string
   return store;
 }
 
-absl::Status AccessStore::PersistLocked() {
-  std::string text;
-  google::protobuf::TextFormat::PrintToString(state_, &text);
-  return WriteFileAtomically(path_, text, 0600);
+AccessStore::PendingWrite AccessStore::SnapshotLocked() {
+  PendingWrite pending;
+  pending.sequence = ++snapshots_;
+  google::protobuf::TextFormat::PrintToString(state_, &pending.text);
+  return pending;
+}
+
+absl::Status AccessStore::Write(const PendingWrite& pending) {
+  absl::MutexLock lock(&write_mu_);
+  if (written_ >= pending.sequence) return absl::OkStatus();
+  RETURN_IF_ERROR(WriteFileAtomically(path_, pending.text, 0600));
+  written_ = pending.sequence;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<v1::CreateTokenResponse> AccessStore::CreateToken(
@@ -62,33 +72,42 @@ absl::StatusOr<v1::CreateTokenResponse> AccessStore::CreateToken(
   absl::StatusOr<JoinToken> token = NewJoinToken(ca_fingerprint_);
   if (!token.ok()) return token.status();
   const int64_t now_s = absl::ToUnixSeconds(now_());
-  absl::MutexLock lock(&mu_);
-  // Expired tokens go first once the table is full.
-  auto* tokens = state_.mutable_tokens();
-  for (int i = tokens->size() - 1; i >= 0 && tokens->size() >= kMaxTokens; --i) {
-    if (tokens->Get(i).info().expires_unix_s() < now_s) tokens->DeleteSubrange(i, 1);
+  v1::CreateTokenResponse response;
+  PendingWrite pending;
+  {
+    absl::MutexLock lock(&mu_);
+    // Expired tokens go first once the table is full.
+    auto* tokens = state_.mutable_tokens();
+    for (int i = tokens->size() - 1; i >= 0 && tokens->size() >= kMaxTokens; --i) {
+      if (tokens->Get(i).info().expires_unix_s() < now_s) tokens->DeleteSubrange(i, 1);
+    }
+    if (tokens->size() >= kMaxTokens) {
+      return absl::ResourceExhaustedError("10000 live tokens: revoke some first");
+    }
+    v1::TokenRecord* record = state_.add_tokens();
+    v1::TokenInfo* info = record->mutable_info();
+    info->set_id(token->id);
+    info->set_label(request.label());
+    info->set_role(request.role() == v1::TOKEN_ROLE_VIEWER  ? v1::TOKEN_ROLE_VIEWER
+                   : request.role() == v1::TOKEN_ROLE_RELAY ? v1::TOKEN_ROLE_RELAY
+                                                            : v1::TOKEN_ROLE_WORKER);
+    info->set_uses_left(request.uses() == 0 ? -1 : request.uses());
+    info->set_created_unix_s(now_s);
+    info->set_expires_unix_s(now_s + (request.ttl_s() == 0 ? kDefaultTtlS : request.ttl_s()));
+    record->set_secret_sha256(HashTokenSecret(token->secret));
+    response.set_token(FormatJoinToken(*token));
+    *response.mutable_info() = *info;
+    pending = SnapshotLocked();
   }
-  if (tokens->size() >= kMaxTokens) {
-    return absl::ResourceExhaustedError("10000 live tokens: revoke some first");
-  }
-  v1::TokenRecord* record = state_.add_tokens();
-  v1::TokenInfo* info = record->mutable_info();
-  info->set_id(token->id);
-  info->set_label(request.label());
-  info->set_role(request.role() == v1::TOKEN_ROLE_VIEWER  ? v1::TOKEN_ROLE_VIEWER
-                 : request.role() == v1::TOKEN_ROLE_RELAY ? v1::TOKEN_ROLE_RELAY
-                                                          : v1::TOKEN_ROLE_WORKER);
-  info->set_uses_left(request.uses() == 0 ? -1 : request.uses());
-  info->set_created_unix_s(now_s);
-  info->set_expires_unix_s(now_s + (request.ttl_s() == 0 ? kDefaultTtlS : request.ttl_s()));
-  record->set_secret_sha256(HashTokenSecret(token->secret));
-  if (absl::Status persisted = PersistLocked(); !persisted.ok()) {
-    state_.mutable_tokens()->RemoveLast();
+  if (absl::Status persisted = Write(pending); !persisted.ok()) {
+    // Not durable, so not given out: the token is taken back.
+    absl::MutexLock lock(&mu_);
+    auto* tokens = state_.mutable_tokens();
+    for (int i = tokens->size() - 1; i >= 0; --i) {
+      if (tokens->Get(i).info().id() == token->id) tokens->DeleteSubrange(i, 1);
+    }
     return persisted;
   }
-  v1::CreateTokenResponse response;
-  response.set_token(FormatJoinToken(*token));
-  *response.mutable_info() = *info;
   return response;
 }
 
@@ -104,14 +123,24 @@ absl::StatusOr<v1::TokenInfo> AccessStore::RevokeToken(const std::string& id_or_
   if (absl::StatusOr<JoinToken> parsed = ParseJoinToken(id_or_token); parsed.ok()) {
     id = parsed->id;
   }
-  absl::MutexLock lock(&mu_);
-  for (v1::TokenRecord& record : *state_.mutable_tokens()) {
-    if (record.info().id() != id) continue;
-    record.mutable_info()->set_revoked(true);
-    if (absl::Status persisted = PersistLocked(); !persisted.ok()) return persisted;
-    return record.info();
+  v1::TokenInfo revoked;
+  PendingWrite pending;
+  {
+    absl::MutexLock lock(&mu_);
+    for (v1::TokenRecord& record : *state_.mutable_tokens()) {
+      if (record.info().id() != id) continue;
+      record.mutable_info()->set_revoked(true);
+      revoked = record.info();
+      pending = SnapshotLocked();
+      break;
+    }
   }
-  return absl::NotFoundError(absl::StrCat("no token with id '", id, "'"));
+  if (pending.sequence == 0) {
+    return absl::NotFoundError(absl::StrCat("no token with id '", id, "'"));
+  }
+  // Refused from now on even if the write fails (it is retried by the next).
+  RETURN_IF_ERROR(Write(pending));
+  return revoked;
 }
 
 absl::StatusOr<const v1::TokenRecord*> AccessStore::FindValidLocked(const std::string& text,
@@ -166,31 +195,42 @@ absl::StatusOr<std::string> AccessStore::CheckToken(const std::string& token,
 absl::StatusOr<std::string> AccessStore::RedeemForWorker(
     const std::string& token, const std::function<bool(const std::string&)>& taken,
     std::string* token_id) {
-  absl::MutexLock lock(&mu_);
-  absl::StatusOr<const v1::TokenRecord*> found = FindValidLocked(token, v1::TOKEN_ROLE_WORKER);
-  if (!found.ok()) return found.status();
-  v1::TokenRecord* record = const_cast<v1::TokenRecord*>(*found);
   std::string id;
-  do {
-    id = absl::StrCat("w", state_.next_worker_number());
-    state_.set_next_worker_number(state_.next_worker_number() + 1);
-  } while (taken(id));
-  v1::TokenInfo* info = record->mutable_info();
-  if (info->uses_left() > 0) info->set_uses_left(info->uses_left() - 1);
-  // The list of workers is informative: it stops growing at 1000.
-  if (info->workers_size() < 1000) info->add_workers(id);
-  if (absl::Status persisted = PersistLocked(); !persisted.ok()) return persisted;
-  *token_id = info->id();
+  PendingWrite pending;
+  {
+    absl::MutexLock lock(&mu_);
+    absl::StatusOr<const v1::TokenRecord*> found = FindValidLocked(token, v1::TOKEN_ROLE_WORKER);
+    if (!found.ok()) return found.status();
+    v1::TokenRecord* record = const_cast<v1::TokenRecord*>(*found);
+    do {
+      id = absl::StrCat("w", state_.next_worker_number());
+      state_.set_next_worker_number(state_.next_worker_number() + 1);
+    } while (taken(id));
+    v1::TokenInfo* info = record->mutable_info();
+    if (info->uses_left() > 0) info->set_uses_left(info->uses_left() - 1);
+    // The list of workers is informative: it stops growing at 1000.
+    if (info->workers_size() < 1000) info->add_workers(id);
+    *token_id = info->id();
+    pending = SnapshotLocked();
+  }
+  // The id and the use are durable before a certificate names them. A
+  // failed write leaves both spent in memory: the enrollment is refused,
+  // and neither is given out again.
+  RETURN_IF_ERROR(Write(pending));
   return id;
 }
 
 absl::Status AccessStore::RevokeWorker(const std::string& worker_id) {
-  absl::MutexLock lock(&mu_);
-  for (const std::string& id : state_.revoked_workers()) {
-    if (id == worker_id) return absl::OkStatus();
+  PendingWrite pending;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const std::string& id : state_.revoked_workers()) {
+      if (id == worker_id) return absl::OkStatus();
+    }
+    state_.add_revoked_workers(worker_id);
+    pending = SnapshotLocked();
   }
-  state_.add_revoked_workers(worker_id);
-  return PersistLocked();
+  return Write(pending);
 }
 
 bool AccessStore::IsWorkerRevoked(const std::string& worker_id) const {

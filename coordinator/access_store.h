@@ -64,13 +64,27 @@ class AccessStore {
   absl::StatusOr<const v1::TokenRecord*> FindValidLocked(const std::string& token,
                                                          v1::TokenRole role) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  absl::Status PersistLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A write of the state as it is now: its text and sequence number, taken
+  // under mu_; Write() then persists it without mu_, so that the status of
+  // a revoked worker (every heartbeat asks) never waits for a disk.
+  struct PendingWrite {
+    uint64_t sequence = 0;
+    std::string text;
+  };
+  PendingWrite SnapshotLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Writes `pending` unless a later snapshot (which holds every change in
+  // it) was written already: writes are in order, and concurrent changes
+  // share one. Returns once a state with `pending`'s changes is durable.
+  absl::Status Write(const PendingWrite& pending) ABSL_LOCKS_EXCLUDED(mu_, write_mu_);
 
   const std::string path_;
   const std::string ca_fingerprint_;
   const WallClock now_;
   mutable absl::Mutex mu_;
   v1::AccessState state_ ABSL_GUARDED_BY(mu_);
+  uint64_t snapshots_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Mutex write_mu_;
+  uint64_t written_ ABSL_GUARDED_BY(write_mu_) = 0;  // the newest snapshot on disk
 };
 
 }  // namespace geotrain
