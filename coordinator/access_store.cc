@@ -112,7 +112,7 @@ absl::StatusOr<v1::CreateTokenResponse> AccessStore::CreateToken(
 }
 
 v1::ListTokensResponse AccessStore::ListTokens() const {
-  absl::MutexLock lock(&mu_);
+  absl::ReaderMutexLock lock(&mu_);
   v1::ListTokensResponse response;
   for (const v1::TokenRecord& record : state_.tokens()) *response.add_tokens() = record.info();
   return response;
@@ -186,7 +186,7 @@ absl::StatusOr<const v1::TokenRecord*> AccessStore::FindValidLocked(const std::s
 
 absl::StatusOr<std::string> AccessStore::CheckToken(const std::string& token,
                                                     v1::TokenRole role) const {
-  absl::MutexLock lock(&mu_);
+  absl::ReaderMutexLock lock(&mu_);
   absl::StatusOr<const v1::TokenRecord*> record = FindValidLocked(token, role);
   if (!record.ok()) return record.status();
   return (*record)->info().id();
@@ -234,7 +234,7 @@ absl::Status AccessStore::RevokeWorker(const std::string& worker_id) {
 }
 
 bool AccessStore::IsWorkerRevoked(const std::string& worker_id) const {
-  absl::MutexLock lock(&mu_);
+  absl::ReaderMutexLock lock(&mu_);
   for (const std::string& id : state_.revoked_workers()) {
     if (id == worker_id) return true;
   }
@@ -242,7 +242,7 @@ bool AccessStore::IsWorkerRevoked(const std::string& worker_id) const {
 }
 
 std::vector<std::string> AccessStore::RevokedWorkers(size_t max) const {
-  absl::MutexLock lock(&mu_);
+  absl::ReaderMutexLock lock(&mu_);
   const auto& all = state_.revoked_workers();
   const size_t size = static_cast<size_t>(all.size());
   const size_t first = size > max ? size - max : 0;
@@ -256,12 +256,12 @@ bool AccessStore::IssuedWorker(const std::string& worker_id) const {
       !absl::SimpleAtoi(digits, &number) || absl::StrCat("w", number) != worker_id) {
     return false;
   }
-  absl::MutexLock lock(&mu_);
+  absl::ReaderMutexLock lock(&mu_);
   return number >= 0 && number < state_.next_worker_number();
 }
 
 v1::TokenRole AccessStore::RoleOfWorker(const std::string& worker_id) const {
-  absl::MutexLock lock(&mu_);
+  absl::ReaderMutexLock lock(&mu_);
   for (const v1::TokenRecord& record : state_.tokens()) {
     for (const std::string& id : record.info().workers()) {
       if (id == worker_id) return record.info().role();
@@ -271,7 +271,7 @@ v1::TokenRole AccessStore::RoleOfWorker(const std::string& worker_id) const {
 }
 
 std::string AccessStore::TokenOfWorker(const std::string& worker_id) const {
-  absl::MutexLock lock(&mu_);
+  absl::ReaderMutexLock lock(&mu_);
   for (const v1::TokenRecord& record : state_.tokens()) {
     for (const std::string& id : record.info().workers()) {
       if (id == worker_id) return record.info().id();

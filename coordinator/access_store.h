@@ -80,6 +80,8 @@ class AccessStore {
   const std::string path_;
   const std::string ca_fingerprint_;
   const WallClock now_;
+  // Readers share it: every heartbeat asks IsWorkerRevoked, and at ten
+  // thousand members exclusive readers queued into a convoy.
   mutable absl::Mutex mu_;
   v1::AccessState state_ ABSL_GUARDED_BY(mu_);
   uint64_t snapshots_ ABSL_GUARDED_BY(mu_) = 0;

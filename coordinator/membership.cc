@@ -195,7 +195,7 @@ WorkerRecord Membership::Join(const std::string& name, const std::string& addres
                               v1::MemberRole role, const v1::Reachability& reachability,
                               const std::string& session, bool* retried) {
   absl::MutexLock lock(&mu_);
-  live_cache_.reset();
+  live_cache_stale_ = true;
   if (retried != nullptr) *retried = false;
   const int64_t now = clock_->NowMs();
   WorkerRecord* record = id.empty() ? nullptr : FindLocked(id);
@@ -241,7 +241,7 @@ WorkerRecord Membership::Join(const std::string& name, const std::string& addres
 
 bool Membership::Abandon(const std::string& id, const std::string& session) {
   absl::MutexLock lock(&mu_);
-  live_cache_.reset();
+  live_cache_stale_ = true;
   WorkerRecord* record = FindLocked(id);
   if (record == nullptr || record->session != session || !record->alive) return false;
   if (--answered_joins_[id] > 0) return false;  // another attempt was answered with it
@@ -277,7 +277,7 @@ bool Membership::IsLive(const std::string& id) const {
 
 void Membership::PruneDead(size_t keep_dead) {
   absl::MutexLock lock(&mu_);
-  live_cache_.reset();
+  live_cache_stale_ = true;
   size_t dead = 0;
   for (const WorkerRecord& w : workers_) dead += w.alive ? 0 : 1;
   if (dead <= keep_dead) return;
@@ -318,19 +318,22 @@ void Membership::SetLayerTimings(
     kept[kind] = seconds;
   }
   absl::MutexLock lock(&mu_);
-  live_cache_.reset();
-  if (WorkerRecord* w = FindLocked(id)) w->layer_seconds_per_sample = std::move(kept);
+  WorkerRecord* w = FindLocked(id);
+  // Workers repeat their timings in every heartbeat: only a change counts.
+  if (w == nullptr || w->layer_seconds_per_sample == kept) return;
+  live_cache_stale_ = true;
+  w->layer_seconds_per_sample = std::move(kept);
 }
 
 void Membership::SetReachability(const std::string& id, const v1::Reachability& reachability) {
   absl::MutexLock lock(&mu_);
-  live_cache_.reset();
+  live_cache_stale_ = true;
   if (WorkerRecord* w = FindLocked(id)) w->reachability = reachability;
 }
 
 bool Membership::Leave(const std::string& id, const std::string& reason) {
   absl::MutexLock lock(&mu_);
-  live_cache_.reset();
+  live_cache_stale_ = true;
   WorkerRecord* w = FindLocked(id);
   if (w == nullptr || !w->alive) return false;
   w->alive = false;
@@ -350,13 +353,13 @@ std::vector<WorkerRecord> Membership::ExpireLeases() {
       expired.push_back(w);
     }
   }
-  if (!expired.empty()) live_cache_.reset();
+  if (!expired.empty()) live_cache_stale_ = true;
   return expired;
 }
 
 void Membership::Restore(std::vector<WorkerRecord> records, int next_number) {
   absl::MutexLock lock(&mu_);
-  live_cache_.reset();
+  live_cache_stale_ = true;
   next_number_ = std::max(next_number_, next_number);
   const int64_t now = clock_->NowMs();
   for (WorkerRecord& record : records) {
@@ -390,7 +393,11 @@ std::vector<WorkerRecord> Membership::LiveWorkers() const {
 
 std::shared_ptr<const std::vector<WorkerRecord>> Membership::SharedLiveWorkers() const {
   absl::MutexLock lock(&mu_);
-  if (live_cache_ == nullptr) {
+  const int64_t now = clock_->NowMs();
+  if (live_cache_ == nullptr ||
+      (live_cache_stale_ && now - live_cache_built_ms_ >= kLiveCacheMaxAgeMs)) {
+    live_cache_stale_ = false;
+    live_cache_built_ms_ = now;
     auto live = std::make_shared<std::vector<WorkerRecord>>();
     for (const WorkerRecord& w : workers_) {
       if (w.alive && !w.relay()) live->push_back(w);
