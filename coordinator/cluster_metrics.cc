@@ -1,10 +1,11 @@
 #include "coordinator/cluster_metrics.h"
 
+#include <algorithm>
 #include <map>
 #include <string>
 #include <utility>
 
-#include "common/stage_metrics.h"
+#include "coordinator/watch_view.h"
 
 namespace geotrain {
 namespace {
@@ -18,37 +19,6 @@ constexpr std::pair<const char*, const char*> kFailureKinds[] = {
     {"suspected", "suspected"},
 };
 
-std::string WorkerStateName(v1::WorkerState state) {
-  switch (state) {
-    case v1::WORKER_STATE_STANDBY: return "standby";
-    case v1::WORKER_STATE_TRAINING: return "training";
-    case v1::WORKER_STATE_DEAD: return "dead";
-    case v1::WORKER_STATE_LEFT: return "left";
-    case v1::WORKER_STATE_DONE: return "done";
-    default: return "unknown";
-  }
-}
-
-// The stage figures a worker reported, as the worker itself exports them.
-v1::StageStats StatsOf(const v1::WorkerStatus& w) {
-  v1::StageStats s;
-  s.set_schedule(w.schedule());
-  s.set_weight_versions(w.weight_versions());
-  s.set_max_weight_versions(w.max_weight_versions());
-  s.set_weight_bytes(w.weight_bytes());
-  s.set_staleness_max(w.staleness_max());
-  s.set_staleness_mean(w.staleness_mean());
-  s.set_bubble_fraction(w.bubble_fraction());
-  s.set_microbatches_per_s(w.microbatches_per_s());
-  s.set_compute_s_per_microbatch(w.compute_s_per_microbatch());
-  s.set_microbatches(w.microbatches());
-  s.set_peak_rss_bytes(w.peak_rss_bytes());
-  *s.mutable_links() = w.links();
-  s.set_dropped_microbatches(w.dropped_microbatches());
-  s.set_weight_averages(w.weight_averages());
-  s.set_threads(w.threads());
-  return s;
-}
 
 }  // namespace
 
@@ -108,14 +78,36 @@ MetricsSnapshot ClusterMetrics(const v1::ClusterStatus& status) {
     out.Counter("geotrain_events_total", "Events since this coordinator started, by kind.",
                 {{"kind", kind}}, static_cast<double>(count));
   }
+  // Per stage, not per worker: the coordinator's series stay bounded by
+  // the plan's stages however many members there are. Each worker's own
+  // stage and link series are on its own endpoint (--metrics_listen).
+  struct StageFigures {
+    int workers = 0;
+    double heartbeat_age_max_s = 0;
+    double compute_max_s = 0;
+    double bubble_max = 0;
+  };
+  std::map<int, StageFigures> stages;
   for (const v1::WorkerStatus& w : status.workers()) {
-    const MetricLabels worker = {{"worker", w.name().empty() ? w.id() : w.name()},
-                                 {"stage", std::to_string(w.stage())}};
-    out.Gauge("geotrain_worker_heartbeat_age_seconds", "Since the worker's last heartbeat.",
-              worker, w.heartbeat_age_s());
-    out.Gauge("geotrain_worker_resident_bytes", "The worker's resident memory.", worker,
-              static_cast<double>(w.rss_bytes()));
-    if (w.state() == v1::WORKER_STATE_TRAINING) AppendStageMetrics(StatsOf(w), worker, &out);
+    if (w.state() != v1::WORKER_STATE_TRAINING || w.stage() < 0) continue;
+    StageFigures& f = stages[w.stage()];
+    ++f.workers;
+    f.heartbeat_age_max_s = std::max(f.heartbeat_age_max_s, w.heartbeat_age_s());
+    f.compute_max_s = std::max(f.compute_max_s, w.compute_s_per_microbatch());
+    f.bubble_max = std::max(f.bubble_max, w.bubble_fraction());
+  }
+  for (const auto& [stage, f] : stages) {
+    const MetricLabels labels = {{"stage", std::to_string(stage)}};
+    out.Gauge("geotrain_stage_workers", "Training workers on the stage (every pipeline's).",
+              labels, f.workers);
+    out.Gauge("geotrain_stage_heartbeat_age_max_seconds",
+              "The oldest heartbeat among the stage's training workers.", labels,
+              f.heartbeat_age_max_s);
+    out.Gauge("geotrain_stage_compute_max_seconds_per_microbatch",
+              "The slowest of the stage's workers: compute per microbatch.", labels,
+              f.compute_max_s);
+    out.Gauge("geotrain_stage_bubble_max_ratio",
+              "The stage's workers' largest bubble (idle) fraction.", labels, f.bubble_max);
   }
   return out;
 }

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <utility>
 
 #include "absl/strings/match.h"
 
@@ -52,23 +53,19 @@ TEST(ClusterMetricsTest, NamesFollowPrometheusConventions) {
            "geotrain_failures_total{reason=\"link_lost\"} 0",
            "geotrain_workers{state=\"training\"} 1", "geotrain_workers{state=\"standby\"} 1",
            "geotrain_workers{state=\"dead\"} 0",
-           "geotrain_stage_bubble_ratio{worker=\"w0\",stage=\"0\"} 0.25",
-           "geotrain_link_sent_bytes_total{worker=\"w0\",stage=\"0\",peer=\"10.0.0.2:7001\","
-           "direction=\"downstream\",encoding=\"wire\"} 1000",
-           "geotrain_link_sent_bytes_total{worker=\"w0\",stage=\"0\",peer=\"10.0.0.2:7001\","
-           "direction=\"downstream\",encoding=\"raw\"} 3900",
-           "geotrain_link_rate_bytes_per_second{worker=\"w0\",stage=\"0\",peer=\"10.0.0.2:7001\","
-           "direction=\"downstream\"} 12500000",
-           "geotrain_link_codec_info{worker=\"w0\",stage=\"0\",peer=\"10.0.0.2:7001\","
-           "direction=\"downstream\",codec=\"int8\"} 1",
+           "geotrain_stage_workers{stage=\"0\"} 1",
+           "geotrain_stage_bubble_max_ratio{stage=\"0\"} 0.25",
+           "geotrain_stage_compute_max_seconds_per_microbatch{stage=\"0\"} 0.012",
            "geotrain_job_info{training_job=\"demo\",schedule=\"async-stash\",state=\"training\"} 1",
        }) {
     EXPECT_TRUE(absl::StrContains(text, line)) << line << "\nin:\n" << text;
   }
-  // A standby has no stage series; a family appears once with its type.
-  EXPECT_FALSE(absl::StrContains(text, "worker=\"w1\",stage=\"-1\"} 0.25"));
-  EXPECT_EQ(text.find("# TYPE geotrain_link_sent_bytes_total counter"),
-            text.rfind("# TYPE geotrain_link_sent_bytes_total counter"));
+  // No series per worker (they are on the workers' own endpoints); a
+  // standby counts in no stage; a family appears once with its type.
+  EXPECT_FALSE(absl::StrContains(text, "worker=")) << text;
+  EXPECT_FALSE(absl::StrContains(text, "stage=\"-1\"")) << text;
+  EXPECT_EQ(text.find("# TYPE geotrain_stage_workers gauge"),
+            text.rfind("# TYPE geotrain_stage_workers gauge"));
   // Every counter ends in _total; no series is labelled "job" (the scrape's).
   size_t at = 0;
   while ((at = text.find("# TYPE ", at)) != std::string::npos) {
@@ -80,6 +77,32 @@ TEST(ClusterMetricsTest, NamesFollowPrometheusConventions) {
     at = end;
   }
   EXPECT_FALSE(absl::StrContains(text, "{job=")) << text;
+}
+
+// A thousand members make as many series as a handful: per stage, not per
+// worker.
+TEST(ClusterMetricsTest, TheSeriesDoNotGrowWithTheMembers) {
+  auto series = [](int members) {
+    v1::ClusterStatus s = TrainingStatus();
+    for (int i = 0; i < members; ++i) {
+      v1::WorkerStatus* w = s.add_workers();
+      w->set_name("m" + std::to_string(i));
+      w->set_stage(i % 3);
+      w->set_state(i % 2 == 0 ? v1::WORKER_STATE_TRAINING : v1::WORKER_STATE_STANDBY);
+      w->set_heartbeat_age_s(i);
+    }
+    const std::string text = ExpositionText(ClusterMetrics(s).Take());
+    size_t lines = 0;
+    for (char c : text) lines += c == '\n';
+    return std::make_pair(lines, text);
+  };
+  const auto [few, few_text] = series(6);
+  const auto [many, many_text] = series(1000);
+  EXPECT_EQ(few, many);
+  EXPECT_TRUE(absl::StrContains(many_text, "geotrain_stage_workers{stage=\"1\"} 166"))
+      << many_text;
+  EXPECT_TRUE(absl::StrContains(many_text, "geotrain_stage_heartbeat_age_max_seconds{stage=\"2\"} 998"))
+      << many_text;
 }
 
 TEST(ClusterMetricsTest, WithoutCheckpointsOrEvaluationsThoseSeriesAreAbsent) {
