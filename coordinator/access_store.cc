@@ -100,12 +100,18 @@ absl::StatusOr<v1::CreateTokenResponse> AccessStore::CreateToken(
     pending = SnapshotLocked();
   }
   if (absl::Status persisted = Write(pending); !persisted.ok()) {
-    // Not durable, so not given out: the token is taken back.
-    absl::MutexLock lock(&mu_);
-    auto* tokens = state_.mutable_tokens();
-    for (int i = tokens->size() - 1; i >= 0; --i) {
-      if (tokens->Get(i).info().id() == token->id) tokens->DeleteSubrange(i, 1);
+    // Not durable, so not given out: the token is taken back (and the
+    // state without it written, in case another change's write had it).
+    PendingWrite without;
+    {
+      absl::MutexLock lock(&mu_);
+      auto* tokens = state_.mutable_tokens();
+      for (int i = tokens->size() - 1; i >= 0; --i) {
+        if (tokens->Get(i).info().id() == token->id) tokens->DeleteSubrange(i, 1);
+      }
+      without = SnapshotLocked();
     }
+    (void)Write(without);  // best effort: the first write just failed
     return persisted;
   }
   return response;
@@ -224,10 +230,12 @@ absl::Status AccessStore::RevokeWorker(const std::string& worker_id) {
   PendingWrite pending;
   {
     absl::MutexLock lock(&mu_);
-    for (const std::string& id : state_.revoked_workers()) {
-      if (id == worker_id) return absl::OkStatus();
-    }
-    state_.add_revoked_workers(worker_id);
+    bool known = false;
+    for (const std::string& id : state_.revoked_workers()) known = known || id == worker_id;
+    if (!known) state_.add_revoked_workers(worker_id);
+    // Written even when known: another caller's write of it may be under
+    // way or may have failed, and OK means durable (Write skips the disk
+    // when a later snapshot is on it already).
     pending = SnapshotLocked();
   }
   return Write(pending);

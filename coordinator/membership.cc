@@ -393,11 +393,8 @@ std::vector<WorkerRecord> Membership::LiveWorkers() const {
 
 std::shared_ptr<const std::vector<WorkerRecord>> Membership::SharedLiveWorkers() const {
   absl::MutexLock lock(&mu_);
-  const int64_t now = clock_->NowMs();
-  if (live_cache_ == nullptr ||
-      (live_cache_stale_ && now - live_cache_built_ms_ >= kLiveCacheMaxAgeMs)) {
+  if (live_cache_ == nullptr || live_cache_stale_) {
     live_cache_stale_ = false;
-    live_cache_built_ms_ = now;
     auto live = std::make_shared<std::vector<WorkerRecord>>();
     for (const WorkerRecord& w : workers_) {
       if (w.alive && !w.relay()) live->push_back(w);

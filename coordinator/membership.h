@@ -122,13 +122,12 @@ class Membership {
   // Live members that may hold stages (no relays).
   std::vector<WorkerRecord> LiveWorkers() const;
   // The same, shared, for the heartbeat path (who measures whom): rebuilt
-  // after a change of the live set or of what a member declared (join,
-  // leave, expiry, reachability, layer timings), at most once a second, not
-  // per call; a join storm at ten thousand members would otherwise copy
-  // them all per join under this lock. It may lag a change by a second, and
-  // the heartbeat fields (time, RSS, step, stats) are as of its build.
+  // once after a change of the live set or of what a member declared (join,
+  // leave, expiry, reachability, layer timings), not per call. The
+  // heartbeat fields (time, RSS, step, stats) are as of that change. (A
+  // rebuild at most once a second lost a newcomer's measurements for 30 s:
+  // a member that ranked its sample on the old list was not asked again.)
   std::shared_ptr<const std::vector<WorkerRecord>> SharedLiveWorkers() const;
-  static constexpr int64_t kLiveCacheMaxAgeMs = 1000;
   std::vector<WorkerRecord> LiveRelays() const;
   // Each live member's name and resident memory (the metrics log's).
   std::vector<std::pair<std::string, int64_t>> LiveRss() const;
@@ -150,7 +149,6 @@ class Membership {
   // SharedLiveWorkers(), marked stale by every change but a heartbeat.
   mutable std::shared_ptr<const std::vector<WorkerRecord>> live_cache_ ABSL_GUARDED_BY(mu_);
   mutable bool live_cache_stale_ ABSL_GUARDED_BY(mu_) = false;
-  mutable int64_t live_cache_built_ms_ ABSL_GUARDED_BY(mu_) = 0;
   std::unordered_map<std::string, size_t> index_ ABSL_GUARDED_BY(mu_);  // id -> workers_[i]
   // Answers given to the current session of each member (Abandon).
   std::unordered_map<std::string, int> answered_joins_ ABSL_GUARDED_BY(mu_);

@@ -149,9 +149,8 @@ void NetworkMatrix::Learn(const std::string& worker, const std::string& address)
   // are not asked again, so a join costs a hash per member, not a sample.
   for (auto it = next_check_ms_.begin(); it != next_check_ms_.end();) {
     auto bound = sample_bound_.find(it->first);
-    if (it->first != worker &&
-        (bound == sample_bound_.end() ||
-         PairRank(std::hash<std::string>()(it->first), worker) < bound->second)) {
+    if (it->first == worker || bound == sample_bound_.end() ||
+        PairRank(std::hash<std::string>()(it->first), worker) < bound->second) {
       it = next_check_ms_.erase(it);
     } else {
       ++it;
@@ -284,6 +283,7 @@ void NetworkMatrix::Forget(const std::string& worker) {
   }
   pending_.erase(worker);
   next_check_ms_.erase(worker);
+  sample_bound_.erase(worker);
   for (auto it = worker_at_.begin(); it != worker_at_.end();) {
     it = it->second == worker ? worker_at_.erase(it) : std::next(it);
   }

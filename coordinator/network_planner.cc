@@ -169,7 +169,15 @@ class NetworkPlanner : public Planner {
                                     ? absl::Now() + options_.time_budget
                                     : absl::InfiniteFuture();
     std::string how;
-    std::optional<PipelinePlan> best = PlanForWindow(input, &how, deadline);
+    // Narrower windows may be scored after it (staleness_cost): the widest
+    // one's searches take half of the budget, the rest is theirs.
+    const bool windows_follow =
+        input.schedule == PlannerSchedule::kAsync && input.staleness_cost > 0;
+    const absl::Time widest_deadline =
+        windows_follow && deadline != absl::InfiniteFuture()
+            ? absl::Now() + (deadline - absl::Now()) / 2
+            : deadline;
+    std::optional<PipelinePlan> best = PlanForWindow(input, &how, widest_deadline);
     if (!best.has_value()) return NoFit(model, StageLimit(input));
     // Goodput: under async-stash each microbatch in flight beyond one per
     // stage is one more weight version of staleness in stage 0's gradients,
@@ -184,7 +192,13 @@ class NetworkPlanner : public Planner {
         PlannerInput capped = input;
         capped.max_in_flight = cap;  // below widest, so within input's cap
         std::string capped_how;
-        std::optional<PipelinePlan> narrower = PlanForWindow(capped, &capped_how, deadline);
+        const int windows_left = std::min(widest - 1, kMostWindowsTried) - cap + 1;
+        const absl::Time window_deadline =
+            deadline == absl::InfiniteFuture()
+                ? deadline
+                : absl::Now() + (deadline - absl::Now()) / std::max(1, windows_left);
+        std::optional<PipelinePlan> narrower =
+            PlanForWindow(capped, &capped_how, window_deadline);
         // Workers run at least one microbatch in flight per stage.
         if (!narrower.has_value() ||
             narrower->in_flight < static_cast<int>(narrower->stages.size())) {

@@ -289,8 +289,16 @@ void PlanManager::MaybeVoluntaryReplanLocked() {
     if (StageOf(*plan_, w.id) != nullptr || faults_.EligibleStandby(w)) candidates.push_back(w);
   }
   PlannerInput input = LivePlannerInputLocked(candidates);
+  const absl::Time started = absl::Now();
   absl::StatusOr<PipelinePlan> best = planner_->Plan(input);
+  const double planning_s = absl::ToDoubleSeconds(absl::Now() - started);
   if (!best.ok()) return;
+  // What status shows carries this search's time and candidates.
+  auto timed = [&](v1::PlanPrediction prediction) {
+    prediction.set_planning_s(planning_s);
+    prediction.set_candidates(static_cast<int>(candidates.size()));
+    return prediction;
+  };
   absl::StatusOr<ReplanComparison> compared = CompareForReplan(
       options_.job, input, candidates, *plan_, *best, checkpoints_->Index(),
       progress_.committed_step());
@@ -299,7 +307,7 @@ void PlanManager::MaybeVoluntaryReplanLocked() {
   // (still the plan an exhaustive search chose, if one did).
   compared->current.planner = planner_->name();
   compared->current.exact = prediction_.exact();
-  SetPredictionLocked(PredictionOf(input, compared->current));
+  SetPredictionLocked(timed(PredictionOf(input, compared->current)));
   ReplanCandidate& candidate = compared->candidate;
   candidate.measured_s_per_sample = progress_.Snapshot().seconds_per_sample;
   const ReplanDecision decision = replan_policy_.Decide(candidate, now);
@@ -320,7 +328,7 @@ void PlanManager::MaybeVoluntaryReplanLocked() {
   v1::Plan next = PlanProtoFor(*best, input, candidates);
   std::string summary = SummaryOf(*best, candidates);
   FillReplicasLocked(&next, &summary);
-  SetPredictionLocked(PredictionOf(input, *best));
+  SetPredictionLocked(timed(PredictionOf(input, *best)));
   PublishReplanLocked(std::move(next), absl::StrCat("voluntary: ", decision.reason, "; ", summary));
 }
 
@@ -661,7 +669,10 @@ constexpr int64_t kPreflightWaitMs = 10000;
 void PlanManager::MaybePlanLocked() {
   if (plan_.has_value() || done_) return;
   std::vector<WorkerRecord> live = membership_.LiveWorkers();
-  if (static_cast<int>(live.size()) < options_.job.min_workers()) return;
+  if (static_cast<int>(live.size()) < options_.job.min_workers()) {
+    quorum_since_ms_ = -1;  // the pre-flight wait starts again with the quorum
+    return;
+  }
   if (options_.planner == "network") {
     // Pre-flight admission: the first plan waits (a few seconds at most)
     // for every worker's layer timings and probes of its peers, the

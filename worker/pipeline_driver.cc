@@ -680,10 +680,10 @@ absl::Status PipelineDriver::RunLaterStage() {
         // link. (A router that understates its end ends a replica early;
         // the last stage, unreplicated, still counts every microbatch.)
         const int64_t job_end = static_cast<int64_t>(job_.steps()) * job_.microbatches();
-        const int64_t end =
-            options_.replicated
-                ? std::min<int64_t>(job_end, static_cast<int64_t>(header.microbatch()))
-                : job_end;
+        done_end_ = std::max<int64_t>(
+            done_end_, std::min<int64_t>(job_end, static_cast<int64_t>(header.microbatch())));
+        // Every upstream's end, checked when the last DONE comes.
+        const int64_t end = options_.replicated ? done_end_ : job_end;
         const int64_t reached = position_;
         const bool repeated = !in.peer.empty() && !done_from_.insert(in.peer).second;
         const bool last_done = dones_ + 1 >= options_.upstream_workers;

@@ -312,6 +312,7 @@ class PipelineDriver {
   int checkpoint_due_ = 0;              // step of a checkpoint not yet taken
   int dones_ = 0;                       // DONE messages received
   std::set<std::string> done_from_;     // ... from these upstream workers
+  int64_t done_end_ = 0;  // a replica: the largest end of its ids a DONE named
   int backwards_since_update_ = 0;
   int eval_due_ = 0;                    // stage 0: step to evaluate at, or 0
   // Messages that came while a mean was owed, in order.

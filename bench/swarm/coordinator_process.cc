@@ -1,5 +1,6 @@
 #include "bench/swarm/coordinator_process.h"
 
+#include <fcntl.h>
 #include <signal.h>
 #include <stdio.h>
 #include <sys/wait.h>
@@ -55,20 +56,23 @@ absl::Status CoordinatorProcess::Start() {
                                    "--port_file=" + port_file};
   args.push_back(address_.empty() ? "--listen=127.0.0.1:0" : "--listen=" + address_);
   args.insert(args.end(), flags_.begin(), flags_.end());
+  // Everything the child needs is made before fork(): this process has
+  // threads, and the child may only make async-signal-safe calls.
+  std::vector<char*> argv;
+  for (std::string& arg : args) argv.push_back(arg.data());
+  argv.push_back(nullptr);
+  const std::string log = dir_ + "/coordinator.log";
+  const int log_fd = open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (log_fd < 0) return absl::UnavailableError(absl::StrCat("cannot open ", log));
   std::fflush(stdout);  // the child must not repeat what is buffered
   std::fflush(stderr);
   pid_ = fork();
   if (pid_ == 0) {
-    const std::string log = dir_ + "/coordinator.log";
-    if (freopen(log.c_str(), "a", stderr) == nullptr || freopen(log.c_str(), "a", stdout) == nullptr) {
-      _exit(126);
-    }
-    std::vector<char*> argv;
-    for (std::string& arg : args) argv.push_back(arg.data());
-    argv.push_back(nullptr);
+    if (dup2(log_fd, STDOUT_FILENO) < 0 || dup2(log_fd, STDERR_FILENO) < 0) _exit(126);
     execv(binary_.c_str(), argv.data());
     _exit(127);
   }
+  close(log_fd);
   std::string port;
   for (int i = 0; i < 600 && port.empty(); ++i) {
     std::ifstream in(port_file);

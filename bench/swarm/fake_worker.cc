@@ -98,12 +98,23 @@ double AccessRate(int index) {
   return gflops > 1000 ? 1e9 : gflops > 100 ? 2e8 : 5e7;
 }
 
+// Counts a call from before it is made until its callback ends.
+class CallInFlight {
+ public:
+  explicit CallInFlight(SwarmContext* swarm) : swarm_(swarm) {}
+  ~CallInFlight() { --swarm_->calls_in_flight; }
+
+ private:
+  SwarmContext* const swarm_;
+};
+
 }  // namespace
 
 class FakeWorker::PlanReader : public grpc::ClientReadReactor<v1::Plan> {
  public:
   PlanReader(FakeWorker* worker, v1::Coordinator::Stub* stub, const std::string& id)
       : worker_(worker) {
+    ++worker_->swarm_->streams_open;
     request_.set_worker_id(id);
     stub->async()->WatchPlan(&context_, &request_, this);
     StartRead(&plan_);
@@ -117,6 +128,7 @@ class FakeWorker::PlanReader : public grpc::ClientReadReactor<v1::Plan> {
   void OnDone(const grpc::Status&) override {
     done_ = true;
     worker_->OnPlanStreamEnded();
+    --worker_->swarm_->streams_open;  // last: the worker may be freed after it
   }
   void Cancel() { context_.TryCancel(); }
   bool done() const { return done_; }
@@ -160,12 +172,11 @@ v1::Coordinator::Stub* FakeWorker::stub() const {
   return swarm_->shared_stubs[index_ % swarm_->shared_stubs.size()].get();
 }
 
-void FakeWorker::Retry(std::function<void()> f, int* attempts) {
+void FakeWorker::Retry(std::function<void()> f, std::atomic<int>* attempts) {
   if (stopped_) return;
   // 0.5 s, doubling to 8 s, each jittered: a thousand workers that failed
   // together do not come back together.
-  const int shift = std::min(*attempts, 4);
-  ++*attempts;
+  const int shift = std::min(attempts->fetch_add(1), 4);
   const absl::Duration delay = Jittered(absl::Milliseconds(500) * (1 << shift));
   swarm_->timers->After(absl::ToChronoMilliseconds(delay), std::move(f));
 }
@@ -197,9 +208,11 @@ void FakeWorker::Enroll() {
   auto response = std::make_shared<v1::EnrollResponse>();
   const Clock::time_point sent = Clock::now();
   v1::Coordinator::Stub* shared = swarm_->shared_stubs[index_ % swarm_->shared_stubs.size()].get();
+  ++swarm_->calls_in_flight;
   shared->async()->Enroll(
       context.get(), request.get(), response.get(),
       [this, context, request, response, sent, key = *key](grpc::Status status) {
+        CallInFlight counted(swarm_);
         if (!status.ok()) {
           ++swarm_->enroll_errors;
           Retry([this] { Enroll(); }, &enroll_attempts_);
@@ -232,8 +245,10 @@ void FakeWorker::Join() {
   *request->mutable_device() = DeviceOf(index_);
   auto response = std::make_shared<v1::JoinResponse>();
   const Clock::time_point sent = Clock::now();
+  ++swarm_->calls_in_flight;
   stub()->async()->Join(context.get(), request.get(), response.get(),
                         [this, context, request, response, sent](grpc::Status status) {
+        CallInFlight counted(swarm_);
                           if (!status.ok()) {
                             ++swarm_->join_errors;
                             Retry([this] { Join(); }, &join_attempts_);
@@ -329,8 +344,10 @@ void FakeWorker::ReportSteps() {
   auto context = std::make_shared<grpc::ClientContext>();
   context->set_deadline(In(absl::Seconds(5)));
   auto ack = std::make_shared<v1::ReportAck>();
+  ++swarm_->calls_in_flight;
   s->async()->ReportStep(context.get(), request.get(), ack.get(),
                          [this, context, request, ack](grpc::Status status) {
+        CallInFlight counted(swarm_);
                            if (status.ok()) {
                              ++swarm_->steps_reported;
                              int newest = swarm_->newest_step;
@@ -369,9 +386,11 @@ void FakeWorker::Heartbeat() {
   }
   auto response = std::make_shared<v1::HeartbeatResponse>();
   const Clock::time_point sent = Clock::now();
+  ++swarm_->calls_in_flight;
   stub()->async()->Heartbeat(
       context.get(), request.get(), response.get(),
       [this, context, request, response, sent](grpc::Status status) {
+        CallInFlight counted(swarm_);
         if (!status.ok()) {
           ++swarm_->heartbeat_errors;
           return;

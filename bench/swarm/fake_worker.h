@@ -92,6 +92,9 @@ struct SwarmContext {
   std::atomic<int> heartbeat_errors{0}, rejoins{0}, plan_streams_opened{0};
   std::atomic<uint64_t> plans_received{0}, steps_reported{0}, step_errors{0};
   std::atomic<uint64_t> probes_answered{0};
+  // Calls whose callback has not run, and streams whose OnDone has not: the
+  // swarm frees its workers only once both are 0.
+  std::atomic<int> calls_in_flight{0}, streams_open{0};
   // The newest plan epoch seen by anyone, when each worker first saw each
   // epoch (ms after the first worker did).
   absl::Mutex plans_mu;
@@ -115,7 +118,8 @@ class FakeWorker {
   void Revive();
   // One heartbeat (the driver calls it at the period).
   void Heartbeat();
-  // Cancels the stream (at the end of a run).
+  // Cancels the stream and starts nothing more (at the end of a run). The
+  // worker may be freed once the context's calls and streams are 0.
   void Stop();
 
   int index() const { return index_; }
@@ -137,7 +141,7 @@ class FakeWorker {
   void OnPlan(const v1::Plan& plan);
   void OnPlanStreamEnded();
   void ReportSteps();
-  void Retry(std::function<void()> f, int* attempts);
+  void Retry(std::function<void()> f, std::atomic<int>* attempts);
   v1::Coordinator::Stub* stub() const;
 
   const int index_;
@@ -146,7 +150,7 @@ class FakeWorker {
   std::atomic<bool> joined_{false}, ever_joined_{false}, silent_{false}, stopped_{false};
   std::atomic<uint64_t> epoch_{0};
   std::atomic<int64_t> last_known_heartbeat_ns_{0};
-  int enroll_attempts_ = 0, join_attempts_ = 0, stream_attempts_ = 0;
+  std::atomic<int> enroll_attempts_{0}, join_attempts_{0}, stream_attempts_{0};
 
   mutable absl::Mutex mu_;
   std::string id_ ABSL_GUARDED_BY(mu_);

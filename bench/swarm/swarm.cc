@@ -177,7 +177,7 @@ class Swarm {
     context_.tls = tls;
     context_.coordinator_ca_pem = admin.ca_pem;
     context_.token = admin.token;
-    context_.timers = &timers_;
+    context_.timers = timers_.get();
     context_.steps_per_second = absl::GetFlag(FLAGS_steps_per_second);
     TransportSecurity anonymous;
     anonymous.insecure = !tls;
@@ -192,7 +192,16 @@ class Swarm {
   ~Swarm() {
     StopDrivers();
     for (auto& w : workers_) w->Stop();
-    absl::SleepFor(absl::Seconds(1));  // streams' OnDone, the last callbacks
+    // Every callback and stream end touches its worker: wait for them
+    // (calls have deadlines of at most 10 s), then stop the timers, whose
+    // queued retries touch workers too, and only then free the workers.
+    const Clock::time_point stopped = Clock::now();
+    while ((context_.calls_in_flight > 0 || context_.streams_open > 0) &&
+           SecondsSince(stopped) < 30) {
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    timers_.reset();
+    workers_.clear();
   }
 
   SwarmContext& context() { return context_; }
@@ -274,7 +283,7 @@ class Swarm {
   }
 
  private:
-  Timers timers_;
+  std::unique_ptr<Timers> timers_ = std::make_unique<Timers>();
   SwarmContext context_;
   std::vector<std::unique_ptr<FakeWorker>> workers_;
   std::atomic<bool> stop_{false};
