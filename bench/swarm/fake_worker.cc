@@ -166,10 +166,17 @@ bool FakeWorker::AttachedSince(Clock::time_point since) const {
   return reader_ != nullptr && !reader_->done() && epoch_ > 0;
 }
 
+v1::Coordinator::Stub* FakeWorker::SharedStub() const {
+  return swarm_->shared_stubs[index_ % swarm_->shared_stubs.size()].get();
+}
+
+v1::Coordinator::Stub* FakeWorker::StubLocked() const {
+  return own_stub_ != nullptr ? own_stub_.get() : SharedStub();
+}
+
 v1::Coordinator::Stub* FakeWorker::stub() const {
   absl::MutexLock lock(&mu_);
-  if (own_stub_ != nullptr) return own_stub_.get();
-  return swarm_->shared_stubs[index_ % swarm_->shared_stubs.size()].get();
+  return StubLocked();
 }
 
 void FakeWorker::Retry(std::function<void()> f, std::atomic<int>* attempts) {
@@ -207,7 +214,7 @@ void FakeWorker::Enroll() {
   request->set_name(name_);
   auto response = std::make_shared<v1::EnrollResponse>();
   const Clock::time_point sent = Clock::now();
-  v1::Coordinator::Stub* shared = swarm_->shared_stubs[index_ % swarm_->shared_stubs.size()].get();
+  v1::Coordinator::Stub* shared = SharedStub();
   ++swarm_->calls_in_flight;
   shared->async()->Enroll(
       context.get(), request.get(), response.get(),
@@ -271,10 +278,7 @@ void FakeWorker::OpenPlanStream() {
   absl::MutexLock lock(&mu_);
   if (reader_ != nullptr && !reader_->done()) return;
   if (reader_ != nullptr) ended_readers_.push_back(std::move(reader_));
-  v1::Coordinator::Stub* s =
-      own_stub_ != nullptr ? own_stub_.get()
-                           : swarm_->shared_stubs[index_ % swarm_->shared_stubs.size()].get();
-  reader_ = std::make_unique<PlanReader>(this, s, id_);
+  reader_ = std::make_unique<PlanReader>(this, StubLocked(), id_);
   ++swarm_->plan_streams_opened;
 }
 
@@ -338,8 +342,7 @@ void FakeWorker::ReportSteps() {
     request->set_step(next_step_++);
     request->set_loss(4.0 / (1 + 0.01 * request->step()));
     request->set_samples(8);
-    s = own_stub_ != nullptr ? own_stub_.get()
-                             : swarm_->shared_stubs[index_ % swarm_->shared_stubs.size()].get();
+    s = StubLocked();
   }
   auto context = std::make_shared<grpc::ClientContext>();
   context->set_deadline(In(absl::Seconds(5)));

@@ -142,7 +142,10 @@ class FakeWorker {
   void OnPlanStreamEnded();
   void ReportSteps();
   void Retry(std::function<void()> f, std::atomic<int>* attempts);
+  // Its own channel's stub once enrolled (TLS), else a shared one.
   v1::Coordinator::Stub* stub() const;
+  v1::Coordinator::Stub* StubLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  v1::Coordinator::Stub* SharedStub() const;
 
   const int index_;
   SwarmContext* const swarm_;

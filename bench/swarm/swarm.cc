@@ -38,6 +38,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <set>
 #include <string>
@@ -344,35 +345,25 @@ Row RunSwarm(int n, const std::string& binary) {
     std::this_thread::sleep_until(start + std::chrono::microseconds(int64_t{1000000} * i / rate));
     workers[i]->Start();
   }
-  double first_plan_s = -1;
   while (context.joined < n && SecondsSince(start) < 300) {
-    if (first_plan_s < 0) {
-      absl::MutexLock lock(&context.plans_mu);
-      if (!context.epoch_first_seen.empty()) {
-        first_plan_s =
-            std::chrono::duration<double>(context.epoch_first_seen.begin()->second - start)
-                .count();
-      }
-    }
     absl::SleepFor(absl::Milliseconds(10));
   }
   row.all_joined_s = context.joined == n ? SecondsSince(start) : -1;
   std::fprintf(stderr, "swarm: %d of %d joined in %.1f s\n", context.joined.load(), n,
                SecondsSince(start));
   // The first plan may come after the last join (the planner waits for
-  // measurements).
-  while (first_plan_s < 0 && SecondsSince(start) < 300) {
-    {
-      absl::MutexLock lock(&context.plans_mu);
-      if (!context.epoch_first_seen.empty()) {
-        first_plan_s =
-            std::chrono::duration<double>(context.epoch_first_seen.begin()->second - start)
-                .count();
-      }
-    }
+  // measurements); its time is when the first worker saw it.
+  auto first_plan_seen = [&context]() -> std::optional<Clock::time_point> {
+    absl::MutexLock lock(&context.plans_mu);
+    if (context.epoch_first_seen.empty()) return std::nullopt;
+    return context.epoch_first_seen.begin()->second;
+  };
+  while (!first_plan_seen().has_value() && SecondsSince(start) < 300) {
     absl::SleepFor(absl::Milliseconds(10));
   }
-  row.first_plan_s = first_plan_s;
+  if (std::optional<Clock::time_point> seen = first_plan_seen()) {
+    row.first_plan_s = std::chrono::duration<double>(*seen - start).count();
+  }
   row.enrolled = context.enrolled;
   row.joined = context.joined;
   row.enroll_errors = context.enroll_errors;
