@@ -7,8 +7,10 @@
 #include <utility>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "common/metrics_exporter.h"
 #include "coordinator/cluster_metrics.h"
 
@@ -50,7 +52,77 @@ std::optional<HttpResponse> Refusal(const AccessStore* access, const HttpRequest
   return std::nullopt;
 }
 
+// A query string's component, %XX and '+' decoded; nullopt for a bad escape.
+std::optional<std::string> Unescape(absl::string_view text) {
+  std::string out;
+  for (size_t i = 0; i < text.size(); ++i) {
+    if (text[i] == '+') {
+      out.push_back(' ');
+    } else if (text[i] != '%') {
+      out.push_back(text[i]);
+    } else {
+      int byte = 0;
+      if (i + 2 >= text.size()) return std::nullopt;
+      const absl::string_view hex = text.substr(i + 1, 2);
+      if (hex.find_first_not_of("0123456789abcdefABCDEF") != absl::string_view::npos ||
+          !absl::SimpleHexAtoi(hex, &byte)) {
+        return std::nullopt;
+      }
+      out.push_back(static_cast<char>(byte));
+      i += 2;
+    }
+  }
+  return out;
+}
+
 }  // namespace
+
+absl::StatusOr<v1::ClusterStatusRequest> StatusRequestOfQuery(const std::string& query) {
+  v1::ClusterStatusRequest request;
+  if (query.size() > 1024) return absl::InvalidArgumentError("status.json: a query of over 1 KiB");
+  for (absl::string_view part : absl::StrSplit(query, '&', absl::SkipEmpty())) {
+    const size_t equals = part.find('=');
+    const std::string key(part.substr(0, equals));
+    std::optional<std::string> value =
+        Unescape(equals == absl::string_view::npos ? "" : part.substr(equals + 1));
+    if (!value.has_value()) {
+      return absl::InvalidArgumentError(absl::StrCat("status.json: ", key, ": a bad %-escape"));
+    }
+    auto number = [&](int most) -> absl::StatusOr<int> {
+      int n = 0;
+      if (!absl::SimpleAtoi(*value, &n) || n < 0 || n > most) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("status.json: ", key, " must be a number of 0 to ", most));
+      }
+      return n;
+    };
+    if (key == "page_size") {
+      absl::StatusOr<int> n = number(100000);
+      if (!n.ok()) return n.status();
+      request.set_page_size(*n);
+    } else if (key == "page_token") {
+      request.set_page_token(*value);
+    } else if (key == "name") {
+      if (value->size() > 128) return absl::InvalidArgumentError("status.json: name over 128 bytes");
+      request.mutable_filter()->set_name_contains(*value);
+    } else if (key == "state") {
+      request.mutable_filter()->set_state(*value);
+    } else if (key == "stage" || key == "pipeline") {
+      absl::StatusOr<int> n = number(100000);
+      if (!n.ok()) return n.status();
+      if (key == "stage") {
+        request.mutable_filter()->set_stage(*n);
+      } else {
+        request.mutable_filter()->set_pipeline(*n);
+      }
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "status.json: unknown parameter '", key.substr(0, 32),
+          "' (page_size, page_token, name, state, stage, pipeline)"));
+    }
+  }
+  return request;
+}
 
 std::string StatusJson(const v1::ClusterStatus& status, const ProgressHistory& history,
                        bool serving) {
@@ -97,9 +169,13 @@ std::map<std::string, HttpServer::Handler> StatusPageHandlers(const StatusPageOp
   const std::string security = options.security;
   pages["/status.json"] = [controller, access, serving, security](const HttpRequest& request) {
     if (std::optional<HttpResponse> refused = Refusal(access, request)) return *refused;
+    absl::StatusOr<v1::ClusterStatusRequest> asked = StatusRequestOfQuery(request.query);
+    if (!asked.ok()) return Text(400, absl::StrCat(asked.status().message(), "\n"));
+    absl::StatusOr<v1::ClusterStatus> assembled = controller->Status(*asked);
+    if (!assembled.ok()) return Text(400, absl::StrCat(assembled.status().message(), "\n"));
     HttpResponse response;
     response.content_type = "application/json";
-    v1::ClusterStatus status = controller->Status();
+    v1::ClusterStatus status = *std::move(assembled);
     status.set_security(security);
     response.body = StatusJson(status, controller->History(), serving ? serving() : true);
     return response;

@@ -8,6 +8,12 @@
 // "evals": [{step, val_loss, accuracy, time_s}]}, "health": {"coordinator":
 // "SERVING" | "NOT_SERVING"}}.
 //
+// /status.json takes a ClusterStatusRequest in its query string, so a page
+// of a thousand members stays small: page_size (0 or absent: every member,
+// with the link matrix), page_token, and the filters name (in the name or
+// id), state, stage and pipeline, e.g. ?page_size=50&stage=2&name=gpu.
+// A malformed query is answered 400 with what was wrong.
+//
 // With TLS on (an AccessStore is given) every page but / needs a viewer
 // token, "Authorization: Bearer <token>" (the page takes it from its URL's
 // #token=...): 401 without one, 403 for one that is not a valid viewer
@@ -47,6 +53,11 @@ struct StatusPageOptions {
 // The body of /status.json.
 std::string StatusJson(const v1::ClusterStatus& status, const ProgressHistory& history,
                        bool serving);
+
+// The ClusterStatusRequest of a /status.json query string (undecoded, as
+// HttpRequest.query holds it). INVALID_ARGUMENT naming the parameter for
+// an unknown one, a number out of range, or a bad escape.
+absl::StatusOr<v1::ClusterStatusRequest> StatusRequestOfQuery(const std::string& query);
 
 // The handlers by path (tests call them without a socket).
 std::map<std::string, HttpServer::Handler> StatusPageHandlers(const StatusPageOptions& options);

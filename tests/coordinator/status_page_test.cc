@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "controller_fixtures.h"
 #include "coordinator/access_store.h"
 
 namespace geotrain {
@@ -121,6 +123,62 @@ TEST_F(StatusPageTokenTest, EverythingButThePageNeedsAViewerToken) {
   // One answer for every reason: nothing about the token leaks.
   EXPECT_EQ(refused.body,
             "viewer token refused (unknown, expired, revoked, or not a viewer token)\n");
+}
+
+TEST(StatusRequestOfQueryTest, ReadsThePageAndTheFilter) {
+  absl::StatusOr<v1::ClusterStatusRequest> request =
+      StatusRequestOfQuery("page_size=50&page_token=100&name=gpu+box%2D1&state=standby&stage=2"
+                           "&pipeline=1");
+  ASSERT_TRUE(request.ok()) << request.status();
+  EXPECT_EQ(request->page_size(), 50);
+  EXPECT_EQ(request->page_token(), "100");
+  EXPECT_EQ(request->filter().name_contains(), "gpu box-1");
+  EXPECT_EQ(request->filter().state(), "standby");
+  EXPECT_EQ(request->filter().stage(), 2);
+  EXPECT_EQ(request->filter().pipeline(), 1);
+  EXPECT_FALSE(StatusRequestOfQuery("").value().has_filter());  // the whole status
+  for (const char* bad : {"page_size=-1", "page_size=ten", "stage=", "color=red", "name=%zz",
+                          "name=%4", "name=%"}) {
+    absl::StatusOr<v1::ClusterStatusRequest> refused = StatusRequestOfQuery(bad);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+  EXPECT_FALSE(StatusRequestOfQuery(std::string(2000, 'a')).ok());
+}
+
+// The page asks a coordinator of many members for a page at a time, and
+// for members by name or stage on demand.
+class StatusJsonQueryTest : public JobControllerTest {};
+
+TEST_F(StatusJsonQueryTest, ThePageAsksForAPageOrAFilter) {
+  for (int i = 0; i < 30; ++i) Join(absl::StrCat("m-", i));
+  StatusPageOptions options;
+  options.controller = controller_.get();
+  const auto handlers = StatusPageHandlers(options);
+  auto get = [&](const std::string& target) {
+    return HttpServer::Answer("GET " + target + " HTTP/1.1", {}, handlers);
+  };
+  auto count = [](const std::string& body, const std::string& what) {
+    int n = 0;
+    for (size_t at = body.find(what); at != std::string::npos; at = body.find(what, at + 1)) ++n;
+    return n;
+  };
+  const HttpResponse page = get("/status.json?page_size=5");
+  ASSERT_EQ(page.status, 200) << page.body;
+  EXPECT_EQ(count(page.body, "\"address\":\"m-"), 5);
+  EXPECT_TRUE(absl::StrContains(page.body, "\"workers_total\":30")) << page.body.substr(0, 400);
+  EXPECT_TRUE(absl::StrContains(page.body, "\"next_page_token\":\"5\""));
+  EXPECT_TRUE(absl::StrContains(page.body, "\"stage_summary\""));
+  // m-1 and m-10 .. m-19.
+  const HttpResponse named = get("/status.json?page_size=50&name=m-1");
+  ASSERT_EQ(named.status, 200);
+  EXPECT_EQ(count(named.body, "\"address\":\"m-"), 11);
+  EXPECT_TRUE(absl::StrContains(named.body, "\"workers_matched\":11"));
+  // Without a query: every member, as before.
+  EXPECT_EQ(count(get("/status.json").body, "\"address\":\"m-"), 30);
+  const HttpResponse refused = get("/status.json?page_size=many");
+  EXPECT_EQ(refused.status, 400);
+  EXPECT_TRUE(absl::StrContains(refused.body, "page_size")) << refused.body;
+  EXPECT_EQ(get("/status.json?page_token=junk").status, 400);
 }
 
 }  // namespace

@@ -7,7 +7,11 @@ A tiny HTTP server on 127.0.0.1 (ephemeral port) serves "/" = the page and
   auth   401 unless "Authorization: Bearer <TOKEN>" (the page is opened once
          without a token, once with #token=<TOKEN>);
   flaky  the fixture once, then 500: the page keeps the data and shows an error;
-  sparse the fixture cut to one step, no evals, no staged workers, no events.
+  sparse the fixture cut to one step, no evals, no staged workers, no events;
+  swarm  the fixture's stages among 1,000 members, served a page at a time and
+         filtered by the query (page_size, name, state, stage) as the coordinator
+         does: the page must ask for a page, show the summary and a row per stage,
+         and fetch members on demand (#q=..., #stage=...).
 Chromium dumps the DOM after a few seconds of virtual time; the script checks
 it, writes a screenshot to /tmp/status_page.png, and exits non-zero on failure.
 
@@ -24,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import urllib.parse
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAGE = os.path.join(ROOT, "coordinator", "status_page.html")
@@ -44,7 +49,9 @@ class Server:
             fixture = json.dumps(doc).encode()
         if mode == "pipelines":
             fixture = json.dumps(pipelines_fixture(json.loads(fixture))).encode()
+        swarm = swarm_fixture(json.loads(fixture)) if mode == "swarm" else None
         self.mode = mode
+        self.queries = []
         self.auth_headers = []
         self.status_requests = 0
         outer = self
@@ -74,6 +81,10 @@ class Server:
                     return self.send(401, b"viewer token needed\n", "text/plain")
                 if outer.mode == "flaky" and outer.status_requests > 1:
                     return self.send(500, b"boom\n", "text/plain")
+                if swarm is not None:
+                    query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
+                    outer.queries.append(query)
+                    return self.send(200, json.dumps(swarm_page(swarm, query)).encode(), "application/json")
                 return self.send(200, fixture, "application/json")
 
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -124,6 +135,50 @@ def pipelines_fixture(doc):
         {"pipeline": r, "workers": [ws[2 * r]["id"], ws[2 * r + 1]["id"]], "step": 30 - 4 * r,
          "loss": 2.5 + 0.1 * r, "samples_per_s": 120.5} for r in range(2)]
     return doc
+
+
+def swarm_fixture(doc, members=1000):
+    """The fixture's staged workers and relay among `members` members: the
+    others standbys named fake-0, fake-1, ..."""
+    st = doc["status"]
+    kept = [w for w in st["workers"] if w["stage"] >= 0 or w["role"] == "relay"]
+    template = next(w for w in st["workers"] if w["stage"] < 0 and w["role"] != "relay")
+    workers = list(kept)
+    for i in range(members - len(kept)):
+        w = dict(template, id="w-%05d" % i, name="fake-%d" % i,
+                 address="192.0.2.%d:%d" % (1 + i % 250, 7000 + i))
+        workers.append(w)
+    st["workers"] = workers
+    return doc
+
+
+def swarm_page(doc, query):
+    """What the coordinator answers /status.json?QUERY with (status_page.cc,
+    StatusAssembler): the members that match, a page of them, the counts."""
+    st = doc["status"]
+    one = lambda k: (query.get(k) or [""])[0]
+    size = int(one("page_size") or 0) or 2000
+    name, state, stage = one("name"), one("state"), one("stage")
+    def state_of(w):
+        return w["state"].replace("WORKER_STATE_", "").lower()
+    matched = [w for w in st["workers"]
+               if (not name or name in w["name"] or name in w["id"])
+               and (not state or state_of(w) == state)
+               and (stage == "" or w["stage"] == int(stage))]
+    states = {}
+    for w in st["workers"]:
+        states[state_of(w)] = states.get(state_of(w), 0) + 1
+    summary = {}
+    for w in st["workers"]:
+        if w["stage"] >= 0:
+            s = summary.setdefault(w["stage"], {"stage": w["stage"], "layer_begin": w["layer_begin"],
+                                                "layer_end": w["layer_end"], "workers": 0})
+            s["workers"] += 1
+    page = dict(st, workers=matched[:size], workers_total=len(st["workers"]),
+                workers_matched=len(matched), worker_states=states,
+                stage_summary=[summary[k] for k in sorted(summary)],
+                next_page_token=str(size) if size < len(matched) else "")
+    return dict(doc, status=page)
 
 
 class Dom(html.parser.HTMLParser):
@@ -300,6 +355,46 @@ def main():
         c.check("no stage nodes", len(dom.by_class("stage")) == 0 and "No stages" in Dom.text(dom.by_id("pipeline")))
         c.check("health shows NOT_SERVING", Dom.text(dom.by_id("health")) == "NOT_SERVING")
         c.check("no NaN anywhere", "NaN" not in "".join(Dom.text(e) + json.dumps(e["attrs"]) for e in dom.elements))
+
+    print("mode swarm: 1,000 members, a page at a time")
+    with Server("swarm") as srv:
+        dom = Dom(chromium(binary, "http://127.0.0.1:%d/" % srv.port, ["--dump-dom"]))
+        first = srv.queries[0] if srv.queries else {}
+        c.check("asks for a page of 200", first.get("page_size") == ["200"] and "name" not in first, str(first))
+        hrows = dom.by_class("worker-row")
+        c.check("health rows: one page", len(hrows) == 200, "%d rows" % len(hrows))
+        summary = Dom.text(dom.by_id("members-summary"))
+        c.check("summary counts every member", "1000 members" in summary and "4 training" in summary
+                and "996 standby" in summary, summary)
+        rows = dom.by_class("stage-row")
+        texts = [Dom.text(r) for r in rows]
+        c.check("one row per stage with its count",
+                len(texts) == 3 and all(t.startswith("stage %d" % k) and t.endswith("%dmembers" % n)
+                                        for k, (t, n) in enumerate(zip(texts, [1, 2, 1]))),
+                " | ".join(texts))
+        c.check("a search box", dom.by_id("q") is not None and dom.by_id("q")["attrs"].get("type") == "search")
+        c.check("more on request", "hidden" not in (dom.by_id("more") or {"attrs": {"hidden": ""}})["attrs"])
+        c.check("standby line cut to 20", len(dom.by_class("standby")) <= 21,
+                "%d standby names" % len(dom.by_class("standby")))
+        c.check("the diagram says what it drew", "first 200 of 1000" in Dom.text(dom.by_id("pipe-notes")),
+                Dom.text(dom.by_id("pipe-notes"))[:120])
+    with Server("swarm") as srv:
+        dom = Dom(chromium(binary, "http://127.0.0.1:%d/#q=fake-12" % srv.port, ["--dump-dom"]))
+        c.check("a search asks by name", any(q.get("name") == ["fake-12"] for q in srv.queries),
+                str(srv.queries[:2]))
+        names = sorted(Dom.text(r).strip() for r in dom.by_class("worker-row"))
+        c.check("only the members found", len(names) == 11 and all("fake-12" in n for n in names), str(names[:3]))
+        c.check("says how many match", "11 match" in Dom.text(dom.by_id("members-page")),
+                Dom.text(dom.by_id("members-page")))
+    with Server("swarm") as srv:
+        dom = Dom(chromium(binary, "http://127.0.0.1:%d/#stage=1" % srv.port, ["--dump-dom"]))
+        c.check("a stage's members on demand", any(q.get("stage") == ["1"] for q in srv.queries),
+                str(srv.queries[:2]))
+        hrows = dom.by_class("worker-row")
+        c.check("its two members listed", len(hrows) == 2 and all("fra-l4" in Dom.text(r) for r in hrows),
+                "%d rows" % len(hrows))
+        on = [r for r in dom.by_class("stage-row") if "on" in r["attrs"].get("class", "").split()]
+        c.check("its row marked", len(on) == 1 and "stage 1" in Dom.text(on[0]))
 
     print("%d passed, %d failed" % (c.passed, len(c.failures)))
     return 1 if c.failures else 0
