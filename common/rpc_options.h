@@ -30,6 +30,11 @@ inline constexpr int kMaxGrpcMessageBytes = 16 << 20;
 // hold for all calls together.
 inline constexpr int kCoordinatorMaxReceiveBytes = 2 << 20;
 inline constexpr size_t kCoordinatorMemoryQuotaBytes = size_t{256} << 20;
+// The threads the coordinator's synchronous handlers may use at once. Plan
+// streams take none (callback API); a handler stuck behind a lock holds
+// one, and past this a call is answered RESOURCE_EXHAUSTED (the caller
+// retries) rather than the process growing thousands of threads.
+inline constexpr int kCoordinatorMaxThreads = 256;
 // The payload of one message of every chunked stream (layer state,
 // replica weight pushes, tied-gradient parts): far under that limit, and
 // what a receiver holds of a stream beyond what it keeps.

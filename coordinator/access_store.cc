@@ -40,6 +40,8 @@ absl::StatusOr<std::unique_ptr<AccessStore>> AccessStore::Open(const std::string
       return absl::DataLossError(absl::StrCat(path, " does not parse; the tokens and worker "
                                               "revocations in it cannot be trusted"));
     }
+    absl::MutexLock revoked(&store->revoked_mu_);
+    for (const std::string& id : store->state_.revoked_workers()) store->revoked_.insert(id);
   }
   return store;
 }
@@ -47,14 +49,16 @@ absl::StatusOr<std::unique_ptr<AccessStore>> AccessStore::Open(const std::string
 AccessStore::PendingWrite AccessStore::SnapshotLocked() {
   PendingWrite pending;
   pending.sequence = ++snapshots_;
-  google::protobuf::TextFormat::PrintToString(state_, &pending.text);
+  pending.state = state_;
   return pending;
 }
 
 absl::Status AccessStore::Write(const PendingWrite& pending) {
   absl::MutexLock lock(&write_mu_);
   if (written_ >= pending.sequence) return absl::OkStatus();
-  RETURN_IF_ERROR(WriteFileAtomically(path_, pending.text, 0600));
+  std::string text;
+  google::protobuf::TextFormat::PrintToString(pending.state, &text);
+  RETURN_IF_ERROR(WriteFileAtomically(path_, text, 0600));
   written_ = pending.sequence;
   return absl::OkStatus();
 }
@@ -233,6 +237,10 @@ absl::Status AccessStore::RevokeWorker(const std::string& worker_id) {
     bool known = false;
     for (const std::string& id : state_.revoked_workers()) known = known || id == worker_id;
     if (!known) state_.add_revoked_workers(worker_id);
+    {
+      absl::MutexLock revoked(&revoked_mu_);
+      revoked_.insert(worker_id);
+    }
     // Written even when known: another caller's write of it may be under
     // way or may have failed, and OK means durable (Write skips the disk
     // when a later snapshot is on it already).
@@ -242,11 +250,8 @@ absl::Status AccessStore::RevokeWorker(const std::string& worker_id) {
 }
 
 bool AccessStore::IsWorkerRevoked(const std::string& worker_id) const {
-  absl::ReaderMutexLock lock(&mu_);
-  for (const std::string& id : state_.revoked_workers()) {
-    if (id == worker_id) return true;
-  }
-  return false;
+  absl::MutexLock lock(&revoked_mu_);
+  return revoked_.contains(worker_id);
 }
 
 std::vector<std::string> AccessStore::RevokedWorkers(size_t max) const {

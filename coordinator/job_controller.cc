@@ -41,8 +41,12 @@ absl::StatusOr<std::unique_ptr<JobController>> JobController::Create(
   if (options.clock == nullptr) {
     return absl::InvalidArgumentError("JobController needs a clock");
   }
-  absl::StatusOr<std::unique_ptr<Planner>> planner = MakePlannerByName(options.planner);
-  if (!planner.ok()) return planner.status();
+  std::shared_ptr<const Planner> planner = options.custom_planner;
+  if (planner == nullptr) {
+    absl::StatusOr<std::unique_ptr<Planner>> named = MakePlannerByName(options.planner);
+    if (!named.ok()) return named.status();
+    planner = *std::move(named);
+  }
   std::shared_ptr<CoordinatorStore> store = options.store;
   if (store == nullptr) {
     absl::StatusOr<StateStore> files = StateStore::Open(options.state_dir);
@@ -60,7 +64,7 @@ absl::StatusOr<std::unique_ptr<JobController>> JobController::Create(
   absl::StatusOr<std::unique_ptr<AppendLog>> events_file = AppendLog::Open(std::move(events_log));
   if (!events_file.ok()) return events_file.status();
   auto controller = std::unique_ptr<JobController>(new JobController(
-      std::move(options), *std::move(planner), std::move(store), *std::move(checkpoints),
+      std::move(options), std::move(planner), std::move(store), *std::move(checkpoints),
       *std::move(events_file)));
   absl::StatusOr<bool> recovered = controller->Recover();
   if (!recovered.ok()) return recovered.status();
@@ -94,7 +98,7 @@ absl::StatusOr<std::unique_ptr<JobController>> JobController::Create(
   return controller;
 }
 
-JobController::JobController(JobControllerOptions options, std::unique_ptr<Planner> planner,
+JobController::JobController(JobControllerOptions options, std::shared_ptr<const Planner> planner,
                              std::shared_ptr<CoordinatorStore> store,
                              std::unique_ptr<CheckpointStore> checkpoints,
                              std::unique_ptr<AppendLog> events_file)
@@ -172,6 +176,7 @@ JobController::JobController(JobControllerOptions options, std::unique_ptr<Plann
             plans.planner = options_.planner;
             plans.max_dead_members = kMaxDeadMembers;
             plans.heartbeat_ms = options_.heartbeat_ms;
+            plans.max_planner_candidates = options_.max_planner_candidates;
             return plans;
           }(),
           [&] {
@@ -312,10 +317,10 @@ absl::StatusOr<v1::JoinResponse> JobController::Join(const v1::JoinRequest& requ
 }
 
 void JobController::AbandonJoin(const std::string& worker_id, const std::string& session) {
-  if (plans_.ForgetAbandoned(worker_id, session)) {
-    network_.Forget(worker_id);
-    reachability_.Forget(worker_id);
-  }
+  plans_.ForgetAbandoned(worker_id, session, [this](const std::string& forgotten) {
+    network_.Forget(forgotten);
+    reachability_.Forget(forgotten);
+  });
 }
 
 bool JobController::KnowsWorker(const std::string& worker_id) const {
@@ -379,7 +384,7 @@ bool JobController::Heartbeat(const v1::HeartbeatRequest& request,
   }
   if (response != nullptr && network_.WantsTask(request.worker_id(), now_ms)) {
     // Shared, not copied: after a join every member may want a task.
-    const std::shared_ptr<const std::vector<WorkerRecord>> shared = membership_.SharedLiveWorkers();
+    const std::shared_ptr<const std::vector<WorkerRecord>> shared = membership_.SharedLivePeers();
     const std::vector<WorkerRecord>& live = *shared;
     if (std::optional<v1::ProbeTask> task = network_.NextTask(request.worker_id(), live, now_ms)) {
       *response->add_probes() = *std::move(task);

@@ -70,6 +70,11 @@ struct JobControllerOptions {
   // "network" (coordinator/network_planner.h) or "join-order" (planner v1:
   // join order, compute-only cuts).
   std::string planner = "network";
+  // A planner of the caller's instead of `planner` by name (tests: one
+  // that blocks mid-search).
+  std::shared_ptr<const Planner> custom_planner;
+  // The most workers one search considers (PlanManagerOptions).
+  size_t max_planner_candidates = 1000;
   // When a slow stage's worker is swapped for a standby
   // (StragglerDetector); patience_ms INT64_MAX: never.
   StragglerOptions stragglers;
@@ -179,7 +184,7 @@ class JobController {
   void Shutdown();
 
  private:
-  JobController(JobControllerOptions options, std::unique_ptr<Planner> planner,
+  JobController(JobControllerOptions options, std::shared_ptr<const Planner> planner,
                 std::shared_ptr<CoordinatorStore> store,
                 std::unique_ptr<CheckpointStore> checkpoints,
                 std::unique_ptr<AppendLog> events_file);
@@ -193,7 +198,7 @@ class JobController {
   v1::CoordinatorState StateSnapshot() const;
 
   const JobControllerOptions options_;
-  const std::unique_ptr<Planner> planner_;
+  const std::shared_ptr<const Planner> planner_;
   const int64_t start_ms_;
   // The parts, each thread-safe itself with its own lock (or none); in
   // the order they are made, as the later ones read the earlier.

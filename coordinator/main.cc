@@ -18,6 +18,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "common/codec.h"
 #include "common/health_reporter.h"
 #include "common/http_server.h"
@@ -131,6 +132,10 @@ int main(int argc, char** argv) {
       "[--metrics_log=FILE]");
   const std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   geotrain::SetLogPrefix("coordinator");
+  // Debian's abseil checks lock order on every acquisition, in one global
+  // graph (7% of the coordinator's CPU at 10,000 workers). The unit tests,
+  // which link the same locks, keep the check.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   if (positional.size() > 1) {
     return Fail(std::string("unexpected argument '") + positional[1] + "' (flags are --name=value)");
   }
@@ -300,6 +305,7 @@ int main(int argc, char** argv) {
   builder.SetMaxReceiveMessageSize(geotrain::kCoordinatorMaxReceiveBytes);
   grpc::ResourceQuota quota("geotrain-coordinator");
   quota.Resize(geotrain::kCoordinatorMemoryQuotaBytes);
+  quota.SetMaxThreads(geotrain::kCoordinatorMaxThreads);
   builder.SetResourceQuota(quota);
   int port = 0;
   builder.AddListeningPort(

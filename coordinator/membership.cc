@@ -195,7 +195,6 @@ WorkerRecord Membership::Join(const std::string& name, const std::string& addres
                               v1::MemberRole role, const v1::Reachability& reachability,
                               const std::string& session, bool* retried) {
   absl::MutexLock lock(&mu_);
-  live_cache_stale_ = true;
   if (retried != nullptr) *retried = false;
   const int64_t now = clock_->NowMs();
   WorkerRecord* record = id.empty() ? nullptr : FindLocked(id);
@@ -216,6 +215,7 @@ WorkerRecord Membership::Join(const std::string& name, const std::string& addres
       return *same;
     }
   }
+  const bool added = record == nullptr;
   if (record == nullptr) {
     record = &workers_.emplace_back();
     record->join_order = next_join_order_++;
@@ -236,7 +236,19 @@ WorkerRecord Membership::Join(const std::string& name, const std::string& addres
   record->stats.Clear();
   record->session = session;
   answered_joins_[record->id] = 1;
+  if (added && !live_cache_stale_ && live_cache_ != nullptr) {
+    AddLivePeerLocked(*record);
+  } else {
+    live_cache_stale_ = true;
+  }
   return *record;
+}
+
+void Membership::AddLivePeerLocked(const WorkerRecord& w) {
+  if (w.relay()) return;
+  // Copy on write: a heartbeat may still be reading the list it was given.
+  if (live_cache_.use_count() > 1) live_cache_ = std::make_shared<std::vector<WorkerRecord>>(*live_cache_);
+  live_cache_->push_back(LivePeerOf(w));
 }
 
 bool Membership::Abandon(const std::string& id, const std::string& session) {
@@ -321,13 +333,11 @@ void Membership::SetLayerTimings(
   WorkerRecord* w = FindLocked(id);
   // Workers repeat their timings in every heartbeat: only a change counts.
   if (w == nullptr || w->layer_seconds_per_sample == kept) return;
-  live_cache_stale_ = true;
   w->layer_seconds_per_sample = std::move(kept);
 }
 
 void Membership::SetReachability(const std::string& id, const v1::Reachability& reachability) {
   absl::MutexLock lock(&mu_);
-  live_cache_stale_ = true;
   if (WorkerRecord* w = FindLocked(id)) w->reachability = reachability;
 }
 
@@ -391,13 +401,24 @@ std::vector<WorkerRecord> Membership::LiveWorkers() const {
   return live;
 }
 
-std::shared_ptr<const std::vector<WorkerRecord>> Membership::SharedLiveWorkers() const {
+WorkerRecord Membership::LivePeerOf(const WorkerRecord& w) {
+  WorkerRecord peer;
+  peer.id = w.id;
+  peer.name = w.name;
+  peer.address = w.address;
+  peer.role = w.role;
+  peer.join_order = w.join_order;
+  return peer;
+}
+
+std::shared_ptr<const std::vector<WorkerRecord>> Membership::SharedLivePeers() const {
   absl::MutexLock lock(&mu_);
   if (live_cache_ == nullptr || live_cache_stale_) {
     live_cache_stale_ = false;
     auto live = std::make_shared<std::vector<WorkerRecord>>();
+    live->reserve(workers_.size());
     for (const WorkerRecord& w : workers_) {
-      if (w.alive && !w.relay()) live->push_back(w);
+      if (w.alive && !w.relay()) live->push_back(LivePeerOf(w));
     }
     live_cache_ = std::move(live);
   }
@@ -419,10 +440,11 @@ std::vector<WorkerRecord> Membership::ProbeCandidates(const std::string& exclude
   return picked;
 }
 
-std::vector<std::pair<std::string, int64_t>> Membership::LiveRss() const {
+std::vector<std::pair<std::string, int64_t>> Membership::LiveRss(size_t most) const {
   absl::MutexLock lock(&mu_);
   std::vector<std::pair<std::string, int64_t>> rss;
   for (const WorkerRecord& w : workers_) {
+    if (rss.size() >= most) break;
     if (w.alive) rss.emplace_back(w.name, static_cast<int64_t>(w.rss_bytes));
   }
   return rss;

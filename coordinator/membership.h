@@ -121,16 +121,20 @@ class Membership {
   std::vector<WorkerRecord> Snapshot() const;
   // Live members that may hold stages (no relays).
   std::vector<WorkerRecord> LiveWorkers() const;
-  // The same, shared, for the heartbeat path (who measures whom): rebuilt
-  // once after a change of the live set or of what a member declared (join,
-  // leave, expiry, reachability, layer timings), not per call. The
-  // heartbeat fields (time, RSS, step, stats) are as of that change. (A
-  // rebuild at most once a second lost a newcomer's measurements for 30 s:
-  // a member that ranked its sample on the old list was not asked again.)
-  std::shared_ptr<const std::vector<WorkerRecord>> SharedLiveWorkers() const;
+  // The live members that may hold stages, as the heartbeat path's peer
+  // sampling needs them (who measures whom): records with id, name,
+  // address, role and alive only, shared and rebuilt once after the live
+  // set changes (join, leave, expiry, abandon), not per call. Light, so a
+  // rebuild after each of 10,000 joins copies no device, stats or timings.
+  // (A rebuild at most once a second lost a newcomer's measurements for
+  // 30 s: a member that ranked its sample on the old list was not asked
+  // again.)
+  std::shared_ptr<const std::vector<WorkerRecord>> SharedLivePeers() const;
   std::vector<WorkerRecord> LiveRelays() const;
-  // Each live member's name and resident memory (the metrics log's).
-  std::vector<std::pair<std::string, int64_t>> LiveRss() const;
+  // The name and resident memory of up to `most` live members, the
+  // earliest joined first (the metrics log's; every member's own endpoint
+  // has its own).
+  std::vector<std::pair<std::string, int64_t>> LiveRss(size_t most = 64) const;
   // Up to `n` live workers other than `exclude`, in join order, those
   // reachable (or not probed) before the others: who dials a joiner back.
   // Copies only those it returns.
@@ -143,11 +147,16 @@ class Membership {
   WorkerRecord* FindLocked(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   const WorkerRecord* FindLocked(const std::string& id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReindexLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AddLivePeerLocked(const WorkerRecord& w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What SharedLivePeers keeps of a member.
+  static WorkerRecord LivePeerOf(const WorkerRecord& w);
 
   mutable absl::Mutex mu_;
   std::vector<WorkerRecord> workers_ ABSL_GUARDED_BY(mu_);  // join order
-  // SharedLiveWorkers(), marked stale by every change but a heartbeat.
-  mutable std::shared_ptr<const std::vector<WorkerRecord>> live_cache_ ABSL_GUARDED_BY(mu_);
+  // SharedLivePeers(): a newcomer is appended (copied first only while a
+  // caller still holds the list); any other change of the live set marks
+  // it stale, and it is rebuilt when next asked for.
+  mutable std::shared_ptr<std::vector<WorkerRecord>> live_cache_ ABSL_GUARDED_BY(mu_);
   mutable bool live_cache_stale_ ABSL_GUARDED_BY(mu_) = false;
   std::unordered_map<std::string, size_t> index_ ABSL_GUARDED_BY(mu_);  // id -> workers_[i]
   // Answers given to the current session of each member (Abandon).

@@ -114,6 +114,7 @@ void NetworkMatrix::RecordProbe(const std::string& prober, const v1::ProbeResult
   if (pending == pending_.end() || pending->second.first != result.worker_id()) return;
   pending_.erase(pending);
   Entry& entry = entries_[{prober, result.worker_id()}];
+  incoming_.insert({result.worker_id(), prober});
   entry.updated_ms = now_ms;
   entry.probed_ms = std::max<int64_t>(now_ms, 1);
   if (!result.reachable() || !Plausible(result.rtt_s(), result.rate_bps()) ||
@@ -166,6 +167,7 @@ void NetworkMatrix::RecordLinkRate(const std::string& worker, const std::string&
   if (peer == worker_at_.end() || peer->second == worker) return;
   const std::string& peer_worker = peer->second;
   Entry& entry = entries_[{worker, peer_worker}];
+  incoming_.insert({peer_worker, worker});
   entry.rate_bps = rate_bps;
   entry.updated_ms = now_ms;
   entry.source = entry.rtt_s > 0 ? "probe+link" : "link";  // RTT from a probe, rate live
@@ -256,9 +258,16 @@ std::optional<NetworkMatrix::Access> NetworkMatrix::AccessOfLocked(
   // Every pair's transfer crossed the port too: it is at least as fast as
   // the fastest of them (an access measurement that met other traffic on a
   // peer's port reads low).
-  for (const auto& [pair, entry] : entries_) {
-    if (pair.first == worker) access.uplink_bps = std::max(access.uplink_bps, entry.rate_bps);
-    if (pair.second == worker) access.downlink_bps = std::max(access.downlink_bps, entry.rate_bps);
+  for (auto out = entries_.lower_bound({worker, ""});
+       out != entries_.end() && out->first.first == worker; ++out) {
+    access.uplink_bps = std::max(access.uplink_bps, out->second.rate_bps);
+  }
+  for (auto in = incoming_.lower_bound({worker, ""});
+       in != incoming_.end() && in->first == worker; ++in) {
+    auto entry = entries_.find({in->second, worker});
+    if (entry != entries_.end()) {
+      access.downlink_bps = std::max(access.downlink_bps, entry->second.rate_bps);
+    }
   }
   return access;
 }
@@ -277,9 +286,15 @@ void NetworkMatrix::Forget(const std::string& worker) {
   absl::MutexLock lock(&mu_);
   access_.erase(worker);
   access_pending_.erase(worker);
-  for (auto it = entries_.begin(); it != entries_.end();) {
-    it = (it->first.first == worker || it->first.second == worker) ? entries_.erase(it)
-                                                                    : std::next(it);
+  for (auto out = entries_.lower_bound({worker, ""});
+       out != entries_.end() && out->first.first == worker;) {
+    incoming_.erase({out->first.second, worker});
+    out = entries_.erase(out);
+  }
+  for (auto in = incoming_.lower_bound({worker, ""});
+       in != incoming_.end() && in->first == worker;) {
+    entries_.erase({in->second, worker});
+    in = incoming_.erase(in);
   }
   pending_.erase(worker);
   next_check_ms_.erase(worker);

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -114,6 +115,9 @@ class NetworkMatrix {
   const NetworkMatrixOptions options_;
   mutable absl::Mutex mu_;
   std::map<std::pair<std::string, std::string>, Entry> entries_ ABSL_GUARDED_BY(mu_);
+  // entries_' keys by their second worker: (to, from), so what arrives at a
+  // worker is a range as what leaves it is (AccessOf per status row).
+  std::set<std::pair<std::string, std::string>> incoming_ ABSL_GUARDED_BY(mu_);
   // Outstanding measure task per prober: its target and when it was sent.
   std::map<std::string, std::pair<std::string, int64_t>> pending_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int64_t> next_check_ms_ ABSL_GUARDED_BY(mu_);

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -103,11 +104,46 @@ void PlanManager::OnReachabilityChanged(const ReachabilityManager::Verdict& verd
   }
 }
 
-bool PlanManager::ForgetAbandoned(const std::string& worker_id, const std::string& session) {
-  absl::MutexLock lock(&mu_);
+void PlanManager::ForgetAbandoned(const std::string& worker_id, const std::string& session,
+                                  std::function<void(const std::string&)> forgotten) {
+  AbandonedJoin join{worker_id, session, std::move(forgotten)};
+  // A join handler never waits for a search (at 10,000 workers, thousands
+  // of abandoned joins each held a server thread behind one).
+  if (!mu_.TryLock()) {
+    absl::MutexLock lock(&abandoned_mu_);
+    abandoned_.push_back(std::move(join));
+    return;
+  }
+  ForgetAbandonedLocked(join);
+  mu_.Unlock();
+}
+
+void PlanManager::ForgetAbandonedLocked(const AbandonedJoin& join) {
   // A member a plan already names stays; its lease runs out as any other.
-  if (plan_.has_value() && StageOf(*plan_, worker_id) != nullptr) return false;
-  return membership_.Abandon(worker_id, session);
+  if (plan_.has_value() && StageOf(*plan_, join.worker_id) != nullptr) return;
+  if (membership_.Abandon(join.worker_id, join.session) && join.forgotten) {
+    join.forgotten(join.worker_id);
+  }
+}
+
+std::vector<WorkerRecord> PlanManager::BoundedCandidatesLocked(
+    std::vector<WorkerRecord> workers) const {
+  const size_t most = std::max<size_t>(1, options_.max_planner_candidates);
+  if (workers.size() <= most) return workers;
+  const int64_t heard_since = options_.clock->NowMs() - 2 * options_.heartbeat_ms;
+  auto rank = [&](const WorkerRecord& w) {
+    const bool planned = plan_.has_value() && StageOf(*plan_, w.id) != nullptr;
+    return std::make_tuple(!planned, w.last_heartbeat_ms < heard_since,
+                           -w.device.matmul_gflops(), w.join_order);
+  };
+  std::partial_sort(workers.begin(), workers.begin() + most, workers.end(),
+                    [&](const WorkerRecord& a, const WorkerRecord& b) { return rank(a) < rank(b); });
+  workers.resize(most);
+  // The planner's inputs stay in join order (join-order plans, ties).
+  std::sort(workers.begin(), workers.end(), [](const WorkerRecord& a, const WorkerRecord& b) {
+    return a.join_order < b.join_order;
+  });
+  return workers;
 }
 
 void PlanManager::FinishJob() {
@@ -125,6 +161,12 @@ void PlanManager::FinishJob() {
 
 void PlanManager::Tick(const std::vector<WorkerRecord>& expired) {
   absl::MutexLock lock(&mu_);
+  std::vector<AbandonedJoin> abandoned;
+  {
+    absl::MutexLock queued(&abandoned_mu_);
+    abandoned.swap(abandoned_);
+  }
+  for (const AbandonedJoin& join : abandoned) ForgetAbandonedLocked(join);
   for (const WorkerRecord& w : expired) {
     AddEventLocked("lost", w.name, absl::StrCat(w.id, ": ", w.end_reason));
   }
@@ -288,6 +330,7 @@ void PlanManager::MaybeVoluntaryReplanLocked() {
     if (faults_.Demoted(w.id) && StageOf(*plan_, w.id) == nullptr) continue;
     if (StageOf(*plan_, w.id) != nullptr || faults_.EligibleStandby(w)) candidates.push_back(w);
   }
+  candidates = BoundedCandidatesLocked(std::move(candidates));
   PlannerInput input = LivePlannerInputLocked(candidates);
   const absl::Time started = absl::Now();
   absl::StatusOr<PipelinePlan> best = planner_->Plan(input);
@@ -375,6 +418,9 @@ bool PlanManager::MaybeFormPipelineLocked() {
   const int pipelines = PipelinesOf(*plan_);
   const int most = options_.job.outer().max_pipelines();
   if (most > 0 && pipelines >= most) return false;
+  // The network planner looks once per re-plan interval: not due, no need
+  // for the standbys (a copy of every member) either.
+  if (options_.planner == "network" && !replan_policy_.Due(options_.clock->NowMs())) return false;
   std::vector<WorkerRecord> spares;
   for (const WorkerRecord& w : StandbysLocked(*plan_)) {
     if (!faults_.Demoted(w.id) && faults_.MayReplicate(w.id)) spares.push_back(w);
@@ -411,6 +457,7 @@ bool PlanManager::NetworkWantsMorePipelinesLocked(const std::vector<WorkerRecord
   for (const WorkerRecord& w : membership_.LiveWorkers()) {
     if (StageOf(*plan_, w.id) != nullptr) candidates.push_back(w);
   }
+  candidates = BoundedCandidatesLocked(std::move(candidates));
   PlannerInput input = LivePlannerInputLocked(candidates);
   absl::StatusOr<PipelinePlan> best = planner_->Plan(input);
   if (!best.ok() || best->stages.empty()) return false;
@@ -541,6 +588,29 @@ bool PlanManager::ReplaceLocked(const std::string& worker_id, const std::string&
 
 void PlanManager::MaybeReplanLocked() {
   if (!plan_.has_value() || done_ || plan_->job_done()) return;
+  // The common case, every member of the plan alive (or done), is decided
+  // from the plan's members alone: it runs on every join and every tick,
+  // and a copy of every member took most of the coordinator at 10,000.
+  const std::set<std::string> done_workers = progress_.DoneWorkers();
+  bool any_lost = false;
+  for (const v1::StageAssignment& stage : plan_->stages()) {
+    for (const StageWorker& w : WorkersOf(stage)) {
+      if (done_workers.count(w.id) > 0) continue;
+      const std::optional<WorkerRecord> record = membership_.Find(w.id);
+      any_lost = any_lost || !record.has_value() || !record->alive || record->relay();
+    }
+  }
+  if (!any_lost) {
+    v1::Plan next = *plan_;
+    std::string summary;
+    if (PipelinesOf(*plan_) > 1 || progress_.AnyDone() || !FillReplicasLocked(&next, &summary)) {
+      MaybeFormPipelineLocked();
+      return;
+    }
+    waiting_for_workers_ = false;
+    PublishReplanLocked(std::move(next), summary);
+    return;
+  }
   const std::vector<WorkerRecord> live = membership_.LiveWorkers();
   std::set<std::string> live_ids;
   for (const WorkerRecord& w : live) live_ids.insert(w.id);
@@ -636,8 +706,9 @@ void PlanManager::MaybeReplanLocked() {
   PublishReplanLocked(std::move(next), summary);
 }
 
-std::optional<v1::Plan> PlanManager::PartitionLocked(const std::vector<WorkerRecord>& live,
+std::optional<v1::Plan> PlanManager::PartitionLocked(const std::vector<WorkerRecord>& all_live,
                                                        std::string* summary) {
+  const std::vector<WorkerRecord> live = BoundedCandidatesLocked(all_live);
   PlannerInput input = PlannerInputFor(
       options_.job, live,
       options_.planner == "network" ? CodecChoice::kPerLink : CodecChoice::kJobWide);

@@ -54,6 +54,12 @@ struct PlanManagerOptions {
   // The workers' heartbeat period: a standby not heard from in two of them
   // is taken only after those that were (it may be dying with the others).
   int heartbeat_ms = 1000;
+  // The most workers one planner search considers: the plan's members
+  // first, then the standbys heard from lately, fastest first. The search
+  // and its input (a link for every pair) grow with the square of this, so
+  // a swarm of 10,000 plans as fast as one of a thousand; a plan of at
+  // most max_pipelines x layers workers never needs more.
+  size_t max_planner_candidates = 1000;
 };
 
 // What the plan manager works with; none owned, all must outlive it.
@@ -88,8 +94,11 @@ class PlanManager {
   // Peer probes changed a member's verdict (ReachabilityManager).
   void OnReachabilityChanged(const ReachabilityManager::Verdict& verdict);
   // The member of a join whose caller gave up is forgotten, unless a plan
-  // names it already. True when it was forgotten.
-  bool ForgetAbandoned(const std::string& worker_id, const std::string& session);
+  // names it already. Never waits for a search: while one holds the plan's
+  // lock the member is forgotten at the next Tick. `forgotten` runs once
+  // it is (at once, or on the Tick's thread).
+  void ForgetAbandoned(const std::string& worker_id, const std::string& session,
+                       std::function<void(const std::string& worker_id)> forgotten);
   // Every worker of the plan reported done: the final plan (job_done).
   void FinishJob();
 
@@ -191,6 +200,15 @@ class PlanManager {
   // What the current plan's pipelines have drawn of the data.
   PipelineDataInput DataInputLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeVoluntaryReplanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `workers` cut to options_.max_planner_candidates: the plan's members,
+  // then those heard from within two heartbeats, then the fastest.
+  std::vector<WorkerRecord> BoundedCandidatesLocked(std::vector<WorkerRecord> workers) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  struct AbandonedJoin {
+    std::string worker_id, session;
+    std::function<void(const std::string&)> forgotten;
+  };
+  void ForgetAbandonedLocked(const AbandonedJoin& join) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const PlanManagerOptions options_;
   const PlanManagerParts parts_;
@@ -225,6 +243,9 @@ class PlanManager {
   ReplanPolicy replan_policy_ ABSL_GUARDED_BY(mu_);
   int last_replan_verdict_ ABSL_GUARDED_BY(mu_) = -1;
   int64_t last_replan_event_ms_ ABSL_GUARDED_BY(mu_) = 0;
+  // Abandoned joins that found mu_ held, for the next Tick.
+  absl::Mutex abandoned_mu_ ABSL_ACQUIRED_AFTER(mu_);
+  std::vector<AbandonedJoin> abandoned_ ABSL_GUARDED_BY(abandoned_mu_);
 };
 
 }  // namespace geotrain

@@ -96,6 +96,8 @@ class JobControllerTest : public testing::Test {
     }
     options.before_log_write = before_log_write_;
     options.planner = planner_;
+    options.custom_planner = custom_planner_;
+    options.max_planner_candidates = max_planner_candidates_;
     auto controller = JobController::Create(options);
     ASSERT_TRUE(controller.ok()) << controller.status();
     controller_ = std::move(*controller);
@@ -112,6 +114,8 @@ class JobControllerTest : public testing::Test {
     options.heartbeat_ms = std::max(100, job_.lease_ms() / 5);
     options.authenticated_callers = authenticated_callers_;
     options.planner = planner_;
+    options.custom_planner = custom_planner_;
+    options.max_planner_candidates = max_planner_candidates_;
     auto controller = JobController::Create(options);
     ASSERT_TRUE(controller.ok()) << controller.status();
     controller_ = std::move(*controller);
@@ -167,6 +171,8 @@ class JobControllerTest : public testing::Test {
   std::function<absl::Status()> before_plan_write_;
   std::function<absl::Status(const std::string&)> before_log_write_;
   std::string planner_ = "join-order";
+  std::shared_ptr<const Planner> custom_planner_;  // instead of planner_
+  size_t max_planner_candidates_ = 1000;
   v1::JobSpec job_;
   std::string dir_;
   std::unique_ptr<JobController> controller_;

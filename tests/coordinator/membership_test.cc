@@ -99,6 +99,29 @@ TEST(MembershipTest, AnAbandonedJoinLeavesNoMember) {
   EXPECT_EQ(membership.Join("d", "h:4", {}).id, "w3");
 }
 
+// The heartbeat path's shared list of peers: a newcomer is appended, a
+// list a caller holds never changes under it, and a departure is seen.
+TEST(MembershipTest, TheSharedPeersFollowJoinsAndDepartures) {
+  FakeClock clock(1000);
+  Membership membership(&clock, /*lease_ms=*/5000);
+  const WorkerRecord a = membership.Join("a", "h:1", {}, "", v1::MEMBER_ROLE_WORKER, {}, "s1");
+  membership.Join("relay", "h:9", {}, "", v1::MEMBER_ROLE_RELAY, {}, "s9");
+  const auto first = membership.SharedLivePeers();
+  ASSERT_EQ(first->size(), 1u);
+  EXPECT_EQ(first->front().address, "h:1");
+  EXPECT_TRUE(first->front().stats.ByteSizeLong() == 0);  // light: no heartbeat figures
+  EXPECT_EQ(membership.SharedLivePeers(), first);         // not rebuilt per call
+  const WorkerRecord b = membership.Join("b", "h:2", {}, "", v1::MEMBER_ROLE_WORKER, {}, "s2");
+  const auto second = membership.SharedLivePeers();
+  EXPECT_EQ(first->size(), 1u);  // held: copied, not changed
+  ASSERT_EQ(second->size(), 2u);
+  EXPECT_EQ(second->back().id, b.id);
+  EXPECT_TRUE(membership.Leave(a.id, "done"));
+  const auto third = membership.SharedLivePeers();
+  ASSERT_EQ(third->size(), 1u);
+  EXPECT_EQ(third->front().id, b.id);
+}
+
 TEST(MembershipTest, HeartbeatRecordsHealth) {
   FakeClock clock;
   Membership membership(&clock, 1000);

@@ -1,10 +1,38 @@
 // PlanManager through the controller: re-plans around losses, replicas, pipelines.
 #include "controller_fixtures.h"
+#include "coordinator/plan_builder.h"
 
 #include <gtest/gtest.h>
 
+#include <future>
+#include <map>
+#include <thread>
+
 namespace geotrain {
 namespace {
+
+// The join-order planner, held mid-search while armed: what a search of
+// thousands of workers looks like to everything else.
+class HeldPlanner : public Planner {
+ public:
+  HeldPlanner() : inner_(*MakePlannerByName("join-order")) {}
+  std::string name() const override { return "held"; }
+  absl::StatusOr<PipelinePlan> Plan(const PlannerInput& input) const override {
+    if (armed_) {
+      searching_.Notify();
+      release_.WaitForNotification();
+    }
+    return inner_->Plan(input);
+  }
+  void Arm() { armed_ = true; }
+  void AwaitSearch() { searching_.WaitForNotification(); }
+  void Release() { release_.Notify(); }
+
+ private:
+  std::unique_ptr<Planner> inner_;
+  std::atomic<bool> armed_{false};
+  mutable absl::Notification searching_, release_;
+};
 
 TEST_F(ReplanTest, AStandbyTakesTheStageOfALostWorker) {
   const std::string a = Join("a").worker_id(), b = Join("b").worker_id();
@@ -51,6 +79,68 @@ TEST_F(ReplanTest, AStandbyHeardFromLatelyGoesBeforeAFasterSilentOne) {
   EXPECT_EQ(plan.epoch(), 2u);
   EXPECT_EQ(plan.stages(1).worker_id(), slow);
   EXPECT_NE(plan.stages(1).worker_id(), b);
+}
+
+// Issue 34, at 10,000 workers: joins whose callers gave up, each holding a
+// server thread while it waited for the plan's lock behind a search, took
+// the coordinator to 4,000 threads. An abandoned join is queued instead and
+// forgotten at the next Tick.
+TEST_F(ReplanTest, AnAbandonedJoinNeverWaitsForASearch) {
+  auto planner = std::make_shared<HeldPlanner>();
+  custom_planner_ = planner;
+  Start("gpt { context: 8 d_model: 16 heads: 2 blocks: 2 } text {} steps: 3 "
+        "min_workers: 3 lease_ms: 1000");
+  Join("a");
+  Join("b");
+  planner->Arm();
+  std::thread first_plan([this] { Join("c"); });  // the third: the first plan's search
+  planner->AwaitSearch();
+  v1::JoinRequest late;
+  late.set_name("d");
+  late.set_address("d:1");
+  late.set_session_id("dd01");
+  late.mutable_device()->set_matmul_gflops(10);
+  absl::StatusOr<v1::JoinResponse> joined = controller_->Join(late);  // never waits either
+  ASSERT_TRUE(joined.ok()) << joined.status();
+  std::future<void> abandon = std::async(std::launch::async, [&] {
+    controller_->AbandonJoin(joined->worker_id(), "dd01");
+  });
+  const bool returned = abandon.wait_for(std::chrono::seconds(10)) == std::future_status::ready;
+  planner->Release();
+  first_plan.join();
+  ASSERT_TRUE(returned) << "AbandonJoin waited for the search";
+  EXPECT_TRUE(controller_->KnowsWorker(joined->worker_id()));  // until the next Tick
+  controller_->Tick();
+  EXPECT_FALSE(controller_->KnowsWorker(joined->worker_id()));
+  EXPECT_EQ(controller_->Status().workers_size(), 3);
+}
+
+// A search looks at max_planner_candidates workers at most: the plan's
+// members, then those heard from lately, then the fastest. (At 10,000
+// workers its input, a link for each pair, took 3 GiB and minutes.)
+TEST_F(ReplanTest, ASearchLooksAtTheFastestCandidatesOnly) {
+  max_planner_candidates_ = 2;
+  Start("gpt { context: 8 d_model: 16 heads: 2 blocks: 2 } text {} steps: 3 "
+        "min_workers: 4 lease_ms: 1000");
+  std::map<std::string, std::string> ids;
+  for (const auto& [name, gflops] :
+       std::vector<std::pair<std::string, double>>{{"a", 10}, {"b", 300}, {"c", 20}, {"d", 200}}) {
+    v1::JoinRequest request;
+    request.set_name(name);
+    request.set_address(name + ":1");
+    request.mutable_device()->set_matmul_gflops(gflops);
+    ids[name] = controller_->Join(request)->worker_id();
+  }
+  const v1::Plan plan = Plan();
+  std::set<std::string> planned;
+  for (const v1::StageAssignment& stage : plan.stages()) {
+    planned.insert(stage.worker_id());
+    for (const v1::Replica& r : stage.replicas()) planned.insert(r.worker_id());
+  }
+  EXPECT_EQ(planned, (std::set<std::string>{ids["b"], ids["d"]}));
+  // Join order among them: d joined after b.
+  EXPECT_EQ(plan.stages(0).worker_id(), ids["b"]);
+  EXPECT_EQ(controller_->Status().prediction().candidates(), 2);
 }
 
 TEST_F(ReplanTest, WithoutAStandbyTheLayersAreRepartitioned) {
