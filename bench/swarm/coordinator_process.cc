@@ -12,19 +12,37 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 
 namespace geotrain::swarm {
 
-ProcStat ReadProc(pid_t pid) {
+namespace {
+
+// The whole of a /proc file through a descriptor opened once (pread from 0
+// reads it afresh); "" when it cannot be read.
+std::string ReadAll(int fd) {
+  std::string text;
+  char buffer[4096];
+  for (off_t at = 0;;) {
+    const ssize_t n = pread(fd, buffer, sizeof(buffer), at);
+    if (n <= 0) break;
+    text.append(buffer, static_cast<size_t>(n));
+    at += n;
+  }
+  return text;
+}
+
+}  // namespace
+
+ProcStat ParseProc(const std::string& stat_text, const std::string& status_text) {
   ProcStat out;
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string text((std::istreambuf_iterator<char>(stat)), {});
   // Fields after the ")" of the command: utime is the 14th, stime the 15th.
-  const size_t close = text.rfind(')');
-  if (close != std::string::npos && close + 2 < text.size()) {
-    std::vector<std::string> fields = absl::StrSplit(text.substr(close + 2), ' ');
+  const size_t close = stat_text.rfind(')');
+  if (close != std::string::npos && close + 2 < stat_text.size()) {
+    std::vector<std::string> fields = absl::StrSplit(stat_text.substr(close + 2), ' ');
     if (fields.size() > 13) {
       double utime = 0, stime = 0;
       (void)absl::SimpleAtod(fields[11], &utime);
@@ -32,13 +50,30 @@ ProcStat ReadProc(pid_t pid) {
       out.cpu_s = (utime + stime) / sysconf(_SC_CLK_TCK);
     }
   }
-  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.rfind("VmRSS:", 0) == 0) out.rss_mib = std::stod(line.substr(6)) / 1024;
-    if (line.rfind("Threads:", 0) == 0) out.threads = std::stoi(line.substr(8));
+  for (absl::string_view line : absl::StrSplit(status_text, '\n')) {
+    double value = 0;
+    if (absl::ConsumePrefix(&line, "VmRSS:") &&
+        absl::SimpleAtod(absl::StripSuffix(absl::StripAsciiWhitespace(line), " kB"), &value)) {
+      out.rss_mib = value / 1024;
+    }
+    int threads = 0;
+    if (absl::ConsumePrefix(&line, "Threads:") &&
+        absl::SimpleAtoi(absl::StripAsciiWhitespace(line), &threads)) {
+      out.threads = threads;
+    }
   }
   return out;
+}
+
+ProcStat CoordinatorProcess::Stat() const {
+  if (stat_fd_ < 0 || status_fd_ < 0) return ProcStat();
+  return ParseProc(ReadAll(stat_fd_), ReadAll(status_fd_));
+}
+
+void CoordinatorProcess::CloseProc() {
+  if (stat_fd_ >= 0) close(stat_fd_);
+  if (status_fd_ >= 0) close(status_fd_);
+  stat_fd_ = status_fd_ = -1;
 }
 
 CoordinatorProcess::CoordinatorProcess(std::string binary, std::string dir,
@@ -91,6 +126,12 @@ absl::Status CoordinatorProcess::Start() {
         absl::StrCat("the coordinator did not start (see ", dir_, "/coordinator.log)"));
   }
   address_ = "127.0.0.1:" + port;
+  // Opened now, while this process has descriptors to spare: ten thousand
+  // workers' channels took all of them, and /proc could not be read later.
+  CloseProc();
+  const std::string proc = absl::StrCat("/proc/", pid_);
+  stat_fd_ = open((proc + "/stat").c_str(), O_RDONLY | O_CLOEXEC);
+  status_fd_ = open((proc + "/status").c_str(), O_RDONLY | O_CLOEXEC);
   return absl::OkStatus();
 }
 
@@ -99,6 +140,7 @@ void CoordinatorProcess::Kill() {
   kill(pid_, SIGKILL);
   waitpid(pid_, nullptr, 0);
   pid_ = -1;
+  CloseProc();
 }
 
 void CoordinatorProcess::Terminate() {
@@ -106,6 +148,7 @@ void CoordinatorProcess::Terminate() {
   kill(pid_, SIGTERM);
   waitpid(pid_, nullptr, 0);
   pid_ = -1;
+  CloseProc();
 }
 
 }  // namespace geotrain::swarm

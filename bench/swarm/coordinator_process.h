@@ -18,7 +18,8 @@ struct ProcStat {
   double rss_mib = 0;
   int threads = 0;
 };
-ProcStat ReadProc(pid_t pid);
+// From the text of /proc/PID/stat and /proc/PID/status.
+ProcStat ParseProc(const std::string& stat_text, const std::string& status_text);
 
 class CoordinatorProcess {
  public:
@@ -36,13 +37,17 @@ class CoordinatorProcess {
   const std::string& dir() const { return dir_; }
   std::string state_dir() const { return dir_ + "/state"; }
   pid_t pid() const { return pid_; }
-  ProcStat Stat() const { return ReadProc(pid_); }
+  // Zeros when it is not running.
+  ProcStat Stat() const;
 
  private:
   const std::string binary_, dir_;
   const std::vector<std::string> flags_;
   std::string address_;  // 127.0.0.1:PORT, kept across restarts
   pid_t pid_ = -1;
+  // /proc/PID/stat and /proc/PID/status of the running process (-1: none).
+  int stat_fd_ = -1, status_fd_ = -1;
+  void CloseProc();
 };
 
 }  // namespace geotrain::swarm

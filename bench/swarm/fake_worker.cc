@@ -7,6 +7,8 @@
 #include "absl/time/time.h"
 #include "bench/swarm/swarm_model.h"
 #include "common/join_token.h"
+#include "common/layer_state.h"
+#include "common/model_profile.h"
 #include "common/rpc_options.h"
 #include "common/x509.h"
 
@@ -37,6 +39,36 @@ size_t Latencies::size() const {
 void Latencies::Clear() {
   absl::MutexLock lock(&mu_);
   ms_.clear();
+}
+
+namespace {
+const char* CodeName(int code) {
+  static const char* const kNames[] = {
+      "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+      "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+      "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
+      "UNAUTHENTICATED"};
+  return code >= 0 && code < 17 ? kNames[code] : "?";
+}
+}  // namespace
+
+void ErrorTally::Add(const std::string& call, grpc::StatusCode code) {
+  absl::MutexLock lock(&mu_);
+  ++counts_[{call, static_cast<int>(code)}];
+}
+
+std::string ErrorTally::Summary(const std::string& call) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::pair<int, int>> by_count;
+  for (const auto& [key, n] : counts_) {
+    if (key.first == call) by_count.push_back({n, key.second});
+  }
+  std::sort(by_count.rbegin(), by_count.rend());
+  std::string out;
+  for (const auto& [n, code] : by_count) {
+    absl::StrAppend(&out, out.empty() ? "" : ", ", CodeName(code), " ", n);
+  }
+  return out;
 }
 
 Timers::Timers() {
@@ -222,6 +254,7 @@ void FakeWorker::Enroll() {
         CallInFlight counted(swarm_);
         if (!status.ok()) {
           ++swarm_->enroll_errors;
+          swarm_->errors.Add("Enroll", status.error_code());
           Retry([this] { Enroll(); }, &enroll_attempts_);
           return;
         }
@@ -258,6 +291,7 @@ void FakeWorker::Join() {
         CallInFlight counted(swarm_);
                           if (!status.ok()) {
                             ++swarm_->join_errors;
+                            swarm_->errors.Add("Join", status.error_code());
                             Retry([this] { Join(); }, &join_attempts_);
                             return;
                           }
@@ -299,16 +333,21 @@ void FakeWorker::OnPlan(const v1::Plan& plan) {
           std::chrono::duration<double, std::milli>(Clock::now() - it->second).count());
     }
   }
-  bool start_reporting = false;
+  bool start_reporting = false, start_checkpoints = false;
   {
     absl::MutexLock lock(&mu_);
     epoch_ = plan.epoch();
     plan_members_.clear();
     last_of_pipeline_ = -1;
+    primary_begin_ = primary_end_ = 0;
     for (int s = 0; s < plan.stages_size(); ++s) {
       const v1::StageAssignment& stage = plan.stages(s);
       const bool last = s + 1 == plan.stages_size();
       plan_members_.insert(stage.worker_id());
+      if (stage.worker_id() == id_ && !plan.job_done()) {
+        primary_begin_ = stage.layer_begin();
+        primary_end_ = stage.layer_end();
+      }
       if (last && stage.worker_id() == id_) last_of_pipeline_ = 0;
       for (const v1::Replica& r : stage.replicas()) {
         plan_members_.insert(r.worker_id());
@@ -324,8 +363,84 @@ void FakeWorker::OnPlan(const v1::Plan& plan) {
       next_step_ = std::max(next_step_, swarm_->newest_step.load() + 1);
       if (!reporting_ && swarm_->steps_per_second > 0) start_reporting = reporting_ = true;
     }
+    if (primary_end_ > primary_begin_ && !checkpointing_ && swarm_->checkpoint_period_s > 0) {
+      start_checkpoints = checkpointing_ = true;
+    }
   }
   if (start_reporting) ReportSteps();
+  if (start_checkpoints) {
+    // The first a period after the plan (as a worker's checkpoint_every
+    // steps), jittered: the stages of a plan do not upload together.
+    swarm_->timers->After(
+        absl::ToChronoMilliseconds(Jittered(absl::Seconds(swarm_->checkpoint_period_s))),
+        [this] { SaveCheckpoints(); });
+  }
+}
+
+void FakeWorker::SaveCheckpoints() {
+  std::vector<v1::LayerCheckpoint> layers;
+  v1::Coordinator::Stub* s = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopped_ || silent_ || primary_end_ <= primary_begin_) {
+      checkpointing_ = false;
+      return;
+    }
+    // A step the job has reached (the gate refuses one from the future).
+    const int step = std::max(1, swarm_->newest_step.load());
+    for (int layer = primary_begin_; layer < primary_end_; ++layer) {
+      v1::LayerCheckpoint& c = layers.emplace_back();
+      c.set_worker_id(id_);
+      c.set_layer(layer);
+      c.set_step(step);
+      uint64_t bytes = 0;
+      for (const ParameterSpec& p : LayerParameters(swarm_->job, layer)) {
+        v1::TensorHeader* h = c.add_params();
+        h->set_dtype(v1::DTYPE_FLOAT32);
+        h->set_codec(v1::CODEC_NONE);
+        uint64_t n = 1;
+        for (int64_t dim : p.shape) {
+          h->add_shape(dim);
+          n *= static_cast<uint64_t>(dim);
+        }
+        h->set_payload_bytes(4 * n);
+        h->set_encoded_bytes(4 * n);
+        bytes += 4 * n;
+      }
+      c.mutable_payload()->assign(bytes, '\0');
+    }
+    s = StubLocked();
+  }
+  grpc::ClientContext context;
+  context.set_deadline(In(absl::Seconds(10)));
+  v1::SaveCheckpointResponse response;
+  const Clock::time_point sent = Clock::now();
+  uint64_t bytes = 0;
+  {
+    std::unique_ptr<grpc::ClientWriter<v1::LayerStateChunk>> writer =
+        s->SaveCheckpoint(&context, &response);
+    for (const v1::LayerCheckpoint& layer : layers) {
+      bytes += layer.payload().size();
+      if (!ForEachLayerStateChunk(layer, kStreamPartBytes, [&](const v1::LayerStateChunk& chunk) {
+            return writer->Write(chunk);
+          })) {
+        break;
+      }
+    }
+    writer->WritesDone();
+    const grpc::Status finished = writer->Finish();
+    if (finished.ok()) {
+      ++swarm_->checkpoints_saved;
+      swarm_->checkpoint_bytes += bytes;
+      swarm_->checkpoint_ms.Add(SecondsSince(sent) * 1000);
+    } else {
+      ++swarm_->checkpoint_errors;
+      swarm_->errors.Add("SaveCheckpoint", finished.error_code());
+    }
+  }
+  swarm_->timers->After(
+      std::chrono::milliseconds(static_cast<int>(1000 * swarm_->checkpoint_period_s)),
+      [this] { SaveCheckpoints(); });
 }
 
 void FakeWorker::ReportSteps() {
@@ -396,6 +511,7 @@ void FakeWorker::Heartbeat() {
         CallInFlight counted(swarm_);
         if (!status.ok()) {
           ++swarm_->heartbeat_errors;
+          swarm_->errors.Add("Heartbeat", status.error_code());
           return;
         }
         swarm_->heartbeat_ms.Add(SecondsSince(sent) * 1000);

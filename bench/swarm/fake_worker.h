@@ -8,7 +8,9 @@
 //   - Heartbeat at the period the coordinator gives, answering the probe
 //     and measurement tasks it is handed with its region's link figures;
 //   - WatchPlan: one stream, reopened with jittered backoff when it ends;
-//   - as the last stage of a pipeline, ReportStep at a configured pace.
+//   - as the last stage of a pipeline, ReportStep at a configured pace;
+//   - as a stage's primary, SaveCheckpoint of its layers (zeros of the
+//     model's shapes, a few KiB) at a configured period.
 // Thread-safe: callbacks run on gRPC's threads; timers on one Timers
 // thread.
 #ifndef GEOTRAIN_BENCH_SWARM_FAKE_WORKER_H_
@@ -51,6 +53,19 @@ class Latencies {
   std::vector<double> ms_ ABSL_GUARDED_BY(mu_);
 };
 
+// Failed calls by kind and status code ("Enroll", RESOURCE_EXHAUSTED),
+// thread-safe: what the errors a run counts were.
+class ErrorTally {
+ public:
+  void Add(const std::string& call, grpc::StatusCode code);
+  // "RESOURCE_EXHAUSTED 120, DEADLINE_EXCEEDED 3" for `call`; "" for none.
+  std::string Summary(const std::string& call) const;
+
+ private:
+  mutable absl::Mutex mu_;
+  std::map<std::pair<std::string, int>, int> counts_ ABSL_GUARDED_BY(mu_);
+};
+
 // Runs functions at their time on one thread (retries, backoff).
 class Timers {
  public:
@@ -86,12 +101,19 @@ struct SwarmContext {
   Timers* timers = nullptr;
   // Steps the last stage of a pipeline reports per second (0: none).
   double steps_per_second = 2;
+  // The job (its model's layer shapes for checkpoints), and how often a
+  // stage's primary uploads its layers (0: never).
+  v1::JobSpec job;
+  double checkpoint_period_s = 10;
   // Latencies and counts, over all workers.
   Latencies enroll_ms, join_ms, heartbeat_ms;
   std::atomic<int> enrolled{0}, joined{0}, enroll_errors{0}, join_errors{0};
   std::atomic<int> heartbeat_errors{0}, rejoins{0}, plan_streams_opened{0};
   std::atomic<uint64_t> plans_received{0}, steps_reported{0}, step_errors{0};
   std::atomic<uint64_t> probes_answered{0};
+  std::atomic<uint64_t> checkpoints_saved{0}, checkpoint_errors{0}, checkpoint_bytes{0};
+  Latencies checkpoint_ms;
+  ErrorTally errors;
   // Calls whose callback has not run, and streams whose OnDone has not: the
   // swarm frees its workers only once both are 0.
   std::atomic<int> calls_in_flight{0}, streams_open{0};
@@ -141,6 +163,9 @@ class FakeWorker {
   void OnPlan(const v1::Plan& plan);
   void OnPlanStreamEnded();
   void ReportSteps();
+  // Uploads its stage's layers while it is a primary, then again after the
+  // period (on the Timers thread, synchronously: a few KiB).
+  void SaveCheckpoints();
   void Retry(std::function<void()> f, std::atomic<int>* attempts);
   // Its own channel's stub once enrolled (TLS), else a shared one.
   v1::Coordinator::Stub* stub() const;
@@ -165,6 +190,10 @@ class FakeWorker {
   int last_of_pipeline_ ABSL_GUARDED_BY(mu_) = -1;
   int next_step_ ABSL_GUARDED_BY(mu_) = 0;
   bool reporting_ ABSL_GUARDED_BY(mu_) = false;
+  // The layers of the stage it is the primary of ([begin, end); empty:
+  // none), and whether its uploads are scheduled.
+  int primary_begin_ ABSL_GUARDED_BY(mu_) = 0, primary_end_ ABSL_GUARDED_BY(mu_) = 0;
+  bool checkpointing_ ABSL_GUARDED_BY(mu_) = false;
   std::unique_ptr<PlanReader> reader_ ABSL_GUARDED_BY(mu_);
   std::vector<std::unique_ptr<PlanReader>> ended_readers_ ABSL_GUARDED_BY(mu_);
   // Results of the probe tasks the last heartbeat handed out.
