@@ -261,8 +261,26 @@ void JobController::Persist() { state_writer_->MarkDirty(); }
 
 v1::CoordinatorState JobController::StateSnapshot() const {
   v1::CoordinatorState state;
+  // The members are copied only after they changed: a committed step
+  // rewrites the state, and a copy of 10,000 members under Membership's
+  // lock stalled the heartbeats at each one.
+  const uint64_t version = membership_.persisted_version();
+  if (!persisted_members_.has_value() || version != persisted_members_version_) {
+    persisted_members_version_ = version;
+    persisted_members_.emplace();
+    FillPersistedMembers(&*persisted_members_);
+  }
+  *state.mutable_members() = *persisted_members_;
+  progress_.FillState(&state);
+  state.set_done(plans_.done());
+  state.set_next_worker_number(membership_.next_number());
+  return state;
+}
+
+void JobController::FillPersistedMembers(
+    google::protobuf::RepeatedPtrField<v1::PersistedMember>* members) const {
   for (const WorkerRecord& w : membership_.Snapshot()) {
-    v1::PersistedMember* m = state.add_members();
+    v1::PersistedMember* m = members->Add();
     m->set_id(w.id);
     m->set_name(w.name);
     m->set_address(w.address);
@@ -273,10 +291,6 @@ v1::CoordinatorState JobController::StateSnapshot() const {
     m->set_role(w.role);
     *m->mutable_reachability() = w.reachability;
   }
-  progress_.FillState(&state);
-  state.set_done(plans_.done());
-  state.set_next_worker_number(membership_.next_number());
-  return state;
 }
 
 void JobController::FlushState() {

@@ -195,7 +195,10 @@ class JobController {
   // own thread. O(1); needs no lock.
   void Persist();
   // Members, progress and the job's end, as the store keeps them.
+  // On the state writer's thread only.
   v1::CoordinatorState StateSnapshot() const;
+  void FillPersistedMembers(
+      google::protobuf::RepeatedPtrField<v1::PersistedMember>* members) const;
 
   const JobControllerOptions options_;
   const std::shared_ptr<const Planner> planner_;
@@ -208,6 +211,12 @@ class JobController {
   // Write the state and the plans off every lock, each on its own thread;
   // a plan reaches the workers once it is durable, and after the state
   // that names its members.
+  // StateSnapshot's members, and the Membership version they are of (the
+  // state writer's thread only; declared before the writer, which uses
+  // them until it stops).
+  mutable std::optional<google::protobuf::RepeatedPtrField<v1::PersistedMember>>
+      persisted_members_;
+  mutable uint64_t persisted_members_version_ = 0;
   std::unique_ptr<DurableStateWriter> state_writer_;
   std::unique_ptr<PlanPublisher> publisher_;  // after state_writer_: it flushes that
   const std::unique_ptr<CheckpointStore> checkpoints_;

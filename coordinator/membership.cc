@@ -236,6 +236,7 @@ WorkerRecord Membership::Join(const std::string& name, const std::string& addres
   record->stats.Clear();
   record->session = session;
   answered_joins_[record->id] = 1;
+  ++persisted_version_;
   if (added && !live_cache_stale_ && live_cache_ != nullptr) {
     AddLivePeerLocked(*record);
   } else {
@@ -258,6 +259,7 @@ bool Membership::Abandon(const std::string& id, const std::string& session) {
   if (record == nullptr || record->session != session || !record->alive) return false;
   if (--answered_joins_[id] > 0) return false;  // another attempt was answered with it
   answered_joins_.erase(id);
+  ++persisted_version_;
   workers_.erase(workers_.begin() + index_[id]);
   ReindexLocked();
   return true;
@@ -290,6 +292,7 @@ bool Membership::IsLive(const std::string& id) const {
 void Membership::PruneDead(size_t keep_dead) {
   absl::MutexLock lock(&mu_);
   live_cache_stale_ = true;
+  ++persisted_version_;
   size_t dead = 0;
   for (const WorkerRecord& w : workers_) dead += w.alive ? 0 : 1;
   if (dead <= keep_dead) return;
@@ -338,12 +341,14 @@ void Membership::SetLayerTimings(
 
 void Membership::SetReachability(const std::string& id, const v1::Reachability& reachability) {
   absl::MutexLock lock(&mu_);
+  ++persisted_version_;
   if (WorkerRecord* w = FindLocked(id)) w->reachability = reachability;
 }
 
 bool Membership::Leave(const std::string& id, const std::string& reason) {
   absl::MutexLock lock(&mu_);
   live_cache_stale_ = true;
+  ++persisted_version_;
   WorkerRecord* w = FindLocked(id);
   if (w == nullptr || !w->alive) return false;
   w->alive = false;
@@ -363,13 +368,17 @@ std::vector<WorkerRecord> Membership::ExpireLeases() {
       expired.push_back(w);
     }
   }
-  if (!expired.empty()) live_cache_stale_ = true;
+  if (!expired.empty()) {
+    live_cache_stale_ = true;
+    ++persisted_version_;
+  }
   return expired;
 }
 
 void Membership::Restore(std::vector<WorkerRecord> records, int next_number) {
   absl::MutexLock lock(&mu_);
   live_cache_stale_ = true;
+  ++persisted_version_;
   next_number_ = std::max(next_number_, next_number);
   const int64_t now = clock_->NowMs();
   for (WorkerRecord& record : records) {
@@ -380,6 +389,11 @@ void Membership::Restore(std::vector<WorkerRecord> records, int next_number) {
   }
   workers_ = std::move(records);
   ReindexLocked();
+}
+
+uint64_t Membership::persisted_version() const {
+  absl::MutexLock lock(&mu_);
+  return persisted_version_;
 }
 
 int Membership::next_number() const {

@@ -112,6 +112,10 @@ class Membership {
   // not given out again).
   void Restore(std::vector<WorkerRecord> records, int next_number = 0);
   int next_number() const;
+  // Changes whenever a field the coordinator's state file keeps does (a
+  // join, a departure, an expiry, reachability), never on a heartbeat: a
+  // snapshot of the members may be reused while it is the same.
+  uint64_t persisted_version() const;
 
   // Forgets the oldest dead workers beyond `keep_dead` (they can no
   // longer be shown, but their ids are never given out again).
@@ -162,6 +166,7 @@ class Membership {
   // Answers given to the current session of each member (Abandon).
   std::unordered_map<std::string, int> answered_joins_ ABSL_GUARDED_BY(mu_);
   int next_number_ ABSL_GUARDED_BY(mu_) = 0;  // of the next "w<n>"
+  uint64_t persisted_version_ ABSL_GUARDED_BY(mu_) = 0;
   int next_join_order_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

@@ -122,6 +122,37 @@ TEST(MembershipTest, TheSharedPeersFollowJoinsAndDepartures) {
   EXPECT_EQ(third->front().id, b.id);
 }
 
+// The state file's members are reused while this version stands: every
+// change of what it keeps moves it, a heartbeat does not.
+TEST(MembershipTest, ThePersistedVersionMovesWithWhatTheStateKeeps) {
+  FakeClock clock(1000);
+  Membership membership(&clock, /*lease_ms=*/5000);
+  uint64_t version = membership.persisted_version();
+  auto moved = [&] {
+    const uint64_t now = membership.persisted_version();
+    const bool changed = now != version;
+    version = now;
+    return changed;
+  };
+  const WorkerRecord a = membership.Join("a", "h:1", {}, "", v1::MEMBER_ROLE_WORKER, {}, "s1");
+  const WorkerRecord b = membership.Join("b", "h:2", {}, "", v1::MEMBER_ROLE_WORKER, {}, "s2");
+  EXPECT_TRUE(moved());
+  EXPECT_TRUE(membership.Heartbeat(a.id, 0, 1));
+  EXPECT_FALSE(moved());
+  v1::Reachability reachable;
+  reachable.set_known(true);
+  membership.SetReachability(a.id, reachable);
+  EXPECT_TRUE(moved());
+  EXPECT_TRUE(membership.Leave(a.id, "done"));
+  EXPECT_TRUE(moved());
+  clock.AdvanceMs(6000);
+  EXPECT_EQ(membership.ExpireLeases().size(), 1u);  // b
+  EXPECT_TRUE(moved());
+  EXPECT_TRUE(membership.ExpireLeases().empty());
+  EXPECT_FALSE(moved());
+  (void)b;
+}
+
 TEST(MembershipTest, HeartbeatRecordsHealth) {
   FakeClock clock;
   Membership membership(&clock, 1000);
