@@ -160,17 +160,19 @@ class FakeWorker::PlanReader : public grpc::ClientReadReactor<v1::Plan> {
   void OnDone(const grpc::Status&) override {
     done_ = true;
     worker_->OnPlanStreamEnded();
-    --worker_->swarm_->streams_open;  // last: the worker may be freed after it
+    --worker_->swarm_->streams_open;  // the worker may be freed after it
+    finished_ = true;                 // last: this reader may be freed after it
   }
   void Cancel() { context_.TryCancel(); }
   bool done() const { return done_; }
+  bool finished() const { return finished_; }
 
  private:
   FakeWorker* const worker_;
   grpc::ClientContext context_;
   v1::WatchPlanRequest request_;
   v1::Plan plan_;
-  std::atomic<bool> done_{false};
+  std::atomic<bool> done_{false}, finished_{false};
 };
 
 FakeWorker::FakeWorker(int index, SwarmContext* swarm)
@@ -312,6 +314,14 @@ void FakeWorker::OpenPlanStream() {
   absl::MutexLock lock(&mu_);
   if (reader_ != nullptr && !reader_->done()) return;
   if (reader_ != nullptr) ended_readers_.push_back(std::move(reader_));
+  // A finished reader's context holds its call, and the call its
+  // connection: kept, every reconnect kept a socket (at 10,000 workers
+  // this process ran out of its 20,000 descriptors).
+  ended_readers_.erase(std::remove_if(ended_readers_.begin(), ended_readers_.end(),
+                                      [](const std::unique_ptr<PlanReader>& r) {
+                                        return r->finished();
+                                      }),
+                       ended_readers_.end());
   reader_ = std::make_unique<PlanReader>(this, StubLocked(), id_);
   ++swarm_->plan_streams_opened;
 }

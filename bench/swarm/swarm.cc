@@ -90,7 +90,7 @@ struct Row {
   std::string status_fields;
   double cpu_cores = 0, rss_mib = 0, rss_kib_per_member = 0;
   int threads = 0;
-  int heartbeat_errors = 0, bench_fds = 0, bench_fd_limit = 0;
+  int heartbeat_errors = 0, bench_fds = 0, bench_fd_limit = 0, plan_streams_opened = 0;
   std::string enroll_codes, join_codes, heartbeat_codes, checkpoint_codes;
   double plans_per_worker_minute = 0, events_bytes_per_minute = 0, metrics_bytes_per_minute = 0;
   uint64_t checkpoints_saved = 0, checkpoint_errors = 0, checkpoint_bytes = 0;
@@ -100,7 +100,8 @@ struct Row {
   double planning_s = -1;  // the slowest full plan the status showed
   int planning_candidates = 0;
   // --restart
-  double reattach_s = -1;
+  double reattach_s = -1, reattach_99_s = -1;
+  int reattached = 0, reattach_live = 0;  // when the wait ended
   int members_after_restart = -1, step_before = 0, step_after = 0;
   // --churn_s
   int churn_deaths = 0, churn_pauses = 0, churn_plans = 0, churn_members = 0;
@@ -445,6 +446,7 @@ Row RunSwarm(int n, const std::string& binary) {
   row.metrics_bytes_per_minute =
       (FileSize(coordinator.state_dir() + "/metrics.jsonl") - metrics_before) / minutes;
   row.heartbeat_errors = context.heartbeat_errors;
+  row.plan_streams_opened = context.plan_streams_opened;
   std::tie(row.bench_fds, row.bench_fd_limit) = OpenDescriptors();
   row.enroll_codes = context.errors.Summary("Enroll");
   row.join_codes = context.errors.Summary("Join");
@@ -493,6 +495,11 @@ Row RunSwarm(int n, const std::string& binary) {
           if (w->silent()) continue;
           ++live;
           attached += w->AttachedSince(restarted) ? 1 : 0;
+        }
+        row.reattached = attached;
+        row.reattach_live = live;
+        if (row.reattach_99_s < 0 && attached >= 0.99 * live) {
+          row.reattach_99_s = SecondsSince(restarted);
         }
         if (attached == live) {
           row.reattach_s = SecondsSince(restarted);
@@ -628,8 +635,9 @@ int main(int argc, char** argv) {
                 r.all_joined_s, r.join_p50, r.join_p99, r.members);
     std::printf("  first plan at %.1f s; pipelines %d; the planner took %.3f s over %d workers\n",
                 r.first_plan_s, r.pipelines, r.planning_s, r.planning_candidates);
-    std::printf("  heartbeats failed (whole run): %d%s%s\n", r.heartbeat_errors,
-                r.heartbeat_codes.empty() ? "" : ": ", r.heartbeat_codes.c_str());
+    std::printf("  heartbeats failed (whole run): %d%s%s; plan streams opened: %d\n",
+                r.heartbeat_errors, r.heartbeat_codes.empty() ? "" : ": ",
+                r.heartbeat_codes.c_str(), r.plan_streams_opened);
     std::printf("  heartbeat p50 %.1f ms p99 %.1f ms; status (first page) p50 %.1f ms p99 %.1f ms, "
                 "%zu bytes (largest: %s)\n",
                 r.hb_p50, r.hb_p99, r.status_p50, r.status_p99, r.status_bytes,
@@ -655,6 +663,9 @@ int main(int argc, char** argv) {
       std::printf("  kill -9 and restart: every live member re-attached in %.1f s; members %d; "
                   "step %d before, %d after\n",
                   r.reattach_s, r.members_after_restart, r.step_before, r.step_after);
+      std::printf("    (99%% in %.1f s; %d of %d live members re-attached when the wait ended, "
+                  "at most 120 s)\n",
+                  r.reattach_99_s, r.reattached, r.reattach_live);
     }
     if (absl::GetFlag(FLAGS_churn_s) > 0) {
       std::printf("  churn %d s: %d deaths, %d pauses, %d plans; members at the end %d\n",
