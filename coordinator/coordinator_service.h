@@ -77,9 +77,11 @@ struct CoordinatorServiceOptions {
   // from one source host (a stranger behind a NAT spends only its own
   // failures, never the volunteers' valid tokens).
   int joins_per_source_per_minute = 60;
-  // Plan streams one identity may hold open, and all of them together.
+  // Plan streams one identity may hold open, and all of them together
+  // (each a few KiB; 8,192 left 1,800 of 10,000 workers without a plan,
+  // retrying for ever).
   int watches_per_identity = 2;
-  int max_watches = 8192;
+  int max_watches = 32768;
   // Calls without a client certificate (enrollments, status with a viewer
   // token) in flight, per source host and in all.
   int anonymous_calls_per_source = 4;
