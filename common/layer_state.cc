@@ -193,4 +193,33 @@ absl::Status LayerStateCollector::Append(absl::string_view data) {
 
 absl::Status LayerStateCollector::End() { return absl::OkStatus(); }
 
+v1::LayerCheckpoint ZeroLayerCheckpoint(const v1::JobSpec& job, const std::string& worker,
+                                        int layer, int step, int state_per_param) {
+  v1::LayerCheckpoint c;
+  c.set_worker_id(worker);
+  c.set_layer(layer);
+  c.set_step(step);
+  c.set_state_per_param(state_per_param);
+  uint64_t bytes = 0;
+  auto fill = [&bytes](v1::TensorHeader* h, const std::vector<int64_t>& shape) {
+    h->set_dtype(v1::DTYPE_FLOAT32);
+    h->set_codec(v1::CODEC_NONE);
+    uint64_t n = 1;
+    for (int64_t dim : shape) {
+      h->add_shape(dim);
+      n *= static_cast<uint64_t>(dim);
+    }
+    h->set_payload_bytes(4 * n);
+    h->set_encoded_bytes(4 * n);
+    bytes += 4 * n;
+  };
+  const std::vector<ParameterSpec> params = LayerParameters(job, layer);
+  for (const ParameterSpec& p : params) fill(c.add_params(), p.shape);
+  for (const ParameterSpec& p : params) {
+    for (int k = 0; k < state_per_param; ++k) fill(c.add_optimizer_state(), p.shape);
+  }
+  c.mutable_payload()->assign(bytes, '\0');
+  return c;
+}
+
 }  // namespace geotrain

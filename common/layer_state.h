@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -81,6 +82,13 @@ class LayerStateChunker {
   bool broken_ = false;
   v1::LayerStateChunk chunk_;
 };
+
+// A checkpoint of `layer` of `job`'s model by `worker` at `step`: the
+// layer's parameters' shapes in order, each followed by `state_per_param`
+// optimizer tensors, all float32 zeros (coordinator tests; bench/swarm's
+// stages).
+v1::LayerCheckpoint ZeroLayerCheckpoint(const v1::JobSpec& job, const std::string& worker,
+                                        int layer, int step, int state_per_param = 0);
 
 // Calls `emit` with each chunk of `layer` in order (at least one chunk: the
 // header, even for an empty payload). Stops early and returns false when

@@ -2,13 +2,13 @@
 
 #include <algorithm>
 
+#include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "bench/swarm/swarm_model.h"
 #include "common/join_token.h"
 #include "common/layer_state.h"
-#include "common/model_profile.h"
 #include "common/rpc_options.h"
 #include "common/x509.h"
 
@@ -41,17 +41,6 @@ void Latencies::Clear() {
   ms_.clear();
 }
 
-namespace {
-const char* CodeName(int code) {
-  static const char* const kNames[] = {
-      "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
-      "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
-      "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
-      "UNAUTHENTICATED"};
-  return code >= 0 && code < 17 ? kNames[code] : "?";
-}
-}  // namespace
-
 void ErrorTally::Add(const std::string& call, grpc::StatusCode code) {
   absl::MutexLock lock(&mu_);
   ++counts_[{call, static_cast<int>(code)}];
@@ -66,7 +55,8 @@ std::string ErrorTally::Summary(const std::string& call) const {
   std::sort(by_count.rbegin(), by_count.rend());
   std::string out;
   for (const auto& [n, code] : by_count) {
-    absl::StrAppend(&out, out.empty() ? "" : ", ", CodeName(code), " ", n);
+    absl::StrAppend(&out, out.empty() ? "" : ", ",
+                    absl::StatusCodeToString(static_cast<absl::StatusCode>(code)), " ", n);
   }
   return out;
 }
@@ -399,25 +389,7 @@ void FakeWorker::SaveCheckpoints() {
     // A step the job has reached (the gate refuses one from the future).
     const int step = std::max(1, swarm_->newest_step.load());
     for (int layer = primary_begin_; layer < primary_end_; ++layer) {
-      v1::LayerCheckpoint& c = layers.emplace_back();
-      c.set_worker_id(id_);
-      c.set_layer(layer);
-      c.set_step(step);
-      uint64_t bytes = 0;
-      for (const ParameterSpec& p : LayerParameters(swarm_->job, layer)) {
-        v1::TensorHeader* h = c.add_params();
-        h->set_dtype(v1::DTYPE_FLOAT32);
-        h->set_codec(v1::CODEC_NONE);
-        uint64_t n = 1;
-        for (int64_t dim : p.shape) {
-          h->add_shape(dim);
-          n *= static_cast<uint64_t>(dim);
-        }
-        h->set_payload_bytes(4 * n);
-        h->set_encoded_bytes(4 * n);
-        bytes += 4 * n;
-      }
-      c.mutable_payload()->assign(bytes, '\0');
+      layers.push_back(ZeroLayerCheckpoint(swarm_->job, id_, layer, step));
     }
     s = StubLocked();
   }

@@ -13,7 +13,7 @@
 #include "common/clock.h"
 #include "common/job_spec.h"
 #include "common/model_profile.h"
-#include "fitting_checkpoint.h"
+#include "common/layer_state.h"
 
 namespace geotrain {
 namespace {
@@ -75,10 +75,10 @@ class CheckpointGateTest : public testing::Test {
     }
   }
 
-  // A checkpoint of `layer` that fits the model (fitting_checkpoint.h).
+  // A checkpoint of `layer` that fits the model (ZeroLayerCheckpoint).
   v1::LayerCheckpoint Fitting(const std::string& worker, int layer, int step,
                          int state_per_param = 0) {
-    return geotrain::FittingCheckpoint(job_, worker, layer, step, state_per_param);
+    return geotrain::ZeroLayerCheckpoint(job_, worker, layer, step, state_per_param);
   }
 
   int EventsOf(const std::string& kind) {

@@ -27,7 +27,7 @@
 #include "common/plan_util.h"
 #include "common/rpc_options.h"
 #include "coordinator/state_store.h"
-#include "fitting_checkpoint.h"
+#include "common/layer_state.h"
 
 
 namespace geotrain {
@@ -216,10 +216,10 @@ class ReplanTest : public JobControllerTest {
 // controller still working; regressions of the attacks in issue 11.
 class HostileInputTest : public ReplanTest {
  protected:
-  // A checkpoint of `layer` that fits the model (fitting_checkpoint.h).
+  // A checkpoint of `layer` that fits the model (ZeroLayerCheckpoint).
   v1::LayerCheckpoint FittingCheckpoint(const std::string& worker, int layer, int step,
                          int state_per_param = 0) {
-    return geotrain::FittingCheckpoint(job_, worker, layer, step, state_per_param);
+    return geotrain::ZeroLayerCheckpoint(job_, worker, layer, step, state_per_param);
   }
 };
 
