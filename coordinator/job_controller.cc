@@ -109,8 +109,8 @@ JobController::JobController(JobControllerOptions options, std::shared_ptr<const
       store_(std::move(store)),
       // The state is snapshotted on the writer's thread: Persist costs O(1).
       state_writer_(std::make_unique<DurableStateWriter>(
-          [store = store_](const v1::CoordinatorState& state) { return store->WriteState(state); },
-          [this] { return StateSnapshot(); })),
+          [this](const v1::CoordinatorState& progress) { return WriteState(progress); },
+          [this] { return ProgressSnapshot(); })),
       publisher_(std::make_unique<PlanPublisher>([&] {
         PlanPublisherOptions publisher;
         publisher.store = store_.get();
@@ -259,22 +259,25 @@ JobController::~JobController() {
 
 void JobController::Persist() { state_writer_->MarkDirty(); }
 
-v1::CoordinatorState JobController::StateSnapshot() const {
-  v1::CoordinatorState state;
-  // The members are copied only after they changed: a committed step
-  // rewrites the state, and a copy of 10,000 members under Membership's
-  // lock stalled the heartbeats at each one.
+v1::CoordinatorState JobController::ProgressSnapshot() const {
+  v1::CoordinatorState progress;
+  progress_.FillState(&progress);
+  progress.set_done(plans_.done());
+  return progress;
+}
+
+absl::Status JobController::WriteState(const v1::CoordinatorState& progress) {
+  // Read before the copy: a change in between is in the copy and is
+  // written again next time, never missed.
   const uint64_t version = membership_.persisted_version();
-  if (!persisted_members_.has_value() || version != persisted_members_version_) {
-    persisted_members_version_ = version;
-    persisted_members_.emplace();
-    FillPersistedMembers(&*persisted_members_);
+  if (written_members_version_ != version) {
+    v1::CoordinatorState members;
+    FillPersistedMembers(members.mutable_members());
+    members.set_next_worker_number(membership_.next_number());
+    if (absl::Status written = store_->WriteMembers(members); !written.ok()) return written;
+    written_members_version_ = version;
   }
-  *state.mutable_members() = *persisted_members_;
-  progress_.FillState(&state);
-  state.set_done(plans_.done());
-  state.set_next_worker_number(membership_.next_number());
-  return state;
+  return store_->WriteProgress(progress);
 }
 
 void JobController::FillPersistedMembers(

@@ -191,12 +191,16 @@ class JobController {
   // Takes over what a previous coordinator persisted in the store. True
   // when there was something.
   absl::StatusOr<bool> Recover();
-  // The state changed: the writer writes a snapshot (StateSnapshot) on its
-  // own thread. O(1); needs no lock.
+  // The state changed: the writer writes it (WriteState) on its own
+  // thread. O(1); needs no lock.
   void Persist();
-  // Members, progress and the job's end, as the store keeps them.
-  // On the state writer's thread only.
-  v1::CoordinatorState StateSnapshot() const;
+  // The progress and the job's end, as the store keeps them.
+  v1::CoordinatorState ProgressSnapshot() const;
+  // On the state writer's thread only: writes the members if they changed
+  // since they were last written, then `progress`. A committed step costs
+  // the progress alone; a copy of 10,000 members under Membership's lock
+  // per step stalled the heartbeats, and printing them took a core.
+  absl::Status WriteState(const v1::CoordinatorState& progress);
   void FillPersistedMembers(
       google::protobuf::RepeatedPtrField<v1::PersistedMember>* members) const;
 
@@ -211,12 +215,10 @@ class JobController {
   // Write the state and the plans off every lock, each on its own thread;
   // a plan reaches the workers once it is durable, and after the state
   // that names its members.
-  // StateSnapshot's members, and the Membership version they are of (the
-  // state writer's thread only; declared before the writer, which uses
-  // them until it stops).
-  mutable std::optional<google::protobuf::RepeatedPtrField<v1::PersistedMember>>
-      persisted_members_;
-  mutable uint64_t persisted_members_version_ = 0;
+  // The Membership version the store's members are of (the state writer's
+  // thread only; declared before the writer, which uses it until it
+  // stops). Nothing is written yet at first.
+  std::optional<uint64_t> written_members_version_;
   std::unique_ptr<DurableStateWriter> state_writer_;
   std::unique_ptr<PlanPublisher> publisher_;  // after state_writer_: it flushes that
   const std::unique_ptr<CheckpointStore> checkpoints_;

@@ -44,10 +44,26 @@ absl::Status StateStore::WritePlan(const v1::Plan& plan) {
   return WriteFileAtomically(dir_ + "/plan.textproto", text);
 }
 
-absl::Status StateStore::WriteState(const v1::CoordinatorState& state) {
+namespace {
+constexpr char kMembersFile[] = "/members.textproto";
+constexpr char kProgressFile[] = "/progress.textproto";
+constexpr char kJoinedStateFile[] = "/state.textproto";  // before the split
+}  // namespace
+
+absl::Status StateStore::WriteMembers(const v1::CoordinatorState& members) {
   std::string text;
-  google::protobuf::TextFormat::PrintToString(state, &text);
-  return WriteFileAtomically(dir_ + "/state.textproto", text);
+  google::protobuf::TextFormat::PrintToString(members, &text);
+  return WriteFileAtomically(dir_ + kMembersFile, text);
+}
+
+absl::Status StateStore::WriteProgress(const v1::CoordinatorState& progress) {
+  std::string text;
+  google::protobuf::TextFormat::PrintToString(progress, &text);
+  absl::Status written = WriteFileAtomically(dir_ + kProgressFile, text);
+  if (written.ok() && access((dir_ + kMembersFile).c_str(), F_OK) == 0) {
+    unlink((dir_ + kJoinedStateFile).c_str());  // both parts are durable
+  }
+  return written;
 }
 
 namespace {
@@ -70,7 +86,20 @@ absl::StatusOr<std::optional<v1::Plan>> StateStore::ReadPlan() const {
 }
 
 absl::StatusOr<std::optional<v1::CoordinatorState>> StateStore::ReadState() const {
-  return ReadTextProto<v1::CoordinatorState>(dir_ + "/state.textproto");
+  absl::StatusOr<std::optional<v1::CoordinatorState>> members =
+      ReadTextProto<v1::CoordinatorState>(dir_ + kMembersFile);
+  if (!members.ok()) return members.status();
+  absl::StatusOr<std::optional<v1::CoordinatorState>> progress =
+      ReadTextProto<v1::CoordinatorState>(dir_ + kProgressFile);
+  if (!progress.ok()) return progress.status();
+  if (!members->has_value() || !progress->has_value()) {
+    absl::StatusOr<std::optional<v1::CoordinatorState>> joined =
+        ReadTextProto<v1::CoordinatorState>(dir_ + kJoinedStateFile);
+    if (!joined.ok()) return joined.status();
+    if (!members->has_value()) *members = *joined;
+    if (!progress->has_value()) *progress = *joined;
+  }
+  return JoinStateParts(*members, *progress);
 }
 
 }  // namespace geotrain

@@ -1,8 +1,11 @@
 // The coordinator's state directory, the default CoordinatorStore: the
-// current plan and the state, each replaced atomically (write, fsync,
-// rename), and where the append-only event log lives (AppendLog writes
-// it). Thread-safe: the two files are written independently, and the
-// object holds only the path.
+// current plan (plan.textproto) and the state's two parts
+// (members.textproto, progress.textproto), each replaced atomically
+// (write, fsync, rename), and where the append-only event log lives
+// (AppendLog writes it). A state dir from before the split holds one
+// state.textproto: it is read in place of a missing part, and removed once
+// both parts are written. Thread-safe: the files are written
+// independently, and the object holds only the path.
 #ifndef GEOTRAIN_COORDINATOR_STATE_STORE_H_
 #define GEOTRAIN_COORDINATOR_STATE_STORE_H_
 
@@ -23,7 +26,8 @@ class StateStore : public CoordinatorStore {
   static absl::StatusOr<StateStore> Open(const std::string& dir);
 
   absl::Status WritePlan(const v1::Plan& plan) override;
-  absl::Status WriteState(const v1::CoordinatorState& state) override;
+  absl::Status WriteMembers(const v1::CoordinatorState& members) override;
+  absl::Status WriteProgress(const v1::CoordinatorState& progress) override;
   absl::StatusOr<std::optional<v1::Plan>> ReadPlan() const override;
   absl::StatusOr<std::optional<v1::CoordinatorState>> ReadState() const override;
   std::string Describe() const override { return "state dir " + dir_; }

@@ -47,11 +47,17 @@ class HookedStore : public CoordinatorStore {
     }
     return files_.WritePlan(plan);
   }
-  absl::Status WriteState(const v1::CoordinatorState& state) override {
+  absl::Status WriteMembers(const v1::CoordinatorState& members) override {
     if (before_state_write_) {
       if (absl::Status injected = before_state_write_(); !injected.ok()) return injected;
     }
-    return files_.WriteState(state);
+    return files_.WriteMembers(members);
+  }
+  absl::Status WriteProgress(const v1::CoordinatorState& progress) override {
+    if (before_state_write_) {
+      if (absl::Status injected = before_state_write_(); !injected.ok()) return injected;
+    }
+    return files_.WriteProgress(progress);
   }
   absl::StatusOr<std::optional<v1::Plan>> ReadPlan() const override { return files_.ReadPlan(); }
   absl::StatusOr<std::optional<v1::CoordinatorState>> ReadState() const override {

@@ -3,6 +3,8 @@
 
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
+
 namespace geotrain {
 namespace {
 
@@ -124,7 +126,7 @@ TEST_F(JobControllerTest, AStepReportNeverWaitsForASlowDisk) {
   EXPECT_EQ(controller_->Status().step(), 3);
   disk_free.Notify();
   controller_->FlushState();
-  EXPECT_NE(ReadFile(dir_ + "/state.textproto").find("step: 3"), std::string::npos);
+  EXPECT_NE(ReadFile(dir_ + "/progress.textproto").find("step: 3"), std::string::npos);
   EXPECT_NE(ReadFile(dir_ + "/metrics.jsonl").find("\"step\":3,"), std::string::npos);
   const std::string events = ReadFile(dir_ + "/events.log");
   EXPECT_NE(events.find("\"kind\":\"planned\""), std::string::npos);
@@ -242,13 +244,48 @@ TEST_F(JobControllerTest, AFailedStateWriteIsRetriedWithTheNextState) {
   ASSERT_TRUE(controller_->ReportStep(report).ok());
   FinishedOnStageZero(a, 1);
   controller_->FlushState();
-  EXPECT_EQ(ReadFile(dir_ + "/state.textproto").find("step: 1"), std::string::npos);
+  EXPECT_EQ(ReadFile(dir_ + "/progress.textproto").find("step: 1"), std::string::npos);
   fail = false;
   report.set_step(2);
   ASSERT_TRUE(controller_->ReportStep(report).ok());
   FinishedOnStageZero(a, 2);
   controller_->FlushState();
-  EXPECT_NE(ReadFile(dir_ + "/state.textproto").find("step: 2"), std::string::npos);
+  EXPECT_NE(ReadFile(dir_ + "/progress.textproto").find("step: 2"), std::string::npos);
+}
+
+TEST_F(JobControllerTest, ACommittedStepWritesTheProgressAloneNotTheMembers) {
+  Start("gpt { context: 8 d_model: 16 heads: 2 blocks: 2 } text {} steps: 10 "
+        "min_workers: 2 lease_ms: 1000");
+  const std::string a = Join("a").worker_id();
+  const std::string b = Join("b").worker_id();
+  controller_->FlushState();
+  // Each write replaces the file by a rename: a new inode.
+  const auto inode = [](const std::string& path) {
+    struct stat st{};
+    return stat(path.c_str(), &st) == 0 ? static_cast<int64_t>(st.st_ino) : -1;
+  };
+  const int64_t members = inode(dir_ + "/members.textproto");
+  ASSERT_GE(members, 0);
+  EXPECT_NE(ReadFile(dir_ + "/members.textproto").find("name: \"b\""), std::string::npos);
+  v1::StepReport report;
+  report.set_worker_id(b);
+  report.set_epoch(1);
+  report.set_samples(8);
+  for (int step = 1; step <= 3; ++step) {
+    report.set_step(step);
+    ASSERT_TRUE(controller_->ReportStep(report).ok());
+    FinishedOnStageZero(a, step);
+    controller_->FlushState();
+  }
+  EXPECT_EQ(inode(dir_ + "/members.textproto"), members);
+  const std::string progress = ReadFile(dir_ + "/progress.textproto");
+  EXPECT_NE(progress.find("step: 3"), std::string::npos);
+  EXPECT_EQ(progress.find("members"), std::string::npos) << progress;
+  // A join changes the members, and they are written again.
+  Join("c");
+  controller_->FlushState();
+  EXPECT_NE(inode(dir_ + "/members.textproto"), members);
+  EXPECT_NE(ReadFile(dir_ + "/members.textproto").find("name: \"c\""), std::string::npos);
 }
 
 TEST_F(JobControllerTest, HeartbeatsCarryMeasureTasksAndTheAnswersFillTheMatrix) {

@@ -53,7 +53,7 @@ TEST_F(ProgressClaimTest, AJumpToTheLastStepIsRefusedAndSuspected) {
   // A restarted coordinator resumes where the pipeline really is, and the
   // honest reports that follow count.
   controller_->FlushState();
-  EXPECT_EQ(ReadFile(dir_ + "/state.textproto").find("step: 3000"), std::string::npos);
+  EXPECT_EQ(ReadFile(dir_ + "/progress.textproto").find("step: 3000"), std::string::npos);
   ASSERT_TRUE(Claim(105).ok());
   FinishedOnStageZero(first_, 105);
   EXPECT_EQ(controller_->Status().step(), 105);
