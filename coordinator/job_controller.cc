@@ -401,13 +401,16 @@ bool JobController::Heartbeat(const v1::HeartbeatRequest& request,
   }
   if (response != nullptr && network_.WantsTask(request.worker_id(), now_ms)) {
     // Shared, not copied: after a join every member may want a task.
-    const std::shared_ptr<const std::vector<WorkerRecord>> shared = membership_.SharedLivePeers();
+    uint64_t generation = 0;
+    const std::shared_ptr<const std::vector<WorkerRecord>> shared =
+        membership_.SharedLivePeers(&generation);
     const std::vector<WorkerRecord>& live = *shared;
-    if (std::optional<v1::ProbeTask> task = network_.NextTask(request.worker_id(), live, now_ms)) {
+    if (std::optional<v1::ProbeTask> task =
+            network_.NextTask(request.worker_id(), live, now_ms, generation)) {
       *response->add_probes() = *std::move(task);
     }
     if (std::optional<v1::AccessProbeTask> access =
-            network_.NextAccessTask(request.worker_id(), live, now_ms)) {
+            network_.NextAccessTask(request.worker_id(), live, now_ms, generation)) {
       *response->mutable_access_probe() = *std::move(access);
     }
   }

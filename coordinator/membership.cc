@@ -254,11 +254,11 @@ void Membership::AddLivePeerLocked(const WorkerRecord& w) {
 
 bool Membership::Abandon(const std::string& id, const std::string& session) {
   absl::MutexLock lock(&mu_);
-  live_cache_stale_ = true;
   WorkerRecord* record = FindLocked(id);
   if (record == nullptr || record->session != session || !record->alive) return false;
   if (--answered_joins_[id] > 0) return false;  // another attempt was answered with it
   answered_joins_.erase(id);
+  live_cache_stale_ = true;
   ++persisted_version_;
   workers_.erase(workers_.begin() + index_[id]);
   ReindexLocked();
@@ -291,11 +291,11 @@ bool Membership::IsLive(const std::string& id) const {
 
 void Membership::PruneDead(size_t keep_dead) {
   absl::MutexLock lock(&mu_);
-  live_cache_stale_ = true;
-  ++persisted_version_;
   size_t dead = 0;
   for (const WorkerRecord& w : workers_) dead += w.alive ? 0 : 1;
   if (dead <= keep_dead) return;
+  // The live peers are unchanged: only the dead go.
+  ++persisted_version_;
   for (auto it = workers_.begin(); it != workers_.end() && dead > keep_dead;) {
     if (it->alive) {
       ++it;
@@ -425,10 +425,12 @@ WorkerRecord Membership::LivePeerOf(const WorkerRecord& w) {
   return peer;
 }
 
-std::shared_ptr<const std::vector<WorkerRecord>> Membership::SharedLivePeers() const {
+std::shared_ptr<const std::vector<WorkerRecord>> Membership::SharedLivePeers(
+    uint64_t* generation) const {
   absl::MutexLock lock(&mu_);
   if (live_cache_ == nullptr || live_cache_stale_) {
     live_cache_stale_ = false;
+    ++live_generation_;
     auto live = std::make_shared<std::vector<WorkerRecord>>();
     live->reserve(workers_.size());
     for (const WorkerRecord& w : workers_) {
@@ -436,6 +438,7 @@ std::shared_ptr<const std::vector<WorkerRecord>> Membership::SharedLivePeers() c
     }
     live_cache_ = std::move(live);
   }
+  if (generation != nullptr) *generation = live_generation_;
   return live_cache_;
 }
 

@@ -133,7 +133,11 @@ class Membership {
   // (A rebuild at most once a second lost a newcomer's measurements for
   // 30 s: a member that ranked its sample on the old list was not asked
   // again.)
-  std::shared_ptr<const std::vector<WorkerRecord>> SharedLivePeers() const;
+  // `generation` (when given) names the list's lineage: within one
+  // generation the list only grows at its end, so what a caller derived
+  // from its first n entries stays true (NetworkMatrix's samples). Never 0.
+  std::shared_ptr<const std::vector<WorkerRecord>> SharedLivePeers(
+      uint64_t* generation = nullptr) const;
   std::vector<WorkerRecord> LiveRelays() const;
   // The name and resident memory of up to `most` live members, the
   // earliest joined first (the metrics log's; every member's own endpoint
@@ -162,6 +166,7 @@ class Membership {
   // it stale, and it is rebuilt when next asked for.
   mutable std::shared_ptr<std::vector<WorkerRecord>> live_cache_ ABSL_GUARDED_BY(mu_);
   mutable bool live_cache_stale_ ABSL_GUARDED_BY(mu_) = false;
+  mutable uint64_t live_generation_ ABSL_GUARDED_BY(mu_) = 0;  // rebuilds of live_cache_
   std::unordered_map<std::string, size_t> index_ ABSL_GUARDED_BY(mu_);  // id -> workers_[i]
   // Answers given to the current session of each member (Abandon).
   std::unordered_map<std::string, int> answered_joins_ ABSL_GUARDED_BY(mu_);

@@ -35,35 +35,56 @@ uint64_t PairRank(size_t worker_hash, const std::string& peer) {
 }  // namespace
 
 std::vector<const WorkerRecord*> NetworkMatrix::SampleFor(
-    const std::string& worker, const std::vector<WorkerRecord>& live) const {
-  const size_t worker_hash = std::hash<std::string>()(worker);
-  std::vector<std::pair<uint64_t, const WorkerRecord*>> ranked;
-  ranked.reserve(live.size());
-  for (const WorkerRecord& w : live) {
-    if (w.id == worker || w.relay() || !w.alive) continue;
-    ranked.push_back({PairRank(worker_hash, w.id), &w});
+    const std::string& worker, const std::vector<WorkerRecord>& live,
+    uint64_t live_generation) const {
+  const size_t k = static_cast<size_t>(std::max(0, options_.sample));
+  // Where the list only grew since this worker's sample was ranked, only
+  // the newcomers are ranked: a heartbeat's task costs O(newcomers), and
+  // O(members) once per change of the live set, not once per task.
+  Sample sample;
+  if (live_generation != 0) {
+    absl::MutexLock lock(&mu_);
+    auto cached = samples_.find(worker);
+    if (cached != samples_.end() && cached->second.generation == live_generation &&
+        cached->second.ranked_upto <= live.size()) {
+      sample = cached->second;
+    }
   }
-  auto before = [](const auto& a, const auto& b) {
-    return a.first != b.first ? a.first < b.first : a.second->id < b.second->id;
+  if (sample.generation != live_generation || live_generation == 0) {
+    sample = Sample{live_generation, 0, {}};
+  }
+  const size_t worker_hash = std::hash<std::string>()(worker);
+  auto before = [&](const std::pair<uint64_t, size_t>& a, const std::pair<uint64_t, size_t>& b) {
+    return a.first != b.first ? a.first < b.first : live[a.second].id < live[b.second].id;
   };
-  const size_t k = std::min(ranked.size(), static_cast<size_t>(std::max(0, options_.sample)));
-  std::partial_sort(ranked.begin(), ranked.begin() + k, ranked.end(), before);
-  std::vector<const WorkerRecord*> sample;
-  for (size_t i = 0; i < k; ++i) sample.push_back(ranked[i].second);
+  for (size_t i = sample.ranked_upto; i < live.size() && k > 0; ++i) {
+    const WorkerRecord& w = live[i];
+    if (w.id == worker || w.relay() || !w.alive) continue;
+    const std::pair<uint64_t, size_t> entry{PairRank(worker_hash, w.id), i};
+    if (sample.best.size() == k && !before(entry, sample.best.back())) continue;
+    sample.best.insert(
+        std::upper_bound(sample.best.begin(), sample.best.end(), entry, before), entry);
+    if (sample.best.size() > k) sample.best.pop_back();
+  }
+  sample.ranked_upto = live.size();
+  std::vector<const WorkerRecord*> peers;
+  peers.reserve(sample.best.size());
+  for (const auto& [rank, index] : sample.best) peers.push_back(&live[index]);
   // A newcomer enters this sample only below the last one's rank (Learn).
   absl::MutexLock lock(&mu_);
-  if (k > 0 && k == static_cast<size_t>(options_.sample)) {
-    sample_bound_[worker] = ranked[k - 1].first;
+  if (k > 0 && sample.best.size() == k) {
+    sample_bound_[worker] = sample.best.back().first;
   } else {
     sample_bound_.erase(worker);
   }
-  return sample;
+  if (live_generation != 0) samples_[worker] = std::move(sample);
+  return peers;
 }
 
 std::optional<v1::ProbeTask> NetworkMatrix::NextTask(const std::string& worker,
                                                      const std::vector<WorkerRecord>& live,
-                                                     int64_t now_ms) {
-  const std::vector<const WorkerRecord*> sample = SampleFor(worker, live);
+                                                     int64_t now_ms, uint64_t live_generation) {
+  const std::vector<const WorkerRecord*> sample = SampleFor(worker, live, live_generation);
   absl::MutexLock lock(&mu_);
   if (auto pending = pending_.find(worker); pending != pending_.end()) {
     if (now_ms - pending->second.second < options_.task_timeout_ms) return std::nullopt;
@@ -145,6 +166,7 @@ bool NetworkMatrix::WantsTask(const std::string& worker, int64_t now_ms) const {
 void NetworkMatrix::Learn(const std::string& worker, const std::string& address) {
   absl::MutexLock lock(&mu_);
   worker_at_[address] = worker;
+  addresses_of_[worker].insert(address);
   // A new peer: the workers whose sample it enters have it to measure
   // (those with a sample not yet full, and those it ranks into); the others
   // are not asked again, so a join costs a hash per member, not a sample.
@@ -187,9 +209,10 @@ std::vector<const WorkerRecord*> NetworkMatrix::MeasuredPeersLocked(
 }
 
 std::optional<v1::AccessProbeTask> NetworkMatrix::NextAccessTask(
-    const std::string& worker, const std::vector<WorkerRecord>& live, int64_t now_ms) {
+    const std::string& worker, const std::vector<WorkerRecord>& live, int64_t now_ms,
+    uint64_t live_generation) {
   if (options_.access_peers < 2) return std::nullopt;
-  const std::vector<const WorkerRecord*> sample = SampleFor(worker, live);
+  const std::vector<const WorkerRecord*> sample = SampleFor(worker, live, live_generation);
   absl::MutexLock lock(&mu_);
   if (auto pending = access_pending_.find(worker); pending != access_pending_.end()) {
     if (now_ms - pending->second < options_.task_timeout_ms) return std::nullopt;
@@ -299,8 +322,13 @@ void NetworkMatrix::Forget(const std::string& worker) {
   pending_.erase(worker);
   next_check_ms_.erase(worker);
   sample_bound_.erase(worker);
-  for (auto it = worker_at_.begin(); it != worker_at_.end();) {
-    it = it->second == worker ? worker_at_.erase(it) : std::next(it);
+  samples_.erase(worker);
+  if (auto addresses = addresses_of_.find(worker); addresses != addresses_of_.end()) {
+    for (const std::string& address : addresses->second) {
+      auto at = worker_at_.find(address);
+      if (at != worker_at_.end() && at->second == worker) worker_at_.erase(at);
+    }
+    addresses_of_.erase(addresses);
   }
 }
 

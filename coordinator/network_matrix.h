@@ -58,8 +58,11 @@ class NetworkMatrix {
   // At most one measure task for `worker` (from the live workers `live`, not
   // relays): a sampled peer whose pair has no probe figure or an old one,
   // and only while no earlier task of `worker`'s is outstanding.
+  // `live_generation`: Membership::SharedLivePeers' generation of `live`,
+  // which lets the sample be kept between calls (0: ranked afresh).
   std::optional<v1::ProbeTask> NextTask(const std::string& worker,
-                                        const std::vector<WorkerRecord>& live, int64_t now_ms);
+                                        const std::vector<WorkerRecord>& live, int64_t now_ms,
+                                        uint64_t live_generation = 0);
   // Cheap: whether NextTask could give `worker` anything now (no task
   // outstanding, and its sample was not found fresh in the last 30 s).
   bool WantsTask(const std::string& worker, int64_t now_ms) const;
@@ -84,7 +87,8 @@ class NetworkMatrix {
   // tasks one after another, so none shares the port with another.)
   std::optional<v1::AccessProbeTask> NextAccessTask(const std::string& worker,
                                                     const std::vector<WorkerRecord>& live,
-                                                    int64_t now_ms);
+                                                    int64_t now_ms,
+                                                    uint64_t live_generation = 0);
   // An answer to `worker`'s access task; anything not asked is ignored, and
   // implausible figures count as a failed attempt.
   void RecordAccess(const std::string& worker, const v1::AccessProbeResult& result,
@@ -108,9 +112,18 @@ class NetworkMatrix {
  private:
   // The peers `worker` measures: the `sample` whose (worker, peer) hash is
   // lowest, so each worker has its own spread and it is stable as others
-  // come and go.
+  // come and go. Pointers into `live`.
   std::vector<const WorkerRecord*> SampleFor(const std::string& worker,
-                                             const std::vector<WorkerRecord>& live) const;
+                                             const std::vector<WorkerRecord>& live,
+                                             uint64_t live_generation = 0) const;
+
+  // A worker's sample as ranked on the first `ranked_upto` entries of a
+  // live list of `generation`: (rank, index in the list), best first.
+  struct Sample {
+    uint64_t generation = 0;
+    size_t ranked_upto = 0;
+    std::vector<std::pair<uint64_t, size_t>> best;
+  };
 
   const NetworkMatrixOptions options_;
   mutable absl::Mutex mu_;
@@ -123,7 +136,10 @@ class NetworkMatrix {
   std::map<std::string, int64_t> next_check_ms_ ABSL_GUARDED_BY(mu_);
   // Per worker with a full sample: the rank of its last member (SampleFor).
   mutable std::map<std::string, uint64_t> sample_bound_ ABSL_GUARDED_BY(mu_);
+  mutable std::map<std::string, Sample> samples_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> worker_at_ ABSL_GUARDED_BY(mu_);  // address -> worker
+  // worker -> the addresses it was learnt at (Forget without a scan).
+  std::map<std::string, std::set<std::string>> addresses_of_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Access> access_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int64_t> access_pending_ ABSL_GUARDED_BY(mu_);  // worker -> sent at
 

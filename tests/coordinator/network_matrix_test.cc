@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <set>
 
 namespace geotrain {
@@ -55,6 +56,59 @@ TEST(NetworkMatrixTest, EachWorkerMeasuresABoundedSampleOneTaskAtATime) {
   now += options.refresh_ms + 1;
   EXPECT_TRUE(matrix.WantsTask("w0", now));
   EXPECT_TRUE(matrix.NextTask("w0", live, now).has_value());
+}
+
+// Every peer `worker` is asked to measure until it has nothing left to ask.
+std::vector<std::string> MeasureAll(NetworkMatrix* matrix, const std::string& worker,
+                                    const std::vector<WorkerRecord>& live, uint64_t generation,
+                                    int64_t* now) {
+  std::vector<std::string> asked;
+  for (int round = 0; round < 100; ++round) {
+    std::optional<v1::ProbeTask> task = matrix->NextTask(worker, live, *now, generation);
+    if (!task.has_value()) break;
+    asked.push_back(task->worker_id());
+    matrix->RecordProbe(worker, Measured(task->worker_id(), 0.01, 1e8), *now);
+    *now += 100;
+  }
+  return asked;
+}
+
+TEST(NetworkMatrixTest, AKeptSampleFollowsTheLiveListAsARankedOneWould) {
+  // One matrix ranks every member per task (no generation); the other keeps
+  // each sample and ranks only newcomers while the list's generation holds.
+  NetworkMatrixOptions options;
+  options.sample = 4;
+  NetworkMatrix fresh(options);
+  NetworkMatrix kept(options);
+  std::vector<WorkerRecord> live = Workers(12);
+  int64_t fresh_now = 1000;
+  int64_t kept_now = 1000;
+  const std::vector<std::string> first = MeasureAll(&fresh, "w0", live, 0, &fresh_now);
+  EXPECT_EQ(first.size(), 4u);
+  EXPECT_EQ(MeasureAll(&kept, "w0", live, 1, &kept_now), first);
+  // Newcomers are appended in the same generation: those that rank into
+  // the sample are asked for, by both alike.
+  std::vector<WorkerRecord> more = Workers(200);
+  for (size_t i = live.size(); i < more.size(); ++i) {
+    live.push_back(more[i]);
+    fresh.Learn(more[i].id, more[i].address);
+    kept.Learn(more[i].id, more[i].address);
+  }
+  const std::vector<std::string> grown = MeasureAll(&fresh, "w0", live, 0, &fresh_now);
+  EXPECT_FALSE(grown.empty());
+  EXPECT_EQ(MeasureAll(&kept, "w0", live, 1, &kept_now), grown);
+  // A member of the sample leaves: a new list, a new generation, and the
+  // next-ranked member is asked for.
+  const std::string gone = grown.front();
+  live.erase(std::find_if(live.begin(), live.end(),
+                          [&](const WorkerRecord& w) { return w.id == gone; }));
+  fresh.Forget(gone);
+  kept.Forget(gone);
+  const std::vector<std::string> after = MeasureAll(&fresh, "w0", live, 0, &fresh_now);
+  ASSERT_EQ(after.size(), 1u);
+  EXPECT_NE(after.front(), gone);
+  EXPECT_EQ(MeasureAll(&kept, "w0", live, 2, &kept_now), after);
+  EXPECT_TRUE(kept.SampleMeasured("w0", live));
 }
 
 TEST(NetworkMatrixTest, AFailedProbeIsNotRetriedBeforeTheRefreshAndClearsOldFigures) {
