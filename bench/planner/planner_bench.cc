@@ -8,12 +8,8 @@
 //
 // Run: build/bench/planner [--quick]   (--quick: 8 and 16 workers only)
 //
-// Links (one-way delay, rate) from DESIGN.md: same region 5 ms / 2 Gb/s,
-// Oregon-Virginia 67 ms / 0.79 Gb/s, Tokyo-London 210 ms / 0.366 Gb/s,
-// Sydney-Frankfurt 265 ms / 0.328 Gb/s. The other pairs of the five regions
-// are not in DESIGN.md: their delays are rough public figures and their
-// rates are interpolated from the four measured pairs by delay (marked
-// "assumed" in the output).
+// Links (one-way delay, rate): bench/common/dtfm_regions.h, DESIGN.md's
+// DT-FM pairs, with the other pairs of the five regions assumed.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -24,27 +20,11 @@
 #include <string>
 #include <vector>
 
+#include "bench/common/dtfm_regions.h"
 #include "coordinator/network_planner.h"
 
 namespace geotrain {
 namespace {
-
-struct Region {
-  const char* name;
-};
-
-// Rate (bits/s) for a one-way delay, interpolated between DESIGN.md's pairs.
-double RateForDelay(double delay_ms) {
-  const double points[][2] = {{5, 2e9}, {11, 1.12e9}, {67, 0.79e9}, {210, 0.366e9}, {265, 0.328e9}};
-  if (delay_ms <= points[0][0]) return points[0][1];
-  for (int i = 1; i < 5; ++i) {
-    if (delay_ms <= points[i][0]) {
-      const double f = (delay_ms - points[i - 1][0]) / (points[i][0] - points[i - 1][0]);
-      return points[i - 1][1] + f * (points[i][1] - points[i - 1][1]);
-    }
-  }
-  return points[4][1];
-}
 
 struct Scenario {
   std::string name;
@@ -55,34 +35,25 @@ struct Scenario {
 
 Scenario OneRegion() { return {"1 region", {"virginia"}, {{5}}, {{2e9}}}; }
 
-Scenario TwoRegions() {
-  return {"2 regions", {"oregon", "virginia"}, {{5, 67}, {67, 5}}, {{2e9, 0.79e9}, {0.79e9, 2e9}}};
-}
-
-Scenario FiveRegions() {
+// The scenario over the first `count` of the DT-FM regions
+// (bench/common/dtfm_regions.h).
+Scenario Regions(const std::string& name, int count) {
   Scenario s;
-  s.name = "5 regions";
-  s.regions = {"oregon", "virginia", "frankfurt", "tokyo", "sydney"};
-  // DESIGN.md gives oregon-virginia 67, tokyo-frankfurt (as Tokyo-London)
-  // 210 and sydney-frankfurt 265; the rest are assumed.
-  const double d[5][5] = {{5, 67, 80, 50, 70},
-                          {67, 5, 45, 85, 100},
-                          {80, 45, 5, 210, 265},
-                          {50, 85, 210, 5, 55},
-                          {70, 100, 265, 55, 5}};
-  s.delay_ms.assign(5, std::vector<double>(5));
-  s.rate_bps.assign(5, std::vector<double>(5));
-  for (int a = 0; a < 5; ++a) {
-    for (int b = 0; b < 5; ++b) {
-      s.delay_ms[a][b] = d[a][b];
-      s.rate_bps[a][b] = a == b ? 2e9 : RateForDelay(d[a][b]);
+  s.name = name;
+  s.delay_ms.assign(count, std::vector<double>(count));
+  s.rate_bps.assign(count, std::vector<double>(count));
+  for (int a = 0; a < count; ++a) {
+    s.regions.push_back(bench::RegionName(a));
+    for (int b = 0; b < count; ++b) {
+      s.delay_ms[a][b] = bench::OneWayDelayMs(a, b);
+      s.rate_bps[a][b] = bench::RateBps(a, b);
     }
   }
-  s.rate_bps[0][1] = s.rate_bps[1][0] = 0.79e9;
-  s.rate_bps[2][3] = s.rate_bps[3][2] = 0.366e9;
-  s.rate_bps[2][4] = s.rate_bps[4][2] = 0.328e9;
   return s;
 }
+
+Scenario TwoRegions() { return Regions("2 regions", 2); }  // Oregon-Virginia
+Scenario FiveRegions() { return Regions("5 regions", bench::kRegions); }
 
 // A GPT-like model (DT-FM's GPT3-1.3B shape): d_model 2048, context 1024,
 // fp32 activations, `blocks` blocks between an embedding and a head.

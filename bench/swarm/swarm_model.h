@@ -2,11 +2,8 @@
 // (device, layer timings) and a region (the links to every other region),
 // both a function of the worker's index, so every run is the same swarm.
 //
-// The regions are bench/planner's five (DESIGN.md's DT-FM pairs:
-// same region 5 ms / 2 Gb/s, Oregon-Virginia 67 ms / 0.79 Gb/s,
-// Tokyo-Frankfurt 210 ms / 0.366 Gb/s, Sydney-Frankfurt 265 ms /
-// 0.328 Gb/s; the other pairs' delays are rough public figures with rates
-// interpolated by delay). The speed classes are three: a GPU, a fast CPU
+// The regions are bench/planner's five (bench/common/dtfm_regions.h,
+// DESIGN.md's DT-FM pairs). The speed classes are three: a GPU, a fast CPU
 // and a slow one, in the proportions a volunteer swarm has (few GPUs).
 #ifndef GEOTRAIN_BENCH_SWARM_SWARM_MODEL_H_
 #define GEOTRAIN_BENCH_SWARM_SWARM_MODEL_H_
@@ -18,7 +15,7 @@
 
 namespace geotrain::swarm {
 
-inline constexpr int kRegions = 5;
+inline constexpr int kRegions = 5;  // bench::kRegions
 
 // The region of worker `index` (round-robin: workers arrive from everywhere).
 int RegionOf(int index);
