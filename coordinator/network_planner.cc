@@ -604,6 +604,12 @@ absl::Status ScorePlan(const PlannerInput& input, PipelinePlan* plan) {
     for (int r : s.replicas) {
       if (r < 0 || r >= model.workers()) return absl::InvalidArgumentError("no such replica");
     }
+    if (static_cast<int>(s.pipeline_workers.size()) != std::max(1, plan->pipelines) - 1) {
+      return absl::InvalidArgumentError("a stage lacks a worker in some pipeline");
+    }
+    for (int p : s.pipeline_workers) {
+      if (p < 0 || p >= model.workers()) return absl::InvalidArgumentError("no such worker");
+    }
     expected_begin = s.layer_end;
   }
   if (expected_begin != layers) return absl::InvalidArgumentError("stages end before the last layer");
@@ -611,7 +617,26 @@ absl::Status ScorePlan(const PlannerInput& input, PipelinePlan* plan) {
   for (PlannedLinkInfo& link : plan->links) {
     if (link.codec_index < 0 || link.codec_index >= model.codecs()) link.codec_index = 0;
   }
+  // With pipelines, each is scored at the same cuts and codecs, and the job
+  // as the planner scores R of them (ScorePipelines): the slowest one's
+  // pace times R, with the outer sync's traffic.
+  std::vector<PipelinePlan> more;
+  for (int p = 1; p < plan->pipelines; ++p) {
+    PipelinePlan other = *plan;
+    other.pipelines = 1;
+    for (size_t k = 0; k < other.stages.size(); ++k) {
+      other.stages[k].worker = plan->stages[k].pipeline_workers[p - 1];
+      other.stages[k].replicas.clear();
+      other.stages[k].pipeline_workers.clear();
+    }
+    Score(model, &other);
+    more.push_back(std::move(other));
+  }
+  const int pipelines = std::max(1, plan->pipelines);
+  for (PlannedStageInfo& s : plan->stages) s.pipeline_workers.clear();
+  plan->pipelines = 1;
   Score(model, plan);
+  if (pipelines > 1) ScorePipelines(model, more, plan);
   Explain(model, plan, "re-scored");
   return absl::OkStatus();
 }

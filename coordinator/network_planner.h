@@ -216,6 +216,9 @@ absl::StatusOr<PipelinePlan> PlanForOrder(const PlannerInput& input,
 
 // Scores fixed cuts and codecs (stage worker/layer ranges, replicas and
 // link codecs as given): fills compute, link times, W, T* and the objective.
+// With plan->pipelines = R > 1, every stage names its worker in pipelines
+// 1..R-1 (pipeline_workers), and the figures are the job's, as the planner
+// gives them for R pipelines.
 absl::Status ScorePlan(const PlannerInput& input, PipelinePlan* plan);
 
 // What the network planner minimises: the plan's time per sample over its

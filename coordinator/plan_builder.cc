@@ -215,10 +215,28 @@ absl::StatusOr<ReplanComparison> CompareForReplan(
     s.worker = static_cast<int>(it - workers.begin());
     s.layer_begin = stage.layer_begin();
     s.layer_end = stage.layer_end();
+    // With pipelines, a stage's "replicas" are its workers in the other
+    // pipelines, numbered 1..R-1.
+    std::map<int, int> in_pipeline;
     for (const v1::Replica& replica : stage.replicas()) {
       auto r = std::find_if(workers.begin(), workers.end(),
                             [&](const WorkerRecord& w) { return w.id == replica.worker_id(); });
-      if (r != workers.end()) s.replicas.push_back(static_cast<int>(r - workers.begin()));
+      if (replica.pipeline() > 0) {
+        if (r == workers.end()) {
+          return absl::NotFoundError(absl::StrCat(replica.worker_id(), " is not a candidate"));
+        }
+        in_pipeline[replica.pipeline()] = static_cast<int>(r - workers.begin());
+      } else if (r != workers.end()) {
+        s.replicas.push_back(static_cast<int>(r - workers.begin()));
+      }
+    }
+    for (int p = 1; p < std::max(1, current.pipelines()); ++p) {
+      auto worker = in_pipeline.find(p);
+      if (worker == in_pipeline.end()) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("stage ", stage.stage(), " has no worker in pipeline ", p));
+      }
+      s.pipeline_workers.push_back(worker->second);
     }
     out.current.stages.push_back(s);
     for (int l = stage.layer_begin(); l < stage.layer_end(); ++l) {
@@ -228,6 +246,7 @@ absl::StatusOr<ReplanComparison> CompareForReplan(
       }
     }
   }
+  out.current.pipelines = std::max(1, current.pipelines());
   // The current links keep the codecs they run with (the ladder's entry).
   out.current.links.resize(out.current.stages.empty() ? 0 : out.current.stages.size() - 1);
   for (size_t k = 0; k < out.current.links.size(); ++k) {
@@ -270,6 +289,7 @@ absl::StatusOr<ReplanComparison> CompareForReplan(
   for (const PlannedStageInfo& s : best.stages) {
     std::vector<int> crew = {s.worker};
     crew.insert(crew.end(), s.replicas.begin(), s.replicas.end());
+    crew.insert(crew.end(), s.pipeline_workers.begin(), s.pipeline_workers.end());
     for (int w : crew) {
       for (int l = s.layer_begin; l < s.layer_end && l < static_cast<int>(profile.size()); ++l) {
         if (holders_now[l].count(workers[w].id) > 0) continue;

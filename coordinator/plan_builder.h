@@ -68,9 +68,13 @@ v1::Plan PlanProtoFor(const PipelinePlan& plan, const PlannerInput& input,
 // transfer time), and whether those layers' newest checkpoints
 // (`checkpointed`: layer -> steps, oldest first) are at most one step
 // behind `step`. `workers` are the planner's, indexed like input.workers.
+// With pipelines (current.pipelines() = R > 1), both plans are the job's R
+// pipelines, scored as the planner scores them (ScorePlan), and a layer a
+// stage's worker holds in any pipeline need not move.
 // The candidate's measured_s_per_sample is left to the caller. NOT_FOUND
 // when a worker of `current` is not among `workers` (a failure, which the
-// involuntary path handles).
+// involuntary path handles); FAILED_PRECONDITION when a stage lacks a
+// worker in one of the pipelines (a repair in progress).
 struct ReplanComparison {
   PipelinePlan current;
   ReplanCandidate candidate;

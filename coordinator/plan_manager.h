@@ -131,18 +131,19 @@ class PlanManager {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // With the outer optimizer: enough standbys (one per stage) form another
   // pipeline at the plan's cuts (up to outer.max_pipelines); the pipelines
-  // there are go on (pipeline_continuity.h). Under the network planner only
-  // where it would now choose more pipelines. False when none formed.
+  // there are go on (pipeline_continuity.h). Join order only: under the
+  // network planner MaybeVoluntaryReplanLocked forms one where the planner
+  // would now choose more pipelines. False when none formed.
   bool MaybeFormPipelineLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The network planner's input over `candidates` while a plan runs: the
   // measured links and ports, replica eligibility, and the layer timings
   // calibrated by the stages' measured compute.
   PlannerInput LivePlannerInputLocked(const std::vector<WorkerRecord>& candidates) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The network planner's R over the plan's workers and `spares` exceeds
-  // the plan's (at most once per re-plan interval; an event says so).
-  bool NetworkWantsMorePipelinesLocked(const std::vector<WorkerRecord>& spares)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Pipeline R of the fastest eligible standbys at the plan's cuts (up to
+  // outer.max_pipelines), with a replan_considered event saying `why`
+  // when given. False when there are too few.
+  bool FormPipelineFromStandbysLocked(const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A new partition over the eligible workers of `live` (the event says
   // `why` first), or waiting when there are none.
   void RepartitionLocked(const std::set<std::string>& live, const std::string& why)

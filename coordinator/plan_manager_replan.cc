@@ -82,11 +82,11 @@ PlannerInput PlanManager::LivePlannerInputLocked(
 }
 
 void PlanManager::MaybeVoluntaryReplanLocked() {
-  // Not with pipelines (job.outer) yet: CompareForReplan scores the current
-  // plan as one pipeline whose other pipelines' workers are replicas, which
-  // is not what the planner's figure for R pipelines means.
+  // With pipelines (job.outer) too: the current plan is scored as the
+  // planner scores R pipelines, so a repaired plan is improved as a whole
+  // (members moved between stages and pipelines, the cuts and R changed).
   if (options_.planner != "network" || !plan_.has_value() || done_ || plan_->job_done() ||
-      progress_.AnyDone() || options_.job.has_outer()) {
+      progress_.AnyDone()) {
     return;
   }
   const int64_t now = options_.clock->NowMs();
@@ -107,6 +107,19 @@ void PlanManager::MaybeVoluntaryReplanLocked() {
   absl::StatusOr<PipelinePlan> best = planner_->Plan(input);
   const double planning_s = absl::ToDoubleSeconds(absl::Now() - started);
   if (!best.ok()) return;
+  // Where the planner would train more pipelines than the plan has,
+  // standbys first form one at the plan's cuts: nobody moves, no layer is
+  // loaded but the newcomers'.
+  if (options_.job.has_outer() && best->pipelines > PipelinesOf(*plan_)) {
+    const auto standbys = std::count_if(candidates.begin(), candidates.end(), [&](const WorkerRecord& w) {
+      return StageOf(*plan_, w.id) == nullptr;
+    });
+    if (FormPipelineFromStandbysLocked(
+            absl::StrCat("the network planner would train ", best->pipelines,
+                         " pipelines on the plan's workers and ", standbys, " standbys"))) {
+      return;
+    }
+  }
   // What status shows carries this search's time and candidates.
   auto timed = [&](v1::PlanPrediction prediction) {
     prediction.set_planning_s(planning_s);
@@ -183,22 +196,29 @@ bool PlanManager::RepairPipelinesLocked(std::set<std::string> live, const std::s
 }
 
 bool PlanManager::MaybeFormPipelineLocked() {
+  // The network planner forms one only where it would now choose more
+  // pipelines: MaybeVoluntaryReplanLocked looks, once per re-plan interval.
+  if (options_.planner == "network") return false;
+  return FormPipelineFromStandbysLocked("");
+}
+
+bool PlanManager::FormPipelineFromStandbysLocked(const std::string& why) {
   if (!options_.job.has_outer() || progress_.AnyDone() || plan_->stages_size() == 0) {
     return false;
   }
   const int pipelines = PipelinesOf(*plan_);
   const int most = options_.job.outer().max_pipelines();
   if (most > 0 && pipelines >= most) return false;
-  // The network planner looks once per re-plan interval: not due, no need
-  // for the standbys (a copy of every member) either.
-  if (options_.planner == "network" && !replan_policy_.Due(options_.clock->NowMs())) return false;
   std::vector<WorkerRecord> spares;
   for (const WorkerRecord& w : StandbysLocked(*plan_)) {
     if (!faults_.Demoted(w.id) && faults_.MayReplicate(w.id)) spares.push_back(w);
   }
   const int stages = plan_->stages_size();
   if (static_cast<int>(spares.size()) < stages) return false;
-  if (options_.planner == "network" && !NetworkWantsMorePipelinesLocked(spares)) return false;
+  if (!why.empty()) {
+    AddEventLocked("replan_considered", "",
+                   absl::StrCat(why, "; forming one from standbys at the current cuts"));
+  }
   // The fastest standbys, one per stage at the plan's cuts, as pipeline R.
   v1::Plan next = *plan_;
   std::string names;
@@ -212,32 +232,6 @@ bool PlanManager::MaybeFormPipelineLocked() {
   waiting_for_workers_ = false;
   PublishReplanLocked(std::move(next), absl::StrCat("pipeline ", pipelines,
                                                     " formed from standbys ", names));
-  return true;
-}
-
-bool PlanManager::NetworkWantsMorePipelinesLocked(const std::vector<WorkerRecord>& spares) {
-  // The network planner chose R where pipelines pay (counting the outer
-  // sync's traffic); standbys form another pipeline only where it would now
-  // choose more than the plan has, on the figures of the plan's workers and
-  // these spares. Looked at once per re-plan interval (the search runs
-  // under the lock).
-  const int64_t now = options_.clock->NowMs();
-  if (!replan_policy_.Due(now)) return false;
-  replan_policy_.MarkChecked(now);
-  std::vector<WorkerRecord> candidates = spares;
-  for (const WorkerRecord& w : membership_.LiveWorkers()) {
-    if (StageOf(*plan_, w.id) != nullptr) candidates.push_back(w);
-  }
-  candidates = BoundedCandidatesLocked(std::move(candidates));
-  PlannerInput input = LivePlannerInputLocked(candidates);
-  absl::StatusOr<PipelinePlan> best = planner_->Plan(input);
-  if (!best.ok() || best->stages.empty()) return false;
-  const int wanted = 1 + static_cast<int>(best->stages[0].pipeline_workers.size());
-  if (wanted <= PipelinesOf(*plan_)) return false;
-  AddEventLocked("replan_considered", "",
-                 absl::StrCat("the network planner would train ", wanted,
-                              " pipelines on the plan's workers and ", spares.size(),
-                              " standbys; forming one from standbys at the current cuts"));
   return true;
 }
 

@@ -377,6 +377,38 @@ TEST(NetworkPlannerTest, PipelinesAreAddedWhereALinkBindsOne) {
   EXPECT_LE(capped->pipelines, 2);
 }
 
+// A voluntary re-plan of an outer job compares the plan the workers run
+// with the planner's best: re-scored, the planner's own R pipelines give
+// its figures, and a slower worker in one pipeline holds the job to it.
+TEST(NetworkPlannerTest, ScoringRPipelinesGivesThePlannersFigures) {
+  PlannerInput in = LinkBoundSix(/*parameter_bytes_per_layer=*/1000);
+  absl::StatusOr<PipelinePlan> plan = MakeNetworkPlanner()->Plan(in);
+  ASSERT_TRUE(plan.ok());
+  ASSERT_GE(plan->pipelines, 2);
+  PipelinePlan rescored = *plan;
+  ASSERT_TRUE(ScorePlan(in, &rescored).ok());
+  EXPECT_EQ(rescored.pipelines, plan->pipelines);
+  EXPECT_NEAR(rescored.time_per_sample_s, plan->time_per_sample_s,
+              1e-9 * plan->time_per_sample_s);
+  EXPECT_NEAR(rescored.predicted_s_per_sample, plan->predicted_s_per_sample,
+              1e-9 * plan->predicted_s_per_sample);
+  for (size_t k = 0; k < plan->stages.size(); ++k) {
+    EXPECT_EQ(rescored.stages[k].pipeline_workers, plan->stages[k].pipeline_workers);
+  }
+  // The last pipeline's first stage on a worker ten times slower.
+  PlannerInput slower = in;
+  const int moved = plan->stages[0].pipeline_workers.back();
+  slower.workers[moved].gflops /= 10;
+  for (auto& [kind, seconds] : slower.workers[moved].seconds_per_sample) seconds *= 10;
+  PipelinePlan held = *plan;
+  ASSERT_TRUE(ScorePlan(slower, &held).ok());
+  EXPECT_GT(held.time_per_sample_s, 2 * plan->time_per_sample_s) << ExplainPlan(slower, held);
+  // A stage without its worker in every pipeline is refused.
+  PipelinePlan torn = *plan;
+  torn.stages[0].pipeline_workers.pop_back();
+  EXPECT_EQ(ScorePlan(in, &torn).code(), absl::StatusCode::kInvalidArgument);
+}
+
 // A job step waits for every pipeline: a pipeline of workers ten times
 // slower would hold the others to its pace (R times the slowest), so it is
 // not added, though its samples would add up if the pipelines ran apart.

@@ -6,6 +6,17 @@
 namespace geotrain {
 namespace {
 
+// How often `worker` appears in `plan`: as a stage's worker or in any
+// pipeline or replica.
+int PlanMentions(const v1::Plan& plan, const std::string& worker) {
+  int count = 0;
+  for (const v1::StageAssignment& stage : plan.stages()) {
+    count += stage.worker_id() == worker;
+    for (const v1::Replica& r : stage.replicas()) count += r.worker_id() == worker;
+  }
+  return count;
+}
+
 // The network planner online: fresh figures, a better plan, a decision.
 class VoluntaryReplanTest : public HostileInputTest {
  protected:
@@ -156,6 +167,88 @@ TEST_F(LateStandbysFormPipelinesTest, StandbysFormAPipelineWhereThePlannerWantsM
             e.detail().find("the network planner would train") != std::string::npos;
   }
   EXPECT_TRUE(said);
+}
+
+// A loss in an outer job is repaired in place: a slow standby takes the
+// lost worker's place, and its pipeline sets the job's pace. When a fast
+// worker arrives, the background check re-plans the pipelines as a whole.
+class RepairedPipelinesTest : public NetworkPipelinesTest {
+ protected:
+  void SetUp() override { StartOuterJob(4); }
+  void ReportSlowTimings(const std::string& id) {
+    v1::HeartbeatRequest request;
+    request.set_worker_id(id);
+    (*request.mutable_layer_seconds_per_sample())["embed"] = 1e-2;
+    (*request.mutable_layer_seconds_per_sample())["block"] = 1e-1;
+    (*request.mutable_layer_seconds_per_sample())["head"] = 1e-1;
+    controller_->Heartbeat(request);
+  }
+  void CheckpointEveryStage(const v1::Plan& plan) {
+    for (const v1::StageAssignment& stage : plan.stages()) {
+      for (int l = stage.layer_begin(); l < stage.layer_end(); ++l) {
+        ASSERT_TRUE(
+            controller_->checkpoint_gate().Save(FittingCheckpoint(stage.worker_id(), l, 0)).ok());
+      }
+    }
+  }
+};
+
+TEST_F(RepairedPipelinesTest, ARepairedOuterPlanIsImprovedInTheBackground) {
+  std::vector<std::string> ids;
+  for (const char* name : {"a", "b", "c", "d"}) ids.push_back(Join(name).worker_id());
+  for (const std::string& id : ids) ReportTimings(id);
+  AnswerMeasureTasks(ids, {});
+  controller_->Tick();
+  ASSERT_EQ(controller_->Status().state(), "training");
+  const v1::Plan first = Plan();
+  ASSERT_GE(first.pipelines(), 2) << first.DebugString();
+  // A slow standby, then a loss in the last pipeline: the standby is put in
+  // its place.
+  const std::string slow = Join("slow").worker_id();
+  ReportSlowTimings(slow);
+  std::vector<std::string> everyone = ids;
+  everyone.push_back(slow);
+  AnswerMeasureTasks(everyone, {});
+  const v1::StageAssignment& last_stage = first.stages(first.stages_size() - 1);
+  std::string lost;
+  for (const v1::Replica& r : last_stage.replicas()) {
+    if (r.pipeline() == first.pipelines() - 1) lost = r.worker_id();
+  }
+  ASSERT_FALSE(lost.empty()) << first.DebugString();
+  controller_->Leave(lost);
+  controller_->Tick();
+  const v1::Plan repaired = Plan();
+  ASSERT_GT(repaired.epoch(), first.epoch());
+  EXPECT_NE(PlanMentions(repaired, slow), 0) << "repaired with the standby: "
+                                              << repaired.DebugString();
+  // A fast worker arrives. Within the interval nothing moves.
+  const std::string fast = Join("fast").worker_id();
+  ReportTimings(fast);
+  everyone.erase(std::find(everyone.begin(), everyone.end(), lost));
+  everyone.push_back(fast);
+  AnswerMeasureTasks(everyone, {});
+  CheckpointEveryStage(repaired);
+  controller_->Tick();
+  EXPECT_EQ(Plan().epoch(), repaired.epoch());
+  // The next check finds the slow pipeline, but the repair was a re-plan
+  // a moment ago: the move waits for the policy's spacing, and says so.
+  clock_.AdvanceMs(31'000);
+  controller_->Tick();
+  EXPECT_EQ(Plan().epoch(), repaired.epoch());
+  EXPECT_TRUE(HasEvent("replan_considered"));
+  clock_.AdvanceMs(90'000);
+  controller_->Tick();
+  const v1::Plan improved = Plan();
+  ASSERT_GT(improved.epoch(), repaired.epoch()) << "no background improvement";
+  EXPECT_EQ(PlanMentions(improved, slow), 0) << improved.DebugString();
+  EXPECT_NE(PlanMentions(improved, fast), 0) << improved.DebugString();
+  bool said = false;
+  const v1::ClusterStatus status = controller_->Status();
+  for (const v1::Event& e : status.events()) {
+    said |= e.kind() == "replanned" && e.detail().find("voluntary: switch") != std::string::npos;
+  }
+  EXPECT_TRUE(said);
+  EXPECT_EQ(status.pipelines(), improved.pipelines());
 }
 
 // The link figures are not persisted: a restarted coordinator sees the
