@@ -259,13 +259,13 @@ grpc::Status CoordinatorService::Join(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
-grpc::Status CoordinatorService::Heartbeat(grpc::ServerContext* context,
-                                           const v1::HeartbeatRequest* request,
-                                           v1::HeartbeatResponse* response) {
-  absl::StatusOr<std::string> worker = caller_.Worker(*context, request->worker_id());
+grpc::Status CoordinatorService::HandleHeartbeat(grpc::ServerContext* context,
+                                                 const v1::HeartbeatRequest& request,
+                                                 v1::HeartbeatResponse* response) {
+  absl::StatusOr<std::string> worker = caller_.Worker(*context, request.worker_id());
   if (!worker.ok()) return Refused(worker.status());
-  if (absl::Status valid = ValidateHeartbeatRequest(*request); !valid.ok()) return Refused(valid);
-  v1::HeartbeatRequest checked = *request;
+  if (absl::Status valid = ValidateHeartbeatRequest(request); !valid.ok()) return Refused(valid);
+  v1::HeartbeatRequest checked = request;
   checked.set_worker_id(*worker);
   response->set_known(options_.controller->Heartbeat(checked, response));
   return grpc::Status::OK;
@@ -306,7 +306,12 @@ CoordinatorService::CoordinatorService(CoordinatorServiceOptions options)
             return grpc::Status::OK;
           },
           [this](const std::string& worker) { watches_.Release(worker); },
-          [controller = options.controller] { return controller->VisiblePlan(); })) {
+          [controller = options.controller] { return controller->VisiblePlan(); })),
+      heartbeats_(options.heartbeat_threads,
+                  [this](grpc::ServerContext* context, const v1::HeartbeatRequest& request,
+                         v1::HeartbeatResponse* response) {
+                    return HandleHeartbeat(context, request, response);
+                  }) {
   // Plans are pushed from the publisher's notification, not polled.
   std::weak_ptr<PlanStreams> streams = plan_streams_;
   options_.controller->AddPlanListener([streams](const PlanPublisher::PlanPtr& plan) {
@@ -314,12 +319,27 @@ CoordinatorService::CoordinatorService(CoordinatorServiceOptions options)
   });
 }
 
-void CoordinatorService::StartPlanStreams() {
+void CoordinatorService::AttachAsyncMethods(grpc::ServerBuilder* builder) {
+  plan_streams_->Attach(builder);
+  heartbeats_.Attach(builder);
+}
+
+void CoordinatorService::StartAsyncMethods() {
   plan_streams_->Start([this](grpc::ServerContext* context, v1::WatchPlanRequest* request,
                               grpc::ServerAsyncWriter<v1::Plan>* writer,
                               grpc::ServerCompletionQueue* queue, void* tag) {
     RequestWatchPlan(context, request, writer, queue, queue, tag);
   });
+  heartbeats_.Start([this](grpc::ServerContext* context, v1::HeartbeatRequest* request,
+                           grpc::ServerAsyncResponseWriter<v1::HeartbeatResponse>* responder,
+                           grpc::ServerCompletionQueue* queue, void* tag) {
+    RequestHeartbeat(context, request, responder, queue, queue, tag);
+  });
+}
+
+void CoordinatorService::StopAsyncMethods() {
+  plan_streams_->Stop();
+  heartbeats_.Stop();
 }
 
 grpc::Status CoordinatorService::Leave(grpc::ServerContext* context,

@@ -21,6 +21,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "coordinator/access_store.h"
+#include "coordinator/async_unary.h"
 #include "coordinator/cluster_authority.h"
 #include "coordinator/job_controller.h"
 #include "coordinator/plan_streams.h"
@@ -82,6 +83,8 @@ struct CoordinatorServiceOptions {
   // retrying for ever).
   int watches_per_identity = 2;
   int max_watches = 32768;
+  // Threads that serve Heartbeat, apart from the synchronous handlers.
+  int heartbeat_threads = 2;
   // Calls without a client certificate (enrollments, status with a viewer
   // token) in flight, per source host and in all.
   int anonymous_calls_per_source = 4;
@@ -105,9 +108,12 @@ class CallerCheck {
 };
 
 // WatchPlan runs on gRPC's asynchronous API (PlanStreams: one thread for
-// every stream); the other methods are synchronous.
+// every stream), and so does Heartbeat (threads of its own: a heartbeat
+// never waits for a handler thread that joins or enrollments hold); the
+// other methods are synchronous.
 class CoordinatorService final
-    : public v1::Coordinator::WithAsyncMethod_WatchPlan<v1::Coordinator::Service> {
+    : public v1::Coordinator::WithAsyncMethod_Heartbeat<
+          v1::Coordinator::WithAsyncMethod_WatchPlan<v1::Coordinator::Service>> {
  public:
   explicit CoordinatorService(CoordinatorServiceOptions options);
 
@@ -115,9 +121,6 @@ class CoordinatorService final
                       v1::EnrollResponse* response) override;
   grpc::Status Join(grpc::ServerContext* context, const v1::JoinRequest* request,
                     v1::JoinResponse* response) override;
-  grpc::Status Heartbeat(grpc::ServerContext* context,
-                         const v1::HeartbeatRequest* request,
-                         v1::HeartbeatResponse* response) override;
   grpc::Status Leave(grpc::ServerContext* context,
                      const v1::LeaveRequest* request,
                      v1::LeaveResponse* response) override;
@@ -139,16 +142,19 @@ class CoordinatorService final
   grpc::Status ReportEvent(grpc::ServerContext* context, const v1::WorkerEvent* request,
                            v1::ReportAck* response) override;
 
-  // The plan streams' queue: AttachPlanStreams before the server is built,
-  // StartPlanStreams after; EndPlanStreams (UNAVAILABLE: the coordinator is
-  // going away) before the server's Shutdown, StopPlanStreams after it.
-  void AttachPlanStreams(grpc::ServerBuilder* builder) { plan_streams_->Attach(builder); }
-  void StartPlanStreams();
-  void EndPlanStreams() { plan_streams_->Shutdown(); }
-  void StopPlanStreams() { plan_streams_->Stop(); }
+  // The asynchronous methods' queues (plan streams, heartbeats):
+  // AttachAsyncMethods before the server is built, StartAsyncMethods after;
+  // EndAsyncMethods (the plan streams end UNAVAILABLE: the coordinator is
+  // going away) before the server's Shutdown, StopAsyncMethods after it.
+  void AttachAsyncMethods(grpc::ServerBuilder* builder);
+  void StartAsyncMethods();
+  void EndAsyncMethods() { plan_streams_->Shutdown(); }
+  void StopAsyncMethods();
   int open_plan_streams() const { return plan_streams_->open(); }
 
  private:
+  grpc::Status HandleHeartbeat(grpc::ServerContext* context, const v1::HeartbeatRequest& request,
+                               v1::HeartbeatResponse* response);
   // RESOURCE_EXHAUSTED when `key` is over its budget in `limiter`.
   grpc::Status Admit(JoinRateLimiter& limiter, const std::string& key, const char* what);
 
@@ -161,6 +167,7 @@ class CoordinatorService final
   InFlightLimit anonymous_;
   // Shared with the publisher's listener, which holds it weakly.
   std::shared_ptr<PlanStreams> plan_streams_;
+  AsyncUnaryMethod<v1::HeartbeatRequest, v1::HeartbeatResponse> heartbeats_;
 };
 
 class AdminService final : public v1::Admin::Service {

@@ -313,7 +313,7 @@ int main(int argc, char** argv) {
       geotrain::MakeServerCredentials(server_security, geotrain::ClientCertificates::kOptional),
       &port);
   builder.RegisterService(&coordinator_service);
-  coordinator_service.AttachPlanStreams(&builder);
+  coordinator_service.AttachAsyncMethods(&builder);
   builder.RegisterService(&admin_service);
   builder.RegisterService(&status_service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
@@ -321,7 +321,7 @@ int main(int argc, char** argv) {
     return Fail(absl::StrCat("cannot listen on ", absl::GetFlag(FLAGS_listen)));
   }
   health.Attach(server.get());
-  coordinator_service.StartPlanStreams();
+  coordinator_service.StartAsyncMethods();
   std::unique_ptr<grpc::Server> health_server;
   if (const std::string listen = absl::GetFlag(FLAGS_health_listen); !listen.empty()) {
     if (absl::Status valid = geotrain::ValidateHostPort("health_listen", listen, true);
@@ -385,9 +385,9 @@ int main(int argc, char** argv) {
   GT_LOG(Info) << "shutting down";
   health.ShutDown("shutting down");
   (*controller)->Shutdown();
-  coordinator_service.EndPlanStreams();
+  coordinator_service.EndAsyncMethods();
   server->Shutdown(geotrain::DeadlineFromNow(std::chrono::milliseconds(2000)));
-  coordinator_service.StopPlanStreams();
+  coordinator_service.StopAsyncMethods();
   health.DetachAll();
   if (health_server) health_server->Shutdown(geotrain::DeadlineFromNow(std::chrono::milliseconds(500)));
   return 0;

@@ -108,21 +108,26 @@ class PlanStreamsTest : public testing::Test {
     grpc::ServerBuilder builder;
     int port = 0;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    if (max_threads_ > 0) {
+      grpc::ResourceQuota quota("plan_streams_test");
+      quota.SetMaxThreads(max_threads_);
+      builder.SetResourceQuota(quota);
+    }
     builder.RegisterService(service_.get());
-    service_->AttachPlanStreams(&builder);
+    service_->AttachAsyncMethods(&builder);
     server_ = builder.BuildAndStart();
     ASSERT_NE(server_, nullptr);
-    service_->StartPlanStreams();
+    service_->StartAsyncMethods();
     channel_ = grpc::CreateChannel(absl::StrCat("127.0.0.1:", port),
                                    grpc::InsecureChannelCredentials());
     stub_ = v1::Coordinator::NewStub(channel_);
   }
   void TearDown() override {
     controller_->Shutdown();
-    service_->EndPlanStreams();
+    service_->EndAsyncMethods();
     for (auto& w : watchers_) w->WaitDone(absl::Seconds(10));
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
-    service_->StopPlanStreams();
+    service_->StopAsyncMethods();
   }
 
   void Join(const std::string& name) {
@@ -148,6 +153,7 @@ class PlanStreamsTest : public testing::Test {
     return false;
   }
 
+  int max_threads_ = 0;  // the synchronous handlers' cap; 0: gRPC's default
   FakeClock clock_{1000};
   std::unique_ptr<JobController> controller_;
   std::unique_ptr<CoordinatorService> service_;
@@ -194,7 +200,7 @@ TEST_F(PlanStreamsTest, EveryStreamIsPushedEveryPlanWithoutAThreadEach) {
   }
   EXPECT_EQ(service_->open_plan_streams(), kStreams);
   // Shutdown ends every stream, saying why.
-  service_->EndPlanStreams();
+  service_->EndAsyncMethods();
   for (auto& w : watchers_) ASSERT_TRUE(w->WaitDone(absl::Seconds(20)));
   EXPECT_EQ(watchers_.front()->status().error_code(), grpc::StatusCode::UNAVAILABLE);
 }
@@ -228,6 +234,62 @@ TEST_F(PlanStreamsTest, AStreamEndsWithTheJobDonePlan) {
   ASSERT_TRUE(watchers_[0]->WaitDone(absl::Seconds(20)));
   EXPECT_TRUE(watchers_[0]->status().ok()) << watchers_[0]->status().error_message();
   EXPECT_EQ(watchers_[0]->epochs(), (std::vector<uint64_t>{1, 2}));
+}
+
+}  // namespace
+}  // namespace geotrain
+
+namespace geotrain {
+namespace {
+
+// The coordinator caps its synchronous handler threads; a storm of joins,
+// enrollments or uploads can hold all of them. Heartbeats are served on
+// threads of their own and still return.
+class BusyHandlersTest : public PlanStreamsTest {
+ protected:
+  BusyHandlersTest() { max_threads_ = 6; }
+};
+
+TEST_F(BusyHandlersTest, HeartbeatsNeverWaitForAHandlerThread) {
+  Join("a");
+  const std::string a = controller_->Status().workers(0).id();
+  // Checkpoint uploads that send nothing: each holds a handler thread.
+  struct Upload {
+    grpc::ClientContext context;
+    v1::SaveCheckpointResponse response;
+    std::unique_ptr<grpc::ClientWriter<v1::LayerStateChunk>> writer;
+  };
+  std::vector<std::unique_ptr<Upload>> uploads;
+  for (int i = 0; i < 12; ++i) {
+    auto upload = std::make_unique<Upload>();
+    upload->writer = stub_->SaveCheckpoint(&upload->context, &upload->response);
+    uploads.push_back(std::move(upload));
+  }
+  // Until a synchronous call is refused for want of a thread.
+  grpc::Status refused;
+  for (int i = 0; i < 100; ++i) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::LeaveRequest request;
+    request.set_worker_id("nobody");
+    v1::LeaveResponse response;
+    refused = stub_->Leave(&context, request, &response);
+    if (refused.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  ASSERT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << "the handlers were never all busy: " << refused.error_message();
+  for (int i = 0; i < 50; ++i) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::HeartbeatRequest request;
+    request.set_worker_id(a);
+    v1::HeartbeatResponse response;
+    const grpc::Status status = stub_->Heartbeat(&context, request, &response);
+    ASSERT_TRUE(status.ok()) << i << ": " << status.error_message();
+    EXPECT_TRUE(response.known());
+  }
+  for (auto& upload : uploads) upload->context.TryCancel();
 }
 
 }  // namespace
