@@ -94,6 +94,9 @@ ABSL_FLAG(std::string, export_dir, "",
           "when the job ends, write the newest complete model here (Hugging Face "
           "safetensors + config.json)");
 ABSL_FLAG(int, joins_per_minute, 60, "joins and enrollments accepted per source host per minute");
+ABSL_FLAG(int, anonymous_calls_per_host, 4,
+          "calls without a client certificate (enrollments, status with a viewer token) in "
+          "flight per source host; 32 in flight in all, whatever this says");
 
 namespace {
 std::atomic<bool> g_stop{false};
@@ -144,6 +147,9 @@ int main(int argc, char** argv) {
     return Fail(std::string(listen.message()));
   }
   if (absl::GetFlag(FLAGS_joins_per_minute) < 1) return Fail("--joins_per_minute must be >= 1");
+  if (absl::GetFlag(FLAGS_anonymous_calls_per_host) < 1) {
+    return Fail("--anonymous_calls_per_host must be >= 1");
+  }
   if (absl::StatusOr<std::unique_ptr<geotrain::Planner>> planner =
           geotrain::MakePlannerByName(absl::GetFlag(FLAGS_planner));
       !planner.ok()) {
@@ -279,6 +285,7 @@ int main(int argc, char** argv) {
   service_options.access = access.get();
   service_options.clock = &clock;
   service_options.joins_per_source_per_minute = absl::GetFlag(FLAGS_joins_per_minute);
+  service_options.anonymous_calls_per_source = absl::GetFlag(FLAGS_anonymous_calls_per_host);
   geotrain::ReachabilityProberOptions probe_options;
   probe_options.security = server_security;
   probe_options.deadline = absl::GetFlag(FLAGS_probe_timeout);
