@@ -353,9 +353,6 @@ Row RunSwarm(int n, const std::string& binary) {
   const std::string dir = mkdtemp(dir_template);
   std::vector<std::string> flags = {"--job=" + WriteJob(dir), "--probe_timeout=0",
                                     "--joins_per_minute=100000000",
-                                    // Every fake worker enrolls from this one
-                                    // host; a swarm's come from as many.
-                                    "--anonymous_calls_per_host=32",
                                     "--planner=" + absl::GetFlag(FLAGS_planner)};
   if (!tls) flags.push_back("--insecure");
   CoordinatorProcess coordinator(binary, dir, flags);
