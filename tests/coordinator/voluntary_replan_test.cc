@@ -25,13 +25,23 @@ class VoluntaryReplanTest : public HostileInputTest {
     Start("gpt { context: 8 d_model: 16 heads: 2 blocks: 2 } text {} steps: 1000 "
           "min_workers: 3 lease_ms: 1000000 checkpoint_every: 1");
   }
-  void ReportTimings(const std::string& id) {
+  // `slowdown`: how many times slower than the others this worker is.
+  void ReportTimings(const std::string& id, double slowdown = 1) {
     v1::HeartbeatRequest request;
     request.set_worker_id(id);
-    (*request.mutable_layer_seconds_per_sample())["embed"] = 1e-4;
-    (*request.mutable_layer_seconds_per_sample())["block"] = 1e-3;
-    (*request.mutable_layer_seconds_per_sample())["head"] = 1e-3;
+    (*request.mutable_layer_seconds_per_sample())["embed"] = 1e-4 * slowdown;
+    (*request.mutable_layer_seconds_per_sample())["block"] = 1e-3 * slowdown;
+    (*request.mutable_layer_seconds_per_sample())["head"] = 1e-3 * slowdown;
     controller_->Heartbeat(request);
+  }
+  // A fresh checkpoint of every layer of `plan`, by its stages' workers.
+  void CheckpointEveryStage(const v1::Plan& plan) {
+    for (const v1::StageAssignment& stage : plan.stages()) {
+      for (int l = stage.layer_begin(); l < stage.layer_end(); ++l) {
+        ASSERT_TRUE(
+            controller_->checkpoint_gate().Save(FittingCheckpoint(stage.worker_id(), l, 0)).ok());
+      }
+    }
   }
   // Answers every measure task: `slow` pairs at 1 kb/s, the rest 1 Gb/s.
   void AnswerMeasureTasks(const std::vector<std::string>& workers,
@@ -82,15 +92,20 @@ class NetworkPipelinesTest : public VoluntaryReplanTest {
                        " lease_ms: 1000000 microbatch_size: 4 microbatches: 2 "
                        "outer { inner_steps: 500 }"));
   }
+  // Workers a, b, c and d, measured and planned: their ids.
+  std::vector<std::string> PlanFourWorkers() {
+    std::vector<std::string> ids;
+    for (const char* name : {"a", "b", "c", "d"}) ids.push_back(Join(name).worker_id());
+    for (const std::string& id : ids) ReportTimings(id);
+    AnswerMeasureTasks(ids, {});
+    controller_->Tick();
+    EXPECT_EQ(controller_->Status().state(), "training");
+    return ids;
+  }
 };
 
 TEST_F(NetworkPipelinesTest, AnOuterJobIsPlannedAsPipelinesWhereTheyPay) {
-  std::vector<std::string> ids;
-  for (const char* name : {"a", "b", "c", "d"}) ids.push_back(Join(name).worker_id());
-  for (const std::string& id : ids) ReportTimings(id);
-  AnswerMeasureTasks(ids, {});
-  controller_->Tick();
-  ASSERT_EQ(controller_->Status().state(), "training");
+  PlanFourWorkers();
   const v1::Plan plan = Plan();
   EXPECT_GE(plan.pipelines(), 2) << plan.DebugString();
   const v1::ClusterStatus status = controller_->Status();
@@ -172,40 +187,14 @@ TEST_F(LateStandbysFormPipelinesTest, StandbysFormAPipelineWhereThePlannerWantsM
 // A loss in an outer job is repaired in place: a slow standby takes the
 // lost worker's place, and its pipeline sets the job's pace. When a fast
 // worker arrives, the background check re-plans the pipelines as a whole.
-class RepairedPipelinesTest : public NetworkPipelinesTest {
- protected:
-  void SetUp() override { StartOuterJob(4); }
-  void ReportSlowTimings(const std::string& id) {
-    v1::HeartbeatRequest request;
-    request.set_worker_id(id);
-    (*request.mutable_layer_seconds_per_sample())["embed"] = 1e-2;
-    (*request.mutable_layer_seconds_per_sample())["block"] = 1e-1;
-    (*request.mutable_layer_seconds_per_sample())["head"] = 1e-1;
-    controller_->Heartbeat(request);
-  }
-  void CheckpointEveryStage(const v1::Plan& plan) {
-    for (const v1::StageAssignment& stage : plan.stages()) {
-      for (int l = stage.layer_begin(); l < stage.layer_end(); ++l) {
-        ASSERT_TRUE(
-            controller_->checkpoint_gate().Save(FittingCheckpoint(stage.worker_id(), l, 0)).ok());
-      }
-    }
-  }
-};
-
-TEST_F(RepairedPipelinesTest, ARepairedOuterPlanIsImprovedInTheBackground) {
-  std::vector<std::string> ids;
-  for (const char* name : {"a", "b", "c", "d"}) ids.push_back(Join(name).worker_id());
-  for (const std::string& id : ids) ReportTimings(id);
-  AnswerMeasureTasks(ids, {});
-  controller_->Tick();
-  ASSERT_EQ(controller_->Status().state(), "training");
+TEST_F(NetworkPipelinesTest, ARepairedOuterPlanIsImprovedInTheBackground) {
+  const std::vector<std::string> ids = PlanFourWorkers();
   const v1::Plan first = Plan();
   ASSERT_GE(first.pipelines(), 2) << first.DebugString();
   // A slow standby, then a loss in the last pipeline: the standby is put in
   // its place.
   const std::string slow = Join("slow").worker_id();
-  ReportSlowTimings(slow);
+  ReportTimings(slow, /*slowdown=*/100);
   std::vector<std::string> everyone = ids;
   everyone.push_back(slow);
   AnswerMeasureTasks(everyone, {});
@@ -311,11 +300,7 @@ TEST_F(VoluntaryReplanTest, AVoluntaryReplanMovesOffASlowLinkAndSaysWhy) {
     link->set_link_rate_bps(1e3);
     controller_->Heartbeat(request);
   }
-  for (const v1::StageAssignment& stage : first.stages()) {
-    for (int l = stage.layer_begin(); l < stage.layer_end(); ++l) {
-      ASSERT_TRUE(controller_->checkpoint_gate().Save(FittingCheckpoint(stage.worker_id(), l, 0)).ok());
-    }
-  }
+  CheckpointEveryStage(first);
   clock_.AdvanceMs(31'000);
   controller_->Tick();
   const v1::Plan next = Plan();
