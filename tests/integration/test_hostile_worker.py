@@ -165,10 +165,19 @@ class CheckpointPoisoningTest(unittest.TestCase):
             return all_events()[earlier:]
         wait_for(lambda: any(e["kind"] == "checkpoints_quarantined" for e in events()), 30,
                  "the quarantine")
-        restore = wait_for(
-            lambda: next((e for e in events() if e["kind"] == "restore"
-                          and e["detail"].startswith(f"layer {layer} from step")), None),
-            60, f"a restore of layer {layer}")
+        try:
+            restore = wait_for(
+                lambda: next((e for e in events() if e["kind"] == "restore"
+                              and e["detail"].startswith(f"layer {layer} from step")), None),
+                60, f"a restore of layer {layer}")
+        except TimeoutError:
+            # What happened instead, for the post-mortem (a fresh run once
+            # timed out here and passed on every rerun).
+            for e in events():
+                print(f"  {e.get('time_s', 0):.1f} {e['kind']} {e.get('worker', '')} "
+                      f"{e.get('detail', '')[:200]}", flush=True)
+            print(c.ctl("status").stdout, flush=True)
+            raise
         restored_step = int(restore["detail"].rsplit(" ", 1)[1])
         after = int(c.status()["step"])
         wait_for(lambda: int(c.status()["step"]) > after + 30, 120, "training after the restore")
