@@ -170,7 +170,12 @@ void PlanManager::Tick(const std::vector<WorkerRecord>& expired) {
   }
   for (const AbandonedJoin& join : abandoned) ForgetAbandonedLocked(join);
   for (const WorkerRecord& w : expired) {
-    AddEventLocked("lost", w.name, absl::StrCat(w.id, ": ", w.end_reason));
+    // A worker that reported DONE exits: its lease ending is no failure.
+    if (progress_.IsDone(w.id)) {
+      AddEventLocked("finished", w.name, absl::StrCat(w.id, ": reported done; ", w.end_reason));
+    } else {
+      AddEventLocked("lost", w.name, absl::StrCat(w.id, ": ", w.end_reason));
+    }
   }
   if (plan_.has_value() && !done_ && !plan_->job_done()) {
     // A link left without a relay (the only one was suspended or gone) is

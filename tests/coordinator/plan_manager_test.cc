@@ -294,6 +294,9 @@ TEST_F(PipelinesPlanTest, WorkersThatReportedDoneAreNotLost) {
   }
   EXPECT_EQ(Plan().epoch(), plan.epoch()) << "re-planned around finished workers";
   EXPECT_FALSE(HasEvent("replanned"));
+  // Their leases ended (1 s), and they are counted finished, not lost.
+  EXPECT_TRUE(HasEvent("finished"));
+  EXPECT_FALSE(HasEvent("lost"));
   for (int k : {2, 3}) {
     v1::DoneReport done;
     done.set_worker_id(ids[k]);
