@@ -12,14 +12,12 @@ absl::Status InMemoryCoordinatorStore::WritePlan(const v1::Plan& plan) {
 absl::Status InMemoryCoordinatorStore::WriteMembers(const v1::CoordinatorState& members) {
   absl::MutexLock lock(&mu_);
   members_ = members;
-  ++members_writes_;
   return absl::OkStatus();
 }
 
 absl::Status InMemoryCoordinatorStore::WriteProgress(const v1::CoordinatorState& progress) {
   absl::MutexLock lock(&mu_);
   progress_ = progress;
-  ++progress_writes_;
   return absl::OkStatus();
 }
 
@@ -37,16 +35,6 @@ absl::StatusOr<std::optional<v1::CoordinatorState>> InMemoryCoordinatorStore::Re
 int InMemoryCoordinatorStore::plan_writes() const {
   absl::MutexLock lock(&mu_);
   return plan_writes_;
-}
-
-int InMemoryCoordinatorStore::members_writes() const {
-  absl::MutexLock lock(&mu_);
-  return members_writes_;
-}
-
-int InMemoryCoordinatorStore::progress_writes() const {
-  absl::MutexLock lock(&mu_);
-  return progress_writes_;
 }
 
 std::optional<v1::CoordinatorState> JoinStateParts(

@@ -59,8 +59,6 @@ class InMemoryCoordinatorStore : public CoordinatorStore {
   std::string Describe() const override { return "in-memory store"; }
 
   int plan_writes() const;
-  int members_writes() const;
-  int progress_writes() const;
 
  private:
   mutable absl::Mutex mu_;
@@ -68,8 +66,6 @@ class InMemoryCoordinatorStore : public CoordinatorStore {
   std::optional<v1::CoordinatorState> members_ ABSL_GUARDED_BY(mu_);
   std::optional<v1::CoordinatorState> progress_ ABSL_GUARDED_BY(mu_);
   int plan_writes_ ABSL_GUARDED_BY(mu_) = 0;
-  int members_writes_ ABSL_GUARDED_BY(mu_) = 0;
-  int progress_writes_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // The state a store keeps, from its two parts (either may be absent):

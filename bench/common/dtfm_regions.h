@@ -4,7 +4,7 @@
 // 67 ms / 0.79 Gb/s, Tokyo-London (here Tokyo-Frankfurt) 210 ms /
 // 0.366 Gb/s and Sydney-Frankfurt 265 ms / 0.328 Gb/s. The other pairs'
 // delays are rough public figures, and their rates are interpolated from
-// the measured pairs by delay ("assumed" where a bench prints them).
+// the measured pairs by delay.
 #ifndef GEOTRAIN_BENCH_COMMON_DTFM_REGIONS_H_
 #define GEOTRAIN_BENCH_COMMON_DTFM_REGIONS_H_
 

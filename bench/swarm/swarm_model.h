@@ -11,11 +11,12 @@
 #include <map>
 #include <string>
 
+#include "bench/common/dtfm_regions.h"
 #include "geotrain/v1/coordinator.pb.h"
 
 namespace geotrain::swarm {
 
-inline constexpr int kRegions = 5;  // bench::kRegions
+inline constexpr int kRegions = bench::kRegions;
 
 // The region of worker `index` (round-robin: workers arrive from everywhere).
 int RegionOf(int index);
