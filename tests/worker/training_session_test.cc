@@ -47,6 +47,7 @@ class FakeNetwork {
       inbox->TryPush(std::move(broken));
     }
     active_[worker] = {stage, epoch, std::move(inbox), ++registrations_[worker]};
+    last_registered_[worker] = {stage, epoch};
   }
   // The outer-sync link between replicas `a` and `b` breaks as soon as it
   // opens: both ends' readers report it, and nothing goes through.
@@ -144,15 +145,19 @@ class FakeNetwork {
     absl::MutexLock lock(&mu_);
     cut_.insert({a, b});
     cut_.insert({b, a});
+    // Each end still serving hears of the cut. The other end may have gone
+    // already (its session ended on the first cut), so it is described by
+    // what it last registered, never by a default-made entry in active_.
     for (auto [self, other] : {std::pair{a, b}, std::pair{b, a}}) {
       auto it = active_.find(self);
-      if (it == active_.end()) continue;
-      const bool from_upstream = active_[other].stage < it->second.stage;
+      auto peer = last_registered_.find(other);
+      if (it == active_.end() || peer == last_registered_.end()) continue;
+      const bool from_upstream = peer->second.stage < it->second.stage;
       InboundMessage broken{from_upstream, LinkMessage(),
                             absl::UnavailableError(absl::StrCat("link to '", other, "' cut"))};
       broken.peer = other;
-      broken.from_replica = active_[other].stage == it->second.stage;
-      broken.link_epoch = std::max(active_[other].epoch, it->second.epoch);
+      broken.from_replica = peer->second.stage == it->second.stage;
+      broken.link_epoch = std::max(peer->second.epoch, it->second.epoch);
       it->second.inbox->TryPush(std::move(broken));
     }
   }
@@ -167,6 +172,12 @@ class FakeNetwork {
   absl::Mutex mu_;
   std::map<std::string, Active> active_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int> registrations_ ABSL_GUARDED_BY(mu_);
+  struct Registered {
+    int stage = 0;
+    uint64_t epoch = 0;
+  };
+  // Outlives Unregister: a cut after a session ended still names its stage.
+  std::map<std::string, Registered> last_registered_ ABSL_GUARDED_BY(mu_);
   std::map<std::pair<std::string, uint64_t>, std::string> origin_ ABSL_GUARDED_BY(mu_);
   std::map<std::pair<std::string, int>, std::string> eval_origin_ ABSL_GUARDED_BY(mu_);
   std::set<std::pair<std::string, std::string>> cut_ ABSL_GUARDED_BY(mu_);
@@ -718,10 +729,16 @@ TEST_F(TrainingSessionTest, EveryStageTakesTheNewPlansWindow) {
   TestWorker& first = AddWorker("w0", 0);
   AddWorker("w1", 1);
   TestWorker& last = AddWorker("w2", 2);
+  // Held after step 2 until the abort: a fast run would otherwise finish
+  // all 12 steps (and report done) before the test thread aborts it.
+  last.coordinator->HoldAfter(2);
+  absl::Cleanup release = [&] { last.coordinator->Release(); };
   Start(MakePlan(1, 0, {{"w0"}, {"w1"}, {"w2"}}));
   ASSERT_TRUE(AwaitStep(last, 2));
   for (auto& w : workers_) w->session->Abort();
+  std::move(release).Invoke();
   Join();
+  EXPECT_TRUE(last.coordinator->done().empty()) << "the first plan ran to the end";
   AddWorker("w1b", 1);
   const v1::Plan wider = MakePlan(2, last.coordinator->step(), {{"w0"}, {"w1", "w1b"}, {"w2"}});
   EXPECT_EQ(ServedPlan::For(wider, job_, "w0")->schedule().window, 4);
