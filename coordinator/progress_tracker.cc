@@ -154,7 +154,9 @@ absl::Status ProgressTracker::ReportStep(const v1::StepReport& report) {
     // racing wrote step 13 before step 12 to the metrics log).
     absl::MutexLock lock(&mu_);
     if (closed_) {
-      return absl::FailedPreconditionError(absl::StrCat(
+      // UNAVAILABLE: try again shortly. A pipeline that goes on through
+      // the new plan still owes this step.
+      return absl::UnavailableError(absl::StrCat(
           "step report of epoch ", report.epoch(), " refused: a new plan is being made"));
     }
     absl::StatusOr<std::vector<ProgressGate::Step>> committed =

@@ -67,8 +67,9 @@ class ProgressTracker {
   // A plan begins (the first): training time counts from now.
   void StartTraining();
   // A new plan is being made: until StartEpoch no step commits (reports
-  // are refused, corroborations ignored), so the committed step returned
-  // is the one the new plan resumes after.
+  // are refused with UNAVAILABLE, for the worker to send again;
+  // corroborations are ignored), so the committed step returned is the one
+  // the new plan resumes after.
   int CloseEpoch();
   // A new plan: the gate learns its first and last stages; a continuing
   // pipeline keeps its last claim; the watchdog's clock restarts; steps

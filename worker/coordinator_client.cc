@@ -362,15 +362,23 @@ void CoordinatorClient::StepFinished(int step, double loss, int64_t samples) {
   report.set_step(step);
   report.set_loss(loss);
   report.set_samples(samples);
-  reports_.Post([this, report = std::move(report)] {
-    grpc::ClientContext context;
-    context.set_deadline(DeadlineFromNow(kControlRpcTimeout));
-    v1::ReportAck ack;
-    const grpc::Status status = stub_->ReportStep(&context, report, &ack);
-    if (!status.ok()) {
-      GT_LOG(Warning) << "step " << report.step() << " report failed: " << status.error_message();
-    }
-  });
+  // UNAVAILABLE: the coordinator is making a new plan (or restarting). A
+  // pipeline that goes on through that plan keeps the step, so the report
+  // must arrive; the steps after it wait behind it.
+  reports_.PostRetrying(
+      [this, report = std::move(report)] {
+        grpc::ClientContext context;
+        context.set_deadline(DeadlineFromNow(kControlRpcTimeout));
+        v1::ReportAck ack;
+        const grpc::Status status = stub_->ReportStep(&context, report, &ack);
+        if (status.error_code() == grpc::StatusCode::UNAVAILABLE) return false;
+        if (!status.ok()) {
+          GT_LOG(Warning) << "step " << report.step()
+                          << " report failed: " << status.error_message();
+        }
+        return true;
+      },
+      kRetryReportsFor);
 }
 
 void CoordinatorClient::FirstStageFinished(int step) {

@@ -126,6 +126,8 @@ class CoordinatorClient final : public SessionCoordinator {
   std::atomic<uint64_t> epoch_{0};
   std::atomic<int> step_{0};
   static constexpr absl::Duration kFlushBeforeDone = absl::Seconds(10);
+  // How long a step report the coordinator cannot take yet is retried.
+  static constexpr absl::Duration kRetryReportsFor = absl::Seconds(30);
   // Last: destroyed (flushed) first, while the stub its sends use lives.
   ReportQueue reports_;
 };

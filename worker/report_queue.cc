@@ -1,5 +1,7 @@
 #include "worker/report_queue.h"
 
+#include <algorithm>
+
 #include "common/logging.h"
 
 namespace geotrain {
@@ -22,6 +24,18 @@ ReportQueue::~ReportQueue() {
 }
 
 void ReportQueue::Post(std::function<void()> send) {
+  Enqueue({[send = std::move(send)] {
+             send();
+             return true;
+           },
+           absl::ZeroDuration()});
+}
+
+void ReportQueue::PostRetrying(std::function<bool()> send, absl::Duration retry_for) {
+  Enqueue({std::move(send), retry_for});
+}
+
+void ReportQueue::Enqueue(Pending pending) {
   absl::MutexLock lock(&mu_);
   if (pending_.size() >= capacity_) {
     pending_.pop_front();
@@ -30,7 +44,7 @@ void ReportQueue::Post(std::function<void()> send) {
                       << "past " << capacity_ << " pending";
     }
   }
-  pending_.push_back(std::move(send));
+  pending_.push_back(std::move(pending));
 }
 
 bool ReportQueue::Flush(absl::Duration limit) {
@@ -48,7 +62,7 @@ int64_t ReportQueue::dropped() const {
 
 void ReportQueue::Loop() {
   while (true) {
-    std::function<void()> send;
+    Pending next;
     {
       absl::MutexLock lock(&mu_);
       auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -56,13 +70,29 @@ void ReportQueue::Loop() {
       };
       mu_.Await(absl::Condition(&ready));
       if (stop_) return;
-      send = std::move(pending_.front());
+      next = std::move(pending_.front());
       pending_.pop_front();
       sending_ = true;
     }
-    send();
+    SendWithRetries(next);
     absl::MutexLock lock(&mu_);
     sending_ = false;
+  }
+}
+
+void ReportQueue::SendWithRetries(const Pending& pending) {
+  const absl::Time give_up = absl::Now() + pending.retry_for;
+  absl::Duration backoff = kFirstRetry;
+  while (!pending.send()) {
+    if (absl::Now() + backoff > give_up) {
+      GT_LOG(Warning) << "a progress report was not taken within "
+                      << absl::FormatDuration(pending.retry_for) << "; going on without it";
+      return;
+    }
+    absl::MutexLock lock(&mu_);
+    auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; };
+    if (mu_.AwaitWithTimeout(absl::Condition(&stopping), backoff)) return;
+    backoff = std::min(backoff * 2, kMaxRetry);
   }
 }
 

@@ -46,11 +46,17 @@ class ProgressTrackerTest : public testing::Test {
     tracker_->StartTraining();
   }
 
-  // Two stages: a, then b (which owns the loss).
-  void StartPlan(uint64_t epoch, int start_step = 0) {
+  // Two stages: a, then b (which owns the loss). `formed_epoch` (0: this
+  // plan's): the epoch the pipeline was formed in, for one that goes on.
+  void StartPlan(uint64_t epoch, int start_step = 0, uint64_t formed_epoch = 0) {
     v1::Plan plan;
     plan.set_epoch(epoch);
     plan.set_start_step(start_step);
+    if (formed_epoch != 0) {
+      v1::PipelineInfo* info = plan.add_pipeline_info();
+      info->set_pipeline(0);
+      info->set_formed_epoch(formed_epoch);
+    }
     v1::StageAssignment* stage0 = plan.add_stages();
     stage0->set_stage(0);
     stage0->set_worker_id(first_);
@@ -132,7 +138,8 @@ TEST_F(ProgressTrackerTest, NothingCommitsBetweenCloseEpochAndTheNextPlan) {
   // arrives meanwhile.
   EXPECT_EQ(tracker_->CloseEpoch(), 1);
   tracker_->FirstStageFinished(first_, 1, 2);
-  EXPECT_EQ(Claim(3).code(), absl::StatusCode::kFailedPrecondition);
+  // UNAVAILABLE: the worker sends it again once the plan is out.
+  EXPECT_EQ(Claim(3).code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(tracker_->committed_step(), 1);
   StartPlan(2, 1);
   // The old epoch's reports are refused; the new one's count.
@@ -141,6 +148,26 @@ TEST_F(ProgressTrackerTest, NothingCommitsBetweenCloseEpochAndTheNextPlan) {
   tracker_->FirstStageFinished(first_, 2, 2);
   EXPECT_EQ(tracker_->committed_step(), 2);
   EXPECT_TRUE(tracker_->pace().progress_in_epoch);
+}
+
+// A pipeline that goes on through a re-plan still owes the step it
+// reported while the plan was being made: refused as UNAVAILABLE, sent
+// again under the new plan, it counts, and no step of the job is passed
+// over (CI once saw step 141 missing from the metrics log this way).
+TEST_F(ProgressTrackerTest, AStepRefusedWhileAPlanIsMadeCountsWhenSentAgain) {
+  ASSERT_TRUE(Claim(1).ok());
+  tracker_->FirstStageFinished(first_, 1, 1);
+  EXPECT_EQ(tracker_->CloseEpoch(), 1);
+  tracker_->FirstStageFinished(first_, 1, 2);
+  EXPECT_EQ(Claim(2).code(), absl::StatusCode::kUnavailable);
+  StartPlan(2, 1, /*formed_epoch=*/1);  // the pipeline goes on
+  ASSERT_TRUE(Claim(2).ok());
+  tracker_->FirstStageFinished(first_, 1, 3);
+  ASSERT_TRUE(Claim(3).ok());
+  EXPECT_EQ(tracker_->committed_step(), 3);
+  v1::CoordinatorState state;
+  tracker_->FillState(&state);
+  EXPECT_EQ(state.samples(), 3 * 8) << "a step was passed over";
 }
 
 TEST_F(ProgressTrackerTest, DoneOnlyAfterTheLastStepAndOnceForTheWholePlan) {

@@ -1,5 +1,6 @@
 // ReportQueue: reports go out in order from another thread, posting never
-// waits on a slow send, the queue is bounded, and Flush waits for the rest.
+// waits on a slow send, the queue is bounded, Flush waits for the rest, and
+// a report the coordinator cannot take yet is retried in its place.
 #include "worker/report_queue.h"
 
 #include <gtest/gtest.h>
@@ -76,6 +77,59 @@ TEST(ReportQueueTest, DestructionSendsWhatIsPending) {
     }
   }
   EXPECT_EQ(sent.load(), 10);
+}
+
+// A report the coordinator cannot take yet (a plan being made) is sent
+// again until it is taken, and the reports after it wait their turn: the
+// coordinator sees them in the order they were posted.
+TEST(ReportQueueTest, ARefusedReportIsSentAgainBeforeTheNextOne) {
+  absl::Mutex mu;
+  std::vector<int> taken;
+  int refusals_left = 3;
+  ReportQueue queue;
+  queue.PostRetrying(
+      [&] {
+        absl::MutexLock lock(&mu);
+        if (refusals_left > 0) {
+          --refusals_left;
+          return false;
+        }
+        taken.push_back(1);
+        return true;
+      },
+      absl::Seconds(30));
+  queue.Post([&] {
+    absl::MutexLock lock(&mu);
+    taken.push_back(2);
+  });
+  ASSERT_TRUE(queue.Flush(absl::Seconds(10)));
+  absl::MutexLock lock(&mu);
+  EXPECT_EQ(refusals_left, 0);
+  EXPECT_EQ(taken, (std::vector<int>{1, 2}));
+}
+
+// Retries are bounded by their time, and destruction ends them at once.
+TEST(ReportQueueTest, RetriesEndWhenTheirTimeIsUpOrTheQueueStops) {
+  std::atomic<int> tries{0};
+  std::atomic<bool> next_sent{false};
+  {
+    ReportQueue queue;
+    queue.PostRetrying([&] { return ++tries, false; }, absl::Milliseconds(200));
+    queue.Post([&] { next_sent = true; });
+    ASSERT_TRUE(queue.Flush(absl::Seconds(10)));
+    EXPECT_TRUE(next_sent.load()) << "the report after a given-up one was not sent";
+    EXPECT_GE(tries.load(), 2);
+    EXPECT_LE(tries.load(), 5);  // 50 + 100 ms of backoff fit in 200 ms; 200 more do not
+  }
+  std::atomic<int> endless{0};
+  const absl::Time start = absl::Now();
+  {
+    ReportQueue queue;
+    queue.PostRetrying([&] { return ++endless, false; }, absl::Hours(1));
+    while (endless.load() == 0) absl::SleepFor(absl::Milliseconds(1));
+  }
+  // Destruction flushes for kFlushOnExit, then stops the retries.
+  EXPECT_LT(absl::Now() - start, ReportQueue::kFlushOnExit + absl::Seconds(3));
 }
 
 }  // namespace
