@@ -278,6 +278,16 @@ absl::Status ValidateJobSpec(const v1::JobSpec& job) {
     if (outer.max_pipelines() < 0 || outer.max_pipelines() > 256) {
       return Invalid("outer.max_pipelines must be in [0, 256]");
     }
+    if (outer.split_batch() && outer.max_pipelines() > job.microbatches()) {
+      return Invalid(absl::StrCat("outer.split_batch with max_pipelines ", outer.max_pipelines(),
+                                  " > microbatches ", job.microbatches(),
+                                  ": each pipeline runs at least one microbatch of a step"));
+    }
+    if (outer.split_batch() && job.schedule() == v1::SCHEDULE_ASYNC_STASH &&
+        job.update_every() > 1) {
+      return Invalid("outer.split_batch with update_every > 1: a pipeline's share of a step "
+                     "need not be a multiple of it (leave update_every at 1)");
+    }
     if (job.replicas() > 1) {
       return Invalid("outer and replicas > 1 do not mix: with pipelines, a stage's replicas are "
                      "the same stage in the other pipelines (drop replicas)");
@@ -418,6 +428,16 @@ absl::StatusOr<v1::Schedule> ParseSchedule(const std::string& name) {
   if (name == "async-2bw") return v1::SCHEDULE_ASYNC_2BW;
   return Invalid(absl::StrCat("unknown schedule '", name,
                               "' (known: sync, async-stash, async-2bw)"));
+}
+
+int PipelineCap(const v1::JobSpec& job) {
+  if (!job.has_outer()) return 1;
+  int cap = job.outer().max_pipelines();
+  if (job.outer().split_batch()) {
+    const int m = std::max(1, job.microbatches());
+    cap = cap > 0 ? std::min(cap, m) : m;
+  }
+  return cap;
 }
 
 }  // namespace geotrain

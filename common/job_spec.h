@@ -24,6 +24,11 @@ void ApplyJobDefaults(v1::JobSpec* job);
 // Checks that the job is complete and consistent. Call after defaults.
 absl::Status ValidateJobSpec(const v1::JobSpec& job);
 
+// The most pipelines the job allows (0: as many as the planner finds worth
+// it): 1 without an outer block, else outer.max_pipelines, and with
+// outer.split_batch at most the job's microbatches.
+int PipelineCap(const v1::JobSpec& job);
+
 // "sync", ... for Schedule values; ParseSchedule is its inverse.
 std::string ScheduleName(v1::Schedule schedule);
 absl::StatusOr<v1::Schedule> ParseSchedule(const std::string& name);

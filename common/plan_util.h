@@ -73,6 +73,15 @@ inline uint64_t SessionEpochOf(const v1::Plan& plan, int pipeline) {
   return info != nullptr && info->formed_epoch() != 0 ? info->formed_epoch() : plan.epoch();
 }
 
+// With OuterOptimizer.split_batch, the microbatches a step of the pipeline
+// in data lane `lane` of `stride` runs: the j < M with j * stride + lane <
+// M, so the lanes of a step draw its M indices exactly once. REQUIRES:
+// 0 <= lane < stride <= M.
+inline int SplitMicrobatches(int job_microbatches, int stride, int lane) {
+  if (stride <= 1) return job_microbatches;
+  return (job_microbatches - lane + stride - 1) / stride;
+}
+
 // The epoch `worker_id`'s reports carry: its pipeline's, or the plan's for
 // a worker the plan does not name.
 inline uint64_t WorkerSessionEpoch(const v1::Plan& plan, const std::string& worker_id) {

@@ -123,6 +123,9 @@ struct PlannerInput {
   // outer_inner_steps steps.
   int max_pipelines = 1;
   int outer_inner_steps = 50;
+  // OuterOptimizer.split_batch: a round is outer_inner_steps steps of the
+  // job's batch, whatever R (not R times it).
+  bool outer_split_batch = false;
   double outer_ratio = 0.25;
 
   LinkEstimate Link(int from, int to) const;

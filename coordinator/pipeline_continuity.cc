@@ -78,8 +78,10 @@ int64_t DataHighWater(const v1::Plan& old, const PipelineDataInput& input) {
     int64_t high = static_cast<int64_t>(old.data_base());
     for (const v1::PipelineInfo& info : old.pipeline_info()) {
       const int64_t steps = drawn_step(info.pipeline(), info.start_step()) - info.start_step();
-      high = std::max(high, static_cast<int64_t>(info.data_base()) +
-                                steps * std::max(1, info.data_stride()) * m);
+      const int64_t block = info.data_block() > 0
+                                ? info.data_block()
+                                : std::max(1, info.data_stride()) * m;
+      high = std::max(high, static_cast<int64_t>(info.data_base()) + steps * block);
     }
     return high;
   }
@@ -116,8 +118,12 @@ std::set<int> AssignPipelineInfo(const v1::Plan* old, const PipelineDataInput& i
     for (int lane = 0; lane < stride; ++lane) free_lanes.insert(lane);
   }
   const int64_t m = std::max<int64_t>(1, input.microbatches);
+  // Split, a step's M indices are shared among the lanes; a continuing
+  // pipeline keeps the split it was formed with (its stride is this one).
+  const bool split = input.split_batch && stride <= m;
+  const int64_t block = split ? m : stride * m;
   const uint64_t base =
-      static_cast<uint64_t>(RoundUp(static_cast<int64_t>(next->data_base()), stride * m));
+      static_cast<uint64_t>(RoundUp(static_cast<int64_t>(next->data_base()), block));
   // A pipeline formed anew starts where the furthest continuing one is, so
   // that their outer rounds end together.
   int start = next->start_step();
@@ -135,6 +141,11 @@ std::set<int> AssignPipelineInfo(const v1::Plan* old, const PipelineDataInput& i
     info->set_data_stride(stride);
     info->set_data_lane(*free_lanes.begin());
     free_lanes.erase(free_lanes.begin());
+    if (split) {
+      info->set_microbatches(
+          SplitMicrobatches(static_cast<int>(m), stride, info->data_lane()));
+      info->set_data_block(block);
+    }
   }
   return continuing;
 }

@@ -22,7 +22,10 @@ namespace geotrain {
 std::set<int> ContinuingPipelines(const v1::Plan& old, const v1::Plan& next);
 
 struct PipelineDataInput {
-  int64_t microbatches = 1;  // M, per pipeline and step
+  int64_t microbatches = 1;  // M, the job's per step
+  // OuterOptimizer.split_batch: a pipeline formed anew runs its share of M
+  // (SplitMicrobatches) and a step spans M indices, not R x M.
+  bool split_batch = false;
   // Steps a stage 0 may have drawn past the last it finished (its window).
   int in_flight_steps = 1;
   // The newest step pipeline r's stage 0 finished under the old plan.

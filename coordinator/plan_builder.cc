@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/adaptive_codec.h"
+#include "common/job_spec.h"
 #include "common/link_message.h"
 #include "common/model_profile.h"
 
@@ -116,7 +117,8 @@ PlannerInput PlannerInputFor(const v1::JobSpec& job, const std::vector<WorkerRec
   in.replica_sync_every = std::max(1, job.replica_sync_every());
   in.replica_ratio = CostOf(job.replica_codec()).ratio;
   if (job.has_outer()) {
-    in.max_pipelines = job.outer().max_pipelines();  // 0: as many as fit
+    in.max_pipelines = PipelineCap(job);  // 0: as many as fit
+    in.outer_split_batch = job.outer().split_batch();
     in.outer_inner_steps = std::max(1, job.outer().inner_steps());
     in.outer_ratio = CostOf(job.outer().codec()).ratio;
   }

@@ -296,9 +296,12 @@ void ScoreOuterSync(const CostModel& model, double slowest_s, double slowest_pre
       outer_s = std::max(outer_s, bytes * (pipelines - 1) * 8 / std::max(slowest_link, 1.0));
     }
   }
+  // Split (OuterOptimizer.split_batch), the R pipelines share the job's
+  // batch: a round has R times fewer samples to spread the sync over.
   const double samples_per_round = static_cast<double>(std::max(1, in.outer_inner_steps)) *
                                    std::max(1, in.microbatches) *
-                                   std::max(1, in.microbatch_size) * pipelines;
+                                   std::max(1, in.microbatch_size) *
+                                   (in.outer_split_batch ? 1 : pipelines);
   plan->time_per_sample_s = slowest_s / pipelines + outer_s / samples_per_round;
   plan->predicted_s_per_sample = slowest_predicted_s / pipelines + outer_s / samples_per_round;
 }

@@ -394,10 +394,13 @@ uint64_t PlanManager::LinkEpochOfLocked(const std::string& reporter,
 PipelineDataInput PlanManager::DataInputLocked() const {
   PipelineDataInput input;
   input.microbatches = std::max(1, options_.job.microbatches());
+  input.split_batch = options_.job.outer().split_batch();
   const int window =
       std::max({options_.job.in_flight(), plan_.has_value() ? plan_->in_flight() : 0,
                 kMaxPlannedWindow});
-  input.in_flight_steps = static_cast<int>((window + input.microbatches - 1) / input.microbatches);
+  // Split, a pipeline's step may be a single microbatch.
+  const int64_t per_step = input.split_batch ? 1 : input.microbatches;
+  input.in_flight_steps = static_cast<int>((window + per_step - 1) / per_step);
   input.first_stage_step = [this](int pipeline) { return progress_.FirstStageStep(pipeline); };
   return input;
 }

@@ -207,7 +207,7 @@ bool PlanManager::FormPipelineFromStandbysLocked(const std::string& why) {
     return false;
   }
   const int pipelines = PipelinesOf(*plan_);
-  const int most = options_.job.outer().max_pipelines();
+  const int most = PipelineCap(options_.job);
   if (most > 0 && pipelines >= most) return false;
   std::vector<WorkerRecord> spares;
   for (const WorkerRecord& w : StandbysLocked(*plan_)) {

@@ -61,8 +61,9 @@ absl::StatusOr<ServedPlan> ServedPlan::For(const v1::Plan& plan, const v1::JobSp
   for (const v1::StageAssignment& s : plan.stages()) {
     pipeline_workers += static_cast<int>(WorkersOf(s, pipeline).size());
   }
-  served.schedule_ = ConfigureSchedule(job, pipeline_workers, plan.in_flight());
-  served.schedule_microbatches_ = job.microbatches();
+  served.job_microbatches_ = job.microbatches();
+  served.schedule_ = ConfigureSchedule(served.PipelineJob(job), pipeline_workers,
+                                       plan.in_flight());
   served.activation_codec_ = stage + 1 < plan.stages_size()
                                  ? CapToLadder(mine->link_codec(), job.activation_codec())
                                  : job.activation_codec();
@@ -80,6 +81,25 @@ int ServedPlan::start_step() const {
 int ServedPlan::data_stride() const {
   const v1::PipelineInfo* info = PipelineInfoOf(plan_, pipeline_);
   return info != nullptr ? std::max(1, info->data_stride()) : pipelines();
+}
+
+int ServedPlan::microbatches() const {
+  const v1::PipelineInfo* info = PipelineInfoOf(plan_, pipeline_);
+  return info != nullptr && info->microbatches() > 0 ? info->microbatches()
+                                                     : static_cast<int>(job_microbatches_);
+}
+
+int64_t ServedPlan::data_block() const {
+  const v1::PipelineInfo* info = PipelineInfoOf(plan_, pipeline_);
+  return info != nullptr && info->data_block() > 0
+             ? info->data_block()
+             : static_cast<int64_t>(data_stride()) * microbatches();
+}
+
+v1::JobSpec ServedPlan::PipelineJob(const v1::JobSpec& job) const {
+  v1::JobSpec mine = job;
+  mine.set_microbatches(microbatches());
+  return mine;
 }
 
 int ServedPlan::data_lane() const {
@@ -102,6 +122,7 @@ bool ServedPlan::ContinuesIn(const ServedPlan& next) const {
          ids(next.upstream_) == ids(upstream_) && ids(next.downstream_) == ids(downstream_) &&
          next.start_step() == start_step() && next.data_base() == data_base() &&
          next.data_stride() == data_stride() && next.data_lane() == data_lane() &&
+         next.microbatches() == microbatches() && next.data_block() == data_block() &&
          next.outer_ == outer_;
 }
 
@@ -111,7 +132,7 @@ int64_t ServedPlan::data_base() const {
   }
   return plan_.has_data_base()
              ? static_cast<int64_t>(plan_.data_base())
-             : static_cast<int64_t>(plan_.start_step()) * pipelines() * schedule_microbatches_;
+             : static_cast<int64_t>(plan_.start_step()) * pipelines() * job_microbatches_;
 }
 
 StagePlacement ServedPlan::placement() const {

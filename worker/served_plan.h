@@ -82,6 +82,13 @@ class ServedPlan {
   int64_t data_base() const;
   int data_stride() const;
   int data_lane() const;
+  // This pipeline's microbatches a step (its share of the job's M with
+  // OuterOptimizer.split_batch, else M) and the data indices a step spans
+  // (M split, else data_stride x M).
+  int microbatches() const;
+  int64_t data_block() const;
+  // `job` as this pipeline runs it: its microbatches a step.
+  v1::JobSpec PipelineJob(const v1::JobSpec& job) const;
   // The epoch of the outer-sync link with `peer` (the later of the two
   // pipelines').
   uint64_t OuterLinkEpoch(const StageWorker& peer) const {
@@ -123,7 +130,7 @@ class ServedPlan {
   int replica_index_ = 0;
   bool primary_ = true;
   ScheduleConfig schedule_;
-  int64_t schedule_microbatches_ = 1;  // job.microbatches
+  int64_t job_microbatches_ = 1;  // job.microbatches
   std::vector<StageWorker> upstream_, downstream_, stage_workers_, outer_peers_;
   std::vector<StageWorker> outer_link_peers_;
   bool outer_ = false;

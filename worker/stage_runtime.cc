@@ -52,6 +52,8 @@ struct StageRuntime::Impl {
   // SetDataShard's figures.
   int shard_pipelines = 1, shard_pipeline = 0, shard_start_step = 0;
   int64_t shard_base = 0;
+  int shard_microbatches = 1;  // m: this pipeline's microbatches a step
+  int64_t shard_block = 1;     // the indices a step spans
   // The training microbatches drawn since SetDataShard (-1: none).
   int64_t drawn_first = -1, drawn_last = -1;
   // Flags of tensors decoded on the GPU, read after the next
@@ -279,6 +281,8 @@ absl::StatusOr<std::unique_ptr<StageRuntime>> StageRuntime::Create(
     const RuntimeOptions& options) {
   auto impl = std::make_unique<Impl>();
   impl->job = job;
+  impl->shard_microbatches = std::max(1, job.microbatches());  // one pipeline, until SetDataShard
+  impl->shard_block = impl->shard_microbatches;
   impl->placement = placement;
   impl->options = options;
   return GuardTorch("building stage", [&]() -> absl::StatusOr<std::unique_ptr<StageRuntime>> {
@@ -335,34 +339,43 @@ int StageRuntime::num_eval_microbatches() const {
 
 absl::StatusOr<LinkMessage> StageRuntime::LoadTrainMicrobatch(int step, int index) {
   return LoadTrainMicrobatchById(
-      step, static_cast<int64_t>(step) * impl_->job.microbatches() + index);
+      step, static_cast<int64_t>(step) * impl_->shard_microbatches + index);
 }
 
-void StageRuntime::SetDataShard(int pipelines, int pipeline, int start_step, int64_t base) {
-  impl_->shard_pipelines = std::max(1, pipelines);
-  impl_->shard_pipeline = pipeline;
-  impl_->shard_start_step = start_step;
-  impl_->shard_base = base;
-  impl_->drawn_first = impl_->drawn_last = -1;
+void StageRuntime::SetDataShard(int pipelines, int pipeline, int start_step, int64_t base,
+                                int microbatches, int64_t block) {
+  Impl& s = *impl_;
+  s.shard_pipelines = std::max(1, pipelines);
+  s.shard_pipeline = pipeline;
+  s.shard_start_step = start_step;
+  s.shard_base = base;
+  s.shard_microbatches = microbatches > 0 ? microbatches : std::max(1, s.job.microbatches());
+  s.shard_block = block > 0 ? block : int64_t{s.shard_pipelines} * s.shard_microbatches;
+  s.drawn_first = s.drawn_last = -1;
 }
 
 std::optional<StageRuntime::DataDrawn> StageRuntime::data_drawn() const {
   const Impl& s = *impl_;
   if (s.drawn_first < 0) return std::nullopt;
-  return DataDrawn{DataIndexOf(s.drawn_first), DataIndexOf(s.drawn_last), s.shard_pipelines};
+  DataDrawn drawn{DataIndexOf(s.drawn_first), DataIndexOf(s.drawn_last), s.shard_pipelines};
+  if (s.shard_block != int64_t{s.shard_pipelines} * s.shard_microbatches) {
+    drawn.per_block = s.shard_microbatches;
+    drawn.block = s.shard_block;
+  }
+  return drawn;
 }
 
 int64_t StageRuntime::DataIndexOf(int64_t microbatch) const {
   const Impl& s = *impl_;
-  const int64_t m = s.job.microbatches();
-  return s.shard_base + (microbatch / m - s.shard_start_step) * s.shard_pipelines * m +
+  const int64_t m = s.shard_microbatches;
+  return s.shard_base + (microbatch / m - s.shard_start_step) * s.shard_block +
          (microbatch % m) * s.shard_pipelines + s.shard_pipeline;
 }
 
 absl::StatusOr<LinkMessage> StageRuntime::LoadTrainMicrobatchById(int step, int64_t microbatch) {
   if (!impl_->dataset) return absl::FailedPreconditionError("not stage 0");
   const int64_t index = DataIndexOf(microbatch);
-  if (microbatch < 0 || microbatch / impl_->job.microbatches() < impl_->shard_start_step) {
+  if (microbatch < 0 || microbatch / impl_->shard_microbatches < impl_->shard_start_step) {
     return absl::InvalidArgumentError(absl::StrCat("microbatch ", microbatch,
                                                    " is before this pipeline's data"));
   }

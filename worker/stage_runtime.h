@@ -86,22 +86,29 @@ class StageRuntime {
   // Training microbatch `microbatch` of this pipeline, labelled with `step`
   // and that id; its data is the dataset's index DataIndexOf(microbatch),
   // a function of (seed, index) alone. LoadTrainMicrobatch(step, i) is
-  // microbatch step * job.microbatches + i.
+  // microbatch step * m + i (m: SetDataShard's microbatches a step).
   absl::StatusOr<LinkMessage> LoadTrainMicrobatchById(int step, int64_t microbatch);
   // Pipeline `pipeline` of `pipelines` from step `start_step`, whose first
-  // microbatch is data index `base`: microbatch id l (of step s = l / M,
-  // M = job.microbatches) is index base + (s - start_step) * R * M +
-  // (l % M) * R + pipeline, so the pipelines draw disjoint indices and
-  // together every one. The default (one pipeline from step 0, base 0) is
-  // the identity.
-  void SetDataShard(int pipelines, int pipeline, int start_step, int64_t base);
+  // microbatch is data index `base`, running `microbatches` (m) a step
+  // whose indices span `block` (B): microbatch id l (of step s = l / m) is
+  // index base + (s - start_step) * B + (l % m) * R + pipeline, so the
+  // pipelines draw disjoint indices and together every one. B is R x m,
+  // or the job's M when the pipelines split it (OuterOptimizer.split_batch;
+  // m is then this lane's share). 0 for either: the job's M and R x M.
+  // The default (one pipeline from step 0, base 0) is the identity.
+  void SetDataShard(int pipelines, int pipeline, int start_step, int64_t base,
+                    int microbatches = 0, int64_t block = 0);
   int64_t DataIndexOf(int64_t microbatch) const;
   // The data indices of the training microbatches drawn since the last
   // SetDataShard: from `first` to `last` every `stride` (a pipeline's
-  // consecutive microbatches draw every stride-th index). None: none drawn.
+  // consecutive microbatches draw every stride-th index), `per_block` of
+  // each `block` indices where a step's share is not all of its block (an
+  // uneven split; 0 otherwise). None: none drawn.
   struct DataDrawn {
     int64_t first = 0, last = 0;
     int stride = 1;
+    int per_block = 0;
+    int64_t block = 0;
   };
   std::optional<DataDrawn> data_drawn() const;
   absl::StatusOr<LinkMessage> LoadEvalMicrobatch(int index);

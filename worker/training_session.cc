@@ -27,7 +27,7 @@ std::string Addresses(const std::vector<StageWorker>& workers) {
 
 TrainingSession::TrainingSession(const v1::JobSpec& job, ServedPlan plan, SessionParts parts,
                                  SessionOptions options)
-    : job_(job),
+    : job_(plan.PipelineJob(job)),
       plan_(std::move(plan)),
       parts_(parts),
       options_(std::move(options)),
@@ -283,7 +283,11 @@ absl::Status TrainingSession::Run(StageRuntime* runtime, bool stale_weights) {
       // sample was trained twice reads it.
       if (std::optional<StageRuntime::DataDrawn> drawn = runtime->data_drawn()) {
         GT_LOG(Info) << "data drawn in plan epoch " << session->plan_.epoch() << ": indices "
-                     << drawn->first << " to " << drawn->last << " every " << drawn->stride;
+                     << drawn->first << " to " << drawn->last << " every " << drawn->stride
+                     << (drawn->per_block > 0
+                             ? absl::StrCat(", ", drawn->per_block, " a step in blocks of ",
+                                            drawn->block)
+                             : "");
       }
     }
   } cleanup{this, runtime};
@@ -298,7 +302,7 @@ absl::Status TrainingSession::Run(StageRuntime* runtime, bool stale_weights) {
   runtime->SetMaxWeightVersions(plan_.schedule().max_weight_versions);
   // Pipeline r of R draws its own share of each global step's data.
   runtime->SetDataShard(plan_.data_stride(), plan_.data_lane(), plan_.start_step(),
-                        plan_.data_base());
+                        plan_.data_base(), plan_.microbatches(), plan_.data_block());
   runtime->SetActivationCodec(plan_.activation_codec());
   runtime->SetGradientCodec(plan_.gradient_codec());
   current_ = std::make_unique<ServedPlan>(plan_);

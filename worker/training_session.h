@@ -150,7 +150,9 @@ class TrainingSession {
   // Whatever the exit path: the session's links, replicas and exchange end.
   void Finish();
 
-  const v1::JobSpec& job_;
+  // The job as this pipeline runs it (ServedPlan::PipelineJob): its share
+  // of a step's microbatches. Declared before plan_, which it is made from.
+  const v1::JobSpec job_;
   const ServedPlan plan_;
   const SessionParts parts_;
   const SessionOptions options_;

@@ -41,6 +41,18 @@ TEST(JobSpecTest, OuterBlockDefaultsAndAnExplicitZeroMomentum) {
   ASSERT_TRUE(averaging.ok()) << averaging.status();
   EXPECT_DOUBLE_EQ(averaging->outer().momentum(), 0);
   EXPECT_FALSE(ParseJobSpec("mlp { hidden: 8 } fashion_mnist {} steps: 10", "j")->has_outer());
+  // The pipelines' cap: 1 without outer; split, at most the microbatches.
+  EXPECT_EQ(PipelineCap(*ParseJobSpec("mlp { hidden: 8 } fashion_mnist {} steps: 10", "j")), 1);
+  EXPECT_EQ(PipelineCap(*job), 0);
+  EXPECT_EQ(PipelineCap(*ParseJobSpec("mlp { hidden: 8 } fashion_mnist {} steps: 10 "
+                                      "microbatches: 4 outer { split_batch: true }",
+                                      "j")),
+            4);
+  EXPECT_EQ(PipelineCap(*ParseJobSpec("mlp { hidden: 8 } fashion_mnist {} steps: 10 "
+                                      "microbatches: 4 outer { split_batch: true "
+                                      "max_pipelines: 2 }",
+                                      "j")),
+            2);
 }
 
 struct BadJobCase {
@@ -92,6 +104,14 @@ INSTANTIATE_TEST_SUITE_P(
         BadJobCase{"outer_negative_inner_steps",
                    "mlp { hidden: 8 } fashion_mnist {} steps: 1 outer { inner_steps: -5 }",
                    "outer.inner_steps"},
+        BadJobCase{"outer_split_more_pipelines_than_microbatches",
+                   "mlp { hidden: 8 } fashion_mnist {} steps: 1 microbatches: 4 "
+                   "outer { split_batch: true max_pipelines: 5 }",
+                   "at least one microbatch"},
+        BadJobCase{"outer_split_with_update_every",
+                   "mlp { hidden: 8 } fashion_mnist {} steps: 1 microbatches: 4 "
+                   "schedule: SCHEDULE_ASYNC_STASH update_every: 2 outer { split_batch: true }",
+                   "update_every"},
         BadJobCase{"outer_topk",
                    "mlp { hidden: 8 } fashion_mnist {} steps: 1 outer { codec: CODEC_TOPK }",
                    "CODEC_TOPK"},

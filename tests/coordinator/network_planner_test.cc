@@ -377,6 +377,29 @@ TEST(NetworkPlannerTest, PipelinesAreAddedWhereALinkBindsOne) {
   EXPECT_LE(capped->pipelines, 2);
 }
 
+// Split (OuterOptimizer.split_batch), a round is H steps of the job's
+// batch whatever R, so two pipelines' outer sync weighs twice as much a
+// sample as when each runs the whole batch.
+TEST(NetworkPlannerTest, ASplitBatchSpreadsTheOuterSyncOverFewerSamples) {
+  PlannerInput in = LinkBoundSix(/*parameter_bytes_per_layer=*/4000000);
+  in.max_pipelines = 2;
+  absl::StatusOr<PipelinePlan> plan = MakeNetworkPlanner()->Plan(in);
+  ASSERT_TRUE(plan.ok());
+  ASSERT_EQ(plan->pipelines, 2) << ExplainPlan(in, *plan);
+  PipelinePlan whole = *plan, split = *plan, no_sync = *plan;
+  ASSERT_TRUE(ScorePlan(in, &whole).ok());
+  PlannerInput split_in = in;
+  split_in.outer_split_batch = true;
+  ASSERT_TRUE(ScorePlan(split_in, &split).ok());
+  PlannerInput no_sync_in = in;
+  no_sync_in.outer_inner_steps = 1000000000;  // the pipelines alone
+  ASSERT_TRUE(ScorePlan(no_sync_in, &no_sync).ok());
+  const double compute = no_sync.time_per_sample_s;
+  ASSERT_GT(whole.time_per_sample_s - compute, 1e-6);
+  EXPECT_NEAR(split.time_per_sample_s - compute, 2 * (whole.time_per_sample_s - compute),
+              1e-3 * (split.time_per_sample_s - compute));
+}
+
 // A voluntary re-plan of an outer job compares the plan the workers run
 // with the planner's best: re-scored, the planner's own R pipelines give
 // its figures, and a slower worker in one pipeline holds the job to it.

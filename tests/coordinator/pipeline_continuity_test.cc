@@ -132,10 +132,15 @@ class DrawLedger {
   void Draw(const v1::Plan& plan, int r, int from, int to) {
     const v1::PipelineInfo* info = PipelineInfoOf(plan, r);
     ASSERT_NE(info, nullptr);
+    // Split (OuterOptimizer.split_batch): its share of a step, in blocks
+    // of the job's M.
+    const int m = info->microbatches() > 0 ? info->microbatches() : kMicrobatches;
+    const uint64_t block = info->data_block() > 0
+                               ? uint64_t(info->data_block())
+                               : uint64_t(info->data_stride()) * kMicrobatches;
     for (int s = std::max(from, info->start_step()); s < to; ++s) {
-      for (int j = 0; j < kMicrobatches; ++j) {
-        const uint64_t index = info->data_base() +
-                               uint64_t(s - info->start_step()) * info->data_stride() * kMicrobatches +
+      for (int j = 0; j < m; ++j) {
+        const uint64_t index = info->data_base() + uint64_t(s - info->start_step()) * block +
                                uint64_t(j) * info->data_stride() + info->data_lane();
         const auto who = std::make_tuple(info->formed_epoch(), info->data_lane(), s, j);
         auto [it, inserted] = drawn_.emplace(index, who);
@@ -150,12 +155,23 @@ class DrawLedger {
   std::map<uint64_t, std::tuple<uint64_t, int, int, int>> drawn_;
 };
 
-TEST(PipelineContinuityTest, NoIndexIsDrawnTwiceAcrossReplans) {
+// Pipelines through a run of re-plans; `split`: they share the job's
+// batch (OuterOptimizer.split_batch).
+void DrawAcrossReplans(bool split) {
   DrawLedger ledger;
+  auto Reached = [split](std::map<int, int> steps) {
+    PipelineDataInput input = ::geotrain::Reached(std::move(steps));
+    input.split_batch = split;
+    return input;
+  };
   // Epoch 1: two pipelines; pipeline 0 reaches step 30, pipeline 1 step 12
   // (each draws a window more).
   v1::Plan p1 = Pipelines(1, 0, {{"a0", "b0"}, {"a1", "b1"}});
   Publish(nullptr, Reached({}), &p1);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(p1.pipeline_info(r).microbatches(), split ? kMicrobatches / 2 : 0);
+    EXPECT_EQ(p1.pipeline_info(r).data_block(), split ? kMicrobatches : 0);
+  }
   ledger.Draw(p1, 0, 0, 32);
   ledger.Draw(p1, 1, 0, 14);
   // Epoch 2: b1 is replaced; pipeline 1 is formed anew at step 30.
@@ -185,8 +201,35 @@ TEST(PipelineContinuityTest, NoIndexIsDrawnTwiceAcrossReplans) {
     EXPECT_EQ(p5.pipeline_info(r).formed_epoch(), 5u);
     EXPECT_EQ(p5.pipeline_info(r).data_stride(), 3);
     EXPECT_EQ(p5.pipeline_info(r).start_step(), 83);
+    // Split, 4 microbatches among 3 lanes: 2, 1 and 1.
+    EXPECT_EQ(p5.pipeline_info(r).microbatches(), split ? (r == 0 ? 2 : 1) : 0);
     ledger.Draw(p5, r, 83, 120);
   }
+}
+
+TEST(PipelineContinuityTest, NoIndexIsDrawnTwiceAcrossReplans) { DrawAcrossReplans(false); }
+
+TEST(PipelineContinuityTest, NoIndexIsDrawnTwiceAcrossReplansWhenPipelinesSplitTheBatch) {
+  DrawAcrossReplans(true);
+}
+
+// Split, a step's indices are the job's M whatever R: a pipeline formed
+// anew starts on a block of M past the high-water mark, which counts M a
+// step, not R x M.
+TEST(PipelineContinuityTest, SplitPipelinesSpanTheJobsBatchAStep) {
+  PipelineDataInput none = Reached({});
+  none.split_batch = true;
+  v1::Plan old = Pipelines(1, 0, {{"a0", "b0"}, {"a1", "b1"}});
+  Publish(nullptr, none, &old);
+  PipelineDataInput reached = Reached({{0, 30}, {1, 12}});
+  reached.split_batch = true;
+  EXPECT_EQ(DataHighWater(old, reached), int64_t{30 + 1 + 1} * kMicrobatches);
+  v1::Plan next = Pipelines(2, 10, {{"a0", "b0"}, {"a1", "s"}});
+  Publish(&old, reached, &next);
+  const v1::PipelineInfo& formed = next.pipeline_info(1);
+  EXPECT_EQ(formed.data_base(), uint64_t{32 * kMicrobatches});
+  EXPECT_EQ(formed.microbatches(), kMicrobatches / 2);
+  EXPECT_EQ(formed.data_block(), kMicrobatches);
 }
 
 TEST(PipelineContinuityTest, TheHighWaterMarkOfAPlanWithoutEntries) {

@@ -37,6 +37,23 @@ outer { inner_steps: %(inner_steps)d lr: 0.7 momentum: 0.9 codec: CODEC_INT8 str
 """
 
 DRAWN = re.compile(r"data drawn in plan epoch (\d+): indices (\d+) to (\d+) every (\d+)")
+# With outer.split_batch and an uneven split: "..., N a step in blocks of B".
+DRAWN_SPLIT = re.compile(r"data drawn in plan epoch (\d+): indices (\d+) to (\d+) every (\d+)"
+                         r"(?:, (\d+) a step in blocks of (\d+))?")
+
+
+def drawn_indices(first, last, stride, per_block, block):
+    """The indices a stage 0 drew, from its log line: every `stride` from
+    `first`, or `per_block` of them from each `block` where its share of a
+    step is not a whole block."""
+    if not per_block:
+        return set(range(first, last + 1, stride))
+    out = set()
+    start = first
+    while start <= last:
+        out.update(i for i in range(start, start + per_block * stride, stride) if i <= last)
+        start += block
+    return out
 
 FINAL = re.compile(r"outer sync of stage (\d+): (\d+) rounds applied; final weights sha256 "
                    r"([0-9a-f]{64}), outer weights sha256 ([0-9a-f]{64})")
@@ -44,14 +61,15 @@ FINAL = re.compile(r"outer sync of stage (\d+): (\d+) rounds applied; final weig
 
 class PipelinesCluster(Cluster):
     def __init__(self, steps, inner_steps, streaming, schedule="SYNC", secure=False,
-                 workers=6, max_pipelines=0, planner="join-order"):
+                 workers=6, max_pipelines=0, planner="join-order", split_batch=False):
         # Join order by default: its plan (R = workers / 2 pipelines of
         # max_stages 2) is what most of these tests check against.
         super().__init__(None, [f"--planner={planner}"], secure=secure)
         self.job = f"{self.dir}/job.textproto"
         text = JOB % {"steps": steps, "inner_steps": inner_steps,
                       "streaming": "true" if streaming else "false", "schedule": schedule,
-                      "outer_extra": f"max_pipelines: {max_pipelines} " if max_pipelines else ""}
+                      "outer_extra": (f"max_pipelines: {max_pipelines} " if max_pipelines else "")
+                      + ("split_batch: true " if split_batch else "")}
         with open(self.job, "w") as f:
             f.write(text.replace("min_workers: 6", f"min_workers: {workers}"))
 
@@ -159,6 +177,41 @@ class PipelinesTest(unittest.TestCase):
                 self.assertEqual(len({r[2] for r in replicas}), 1, replicas)
             counted = c.steps()
             self.assertEqual([m["step"] for m in counted], list(range(1, steps + 1)))
+
+    def test_split_pipelines_share_the_jobs_batch(self):
+        # outer.split_batch: three pipelines share each step's 4
+        # microbatches (2, 1 and 1), so a step is the job's batch, not
+        # three times it; the lanes together draw each step's indices once.
+        steps, inner = 24, 4
+        with PipelinesCluster(steps, inner, streaming=True, schedule="ASYNC_STASH",
+                              split_batch=True) as c:
+            c.start_coordinator()
+            for i in range(6):
+                c.start_worker(f"w{i}")
+            try:
+                c.wait_done(timeout=600)
+            except Exception:
+                print(c.dump_logs())
+                raise
+            self.assertEqual(int(c.status().get("pipelines", 1)), 3)
+            counted = c.steps()
+            self.assertEqual([m["step"] for m in counted], list(range(1, steps + 1)))
+            self.assertEqual([int(m["samples"]) for m in counted],
+                             [4 * 16 * m["step"] for m in counted])
+            for stage, replicas in c.finals().items():
+                self.assertEqual(len(replicas), 3, replicas)
+                self.assertEqual(len({r[1] for r in replicas}), 1, replicas)
+            drawn = {}  # (worker, plan epoch): indices
+            for p in c.workers:
+                for epoch, first, last, stride, per_block, block in DRAWN_SPLIT.findall(p.log()):
+                    drawn[(p.name, epoch)] = drawn_indices(int(first), int(last), int(stride),
+                                                           int(per_block or 0), int(block or 0))
+            self.assertGreaterEqual(len(drawn), 3, drawn)
+            union = set()
+            for name, indices in drawn.items():
+                self.assertFalse(union & indices, f"{name} drew {sorted(union & indices)[:5]}")
+                union |= indices
+            self.assertEqual(union, set(range(4 * steps)))
 
     def test_blocking_rounds_leave_replicas_bit_identical(self):
         self.check_run(streaming=False, tensorboard=True)

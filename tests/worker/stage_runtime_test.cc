@@ -1,6 +1,7 @@
 #include "worker/stage_runtime.h"
 
 #include "common/layer_state.h"
+#include "common/plan_util.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -95,6 +96,39 @@ TEST_F(StageRuntimeTest, DataShardsOfPipelinesAreDisjointAndComplete) {
   ASSERT_TRUE(input.ok()) << input.status();
   EXPECT_EQ(input->header.microbatch(), static_cast<uint64_t>(4 * m));
   EXPECT_FALSE(runtime->LoadTrainMicrobatchById(0, 0).ok());  // before this pipeline's data
+}
+
+// Split (OuterOptimizer.split_batch), R pipelines share each step's M
+// indices: every lane draws its share of a step, evenly or not, and the
+// lanes of a step together draw exactly that step's M indices.
+TEST_F(StageRuntimeTest, SplitShardsShareEachStepsIndices) {
+  auto runtime = Make(0, 2, 0, 2);
+  for (const int m : {4, 5}) {
+    for (const int pipelines : {2, 3}) {
+      std::set<int64_t> drawn;
+      for (int r = 0; r < pipelines; ++r) {
+        const int share = SplitMicrobatches(m, pipelines, r);
+        runtime->SetDataShard(pipelines, r, /*start_step=*/2, /*base=*/2 * m, share, m);
+        for (int step = 2; step < 5; ++step) {
+          for (int j = 0; j < share; ++j) {
+            const int64_t index = runtime->DataIndexOf(int64_t{step} * share + j);
+            EXPECT_GE(index, int64_t{step} * m) << m << " " << pipelines << " " << r;
+            EXPECT_LT(index, int64_t{step + 1} * m) << m << " " << pipelines << " " << r;
+            EXPECT_TRUE(drawn.insert(index).second) << m << " " << pipelines << " " << r;
+          }
+        }
+      }
+      // Steps 2-4 of the job: exactly [2m, 5m).
+      EXPECT_EQ(drawn.size(), 3u * m);
+      EXPECT_EQ(*drawn.begin(), 2 * m);
+      EXPECT_EQ(*drawn.rbegin(), 5 * m - 1);
+    }
+  }
+  // LoadTrainMicrobatch counts this lane's share a step.
+  runtime->SetDataShard(2, 1, 0, 0, /*microbatches=*/2, /*block=*/4);
+  auto input = runtime->LoadTrainMicrobatch(3, 1);
+  ASSERT_TRUE(input.ok()) << input.status();
+  EXPECT_EQ(input->header.microbatch(), 3u * 2 + 1);
 }
 
 TEST_F(StageRuntimeTest, TwoStagesMatchOneStage) {

@@ -1153,5 +1153,63 @@ TEST_F(OuterSessionTest, APipelineGoesOnWhileAnotherIsFormedAnew) {
   EXPECT_EQ(W("c1").runtime->OuterWeightsDigest(), W("a1").runtime->OuterWeightsDigest());
 }
 
+// OuterOptimizer.split_batch: R pipelines share the job's batch, so with
+// one SGD step a round, outer lr 1, momentum 0 and lossless
+// pseudo-gradients the outer weights are the mean of the pipelines' after
+// one step on their shares: one pipeline running the job as it is, to
+// float tolerance, at the same steps and samples.
+TEST_F(OuterSessionTest, SplitRoundsMatchOnePipelineWithTheJobsBatch) {
+  job_.set_steps(6);
+  job_.set_microbatches(4);
+  job_.mutable_optimizer()->set_kind(v1::Optimizer::KIND_SGD);
+  job_.mutable_optimizer()->set_lr(0.5);
+  v1::OuterOptimizer* outer = job_.mutable_outer();
+  outer->set_inner_steps(1);
+  outer->set_lr(1);
+  outer->set_momentum(0);
+  outer->set_codec(v1::CODEC_NONE);
+  outer->set_streaming(false);
+  outer->set_split_batch(true);
+  AddWorker("p0s0", 0);
+  AddWorker("p1s0", 0);
+  TestWorker& last0 = AddWorker("p0s1", 1);
+  TestWorker& last1 = AddWorker("p1s1", 1);
+  // As the coordinator assigns them (AssignPipelineInfo): lanes 0 and 1 of
+  // stride 2, two of the step's four microbatches each, a step spanning 4.
+  v1::Plan split = MakePipelinesPlan(1, {{"p0s0", "p1s0"}, {"p0s1", "p1s1"}});
+  for (int r = 0; r < 2; ++r) {
+    AddPipelineInfo(&split, r, 1, 0, 0, 2, r);
+    split.mutable_pipeline_info(r)->set_microbatches(2);
+    split.mutable_pipeline_info(r)->set_data_block(4);
+  }
+  absl::StatusOr<ServedPlan> served = ServedPlan::For(split, job_, "p1s0");
+  ASSERT_TRUE(served.ok()) << served.status();
+  EXPECT_EQ(served->microbatches(), 2);
+  EXPECT_EQ(served->schedule().update_every, 2);  // sync: once a step of its share
+  Start(split);
+  Join();
+  for (auto& w : workers_) ASSERT_TRUE(w->result.ok()) << w->id << ": " << w->result;
+  const std::map<int, double> losses0 = last0.coordinator->losses();
+  const std::map<int, double> losses1 = last1.coordinator->losses();
+
+  // One pipeline, the job's 4 microbatches a step: the same data.
+  job_.clear_outer();
+  AddWorker("one_s0", 0);
+  TestWorker& last = AddWorker("one_s1", 1);
+  workers_.erase(workers_.begin(), workers_.begin() + 4);
+  Start(MakePlan(1, 0, {{"one_s0"}, {"one_s1"}}));
+  Join();
+  for (auto& w : workers_) ASSERT_TRUE(w->result.ok()) << w->id << ": " << w->result;
+  const std::map<int, double> losses = last.coordinator->losses();
+  ASSERT_EQ(losses.size(), 6u);
+  ASSERT_EQ(losses0.size(), 6u);
+  ASSERT_EQ(losses1.size(), 6u);
+  for (const auto& [step, loss] : losses) {
+    const double pipelines = (losses0.at(step) + losses1.at(step)) / 2;
+    EXPECT_NEAR(pipelines, loss, 2e-6 * std::abs(loss)) << "step " << step;
+  }
+  EXPECT_LT(losses.at(6), losses.at(1));
+}
+
 }  // namespace
 }  // namespace geotrain
