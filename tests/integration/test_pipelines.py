@@ -73,6 +73,18 @@ class PipelinesCluster(Cluster):
         with open(self.job, "w") as f:
             f.write(text.replace("min_workers: 6", f"min_workers: {workers}"))
 
+    def train(self, workers=6, timeout=600):
+        """Starts the coordinator and `workers` workers, and waits for the
+        job's end (printing every log if it does not come)."""
+        self.start_coordinator()
+        for i in range(workers):
+            self.start_worker(f"w{i}")
+        try:
+            self.wait_done(timeout=timeout)
+        except Exception:
+            print(self.dump_logs())
+            raise
+
     def finals(self, workers=None):
         """{stage: [(rounds, weights digest, outer digest) of each worker]}."""
         by_stage = {}
@@ -154,14 +166,7 @@ class PipelinesTest(unittest.TestCase):
         steps, inner = 24, 4
         with PipelinesCluster(steps, inner, streaming=True, schedule="ASYNC_STASH",
                               planner="network") as c:
-            c.start_coordinator()
-            for i in range(6):
-                c.start_worker(f"w{i}")
-            try:
-                c.wait_done(timeout=600)
-            except Exception:
-                print(c.dump_logs())
-                raise
+            c.train()
             status = c.status()
             pipelines = int(status.get("pipelines", 1))
             print(status["prediction"]["explanation"], flush=True)
@@ -185,14 +190,7 @@ class PipelinesTest(unittest.TestCase):
         steps, inner = 24, 4
         with PipelinesCluster(steps, inner, streaming=True, schedule="ASYNC_STASH",
                               split_batch=True) as c:
-            c.start_coordinator()
-            for i in range(6):
-                c.start_worker(f"w{i}")
-            try:
-                c.wait_done(timeout=600)
-            except Exception:
-                print(c.dump_logs())
-                raise
+            c.train()
             self.assertEqual(int(c.status().get("pipelines", 1)), 3)
             counted = c.steps()
             self.assertEqual([m["step"] for m in counted], list(range(1, steps + 1)))

@@ -781,6 +781,21 @@ TEST_F(TrainingSessionTest, PipelinesTrainSideBySideOnDisjointData) {
 // r's worker on stage s.
 class OuterSessionTest : public TrainingSessionTest {
  protected:
+  // The per-step losses of one pipeline of two stages running job_ without
+  // its outer block, the workers so far set aside: the reference R
+  // pipelines are compared with.
+  std::map<int, double> OnePipelineLosses() {
+    job_.clear_outer();
+    const auto earlier = static_cast<std::ptrdiff_t>(workers_.size());
+    AddWorker("one_s0", 0);
+    TestWorker& last = AddWorker("one_s1", 1);
+    workers_.erase(workers_.begin(), workers_.begin() + earlier);
+    Start(MakePlan(1, 0, {{"one_s0"}, {"one_s1"}}));
+    Join();
+    for (auto& w : workers_) EXPECT_TRUE(w->result.ok()) << w->id << ": " << w->result;
+    return last.coordinator->losses();
+  }
+
   // `drift`: pipeline 2's stage-0 worker starts from other weights (as a
   // standby restored from elsewhere would): the reducer's outer state,
   // shared at the epoch's start, brings it back.
@@ -929,15 +944,8 @@ TEST_F(OuterSessionTest, OneStepRoundsMatchOnePipelineWithRTimesTheBatch) {
 
   // One pipeline, 2M microbatches a step: the same data (pipeline r of R
   // draws the ids r mod R of each global step).
-  job_.clear_outer();
   job_.set_microbatches(2 * job_.microbatches());
-  AddWorker("one_s0", 0);
-  TestWorker& last = AddWorker("one_s1", 1);
-  workers_.erase(workers_.begin(), workers_.begin() + 4);
-  Start(MakePlan(1, 0, {{"one_s0"}, {"one_s1"}}));
-  Join();
-  for (auto& w : workers_) ASSERT_TRUE(w->result.ok()) << w->id << ": " << w->result;
-  const std::map<int, double> losses = last.coordinator->losses();
+  const std::map<int, double> losses = OnePipelineLosses();
   ASSERT_EQ(losses.size(), 6u);
   ASSERT_EQ(losses0.size(), 6u);
   double worst = 0;
@@ -1193,14 +1201,7 @@ TEST_F(OuterSessionTest, SplitRoundsMatchOnePipelineWithTheJobsBatch) {
   const std::map<int, double> losses1 = last1.coordinator->losses();
 
   // One pipeline, the job's 4 microbatches a step: the same data.
-  job_.clear_outer();
-  AddWorker("one_s0", 0);
-  TestWorker& last = AddWorker("one_s1", 1);
-  workers_.erase(workers_.begin(), workers_.begin() + 4);
-  Start(MakePlan(1, 0, {{"one_s0"}, {"one_s1"}}));
-  Join();
-  for (auto& w : workers_) ASSERT_TRUE(w->result.ok()) << w->id << ": " << w->result;
-  const std::map<int, double> losses = last.coordinator->losses();
+  const std::map<int, double> losses = OnePipelineLosses();
   ASSERT_EQ(losses.size(), 6u);
   ASSERT_EQ(losses0.size(), 6u);
   ASSERT_EQ(losses1.size(), 6u);
