@@ -61,7 +61,7 @@ class CheckpointPacer final : public SendPacer {
   // least that fast. The fastest seen stands for the uplink.
   void ObserveUplink(double bytes_per_s);
   // Bytes per second uploads may use now; 0: unpaced.
-  double bytes_per_s() const;
+  double bytes_per_s() const override;
   // The fastest rate measured from this worker to a peer (0: none yet).
   double uplink_bytes_per_s() const;
   size_t PartBytes() const override;

@@ -135,11 +135,22 @@ absl::Status OuterSync::Advance(absl::Time now) {
   if (reducer()) {
     Round& r = open_[round];
     r.contributions[self_] = {self_, due_samples_, *std::move(delta)};
-    // Blocking: the others have `deadline` from now. Streaming: until this
-    // replica's next round ends, so nobody waits for the network; the
+    // Blocking: the others have `deadline` from now, plus the time a
+    // pseudo-gradient of this size takes at the pace (a large stage's
+    // would otherwise miss every round on a thin uplink). Streaming: until
+    // this replica's next round ends, so nobody waits for the network; the
     // final round is blocking in either mode.
-    r.deadline = options_.streaming && round != final_round() ? absl::InfiniteFuture()
-                                                              : now + options_.deadline;
+    absl::Duration allowance = absl::ZeroDuration();
+    if (options_.transfer_time) {
+      uint64_t bytes = 0;
+      for (const v1::LayerWeights& layer : r.contributions[self_].layers) {
+        bytes += layer.ByteSizeLong();
+      }
+      allowance = std::max(absl::ZeroDuration(), options_.transfer_time(bytes));
+    }
+    r.deadline = options_.streaming && round != final_round()
+                     ? absl::InfiniteFuture()
+                     : now + options_.deadline + allowance;
     RETURN_IF_ERROR(CloseDue(now));
     if (open_.count(round) > 0 && r.contributions.size() == pipelines_.size()) {
       RETURN_IF_ERROR(Close(round));

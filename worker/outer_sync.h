@@ -32,6 +32,7 @@
 #define GEOTRAIN_WORKER_OUTER_SYNC_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <set>
@@ -104,8 +105,13 @@ struct OuterSyncOptions {
   // replica of the stage (the next to end is the first this sync sees).
   int start_step = 0;
   // Blocking: how long the reducer waits for the others after its own
-  // contribution.
+  // contribution, beyond what a pseudo-gradient takes to arrive at the
+  // pace the replicas send at (transfer_time).
   absl::Duration deadline = absl::Seconds(10);
+  // How long `bytes` take at the pace the outer transfers are held to
+  // (the reducer's own pace stands for its replicas'; each sends over its
+  // own uplink at once). Null, or zero: unpaced, nothing added.
+  std::function<absl::Duration(uint64_t bytes)> transfer_time;
   // The job's last step (0: none): a final round ends there, on schedule
   // or not, and is blocking in either mode, so every replica finishes on
   // the same outer weights.

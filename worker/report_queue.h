@@ -6,7 +6,9 @@
 // Bounded: past `capacity` pending reports the oldest is dropped (and
 // counted), so a coordinator that is gone costs memory for `capacity`
 // reports at most. Flush() waits for what is pending (before DONE, so the
-// coordinator has every step first). Thread-safe.
+// coordinator has every step first). A report posted with PostRetrying is
+// sent again, in its place, while the coordinator cannot take it yet.
+// Thread-safe.
 #ifndef GEOTRAIN_WORKER_REPORT_QUEUE_H_
 #define GEOTRAIN_WORKER_REPORT_QUEUE_H_
 

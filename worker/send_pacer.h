@@ -31,6 +31,8 @@ class SendPacer {
   // How long to wait before sending `bytes`; reserves them (the next
   // reservation queues behind this one). Zero when unpaced.
   virtual absl::Duration Reserve(uint64_t bytes) = 0;
+  // The pace now, in bytes per second; 0: unpaced (or not known yet).
+  virtual double bytes_per_s() const { return 0; }
 };
 
 struct PartSizing {
@@ -66,7 +68,7 @@ class UplinkSharePacer final : public SendPacer {
  public:
   UplinkSharePacer(std::function<double()> uplink_bytes_per_s, double share, const Clock* clock,
                    uint64_t burst_bytes = uint64_t{64} << 10);
-  double bytes_per_s() const;
+  double bytes_per_s() const override;
   size_t PartBytes() const override;
   absl::Duration Reserve(uint64_t bytes) override;
 

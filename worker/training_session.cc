@@ -190,8 +190,15 @@ absl::Status TrainingSession::StartOuterSync(StageRuntime* runtime,
   for (const StageWorker& peer : plan_.outer_link_peers()) {
     o.link_epochs[peer.pipeline] = plan_.OuterLinkEpoch(peer);
   }
-  // Two leases: as long as the coordinator gives a silent worker.
+  // Two leases: as long as the coordinator gives a silent worker; and the
+  // time a pseudo-gradient takes at the outer transfers' pace.
   o.deadline = std::max(absl::Seconds(10), absl::Milliseconds(2 * job_.lease_ms()));
+  if (std::shared_ptr<SendPacer> pacer = parts_.outer_pacer) {
+    o.transfer_time = [pacer](uint64_t bytes) {
+      const double pace = pacer->bytes_per_s();
+      return pace > 0 ? absl::Seconds(static_cast<double>(bytes) / pace) : absl::ZeroDuration();
+    };
+  }
   // Every epoch: the replicas of a stage may have drifted (a re-plan cut a
   // round short, a standby took a place, a pipeline joined).
   o.share_state = true;

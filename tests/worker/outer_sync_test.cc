@@ -160,6 +160,29 @@ TEST_F(OuterSyncTest, AnAbsentReplicaContributesNothingButTakesTheSameMean) {
   EXPECT_EQ(syncs_[0]->members().at(1), std::vector<int>({0, 1}));
 }
 
+// Blocking, the reducer waits a pseudo-gradient's transfer at the outer
+// pace on top of its deadline: a large stage's replicas on a thin uplink
+// still make the round, where two leases alone would close it without them.
+TEST_F(OuterSyncTest, TheReducerAlsoWaitsWhatAPseudoGradientTakesAtThePace) {
+  OuterSyncOptions options = Options(4, 0, 2, 2, false, 0, absl::Seconds(10));
+  options.transfer_time = [](uint64_t bytes) { return absl::Seconds(bytes); };  // 1 B/s
+  Make(2, options);
+  for (int step = 1; step <= 2; ++step) ASSERT_TRUE(syncs_[0]->AfterStep(step, 8, now_).ok());
+  const int64_t bytes = static_cast<int64_t>(Payload("d0.1")[0].ByteSizeLong());
+  ASSERT_GT(bytes, 0);
+  EXPECT_EQ(syncs_[0]->NextDeadline(), now_ + absl::Seconds(10) + absl::Seconds(bytes));
+  // Past the two leases, within the transfer: the round is still open.
+  now_ += absl::Seconds(10) + absl::Seconds(bytes) - absl::Seconds(1);
+  ASSERT_TRUE(syncs_[0]->OnTime(now_).ok());
+  EXPECT_TRUE(computes_[0]->applied.empty());
+  for (int step = 1; step <= 2; ++step) ASSERT_TRUE(syncs_[1]->AfterStep(step, 8, now_).ok());
+  Deliver();
+  for (int p = 0; p < 2; ++p) {
+    ASSERT_EQ(computes_[p]->applied.size(), 1u) << p;
+    EXPECT_EQ(computes_[p]->applied[0], "mean(d0.1x8,d1.1x8)") << p;
+  }
+}
+
 // A replica that trails (its round had not ended when the reducer closed
 // it) takes the mean as it comes and catches up to the outer weights; it
 // sends nothing for that round when it gets there.
