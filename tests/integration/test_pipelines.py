@@ -73,18 +73,6 @@ class PipelinesCluster(Cluster):
         with open(self.job, "w") as f:
             f.write(text.replace("min_workers: 6", f"min_workers: {workers}"))
 
-    def train(self, workers=6, timeout=600):
-        """Starts the coordinator and `workers` workers, and waits for the
-        job's end (printing every log if it does not come)."""
-        self.start_coordinator()
-        for i in range(workers):
-            self.start_worker(f"w{i}")
-        try:
-            self.wait_done(timeout=timeout)
-        except Exception:
-            print(self.dump_logs())
-            raise
-
     def finals(self, workers=None):
         """{stage: [(rounds, weights digest, outer digest) of each worker]}."""
         by_stage = {}
@@ -166,7 +154,7 @@ class PipelinesTest(unittest.TestCase):
         steps, inner = 24, 4
         with PipelinesCluster(steps, inner, streaming=True, schedule="ASYNC_STASH",
                               planner="network") as c:
-            c.train()
+            c.train(6)
             status = c.status()
             pipelines = int(status.get("pipelines", 1))
             print(status["prediction"]["explanation"], flush=True)
@@ -190,7 +178,7 @@ class PipelinesTest(unittest.TestCase):
         steps, inner = 24, 4
         with PipelinesCluster(steps, inner, streaming=True, schedule="ASYNC_STASH",
                               split_batch=True) as c:
-            c.train()
+            c.train(6)
             self.assertEqual(int(c.status().get("pipelines", 1)), 3)
             counted = c.steps()
             self.assertEqual([m["step"] for m in counted], list(range(1, steps + 1)))

@@ -784,6 +784,20 @@ class OuterSessionTest : public TrainingSessionTest {
   // The per-step losses of one pipeline of two stages running job_ without
   // its outer block, the workers so far set aside: the reference R
   // pipelines are compared with.
+  // DiLoCo's degenerate case over 6 steps: one SGD step a round, outer lr
+  // 1, momentum 0, lossless and blocking.
+  void UseOneSgdStepRounds() {
+    job_.set_steps(6);
+    job_.mutable_optimizer()->set_kind(v1::Optimizer::KIND_SGD);
+    job_.mutable_optimizer()->set_lr(0.5);
+    v1::OuterOptimizer* outer = job_.mutable_outer();
+    outer->set_inner_steps(1);
+    outer->set_lr(1);
+    outer->set_momentum(0);
+    outer->set_codec(v1::CODEC_NONE);
+    outer->set_streaming(false);
+  }
+
   std::map<int, double> OnePipelineLosses() {
     job_.clear_outer();
     const auto earlier = static_cast<std::ptrdiff_t>(workers_.size());
@@ -923,15 +937,7 @@ TEST_F(OuterSessionTest, AMissingReplicaLeavesTheOthersSyncingAndStopsNobody) {
 // of the pipelines' weights after one step on their halves of the global
 // batch: one pipeline with twice the microbatches, to float tolerance.
 TEST_F(OuterSessionTest, OneStepRoundsMatchOnePipelineWithRTimesTheBatch) {
-  job_.set_steps(6);
-  job_.mutable_optimizer()->set_kind(v1::Optimizer::KIND_SGD);
-  job_.mutable_optimizer()->set_lr(0.5);
-  v1::OuterOptimizer* outer = job_.mutable_outer();
-  outer->set_inner_steps(1);
-  outer->set_lr(1);
-  outer->set_momentum(0);
-  outer->set_codec(v1::CODEC_NONE);
-  outer->set_streaming(false);
+  UseOneSgdStepRounds();
   AddWorker("p0s0", 0);
   AddWorker("p1s0", 0);
   TestWorker& last0 = AddWorker("p0s1", 1);
@@ -1167,17 +1173,9 @@ TEST_F(OuterSessionTest, APipelineGoesOnWhileAnotherIsFormedAnew) {
 // one step on their shares: one pipeline running the job as it is, to
 // float tolerance, at the same steps and samples.
 TEST_F(OuterSessionTest, SplitRoundsMatchOnePipelineWithTheJobsBatch) {
-  job_.set_steps(6);
+  UseOneSgdStepRounds();
   job_.set_microbatches(4);
-  job_.mutable_optimizer()->set_kind(v1::Optimizer::KIND_SGD);
-  job_.mutable_optimizer()->set_lr(0.5);
-  v1::OuterOptimizer* outer = job_.mutable_outer();
-  outer->set_inner_steps(1);
-  outer->set_lr(1);
-  outer->set_momentum(0);
-  outer->set_codec(v1::CODEC_NONE);
-  outer->set_streaming(false);
-  outer->set_split_batch(true);
+  job_.mutable_outer()->set_split_batch(true);
   AddWorker("p0s0", 0);
   AddWorker("p1s0", 0);
   TestWorker& last0 = AddWorker("p0s1", 1);
