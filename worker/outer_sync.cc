@@ -132,6 +132,8 @@ absl::Status OuterSync::Advance(absl::Time now) {
   absl::StatusOr<std::vector<v1::LayerWeights>> delta = compute_->ExportPseudoGradient();
   if (!delta.ok()) return delta.status();
   ended_ = round;
+  last_sent_bytes_ = 0;
+  for (const v1::LayerWeights& layer : *delta) last_sent_bytes_ += layer.ByteSizeLong();
   if (reducer()) {
     Round& r = open_[round];
     r.contributions[self_] = {self_, due_samples_, *std::move(delta)};
@@ -140,14 +142,7 @@ absl::Status OuterSync::Advance(absl::Time now) {
     // would otherwise miss every round on a thin uplink). Streaming: until
     // this replica's next round ends, so nobody waits for the network; the
     // final round is blocking in either mode.
-    absl::Duration allowance = absl::ZeroDuration();
-    if (options_.transfer_time) {
-      uint64_t bytes = 0;
-      for (const v1::LayerWeights& layer : r.contributions[self_].layers) {
-        bytes += layer.ByteSizeLong();
-      }
-      allowance = std::max(absl::ZeroDuration(), options_.transfer_time(bytes));
-    }
+    const absl::Duration allowance = TransferTime(last_sent_bytes_);
     r.deadline = options_.streaming && round != final_round()
                      ? absl::InfiniteFuture()
                      : now + options_.deadline + allowance;
@@ -336,6 +331,17 @@ bool OuterSync::MustWait() const {
 
 bool OuterSync::finished() const {
   return detached_ || (options_.final_step > 0 && applied_ >= final_round());
+}
+
+absl::Duration OuterSync::TransferTime(uint64_t bytes) const {
+  if (!options_.transfer_time) return absl::ZeroDuration();
+  return std::max(absl::ZeroDuration(), options_.transfer_time(bytes));
+}
+
+absl::Duration OuterSync::WaitAllowance() const {
+  const int others = std::max<int>(1, static_cast<int>(pipelines_.size()) - 1);
+  const uint64_t down = state_pending_ ? options_.state_bytes : last_sent_bytes_;
+  return TransferTime(last_sent_bytes_) + options_.deadline + TransferTime(down) * others;
 }
 
 absl::Time OuterSync::NextDeadline() const {

@@ -112,6 +112,9 @@ struct OuterSyncOptions {
   // (the reducer's own pace stands for its replicas'; each sends over its
   // own uplink at once). Null, or zero: unpaced, nothing added.
   std::function<absl::Duration(uint64_t bytes)> transfer_time;
+  // About what the reducer's outer state takes on the wire (an upper bound
+  // will do; 0: unknown): what a replica that has not adopted it waits for.
+  uint64_t state_bytes = 0;
   // The job's last step (0: none): a final round ends there, on schedule
   // or not, and is blocking in either mode, so every replica finishes on
   // the same outer weights.
@@ -178,6 +181,13 @@ class OuterSync {
   bool finished() const;
   // When the driver must call OnTime next (InfiniteFuture: nothing due).
   absl::Time NextDeadline() const;
+  // How long, beyond a fixed timeout, a replica may wait for what it owes
+  // a wait to (MustWait()) before it takes the reducer as lost: its
+  // pseudo-gradient's time at the pace up, the reducer's deadline for the
+  // others, and the mean's time at the pace down, once for each replica the
+  // reducer sends it to over its one uplink (the outer state's instead of
+  // the mean's while that is not adopted yet). Unpaced: the deadline alone.
+  absl::Duration WaitAllowance() const;
 
   int rounds_applied() const { return applied_; }
   const OuterTransport& transport() const { return *transport_; }
@@ -208,6 +218,8 @@ class OuterSync {
   // RoundsEndedBy without the final round.
   int ScheduledRoundsEndedBy(int step) const;
   int final_round() const;
+  // How long `bytes` take at the outer pace (zero unpaced).
+  absl::Duration TransferTime(uint64_t bytes) const;
 
   OuterSyncOptions options_;
   const int self_;
@@ -222,6 +234,7 @@ class OuterSync {
   int ended_ = 0;    // the newest round this replica ended (sent its pseudo-gradient)
   int applied_ = 0;  // the newest round whose mean it applied
   int closed_ = 0;   // the reducer: the newest round it closed
+  uint64_t last_sent_bytes_ = 0;  // this replica's last pseudo-gradient
   std::map<int, Round> open_;  // the reducer's rounds not yet closed
   // Means that came before this replica ended their round (a replica may
   // trail the reducer), applied in order once it has.

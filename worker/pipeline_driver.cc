@@ -247,11 +247,13 @@ absl::Status PipelineDriver::AwaitOuterMean() {
   while (true) {
     if (options_.poll) RETURN_IF_ERROR(options_.poll());
     const bool waiting = outer->MustWait();
-    if (waiting && absl::Now() - start > options_.outer_timeout && !OuterReducer().empty()) {
+    // What the reducer's transfers take at the outer pace comes on top.
+    const absl::Duration timeout = options_.outer_timeout + outer->WaitAllowance();
+    if (waiting && absl::Now() - start > timeout && !OuterReducer().empty()) {
       RETURN_IF_ERROR(LoseReplica(
           OuterReducer(),
           absl::StrCat("no outer mean for round ", outer->rounds_applied() + 1, " within ",
-                       absl::FormatDuration(options_.outer_timeout))));
+                       absl::FormatDuration(timeout))));
       continue;
     }
     absl::Duration wait = absl::ZeroDuration();

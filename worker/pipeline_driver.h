@@ -199,7 +199,8 @@ struct PipelineDriverOptions {
   // others wait their turn). Not owned; null without one.
   OuterSync* outer = nullptr;
   // How long a stage waits for an owed mean before it takes the link to
-  // the reducer as stalled.
+  // the reducer as stalled, beyond what the reducer's transfers take at the
+  // outer pace (OuterSync::WaitAllowance).
   absl::Duration outer_timeout = absl::Minutes(2);
   // The replicas at the other ends of the outer-sync links, by worker id:
   // each one's pipeline and its link's epoch (a message or error of an

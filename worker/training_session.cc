@@ -199,6 +199,8 @@ absl::Status TrainingSession::StartOuterSync(StageRuntime* runtime,
       return pace > 0 ? absl::Seconds(static_cast<double>(bytes) / pace) : absl::ZeroDuration();
     };
   }
+  // A bound on the outer state a replica waits for at the start.
+  o.state_bytes = runtime->StateBytes();
   // Every epoch: the replicas of a stage may have drifted (a re-plan cut a
   // round short, a standby took a place, a pipeline joined).
   o.share_state = true;

@@ -183,6 +183,35 @@ TEST_F(OuterSyncTest, TheReducerAlsoWaitsWhatAPseudoGradientTakesAtThePace) {
   }
 }
 
+// A replica waits for the reducer beyond a fixed timeout as long as the
+// transfers take at the outer pace: its pseudo-gradient up, the reducer's
+// deadline, and the mean down to each of the reducer's replicas in turn;
+// before it has adopted the outer state, that state's bytes instead.
+TEST_F(OuterSyncTest, AReplicaWaitsForTheMeanWhatItsTransfersTakeAtThePace) {
+  OuterSyncOptions options = Options(4, 0, 2, 2, false, 0, absl::Seconds(10));
+  options.transfer_time = [](uint64_t bytes) { return absl::Seconds(bytes); };  // 1 B/s
+  options.share_state = true;
+  options.state_bytes = 1000;
+  Make(3, options);
+  // No state adopted: three senders, the state goes to two replicas.
+  EXPECT_EQ(syncs_[1]->WaitAllowance(), absl::Seconds(10) + absl::Seconds(2 * 1000));
+  ASSERT_TRUE(syncs_[0]->Start(now_).ok());
+  Deliver();
+  for (int step = 1; step <= 2; ++step) ASSERT_TRUE(syncs_[1]->AfterStep(step, 8, now_).ok());
+  EXPECT_TRUE(syncs_[1]->MustWait());
+  const int64_t bytes = static_cast<int64_t>(Payload("d1.1")[0].ByteSizeLong());
+  ASSERT_GT(bytes, 0);
+  EXPECT_EQ(syncs_[1]->WaitAllowance(),
+            absl::Seconds(bytes) + absl::Seconds(10) + absl::Seconds(2 * bytes));
+  // Unpaced: the reducer's deadline alone.
+  OuterSyncOptions unpaced = Options(4, 0, 2, 2, false, 0, absl::Seconds(10));
+  unpaced.state_bytes = 1000;
+  FakeCompute compute(1);
+  Wire wire(&queue_, 1);
+  OuterSync sync(unpaced, 1, {0, 1}, &compute, &wire);
+  EXPECT_EQ(sync.WaitAllowance(), absl::Seconds(10));
+}
+
 // A replica that trails (its round had not ended when the reducer closed
 // it) takes the mean as it comes and catches up to the outer weights; it
 // sends nothing for that round when it gets there.
