@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/codec.h"
+#include "common/commitment.h"
 #include "common/model_profile.h"
 #include "common/status_macros.h"
 
@@ -166,6 +167,7 @@ absl::Status LinkValidator::CheckHeaderFromDownstream(const v1::LinkHeader& h) c
 absl::Status LinkValidator::CheckFromUpstream(const LinkMessage& message) const {
   const v1::LinkHeader& h = message.header;
   RETURN_IF_ERROR(CheckHeaderFromUpstream(h));
+  RETURN_IF_ERROR(CheckCommitment(h, message.payload));
   switch (h.kind()) {
     case v1::MESSAGE_KIND_ACTIVATION:
     case v1::MESSAGE_KIND_EVAL: {
@@ -293,6 +295,7 @@ absl::Status LinkValidator::CheckFromReplica(const LinkMessage& message) const {
 
 absl::Status LinkValidator::CheckFromDownstream(const LinkMessage& message) const {
   RETURN_IF_ERROR(CheckHeaderFromDownstream(message.header));
+  RETURN_IF_ERROR(CheckCommitment(message.header, message.payload));
   if (message.header.kind() == v1::MESSAGE_KIND_EVAL_ACK) {
     if (!message.payload.empty()) {
       return absl::InvalidArgumentError("an evaluation acknowledgement carries no payload");

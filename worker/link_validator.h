@@ -1,6 +1,7 @@
 // Decides whether a message that arrived on a link may be used: the plan
-// epoch, the sender's stage, the kind for its direction, and every tensor's
-// shape, dtype, size and finiteness against what the plan implies.
+// epoch, the sender's stage, the kind for its direction, every tensor's
+// shape, dtype, size and finiteness against what the plan implies, and a
+// training message's commitment (common/commitment.h).
 // Immutable after construction; thread-safe.
 #ifndef GEOTRAIN_WORKER_LINK_VALIDATOR_H_
 #define GEOTRAIN_WORKER_LINK_VALIDATOR_H_

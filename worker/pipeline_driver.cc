@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/codec.h"
+#include "common/commitment.h"
 #include "common/job_spec.h"
 #include "common/logging.h"
 #include "common/process_stats.h"
@@ -147,6 +148,9 @@ absl::StatusOr<InboundMessage> PipelineDriver::NextMessage() {
     return in->error;
   }
   CountReceived(*in);
+  if (options_.commitments != nullptr) {
+    options_.commitments->RecordReceived(in->message, in->peer, absl::Now());
+  }
   return *std::move(in);
 }
 
@@ -339,6 +343,16 @@ absl::Status PipelineDriver::CountedSend(MessageSink* sink, LinkMessage message,
   ++link->messages;
   const v1::MessageKind kind = message.header.kind();
   const bool training = kind == v1::MESSAGE_KIND_ACTIVATION || kind == v1::MESSAGE_KIND_GRADIENT;
+  // Last, once the header is final: what the receiver holds this worker to.
+  if (IsCommittedKind(kind)) {
+    message.header.set_commitment(CommitmentOf(message.header, message.payload));
+    // A copy: the sink takes the message, and the log keeps its bytes for
+    // a spot check's input (bounded, CommitmentLogOptions).
+    if (options_.commitments != nullptr) {
+      options_.commitments->RecordSent(std::make_shared<const LinkMessage>(message), "",
+                                       absl::Now());
+    }
+  }
   if (training) {
     const double bytes = static_cast<double>(message.payload.size());
     link->wire_bytes_per_message = link->wire_bytes_per_message == 0

@@ -39,6 +39,7 @@
 #include "common/plan_util.h"
 #include "geotrain/v1/coordinator.pb.h"
 #include "geotrain/v1/job.pb.h"
+#include "worker/commitment_log.h"
 #include "worker/message_sink.h"
 #include "worker/outer_sync.h"
 #include "worker/stage_replicas.h"
@@ -213,6 +214,9 @@ struct PipelineDriverOptions {
   // re-plan changes the outer sync's replicas (TrainingSession::Amend). An
   // error ends the run. May be empty.
   std::function<absl::Status()> poll;
+  // Logs the training messages this stage receives and sends, with their
+  // commitments (the evidence spot checks use). Not owned; null: none.
+  CommitmentLog* commitments = nullptr;
   // Told when an outer-sync link broke, a replica's message was refused, or
   // a mean never came: the sync goes on without that replica (its
   // pipeline, or this one when it was the reducer, is the coordinator's to

@@ -242,6 +242,7 @@ PipelineDriverOptions TrainingSession::DriverOptions(const StageRuntime& runtime
                                                      const ReplicaRouter* router,
                                                      bool stale_weights) {
   PipelineDriverOptions o;
+  o.commitments = parts_.commitments;
   o.epoch = plan_.epoch();
   o.stage = plan_.stage();
   o.num_stages = plan_.num_stages();

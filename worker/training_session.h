@@ -78,6 +78,8 @@ struct SessionParts {
   StatsBoard* stats = nullptr;                // required
   // Paces the outer sync's links (null: unpaced).
   std::shared_ptr<SendPacer> outer_pacer;
+  // Logs the pipeline links' training messages (null: none).
+  CommitmentLog* commitments = nullptr;
 };
 
 class TrainingSession {

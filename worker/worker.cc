@@ -539,6 +539,7 @@ absl::Status Worker::Train(const v1::Plan& plan) {
   parts.tied = &tied_;
   parts.stats = &stats_;
   parts.outer_pacer = outer_pacer_;
+  parts.commitments = &commitments_;
   auto session = std::make_shared<TrainingSession>(job_, served, parts, session_options);
   {
     absl::MutexLock lock(&mu_);

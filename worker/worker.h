@@ -150,6 +150,8 @@ class Worker {
   // The outer sync's share of the measured uplink (kOuterUplinkShare).
   SteadyClock clock_;
   std::shared_ptr<UplinkSharePacer> outer_pacer_;
+  // What this worker's pipeline links carried, across its sessions.
+  CommitmentLog commitments_;
   TransportSecurity peer_security_ = TransportSecurity::Insecure();
   // SERVING while this worker trains a stage with its links open;
   // NOT_SERVING before a plan, as a standby, and between plans.

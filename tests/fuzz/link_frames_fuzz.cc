@@ -3,11 +3,15 @@
 // parsed by ParseFrame (split in three buffers, as gRPC's slices would
 // split it) and fed in order to a FrameAssembler whose header check is the
 // validator's; every completed message is validated from both directions.
-// Where protobuf also parses a piece, both must read the same frame.
+// Where protobuf also parses a piece, both must read the same frame. A
+// completed message is validated as it came and, re-committed, as an honest
+// sender would have sent it: no fuzzer finds a SHA-256 match, and the checks
+// after the commitment need inputs that pass it.
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 
+#include "common/commitment.h"
 #include "common/job_spec.h"
 #include "common/link_frame_wire.h"
 #include "common/link_message.h"
@@ -57,10 +61,20 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         (void)geotrain::CheckTensorHeader(t);
       }
     }
+    auto recommitted = [](geotrain::LinkMessage message) {
+      message.header.set_commitment(geotrain::CommitmentOf(message.header, message.payload));
+      return message;
+    };
     auto down = from_downstream.Add(*parts);
-    if (down.ok() && down->has_value()) (void)validator->CheckFromDownstream(**down);
+    if (down.ok() && down->has_value()) {
+      (void)validator->CheckFromDownstream(**down);
+      (void)validator->CheckFromDownstream(recommitted(**down));
+    }
     auto up = assembler.Add(*std::move(parts));
-    if (up.ok() && up->has_value()) (void)validator->CheckFromUpstream(**up);
+    if (up.ok() && up->has_value()) {
+      (void)validator->CheckFromUpstream(**up);
+      (void)validator->CheckFromUpstream(recommitted(**up));
+    }
   }
   return 0;
 }

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/codec.h"
+#include "common/commitment.h"
 #include "common/job_spec.h"
 #include "common/join_token.h"
 #include "common/link_message.h"
@@ -49,7 +50,12 @@ v1::TensorHeader Raw(const TensorSpec& spec) {
   return h;
 }
 
-std::string Frames(const LinkMessage& message) {
+// Committed as a sender commits (so the fuzzer starts from messages that
+// pass the commitment and reach the checks after it).
+std::string Frames(LinkMessage message) {
+  if (IsCommittedKind(message.header.kind())) {
+    message.header.set_commitment(CommitmentOf(message.header, message.payload));
+  }
   std::string out;
   // Frames small enough for the 2-byte piece length.
   for (const v1::LinkFrame& frame : SplitIntoFrames(message, 16000)) {

@@ -23,6 +23,7 @@
 #include <sstream>
 #include <thread>
 
+#include "common/commitment.h"
 #include "common/layer_state.h"
 #include "common/link_message.h"
 #include "common/model_profile.h"
@@ -221,6 +222,14 @@ class LinkRefusalTest : public testing::Test {
     }
   }
 
+  // `m` committed to (as a sender does last) and split into frames.
+  static std::vector<v1::LinkFrame> FramesOf(LinkMessage m) {
+    if (IsCommittedKind(m.header.kind())) {
+      m.header.set_commitment(CommitmentOf(m.header, m.payload));
+    }
+    return SplitIntoFrames(m);
+  }
+
   // A correct activation message for stage 1 of the current plan.
   LinkMessage GoodActivation() {
     LinkMessage m;
@@ -350,10 +359,10 @@ TEST_F(LinkRefusalTest, BadMessagesAreRefusedAndTheWorkerKeepsWorking) {
     LinkMessage m = ZstdTargetsActivation(3);
     const float nan = std::nanf("");
     std::memcpy(&m.payload[8], &nan, 4);
-    cases.push_back({"non-finite activation with zstd'd targets", SplitIntoFrames(m),
+    cases.push_back({"non-finite activation with zstd'd targets", FramesOf(m),
                      grpc::StatusCode::INVALID_ARGUMENT});
   }
-  cases.push_back({"zstd'd targets out of range", SplitIntoFrames(ZstdTargetsActivation(1000)),
+  cases.push_back({"zstd'd targets out of range", FramesOf(ZstdTargetsActivation(1000)),
                    grpc::StatusCode::INVALID_ARGUMENT});
   {
     // A zstd bomb: a small frame that unpacks to 256 MiB, announced as the
@@ -366,7 +375,7 @@ TEST_F(LinkRefusalTest, BadMessagesAreRefusedAndTheWorkerKeepsWorking) {
     m.payload.resize(activation_bytes);
     m.payload += bomb;
     m.header.mutable_tensors(1)->set_payload_bytes(bomb.size());
-    cases.push_back({"zstd bomb", SplitIntoFrames(m), grpc::StatusCode::INVALID_ARGUMENT});
+    cases.push_back({"zstd bomb", FramesOf(m), grpc::StatusCode::INVALID_ARGUMENT});
   }
   {
     LinkMessage m = GoodActivation();
@@ -374,23 +383,23 @@ TEST_F(LinkRefusalTest, BadMessagesAreRefusedAndTheWorkerKeepsWorking) {
     m.header.mutable_tensors(0)->set_payload_bytes(m.header.tensors(0).payload_bytes() +
                                                    4 * job_.microbatch_size());
     m.payload.append(4 * job_.microbatch_size(), '\0');
-    cases.push_back({"wrong shape", SplitIntoFrames(m), grpc::StatusCode::INVALID_ARGUMENT});
+    cases.push_back({"wrong shape", FramesOf(m), grpc::StatusCode::INVALID_ARGUMENT});
   }
   {
     LinkMessage m = GoodActivation();
     m.header.mutable_tensors(1)->set_dtype(v1::DTYPE_FLOAT32);
     m.header.mutable_tensors(1)->set_payload_bytes(job_.microbatch_size() * 4);
     m.payload.resize(m.payload.size() - job_.microbatch_size() * 4);
-    cases.push_back({"wrong dtype", SplitIntoFrames(m), grpc::StatusCode::INVALID_ARGUMENT});
+    cases.push_back({"wrong dtype", FramesOf(m), grpc::StatusCode::INVALID_ARGUMENT});
   }
   {
     LinkMessage m = GoodActivation();
     m.header.set_epoch(plan_.epoch() + 1);
-    cases.push_back({"wrong epoch", SplitIntoFrames(m), grpc::StatusCode::INVALID_ARGUMENT});
+    cases.push_back({"wrong epoch", FramesOf(m), grpc::StatusCode::INVALID_ARGUMENT});
   }
   {
     LinkMessage m = GoodActivation();
-    std::vector<v1::LinkFrame> frames = SplitIntoFrames(m);
+    std::vector<v1::LinkFrame> frames = FramesOf(m);
     frames[0].mutable_data()->resize(frames[0].data().size() / 2);
     cases.push_back({"payload shorter than its header", frames,
                      grpc::StatusCode::INVALID_ARGUMENT});
@@ -398,7 +407,7 @@ TEST_F(LinkRefusalTest, BadMessagesAreRefusedAndTheWorkerKeepsWorking) {
   {
     LinkMessage m = GoodActivation();
     m.header.mutable_tensors(0)->set_payload_bytes(uint64_t{3} << 30);
-    std::vector<v1::LinkFrame> frames = SplitIntoFrames(m);
+    std::vector<v1::LinkFrame> frames = FramesOf(m);
     frames[0].set_last(false);
     cases.push_back({"announced size over the limit", {frames[0]},
                      grpc::StatusCode::INVALID_ARGUMENT});
@@ -407,13 +416,30 @@ TEST_F(LinkRefusalTest, BadMessagesAreRefusedAndTheWorkerKeepsWorking) {
     LinkMessage m = GoodActivation();
     const float nan = std::nanf("");
     std::memcpy(&m.payload[8], &nan, 4);
-    cases.push_back({"non-finite activation", SplitIntoFrames(m),
+    cases.push_back({"non-finite activation", FramesOf(m),
                      grpc::StatusCode::INVALID_ARGUMENT});
   }
   {
     LinkMessage m = GoodActivation();
     m.header.set_kind(v1::MESSAGE_KIND_GRADIENT);
-    cases.push_back({"gradient sent downstream", SplitIntoFrames(m),
+    cases.push_back({"gradient sent downstream", FramesOf(m),
+                     grpc::StatusCode::INVALID_ARGUMENT});
+  }
+  cases.push_back({"activation without a commitment", SplitIntoFrames(GoodActivation()),
+                   grpc::StatusCode::INVALID_ARGUMENT});
+  {
+    // Committed, then changed: one finite value, or the microbatch it
+    // claims to be.
+    LinkMessage m = GoodActivation();
+    m.header.set_commitment(CommitmentOf(m.header, m.payload));
+    LinkMessage changed_value = m;
+    const float value = 0.5f;
+    std::memcpy(&changed_value.payload[8], &value, 4);
+    cases.push_back({"payload changed after its commitment", SplitIntoFrames(changed_value),
+                     grpc::StatusCode::INVALID_ARGUMENT});
+    LinkMessage renamed = m;
+    renamed.header.set_microbatch(1);
+    cases.push_back({"commitment to another microbatch", SplitIntoFrames(renamed),
                      grpc::StatusCode::INVALID_ARGUMENT});
   }
   {
@@ -435,7 +461,7 @@ TEST_F(LinkRefusalTest, BadMessagesAreRefusedAndTheWorkerKeepsWorking) {
 
   // The worker still serves a correct message: it returns the gradient.
   std::vector<v1::LinkFrame> received;
-  const grpc::Status status = Exchange(SplitIntoFrames(GoodActivation()), &received);
+  const grpc::Status status = Exchange(FramesOf(GoodActivation()), &received);
   ASSERT_GE(received.size(), 2u) << status.error_message();
   EXPECT_EQ(received[0].header().kind(), v1::MESSAGE_KIND_HELLO);
   FrameAssembler assembler;
@@ -447,6 +473,8 @@ TEST_F(LinkRefusalTest, BadMessagesAreRefusedAndTheWorkerKeepsWorking) {
   }
   ASSERT_TRUE(gradient.has_value());
   EXPECT_EQ(gradient->header.kind(), v1::MESSAGE_KIND_GRADIENT);
+  // The worker commits to what it sends back.
+  EXPECT_TRUE(CheckCommitment(gradient->header, gradient->payload).ok());
   EXPECT_EQ(gradient->header.tensors(0).shape(0), job_.microbatch_size());
   EXPECT_TRUE(Alive(worker_));
 }
@@ -724,7 +752,7 @@ TEST_F(LinkRefusalTest, AThousandStreamsWithoutHelloAreBounded) {
   ASSERT_TRUE(Alive(worker_));
   // The real link still works.
   std::vector<v1::LinkFrame> received;
-  const grpc::Status status = Exchange(SplitIntoFrames(GoodActivation()), &received);
+  const grpc::Status status = Exchange(FramesOf(GoodActivation()), &received);
   EXPECT_GE(received.size(), 2u) << status.error_message();
 }
 
@@ -748,7 +776,7 @@ TEST_F(LinkRefusalTest, AnUpstreamThatStopsReadingIsCut) {
     LinkMessage m = GoodActivation();
     m.header.set_microbatch(microbatch);
     bool ok = true;
-    for (const v1::LinkFrame& f : SplitIntoFrames(m)) ok = ok && stream->Write(f);
+    for (const v1::LinkFrame& f : FramesOf(m)) ok = ok && stream->Write(f);
     if (!ok) break;
     ++sent;
     if (Clock::now() - start > std::chrono::seconds(60)) break;

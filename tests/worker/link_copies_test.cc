@@ -15,6 +15,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "common/commitment.h"
 #include "common/link_frame_wire.h"
 #include "common/model_profile.h"
 #include "common/rpc_options.h"
@@ -54,6 +55,7 @@ LinkMessage Activation(const v1::JobSpec& job, uint64_t microbatch, const WireEn
   EXPECT_TRUE(EncodeTensor(torch::full({job.microbatch_size()}, 3, torch::kInt64),
                            m.header.add_tensors(), &m.payload)
                   .ok());
+  m.header.set_commitment(CommitmentOf(m.header, m.payload));
   return m;
 }
 

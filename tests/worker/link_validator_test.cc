@@ -8,6 +8,7 @@
 #include <zstd.h>
 
 #include "common/codec.h"
+#include "common/commitment.h"
 #include "common/job_spec.h"
 #include "worker/link_hello.h"
 #include "worker/link_service.h"
@@ -49,22 +50,84 @@ LinkMessage Activation(std::vector<int64_t> shape = {2, 4, 8},
   return m;
 }
 
+// `m` as its sender commits to it, last (common/commitment.h).
+LinkMessage Committed(LinkMessage m) {
+  if (IsCommittedKind(m.header.kind())) {
+    m.header.set_commitment(CommitmentOf(m.header, m.payload));
+  }
+  return m;
+}
+
 v1::LinkHeader Hello(uint64_t epoch, int from_stage) { return MakeHello(epoch, from_stage); }
+
+// A training message is used only with its sender's commitment to exactly
+// its header and payload: none, a short one, one to another microbatch, step
+// or weight version, or to other bytes is refused. What is not the
+// message's content (the receive rate) may change in flight.
+TEST(LinkValidatorTest, ATrainingMessageMustCarryItsCommitment) {
+  LinkValidator v(Job(), 5, 1, 1, 3);
+  EXPECT_EQ(v.CheckFromUpstream(Activation()).code(), absl::StatusCode::kInvalidArgument);
+  const LinkMessage committed = Committed(Activation());
+  ASSERT_EQ(committed.header.commitment().size(), kCommitmentBytes);
+  LinkMessage short_commitment = committed;
+  short_commitment.header.set_commitment(committed.header.commitment().substr(0, 16));
+  EXPECT_EQ(v.CheckFromUpstream(short_commitment).code(), absl::StatusCode::kInvalidArgument);
+  LinkMessage changed_payload = committed;
+  changed_payload.payload[3] = 1;
+  absl::Status refused = v.CheckFromUpstream(changed_payload);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find("commitment"), std::string::npos) << refused;
+  for (auto change : std::vector<void (*)(v1::LinkHeader*)>{
+           [](v1::LinkHeader* h) { h->set_microbatch(1); },
+           [](v1::LinkHeader* h) { h->set_step(2); },
+           [](v1::LinkHeader* h) { h->set_weight_version(3); },
+           [](v1::LinkHeader* h) { h->add_weight_versions(4); },
+           [](v1::LinkHeader* h) { h->mutable_tensors(1)->set_codec(v1::CODEC_FP16); }}) {
+    LinkMessage renamed = committed;
+    change(&renamed.header);
+    EXPECT_NE(CommitmentOf(renamed.header, renamed.payload), committed.header.commitment());
+    EXPECT_EQ(v.CheckFromUpstream(renamed).code(), absl::StatusCode::kInvalidArgument);
+  }
+  LinkMessage rate = committed;
+  rate.header.set_receive_rate_bps(1e6);
+  EXPECT_TRUE(v.CheckFromUpstream(rate).ok());
+  // Only training messages carry one.
+  LinkMessage done;
+  done.header.set_kind(v1::MESSAGE_KIND_DONE);
+  done.header.set_epoch(5);
+  done.header.set_commitment(committed.header.commitment());
+  EXPECT_EQ(v.CheckFromUpstream(done).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// The commitment is a fixed layout's SHA-256, not protobuf bytes: it is the
+// same for the same message on every build. The expected value was computed
+// apart from this code, with Python's hashlib over the layout that
+// common/commitment.cc documents.
+TEST(LinkValidatorTest, ACommitmentIsStableAcrossBuilds) {
+  LinkMessage m;
+  m.header.set_kind(v1::MESSAGE_KIND_GRADIENT);
+  m.header.set_epoch(5);
+  m.header.set_microbatch(7);
+  m.header.set_step(2);
+  AddTensor(&m, {2, 4, 8}, v1::DTYPE_FLOAT32);
+  EXPECT_EQ(CommitmentHex(CommitmentOf(m.header, m.payload)), 
+            "37b578359dd30b5c38163087da2b660fa764419a54b050d58bdd22137c313bf8");
+}
 
 TEST(LinkValidatorTest, AcceptsWhatThePlanImplies) {
   LinkValidator v(Job(), 5, 1, 1, 3);
-  EXPECT_TRUE(v.CheckFromUpstream(Activation()).ok());
-  EXPECT_TRUE(v.CheckFromUpstream(Activation({1, 4, 8})).ok()) << "short last batch";
+  EXPECT_TRUE(v.CheckFromUpstream(Committed(Activation())).ok());
+  EXPECT_TRUE(v.CheckFromUpstream(Committed(Activation({1, 4, 8}))).ok()) << "short last batch";
   EXPECT_TRUE(v.CheckHello(Hello(5, 0)).ok());
   LinkMessage done;
   done.header.set_kind(v1::MESSAGE_KIND_DONE);
   done.header.set_epoch(5);
-  EXPECT_TRUE(v.CheckFromUpstream(done).ok());
+  EXPECT_TRUE(v.CheckFromUpstream(Committed(done)).ok());
   LinkMessage grad;
   grad.header.set_kind(v1::MESSAGE_KIND_GRADIENT);
   grad.header.set_epoch(5);
   AddTensor(&grad, {2, 4, 8}, v1::DTYPE_FLOAT32);
-  EXPECT_TRUE(v.CheckFromDownstream(grad).ok());
+  EXPECT_TRUE(v.CheckFromDownstream(Committed(grad)).ok());
 }
 
 TEST(LinkValidatorTest, RefusesHelloOfWrongEpochOrStage) {
@@ -98,25 +161,25 @@ TEST(LinkValidatorTest, AcceptsHellosOnlyFromTheUpstreamStagesWorkers) {
 
 TEST(LinkValidatorTest, RefusesWrongShapeDtypeEpochKindAndValues) {
   LinkValidator v(Job(), 5, 1, 1, 3);
-  EXPECT_EQ(v.CheckFromUpstream(Activation({2, 4, 9})).code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(v.CheckFromUpstream(Activation({3, 4, 8})).code(), absl::StatusCode::kInvalidArgument)
+  EXPECT_EQ(v.CheckFromUpstream(Committed(Activation({2, 4, 9}))).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(v.CheckFromUpstream(Committed(Activation({3, 4, 8}))).code(), absl::StatusCode::kInvalidArgument)
       << "batch above microbatch_size";
-  EXPECT_EQ(v.CheckFromUpstream(Activation({2, 4, 8}, v1::DTYPE_INT64)).code(),
+  EXPECT_EQ(v.CheckFromUpstream(Committed(Activation({2, 4, 8}, v1::DTYPE_INT64))).code(),
             absl::StatusCode::kInvalidArgument);
   LinkMessage old_epoch = Activation();
   old_epoch.header.set_epoch(4);
-  EXPECT_EQ(v.CheckFromUpstream(old_epoch).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(v.CheckFromUpstream(Committed(old_epoch)).code(), absl::StatusCode::kInvalidArgument);
   LinkMessage gradient_downstream = Activation();
   gradient_downstream.header.set_kind(v1::MESSAGE_KIND_GRADIENT);
-  EXPECT_EQ(v.CheckFromUpstream(gradient_downstream).code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(v.CheckFromDownstream(Activation()).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(v.CheckFromUpstream(Committed(gradient_downstream)).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(v.CheckFromDownstream(Committed(Activation())).code(), absl::StatusCode::kInvalidArgument);
   LinkMessage nan = Activation();
   const float bad = std::numeric_limits<float>::infinity();
   std::memcpy(nan.payload.data() + 12, &bad, 4);
-  EXPECT_EQ(v.CheckFromUpstream(nan).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(v.CheckFromUpstream(Committed(nan)).code(), absl::StatusCode::kInvalidArgument);
   LinkMessage missing_targets = Activation();
   missing_targets.header.mutable_tensors()->RemoveLast();
-  EXPECT_EQ(v.CheckFromUpstream(missing_targets).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(v.CheckFromUpstream(Committed(missing_targets)).code(), absl::StatusCode::kInvalidArgument);
 }
 
 // The activation of Activation() with its float32 tensor replaced by
@@ -140,7 +203,7 @@ TEST(LinkValidatorTest, AZstdFrameMustDeclareTheAnnouncedSize) {
   const std::string raw(256, '\0');
   std::string frame;
   ASSERT_TRUE(ZstdCompress(raw, 1, &frame).ok());
-  EXPECT_TRUE(v.CheckFromUpstream(ZstdActivation(frame)).ok());
+  EXPECT_TRUE(v.CheckFromUpstream(Committed(ZstdActivation(frame))).ok());
 
   // The same content in a frame that does not say how big it is.
   ZSTD_CCtx* cctx = ZSTD_createCCtx();
@@ -151,7 +214,7 @@ TEST(LinkValidatorTest, AZstdFrameMustDeclareTheAnnouncedSize) {
   ASSERT_EQ(ZSTD_compressStream2(cctx, &out, &in, ZSTD_e_end), 0u);
   ZSTD_freeCCtx(cctx);
   unsized.resize(out.pos);
-  absl::Status refused = v.CheckFromUpstream(ZstdActivation(unsized));
+  absl::Status refused = v.CheckFromUpstream(Committed(ZstdActivation(unsized)));
   EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(refused.message().find("does not declare its size"), std::string::npos) << refused;
 
@@ -161,12 +224,12 @@ TEST(LinkValidatorTest, AZstdFrameMustDeclareTheAnnouncedSize) {
   for (int i = 0; i < 8; ++i) huge.push_back(static_cast<char>((uint64_t{4} << 30) >> (8 * i)));
   huge.append("\x01\x00\x00", 3);
   ASSERT_EQ(ZSTD_getFrameContentSize(huge.data(), huge.size()), uint64_t{4} << 30);
-  refused = v.CheckFromUpstream(ZstdActivation(huge));
+  refused = v.CheckFromUpstream(Committed(ZstdActivation(huge)));
   EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(refused.message().find("declares 4294967296 bytes"), std::string::npos) << refused;
 
   // Two frames back to back, or trailing bytes, are not one frame.
-  refused = v.CheckFromUpstream(ZstdActivation(frame + "xx"));
+  refused = v.CheckFromUpstream(Committed(ZstdActivation(frame + "xx")));
   EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
 
   // Gradients too.
@@ -178,10 +241,10 @@ TEST(LinkValidatorTest, AZstdFrameMustDeclareTheAnnouncedSize) {
   grad.header.mutable_tensors(0)->set_encoded_bytes(256);
   grad.header.mutable_tensors(0)->set_payload_bytes(unsized.size());
   grad.payload = unsized;
-  EXPECT_EQ(v.CheckFromDownstream(grad).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(v.CheckFromDownstream(Committed(grad)).code(), absl::StatusCode::kInvalidArgument);
   grad.header.mutable_tensors(0)->set_payload_bytes(frame.size());
   grad.payload = frame;
-  EXPECT_TRUE(v.CheckFromDownstream(grad).ok());
+  EXPECT_TRUE(v.CheckFromDownstream(Committed(grad)).ok());
 }
 
 TEST(LinkValidatorTest, EvaluationAcknowledgementsFlowUpstreamOnlyAndCarryNothing) {
@@ -190,17 +253,17 @@ TEST(LinkValidatorTest, EvaluationAcknowledgementsFlowUpstreamOnlyAndCarryNothin
   ack.header.set_kind(v1::MESSAGE_KIND_EVAL_ACK);
   ack.header.set_epoch(5);
   ack.header.set_step(10);
-  EXPECT_TRUE(v.CheckFromDownstream(ack).ok());
-  EXPECT_EQ(v.CheckFromUpstream(ack).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(v.CheckFromDownstream(Committed(ack)).ok());
+  EXPECT_EQ(v.CheckFromUpstream(Committed(ack)).code(), absl::StatusCode::kInvalidArgument);
   LinkMessage old_epoch = ack;
   old_epoch.header.set_epoch(4);
-  EXPECT_EQ(v.CheckFromDownstream(old_epoch).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(v.CheckFromDownstream(Committed(old_epoch)).code(), absl::StatusCode::kInvalidArgument);
   LinkMessage with_tensor = ack;
   AddTensor(&with_tensor, {2, 4, 8}, v1::DTYPE_FLOAT32);
-  EXPECT_EQ(v.CheckFromDownstream(with_tensor).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(v.CheckFromDownstream(Committed(with_tensor)).code(), absl::StatusCode::kInvalidArgument);
   LinkMessage with_payload = ack;
   with_payload.payload = "unexpected";
-  EXPECT_EQ(v.CheckFromDownstream(with_payload).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(v.CheckFromDownstream(Committed(with_payload)).code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(LinkValidatorTest, StageZeroAcceptsNoLinks) {
@@ -213,7 +276,7 @@ TEST(LinkValidatorTest, RefusesTargetsOutOfRange) {
   for (int64_t bad : {int64_t{256}, int64_t{-1}}) {
     LinkMessage m = Activation();
     std::memcpy(&m.payload[m.header.tensors(0).payload_bytes() + 8], &bad, 8);
-    EXPECT_EQ(v.CheckFromUpstream(m).code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_EQ(v.CheckFromUpstream(Committed(m)).code(), absl::StatusCode::kInvalidArgument) << bad;
   }
 }
 
@@ -221,7 +284,7 @@ TEST(LinkValidatorTest, FirstStageInputIsTokens) {
   LinkValidator v(Job(), 1, 1, 0, 1);  // a stage whose first layer is the embedding
   LinkMessage tokens = Activation({2, 4}, v1::DTYPE_INT64);
   tokens.header.set_epoch(1);
-  EXPECT_TRUE(v.CheckFromUpstream(tokens).ok());
+  EXPECT_TRUE(v.CheckFromUpstream(Committed(tokens)).ok());
 }
 
 }  // namespace
@@ -274,8 +337,8 @@ TEST(LinkValidatorTest, OuterMessagesRoundTripAndFitTheStageExactly) {
     EXPECT_EQ(back->layers[i].SerializeAsString(), delta.layers[i].SerializeAsString());
   }
   // Only on a replica link: a pipeline neighbour may not send one.
-  EXPECT_FALSE(v.CheckFromUpstream(wire).ok());
-  EXPECT_FALSE(v.CheckFromDownstream(wire).ok());
+  EXPECT_FALSE(v.CheckFromUpstream(Committed(wire)).ok());
+  EXPECT_FALSE(v.CheckFromDownstream(Committed(wire)).ok());
   // Nor an activation on a replica link.
   EXPECT_FALSE(v.CheckFromReplica(Activation()).ok());
 

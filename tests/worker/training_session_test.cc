@@ -24,6 +24,7 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/commitment.h"
 #include "common/job_spec.h"
 
 namespace geotrain {
@@ -109,6 +110,10 @@ class FakeNetwork {
       auto it = active_.find(to);
       if (it == active_.end()) return absl::UnavailableError(absl::StrCat("'", to, "' is gone"));
       const v1::LinkHeader& h = message.header;
+      // Every training message leaves a session committed to (as a real
+      // link's receiver checks).
+      EXPECT_TRUE(CheckCommitment(h, message.payload).ok())
+          << from << " -> " << to << ": " << CheckCommitment(h, message.payload);
       if (from_upstream && h.kind() == v1::MESSAGE_KIND_ACTIVATION) {
         origin_[{to, h.microbatch()}] = from;
       }
@@ -490,6 +495,7 @@ struct TestWorker {
   std::unique_ptr<FakeReplicas> replicas;
   std::unique_ptr<StageRuntime> runtime;
   StatsBoard stats;
+  CommitmentLog commitments;
   std::shared_ptr<TrainingSession> session;
   absl::Status result;
   // Set once the session's thread has written `result` (and touches the
@@ -584,6 +590,7 @@ class TrainingSessionTest : public ::testing::Test {
       parts.links = w->links.get();
       parts.replicas = w->replicas.get();
       parts.stats = &w->stats;
+      parts.commitments = &w->commitments;
       SessionOptions options;
       options.done_retry_interval = absl::Milliseconds(10);
       w->session = std::make_shared<TrainingSession>(job_, *served, parts, options);
@@ -644,6 +651,28 @@ TEST_F(TrainingSessionTest, TrainsToDoneAndReportsIt) {
   EXPECT_EQ(last.coordinator->final_stats(), 1);
   for (const auto& link : first.links->dialled()) EXPECT_TRUE(link->closed());
   EXPECT_TRUE(first.coordinator->events().empty());
+  // Both ends logged every training message, and agree on what was sent:
+  // the receiver's entry holds the sender to the bytes the sender kept.
+  using Direction = CommitmentLog::Direction;
+  const uint64_t microbatches = 8 * job_.microbatches();  // 8 steps
+  EXPECT_EQ(first.commitments.entries(Direction::kSent), microbatches);
+  EXPECT_EQ(first.commitments.entries(Direction::kReceived), microbatches);
+  EXPECT_EQ(last.commitments.entries(Direction::kReceived), microbatches);
+  for (uint64_t mb = 0; mb < microbatches; ++mb) {
+    std::optional<LoggedMessage> sent =
+        first.commitments.Find(Direction::kSent, v1::MESSAGE_KIND_ACTIVATION, 1, mb);
+    std::optional<LoggedMessage> received =
+        last.commitments.Find(Direction::kReceived, v1::MESSAGE_KIND_ACTIVATION, 1, mb);
+    ASSERT_TRUE(sent.has_value() && received.has_value()) << mb;
+    EXPECT_EQ(received->peer, "w0");
+    EXPECT_EQ(received->commitment, sent->commitment);
+    ASSERT_NE(sent->message, nullptr);
+    EXPECT_TRUE(CheckCommitment(sent->message->header, sent->message->payload).ok());
+    std::optional<LoggedMessage> gradient =
+        first.commitments.Find(Direction::kReceived, v1::MESSAGE_KIND_GRADIENT, 1, mb);
+    ASSERT_TRUE(gradient.has_value()) << mb;
+    EXPECT_EQ(gradient->peer, "w1");
+  }
 }
 
 TEST_F(TrainingSessionTest, PlanChangeMidStepEndsQuietlyAndTheNextPlanFinishes) {

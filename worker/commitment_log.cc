@@ -1,0 +1,95 @@
+#include "worker/commitment_log.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "common/commitment.h"
+
+namespace geotrain {
+namespace {
+
+LoggedMessage EntryOf(const LinkMessage& message, std::string peer, absl::Time at) {
+  LoggedMessage entry;
+  entry.kind = message.header.kind();
+  entry.epoch = message.header.epoch();
+  entry.microbatch = message.header.microbatch();
+  entry.step = message.header.step();
+  entry.weight_version = message.header.weight_version();
+  entry.commitment = message.header.commitment();
+  entry.payload_bytes = message.payload.size();
+  entry.peer = std::move(peer);
+  entry.at = at;
+  return entry;
+}
+
+}  // namespace
+
+CommitmentLog::CommitmentLog(CommitmentLogOptions options) : options_(options) {}
+
+void CommitmentLog::RecordReceived(const LinkMessage& message, std::string peer, absl::Time at) {
+  if (!IsCommittedKind(message.header.kind())) return;
+  absl::MutexLock lock(&mu_);
+  AppendLocked(&received_, EntryOf(message, std::move(peer), at));
+}
+
+void CommitmentLog::RecordSent(std::shared_ptr<const LinkMessage> message, std::string peer,
+                               absl::Time at) {
+  if (message == nullptr || !IsCommittedKind(message->header.kind())) return;
+  LoggedMessage entry = EntryOf(*message, std::move(peer), at);
+  absl::MutexLock lock(&mu_);
+  if (message->payload.size() <= options_.max_payload_bytes) {
+    kept_bytes_ += message->payload.size();
+    entry.message = std::move(message);
+  }
+  AppendLocked(&sent_, std::move(entry));
+  TrimPayloadsLocked();
+}
+
+void CommitmentLog::AppendLocked(Side* side, LoggedMessage entry) {
+  const Key key{entry.kind, entry.epoch, entry.microbatch};
+  side->newest[key] = side->first_index + side->entries.size();
+  side->entries.push_back(std::move(entry));
+  while (side->entries.size() > std::max<size_t>(1, options_.max_entries)) {
+    const LoggedMessage& oldest = side->entries.front();
+    const Key oldest_key{oldest.kind, oldest.epoch, oldest.microbatch};
+    auto it = side->newest.find(oldest_key);
+    if (it != side->newest.end() && it->second == side->first_index) side->newest.erase(it);
+    if (oldest.message != nullptr) kept_bytes_ -= oldest.payload_bytes;
+    side->entries.pop_front();
+    ++side->first_index;
+  }
+}
+
+void CommitmentLog::TrimPayloadsLocked() {
+  first_kept_ = std::max(first_kept_, sent_.first_index);
+  while (kept_bytes_ > options_.max_payload_bytes &&
+         first_kept_ < sent_.first_index + sent_.entries.size()) {
+    LoggedMessage& entry = sent_.entries[first_kept_ - sent_.first_index];
+    if (entry.message != nullptr) {
+      kept_bytes_ -= entry.payload_bytes;
+      entry.message.reset();
+    }
+    ++first_kept_;
+  }
+}
+
+std::optional<LoggedMessage> CommitmentLog::Find(Direction direction, v1::MessageKind kind,
+                                                 uint64_t epoch, uint64_t microbatch) const {
+  absl::MutexLock lock(&mu_);
+  const Side& side = direction == Direction::kReceived ? received_ : sent_;
+  auto it = side.newest.find(Key{kind, epoch, microbatch});
+  if (it == side.newest.end()) return std::nullopt;
+  return side.entries[it->second - side.first_index];
+}
+
+size_t CommitmentLog::entries(Direction direction) const {
+  absl::MutexLock lock(&mu_);
+  return (direction == Direction::kReceived ? received_ : sent_).entries.size();
+}
+
+uint64_t CommitmentLog::kept_payload_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return kept_bytes_;
+}
+
+}  // namespace geotrain
