@@ -29,8 +29,12 @@
 namespace geotrain {
 
 struct CommitmentLogOptions {
-  size_t max_entries = 16384;                  // per direction
-  uint64_t max_payload_bytes = uint64_t{64} << 20;  // sent messages' bytes kept
+  size_t max_entries = 16384;  // per direction (a few MiB of commitments)
+  // Sent messages' bytes kept: a spot check's inputs for the last steps
+  // (the demo GPT's 60 newest activations). It is resident memory on every
+  // worker, so it stays small until the spot checks size it from their
+  // window.
+  uint64_t max_payload_bytes = uint64_t{8} << 20;
 };
 
 struct LoggedMessage {
