@@ -15,7 +15,7 @@ namespace {
 // geotrain hashes.
 constexpr absl::string_view kDomain = "geotrain.link-commitment.v1";
 
-// Appends fixed-width little-endian integers and length-prefixed bytes.
+// Appends fixed-width little-endian integers.
 class Layout {
  public:
   void U64(uint64_t value) {

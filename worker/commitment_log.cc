@@ -32,15 +32,13 @@ void CommitmentLog::RecordReceived(const LinkMessage& message, std::string peer,
   AppendLocked(&received_, EntryOf(message, std::move(peer), at));
 }
 
-void CommitmentLog::RecordSent(std::shared_ptr<const LinkMessage> message, std::string peer,
-                               absl::Time at) {
-  if (message == nullptr || !IsCommittedKind(message->header.kind())) return;
-  LoggedMessage entry = EntryOf(*message, std::move(peer), at);
+void CommitmentLog::RecordSent(const LinkMessage& message, absl::Time at) {
+  if (!IsCommittedKind(message.header.kind())) return;
+  LoggedMessage entry = EntryOf(message, "", at);
+  const bool keep = message.payload.size() <= options_.max_payload_bytes;
+  if (keep) entry.message = std::make_shared<const LinkMessage>(message);  // outside the lock
   absl::MutexLock lock(&mu_);
-  if (message->payload.size() <= options_.max_payload_bytes) {
-    kept_bytes_ += message->payload.size();
-    entry.message = std::move(message);
-  }
+  if (keep) kept_bytes_ += message.payload.size();
   AppendLocked(&sent_, std::move(entry));
   TrimPayloadsLocked();
 }

@@ -46,8 +46,7 @@ struct LoggedMessage {
   std::string commitment;
   uint64_t payload_bytes = 0;
   // Received: the sender's worker id (its link's authenticated peer).
-  // Sent: the receiver's where the sender knows it (empty through a
-  // replica router, which picks it).
+  // Sent: empty (the link, or a replica router, picks the receiver).
   std::string peer;
   absl::Time at;
   // Sent messages, while the byte bound keeps them: the whole message.
@@ -63,7 +62,9 @@ class CommitmentLog {
   // Logs a committed message (IsCommittedKind); others are ignored. A
   // received message must have passed its commitment check (LinkValidator).
   void RecordReceived(const LinkMessage& message, std::string peer, absl::Time at);
-  void RecordSent(std::shared_ptr<const LinkMessage> message, std::string peer, absl::Time at);
+  // A sent message: its commitment, and a copy of it when it fits the byte
+  // bound (only then is it copied).
+  void RecordSent(const LinkMessage& message, absl::Time at);
 
   // The newest entry of `direction` for (kind, epoch, microbatch), if still
   // logged.

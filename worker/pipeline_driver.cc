@@ -346,12 +346,9 @@ absl::Status PipelineDriver::CountedSend(MessageSink* sink, LinkMessage message,
   // Last, once the header is final: what the receiver holds this worker to.
   if (IsCommittedKind(kind)) {
     message.header.set_commitment(CommitmentOf(message.header, message.payload));
-    // A copy: the sink takes the message, and the log keeps its bytes for
-    // a spot check's input (bounded, CommitmentLogOptions).
-    if (options_.commitments != nullptr) {
-      options_.commitments->RecordSent(std::make_shared<const LinkMessage>(message), "",
-                                       absl::Now());
-    }
+    // The log keeps a copy of its bytes for a spot check's input while
+    // they fit its bound (CommitmentLogOptions).
+    if (options_.commitments != nullptr) options_.commitments->RecordSent(message, absl::Now());
   }
   if (training) {
     const double bytes = static_cast<double>(message.payload.size());

@@ -22,16 +22,12 @@ LinkMessage Message(v1::MessageKind kind, uint64_t microbatch, size_t bytes,
   return m;
 }
 
-std::shared_ptr<const LinkMessage> Shared(LinkMessage m) {
-  return std::make_shared<const LinkMessage>(std::move(m));
-}
-
 TEST(CommitmentLogTest, FindsWhatWasReceivedAndSentByMicrobatch) {
   CommitmentLog log;
   const absl::Time at = absl::FromUnixSeconds(100);
   const LinkMessage received = Message(v1::MESSAGE_KIND_ACTIVATION, 5, 64);
   log.RecordReceived(received, "w-up", at);
-  log.RecordSent(Shared(Message(v1::MESSAGE_KIND_GRADIENT, 5, 32)), "", at);
+  log.RecordSent(Message(v1::MESSAGE_KIND_GRADIENT, 5, 32), at);
   // Not training traffic: nothing to commit to, nothing logged.
   LinkMessage done;
   done.header.set_kind(v1::MESSAGE_KIND_DONE);
@@ -68,7 +64,7 @@ TEST(CommitmentLogTest, MemoryIsBoundedOldestFirst) {
   const absl::Time at = absl::FromUnixSeconds(100);
   for (uint64_t mb = 0; mb < 1000; ++mb) {
     log.RecordReceived(Message(v1::MESSAGE_KIND_ACTIVATION, mb, 10), "w-up", at);
-    log.RecordSent(Shared(Message(v1::MESSAGE_KIND_ACTIVATION, mb, 1000)), "w-down", at);
+    log.RecordSent(Message(v1::MESSAGE_KIND_ACTIVATION, mb, 1000), at);
     ASSERT_LE(log.entries(Direction::kReceived), 100u);
     ASSERT_LE(log.entries(Direction::kSent), 100u);
     ASSERT_LE(log.kept_payload_bytes(), 10u * 1000);
@@ -87,7 +83,7 @@ TEST(CommitmentLogTest, MemoryIsBoundedOldestFirst) {
   EXPECT_EQ(kept->message->payload, std::string(1000, static_cast<char>('a' + 990 % 26)));
   EXPECT_EQ(log.kept_payload_bytes(), 10u * 1000);
   // A message larger than the whole bound keeps only its commitment.
-  log.RecordSent(Shared(Message(v1::MESSAGE_KIND_GRADIENT, 1, 20 * 1000)), "", at);
+  log.RecordSent(Message(v1::MESSAGE_KIND_GRADIENT, 1, 20 * 1000), at);
   std::optional<LoggedMessage> big = log.Find(Direction::kSent, v1::MESSAGE_KIND_GRADIENT, 3, 1);
   ASSERT_TRUE(big.has_value());
   EXPECT_EQ(big->message, nullptr);
