@@ -1,0 +1,296 @@
+#include "worker/stage_verifier.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <unistd.h>
+
+#include <fstream>
+#include <functional>
+
+#include "common/codec.h"
+#include "common/commitment.h"
+#include "common/job_spec.h"
+#include "common/tensor_wire.h"
+#include "worker/output_check.h"
+
+namespace geotrain {
+namespace {
+
+LinkMessage Committed(LinkMessage message) {
+  message.header.set_commitment(CommitmentOf(message.header, message.payload));
+  return message;
+}
+
+// What a dishonest stage sends: its first tensor changed, re-encoded as the
+// honest one was, and committed (a sender commits to what it sends).
+LinkMessage Tampered(const LinkMessage& claim,
+                     const std::function<torch::Tensor(const torch::Tensor&)>& change) {
+  auto original = DecodeTensor(claim.header.tensors(0), claim.payload, 0);
+  EXPECT_TRUE(original.ok()) << original.status();
+  LinkMessage out;
+  out.header = claim.header;
+  out.header.clear_tensors();
+  out.header.clear_commitment();
+  const v1::TensorHeader& first = claim.header.tensors(0);
+  WireEncoding encoding;
+  encoding.codec = first.codec();
+  if (first.block_size() > 0) encoding.block_size = static_cast<int>(first.block_size());
+  EXPECT_TRUE(EncodeTensor(change(*original).contiguous(), out.header.add_tensors(), &out.payload,
+                           encoding)
+                  .ok());
+  size_t offset = first.payload_bytes();
+  for (int i = 1; i < claim.header.tensors_size(); ++i) {
+    *out.header.add_tensors() = claim.header.tensors(i);
+    out.payload.append(claim.payload, offset, claim.header.tensors(i).payload_bytes());
+    offset += claim.header.tensors(i).payload_bytes();
+  }
+  return Committed(out);
+}
+
+// A 3-stage demo GPT (embedding and a block | a block | the head) that
+// trains two steps, then computes one microbatch with every message
+// committed, keeping what a spot check's evidence would hold.
+class StageVerifierTest : public testing::Test {
+ protected:
+  void SetUp() override {
+    corpus_ = testing::TempDir() + "/stage_verifier_corpus." + std::to_string(getpid()) + ".txt";
+    std::ofstream out(corpus_);
+    for (int i = 0; i < 400; ++i) out << "the quick brown fox " << i << " jumps over the lazy dog\n";
+    out.close();
+    auto job = ParseJobSpec(
+        "gpt { context: 16 d_model: 32 heads: 4 blocks: 2 } text { paths: \"" + corpus_ +
+            "\" } steps: 4 microbatches: 2 microbatch_size: 4 seed: 7",
+        "test");
+    ASSERT_TRUE(job.ok()) << job.status();
+    job_ = *job;
+  }
+
+  std::unique_ptr<StageRuntime> Make(int stage, int begin, int end, v1::Codec codec) {
+    RuntimeOptions options;
+    options.activation_encoding.codec = codec;
+    options.gradient_encoding.codec = codec;
+    auto runtime = StageRuntime::Create(job_, {stage, 3, begin, end}, options);
+    EXPECT_TRUE(runtime.ok()) << runtime.status();
+    return std::move(*runtime);
+  }
+
+  static constexpr int kBegin[3] = {0, 2, 3};
+  static constexpr int kEnd[3] = {2, 3, 4};
+
+  // Runs the pipeline with `codec` on every link: two training steps, then
+  // microbatch 0 of step 2, whose messages and weights it keeps.
+  void RunPipeline(v1::Codec codec) {
+    for (int k = 0; k < 3; ++k) stages_[k] = Make(k, kBegin[k], kEnd[k], codec);
+    for (int step = 0; step < 3; ++step) {
+      for (int mb = 0; mb < job_.microbatches(); ++mb) {
+        auto data = stages_[0]->LoadTrainMicrobatch(step, mb);
+        ASSERT_TRUE(data.ok()) << data.status();
+        auto a0 = stages_[0]->Forward(*data);
+        ASSERT_TRUE(a0.ok()) << a0.status();
+        auto a1 = stages_[1]->Forward(*a0);
+        ASSERT_TRUE(a1.ok()) << a1.status();
+        auto result = stages_[2]->ForwardLoss(*a1);
+        ASSERT_TRUE(result.ok() && result->gradient.has_value()) << result.status();
+        auto g0 = stages_[1]->Backward(*result->gradient);
+        ASSERT_TRUE(g0.ok() && g0->has_value()) << g0.status();
+        ASSERT_TRUE(stages_[0]->Backward(**g0).ok());
+        if (step == 2 && mb == 0) {
+          data_ = *data;
+          activation_[0] = Committed(*a0);
+          activation_[1] = Committed(*a1);
+          gradient_[2] = Committed(*result->gradient);
+          gradient_[1] = Committed(**g0);
+          for (int k = 0; k < 3; ++k) {
+            auto weights = stages_[k]->ExportCheckpoint(step);
+            ASSERT_TRUE(weights.ok()) << weights.status();
+            weights_[k] = *weights;
+            digest_[k] = stages_[k]->WeightsDigest();
+          }
+        }
+      }
+      for (int k = 0; k < 3; ++k) ASSERT_TRUE(stages_[k]->ApplyUpdate(0.5).ok());
+    }
+  }
+
+  AuditedComputation ActivationAudit(int stage) {
+    AuditedComputation audit;
+    audit.weights = weights_[stage];
+    audit.weights_digest = digest_[stage];
+    audit.input = stage == 0 ? data_ : activation_[stage - 1];
+    audit.claim = activation_[stage];
+    return audit;
+  }
+
+  AuditedComputation GradientAudit(int stage) {
+    AuditedComputation audit;
+    audit.weights = weights_[stage];
+    audit.weights_digest = digest_[stage];
+    audit.input = activation_[stage - 1];
+    if (stage < 2) audit.output_gradient = gradient_[stage + 1];
+    audit.claim = gradient_[stage];
+    return audit;
+  }
+
+  OutputComparison Verify(int stage, const AuditedComputation& audit) {
+    auto verifier = StageVerifier::Create(job_, {stage, 3, kBegin[stage], kEnd[stage]});
+    EXPECT_TRUE(verifier.ok()) << verifier.status();
+    auto result = (*verifier)->Verify(audit);
+    EXPECT_TRUE(result.ok()) << result.status();
+    return result.ok() ? *result : OutputComparison{};
+  }
+
+  std::string corpus_;
+  v1::JobSpec job_;
+  std::unique_ptr<StageRuntime> stages_[3];
+  LinkMessage data_;
+  LinkMessage activation_[2];
+  LinkMessage gradient_[3];  // gradient_[k]: what stage k sent upstream
+  std::vector<v1::LayerCheckpoint> weights_[3];
+  std::string digest_[3];
+};
+
+// Every honest computation passes, under every codec a recomputation can
+// bound: activations of stages 0 and 1, gradients of stages 1 and 2.
+TEST_F(StageVerifierTest, HonestStagesPassUnderEveryBoundedCodec) {
+  for (v1::Codec codec : {v1::CODEC_NONE, v1::CODEC_FP16, v1::CODEC_BF16, v1::CODEC_INT8,
+                          v1::CODEC_INT4}) {
+    SCOPED_TRACE(CodecName(codec));
+    RunPipeline(codec);
+    for (int stage : {0, 1}) {
+      OutputComparison result = Verify(stage, ActivationAudit(stage));
+      EXPECT_TRUE(result.passed) << "activation of stage " << stage << ": " << result.Summary();
+      EXPECT_GT(result.elements, 0);
+    }
+    for (int stage : {1, 2}) {
+      OutputComparison result = Verify(stage, GradientAudit(stage));
+      EXPECT_TRUE(result.passed) << "gradient of stage " << stage << ": " << result.Summary();
+    }
+  }
+}
+
+// The issue's dishonest outputs, each caught on the first audited
+// microbatch, with int8 on the links (the codec that hides the most).
+TEST_F(StageVerifierTest, ChangedOutputsFail) {
+  RunPipeline(v1::CODEC_INT8);
+  struct Case {
+    const char* name;
+    bool gradient;
+    std::function<torch::Tensor(const torch::Tensor&)> change;
+  };
+  torch::manual_seed(3);
+  const std::vector<Case> cases = {
+      {"activation x 1.05", false, [](const torch::Tensor& t) { return t * 1.05; }},
+      {"activation + 1% noise", false,
+       [](const torch::Tensor& t) {
+         torch::Tensor noise = torch::randn_like(t);
+         return t + noise * (0.01 * t.norm() / noise.norm());
+       }},
+      {"gradient sign flipped", true, [](const torch::Tensor& t) { return -t; }},
+      {"gradient x 10", true, [](const torch::Tensor& t) { return t * 10; }},
+      {"gradient + 1% noise", true,
+       [](const torch::Tensor& t) {
+         torch::Tensor noise = torch::randn_like(t);
+         return t + noise * (0.01 * t.norm() / noise.norm());
+       }},
+  };
+  for (const Case& c : cases) {
+    AuditedComputation audit = c.gradient ? GradientAudit(1) : ActivationAudit(1);
+    audit.claim = Tampered(audit.claim, c.change);
+    OutputComparison result = Verify(1, audit);
+    EXPECT_FALSE(result.passed) << c.name << ": " << result.Summary();
+    std::cout << c.name << ": " << result.Summary() << "\n";
+  }
+}
+
+// A stage that skipped its updates computes with older weights than the
+// ones it commits to; one that skipped a layer computes something else.
+TEST_F(StageVerifierTest, StaleWeightsAndASkippedLayerFail) {
+  RunPipeline(v1::CODEC_INT8);
+  // Stale: stage 1's weights of step 0 (a fresh copy), on the same input.
+  auto stale = Make(1, 2, 3, v1::CODEC_INT8);
+  auto output = stale->Forward(activation_[0]);
+  ASSERT_TRUE(output.ok()) << output.status();
+  AuditedComputation audit = ActivationAudit(1);
+  audit.claim = Committed(*output);
+  OutputComparison result = Verify(1, audit);
+  EXPECT_FALSE(result.passed) << "stale: " << result.Summary();
+  std::cout << "stale weights: " << result.Summary() << "\n";
+
+  // Skipped: stage 0 ran its embedding but not its block.
+  auto skipping = Make(0, 0, 1, v1::CODEC_INT8);
+  ASSERT_TRUE(skipping->RestoreCheckpoint({weights_[0][0]}).ok());
+  auto skipped = skipping->Forward(data_);
+  ASSERT_TRUE(skipped.ok()) << skipped.status();
+  audit = ActivationAudit(0);
+  audit.claim = Committed(*skipped);
+  result = Verify(0, audit);
+  EXPECT_FALSE(result.passed) << "skipped layer: " << result.Summary();
+  std::cout << "skipped layer: " << result.Summary() << "\n";
+}
+
+// Evidence that does not hold together is an error, not a verdict: weights
+// that are not the committed ones, a logged input whose bytes changed, a
+// gradient of another microbatch.
+TEST_F(StageVerifierTest, EvidenceThatDoesNotHoldIsRefused) {
+  RunPipeline(v1::CODEC_NONE);
+  auto verifier = StageVerifier::Create(job_, {1, 3, kBegin[1], kEnd[1]});
+  ASSERT_TRUE(verifier.ok());
+
+  AuditedComputation audit = ActivationAudit(1);
+  audit.weights = weights_[1];
+  audit.weights_digest = digest_[0];
+  auto result = (*verifier)->Verify(audit);
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(result.status().message().find("committed"), std::string::npos) << result.status();
+
+  audit = ActivationAudit(1);
+  audit.input.payload[3] ^= 1;
+  result = (*verifier)->Verify(audit);
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kFailedPrecondition) << result.status();
+
+  audit = ActivationAudit(1);
+  audit.claim.header.clear_commitment();
+  result = (*verifier)->Verify(audit);
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kFailedPrecondition) << result.status();
+
+  audit = GradientAudit(1);
+  audit.output_gradient->header.set_microbatch(audit.claim.header.microbatch() + 1);
+  *audit.output_gradient = Committed(*audit.output_gradient);
+  result = (*verifier)->Verify(audit);
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kFailedPrecondition) << result.status();
+
+  // The verifier is still good after refusals.
+  result = (*verifier)->Verify(ActivationAudit(1));
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_TRUE(result->passed) << result->Summary();
+}
+
+// topk with error feedback adds the sender's residual, which no
+// recomputation has: such a claim is unverifiable, never failed.
+TEST_F(StageVerifierTest, TopkIsUnverifiable) {
+  RunPipeline(v1::CODEC_NONE);
+  AuditedComputation audit = ActivationAudit(1);
+  LinkMessage topk;
+  topk.header = audit.claim.header;
+  topk.header.clear_tensors();
+  topk.header.clear_commitment();
+  auto values = DecodeTensor(audit.claim.header.tensors(0), audit.claim.payload, 0);
+  ASSERT_TRUE(values.ok());
+  WireEncoding encoding;
+  encoding.codec = v1::CODEC_TOPK;
+  encoding.topk_fraction = 0.5;
+  ASSERT_TRUE(EncodeTensor(*values, topk.header.add_tensors(), &topk.payload, encoding).ok());
+  for (int i = 1; i < audit.claim.header.tensors_size(); ++i) {
+    *topk.header.add_tensors() = audit.claim.header.tensors(i);
+  }
+  topk.payload.append(audit.claim.payload, audit.claim.header.tensors(0).payload_bytes(),
+                      std::string::npos);
+  audit.claim = Committed(topk);
+  OutputComparison result = Verify(1, audit);
+  EXPECT_FALSE(result.verifiable) << result.Summary();
+  EXPECT_FALSE(result.passed);
+}
+
+}  // namespace
+}  // namespace geotrain

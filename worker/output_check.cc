@@ -1,0 +1,165 @@
+#include "worker/output_check.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/codec.h"
+#include "common/status_macros.h"
+#include "common/tensor_wire.h"
+
+namespace geotrain {
+namespace {
+
+constexpr int kDeviceBlock = 64;  // the device term's block, for every codec
+
+// Each element's block's largest magnitude, blocks of `block` elements of
+// the flattened tensor (the int8/int4 codecs' layout).
+torch::Tensor BlockAbsMax(const torch::Tensor& flat, int block) {
+  const int64_t n = flat.numel();
+  const int64_t blocks = (n + block - 1) / block;
+  torch::Tensor padded = torch::zeros({blocks * block}, flat.options());
+  padded.narrow(0, 0, n).copy_(flat.abs());
+  return std::get<0>(padded.view({blocks, block}).max(1))
+      .repeat_interleave(block)
+      .narrow(0, 0, n);
+}
+
+// The codec's share of each element's bound, or nullopt when the codec
+// cannot be recomputed.
+std::optional<torch::Tensor> CodecBound(const v1::TensorHeader& header,
+                                        const torch::Tensor& reference) {
+  const int block = header.block_size() > 0 ? static_cast<int>(header.block_size()) : 64;
+  switch (header.codec()) {
+    case v1::CODEC_NONE:
+      return torch::zeros_like(reference);
+    case v1::CODEC_FP16: {
+      torch::Tensor magnitude = reference.abs();
+      return magnitude * std::ldexp(1.0, -11) + (magnitude - 65504.0).clamp_min(0);
+    }
+    case v1::CODEC_BF16:
+      return reference.abs() * std::ldexp(1.0, -8);
+    case v1::CODEC_INT8:
+      return BlockAbsMax(reference, block) / 254.0;
+    case v1::CODEC_INT4:
+      return BlockAbsMax(reference, block) / 14.0;
+    default:
+      return std::nullopt;
+  }
+}
+
+absl::StatusOr<size_t> OffsetOf(const LinkMessage& message, int index) {
+  uint64_t offset = 0;
+  for (int j = 0; j < index; ++j) offset += message.header.tensors(j).payload_bytes();
+  if (offset > message.payload.size()) {
+    return absl::InvalidArgumentError("tensor payloads exceed the message");
+  }
+  return static_cast<size_t>(offset);
+}
+
+absl::StatusOr<torch::Tensor> Decoded(const LinkMessage& message, int index) {
+  ASSIGN_OR_RETURN(const size_t offset, OffsetOf(message, index));
+  try {
+    ASSIGN_OR_RETURN(torch::Tensor t,
+                     DecodeTensor(message.header.tensors(index), message.payload, offset));
+    return t.reshape({-1});
+  } catch (const c10::Error& e) {
+    return absl::InvalidArgumentError(absl::StrCat("decoding tensor ", index, ": ", e.what()));
+  }
+}
+
+OutputComparison Mismatch(std::string what) {
+  OutputComparison result;
+  result.mismatch = std::move(what);
+  result.worst_ratio = INFINITY;
+  result.relative_distance = INFINITY;
+  return result;
+}
+
+}  // namespace
+
+double DeviceTolerance(const std::string& audited_device, const std::string& verifier_device) {
+  const bool gpu = audited_device.rfind("cuda", 0) == 0 || verifier_device.rfind("cuda", 0) == 0;
+  return gpu ? 2e-2 : 1e-4;
+}
+
+std::string OutputComparison::Summary() const {
+  if (!verifiable) return absl::StrCat("unverifiable: ", unverifiable_reason);
+  if (!mismatch.empty()) return absl::StrCat("FAILED: the ", mismatch, " differs");
+  return absl::StrFormat("%s: %d of %d elements outside the bound, worst %.3g x bound, "
+                         "relative distance %.3g",
+                         passed ? "passed" : "FAILED", violations, elements, worst_ratio,
+                         relative_distance);
+}
+
+absl::StatusOr<OutputComparison> CompareOutputs(const LinkMessage& claimed,
+                                                const LinkMessage& recomputed,
+                                                const OutputTolerance& tolerance) {
+  const int count = recomputed.header.tensors_size();
+  for (int i = 0; i < count; ++i) {
+    const v1::TensorHeader& h = recomputed.header.tensors(i);
+    if (h.dtype() == v1::DTYPE_FLOAT32 && (h.codec() != v1::CODEC_NONE || h.zstd())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the recomputed tensor ", i, " is encoded (", CodecName(h.codec()),
+                       "); a verifier compares unencoded float32"));
+    }
+  }
+  if (claimed.header.tensors_size() != count) return Mismatch(absl::StrCat("tensor count (", claimed.header.tensors_size(), " against ", count, ")"));
+  OutputComparison result;
+  double difference_squared = 0;
+  double reference_squared = 0;
+  try {
+    torch::NoGradGuard no_grad;
+    for (int i = 0; i < count; ++i) {
+      const v1::TensorHeader& claim = claimed.header.tensors(i);
+      const v1::TensorHeader& mine = recomputed.header.tensors(i);
+      if (claim.dtype() != mine.dtype() ||
+          !std::equal(claim.shape().begin(), claim.shape().end(), mine.shape().begin(),
+                      mine.shape().end())) {
+        return Mismatch("tensor shape or dtype");
+      }
+      ASSIGN_OR_RETURN(torch::Tensor c, Decoded(claimed, i));
+      ASSIGN_OR_RETURN(torch::Tensor r, Decoded(recomputed, i));
+      result.elements += r.numel();
+      if (mine.dtype() != v1::DTYPE_FLOAT32) {
+        result.violations += c.ne(r).sum().item<int64_t>();
+        continue;
+      }
+      std::optional<torch::Tensor> codec = CodecBound(claim, r);
+      if (!codec.has_value()) {
+        result.verifiable = false;
+        result.unverifiable_reason =
+            absl::StrCat(CodecName(claim.codec()),
+                         " keeps the sender's error-feedback residual; no recomputation "
+                         "reproduces it");
+        result.passed = false;
+        return result;
+      }
+      c = c.to(torch::kFloat64);
+      r = r.to(torch::kFloat64);
+      const torch::Tensor bound = codec->to(torch::kFloat64) +
+                                  tolerance.device * BlockAbsMax(r, kDeviceBlock) +
+                                  1e-30;  // an all-zero block allows exactly zero
+      const torch::Tensor error = (c - r).abs();
+      result.violations += error.gt(bound).sum().item<int64_t>();
+      result.worst_ratio = std::max(result.worst_ratio, (error / bound).max().item<double>());
+      difference_squared += (c - r).pow(2).sum().item<double>();
+      reference_squared += r.pow(2).sum().item<double>();
+    }
+  } catch (const c10::Error& e) {
+    return absl::InternalError(absl::StrCat("comparing outputs: ", e.what()));
+  }
+  result.relative_distance =
+      reference_squared > 0 ? std::sqrt(difference_squared / reference_squared)
+                            : (difference_squared > 0 ? INFINITY : 0);
+  result.passed = result.violations <=
+                  static_cast<int64_t>(tolerance.max_violation_fraction * result.elements);
+  return result;
+}
+
+}  // namespace geotrain

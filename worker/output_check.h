@@ -1,0 +1,74 @@
+// The comparison at the heart of a spot check (docs/verification.md): a
+// stage's committed output against a verifier's own recomputation of it.
+//
+// Honest results differ: the sender's codec rounds, and two devices (BLAS
+// kernels, CPU against GPU) sum in different orders. So every element of a
+// float tensor gets a bound, derived from the codec the claim was encoded
+// with and from the two devices, and an element outside it is a violation:
+//
+//   |claimed_i - recomputed_i| <= codec_i + device * absmax(block of i)
+//
+//   codec_i: none 0; fp16 2^-11 |r_i| (and saturation past 65504);
+//            bf16 2^-8 |r_i|; int8 absmax/254 and int4 absmax/14 of the
+//            claim's block of r. topk with error feedback cannot be
+//            recomputed (its residual is the sender's): unverifiable.
+//   device:  relative to the block's largest magnitude (see
+//            DeviceTolerance).
+//
+// Other tensors (token ids, targets) must be equal. The claim passes when
+// its violations are at most `max_violation_fraction` of its elements.
+// Torch is used only in the .cc.
+#ifndef GEOTRAIN_WORKER_OUTPUT_CHECK_H_
+#define GEOTRAIN_WORKER_OUTPUT_CHECK_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "common/link_message.h"
+
+namespace geotrain {
+
+struct OutputTolerance {
+  // Slack for the two devices, relative to each block's largest magnitude.
+  double device = 1e-4;
+  // Violations allowed, as a fraction of the elements compared.
+  double max_violation_fraction = 1e-3;
+};
+
+// The device term for an audited stage and its verifier ("cpu", "cuda",
+// "cuda:N"): 1e-4 between CPUs, whatever their BLAS kernels; 2e-2 when
+// either is a GPU (TF32 matrix products round to 10 bits, and the error
+// compounds through the stage's layers).
+double DeviceTolerance(const std::string& audited_device, const std::string& verifier_device);
+
+struct OutputComparison {
+  bool verifiable = true;  // false: no recomputation can check this codec
+  std::string unverifiable_reason;
+  // Set when the claim's form differs (tensor count, shape or dtype): a
+  // failed comparison with no numbers.
+  std::string mismatch;
+  int64_t elements = 0;
+  int64_t violations = 0;
+  // ||claimed - recomputed|| / ||recomputed|| over the float tensors.
+  double relative_distance = 0;
+  // The largest |claimed_i - recomputed_i| / bound_i (1 is the bound).
+  double worst_ratio = 0;
+  bool passed = false;
+
+  // One line for events and logs.
+  std::string Summary() const;
+};
+
+// Compares `claimed` (as committed; any codec) with `recomputed` (the
+// verifier's result, float32 tensors unencoded). INVALID_ARGUMENT when
+// `recomputed` is not raw float32 or either message is malformed; a
+// difference in tensor count, shape or dtype is a failed comparison, not an
+// error.
+absl::StatusOr<OutputComparison> CompareOutputs(const LinkMessage& claimed,
+                                                const LinkMessage& recomputed,
+                                                const OutputTolerance& tolerance);
+
+}  // namespace geotrain
+
+#endif  // GEOTRAIN_WORKER_OUTPUT_CHECK_H_

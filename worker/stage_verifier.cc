@@ -1,0 +1,115 @@
+#include "worker/stage_verifier.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/commitment.h"
+#include "common/status_macros.h"
+
+namespace geotrain {
+namespace {
+
+absl::Status CheckEvidence(const LinkMessage& message, const char* what) {
+  if (!IsCommittedKind(message.header.kind()) || message.header.commitment().empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(what, " carries no commitment"));
+  }
+  if (absl::Status committed = CheckCommitment(message.header, message.payload);
+      !committed.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(what, ": ", committed.message()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckSameMicrobatch(const LinkMessage& message, const LinkMessage& claim,
+                                 const char* what) {
+  if (message.header.epoch() != claim.header.epoch() ||
+      message.header.microbatch() != claim.header.microbatch()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, " is microbatch ", message.header.microbatch(), " of epoch ",
+        message.header.epoch(), ", the claim microbatch ", claim.header.microbatch(),
+        " of epoch ", claim.header.epoch()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<StageVerifier>> StageVerifier::Create(
+    const v1::JobSpec& job, const StagePlacement& placement,
+    const StageVerifierOptions& options) {
+  RuntimeOptions runtime_options;
+  runtime_options.device = options.device;
+  // Unencoded results: the comparison bounds the claim's codec itself.
+  runtime_options.activation_encoding.codec = v1::CODEC_NONE;
+  runtime_options.gradient_encoding.codec = v1::CODEC_NONE;
+  ASSIGN_OR_RETURN(std::unique_ptr<StageRuntime> runtime,
+                   StageRuntime::Create(job, placement, runtime_options));
+  return std::unique_ptr<StageVerifier>(new StageVerifier(std::move(runtime), options));
+}
+
+absl::StatusOr<LinkMessage> StageVerifier::Recompute(const AuditedComputation& audit) {
+  const v1::MessageKind kind = audit.claim.header.kind();
+  if (kind == v1::MESSAGE_KIND_ACTIVATION) {
+    if (runtime_->is_last()) {
+      return absl::InvalidArgumentError("the last stage sends no activation to audit");
+    }
+    return runtime_->Forward(audit.input);
+  }
+  if (runtime_->is_first()) {
+    return absl::InvalidArgumentError("stage 0 sends no gradient to audit");
+  }
+  if (runtime_->is_last()) {
+    ASSIGN_OR_RETURN(LastStageResult result, runtime_->ForwardLoss(audit.input));
+    if (!result.gradient.has_value()) return absl::InternalError("the last stage made no gradient");
+    return std::move(*result.gradient);
+  }
+  if (!audit.output_gradient.has_value()) {
+    return absl::FailedPreconditionError(
+        "a gradient audit below the last stage needs the downstream neighbour's gradient");
+  }
+  ASSIGN_OR_RETURN(LinkMessage activation, runtime_->Forward(audit.input));
+  // The logged gradient names the audited stage's weight version; the
+  // verifier's forward ran on its own copy of those weights.
+  LinkMessage gradient = *audit.output_gradient;
+  const int stage = runtime_->placement().stage;
+  if (gradient.header.weight_versions_size() <= stage ||
+      activation.header.weight_versions_size() <= stage) {
+    return absl::FailedPreconditionError("the gradient names no weight version for this stage");
+  }
+  gradient.header.set_weight_versions(stage, activation.header.weight_versions(stage));
+  ASSIGN_OR_RETURN(std::optional<LinkMessage> up, runtime_->Backward(gradient));
+  if (!up.has_value()) return absl::InternalError("the backward made no gradient");
+  return std::move(*up);
+}
+
+absl::StatusOr<OutputComparison> StageVerifier::Verify(const AuditedComputation& audit) {
+  const v1::MessageKind kind = audit.claim.header.kind();
+  if (kind != v1::MESSAGE_KIND_ACTIVATION && kind != v1::MESSAGE_KIND_GRADIENT) {
+    return absl::InvalidArgumentError("only activations and gradients are audited");
+  }
+  RETURN_IF_ERROR(CheckEvidence(audit.claim, "the claim"));
+  if (!runtime_->is_first()) RETURN_IF_ERROR(CheckEvidence(audit.input, "the logged input"));
+  RETURN_IF_ERROR(CheckSameMicrobatch(audit.input, audit.claim, "the input"));
+  if (audit.output_gradient.has_value()) {
+    RETURN_IF_ERROR(CheckEvidence(*audit.output_gradient, "the downstream gradient"));
+    RETURN_IF_ERROR(
+        CheckSameMicrobatch(*audit.output_gradient, audit.claim, "the downstream gradient"));
+  }
+  runtime_->DropInFlight();
+  RETURN_IF_ERROR(runtime_->RestoreCheckpoint(audit.weights));
+  const std::string digest = runtime_->WeightsDigest();
+  if (digest != audit.weights_digest) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the weights supplied hash to ", digest.substr(0, 16),
+                     "..., not the committed ", audit.weights_digest.substr(0, 16), "..."));
+  }
+  absl::StatusOr<LinkMessage> recomputed = Recompute(audit);
+  runtime_->DropInFlight();
+  RETURN_IF_ERROR(recomputed.status());
+  OutputTolerance tolerance;
+  tolerance.device = DeviceTolerance(audit.audited_device, options_.device);
+  tolerance.max_violation_fraction = options_.max_violation_fraction;
+  return CompareOutputs(audit.claim, *recomputed, tolerance);
+}
+
+}  // namespace geotrain

@@ -1,0 +1,84 @@
+// A spot check's recomputation (docs/verification.md): a scratch copy of a
+// stage that loads the audited stage's weights, recomputes one committed
+// output from the logged input, and compares the two (worker/output_check.h).
+//
+// What it checks before it computes anything:
+// - the weights are the ones the audited stage committed to: their digest
+//   (StageRuntime::WeightsDigest) equals `weights_digest`;
+// - the logged input and, for a gradient, the downstream neighbour's
+//   logged gradient carry valid commitments (common/commitment.h), so a
+//   neighbour's log cannot be swapped for other bytes;
+// - the claim's own commitment holds, and the input, the claim and the
+//   gradient name the same plan epoch and microbatch.
+// A failed precondition is an error naming it (the evidence does not hold
+// together); a recomputation that differs is a failed OutputComparison.
+//
+// The verifier never updates its weights and keeps nothing between audits.
+// Not thread-safe: one audit at a time.
+#ifndef GEOTRAIN_WORKER_STAGE_VERIFIER_H_
+#define GEOTRAIN_WORKER_STAGE_VERIFIER_H_
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/link_message.h"
+#include "geotrain/v1/coordinator.pb.h"
+#include "worker/output_check.h"
+#include "worker/stage_runtime.h"
+
+namespace geotrain {
+
+// One committed computation of a stage, with its evidence.
+struct AuditedComputation {
+  // The audited stage's weights at the version the claim was computed with,
+  // and the digest it committed to for that version.
+  std::vector<v1::LayerCheckpoint> weights;
+  std::string weights_digest;
+  // What the stage received: the upstream neighbour's logged activation,
+  // or, on stage 0, the microbatch the verifier loads from (seed, id).
+  LinkMessage input;
+  // For a GRADIENT claim below the last stage: the downstream neighbour's
+  // logged gradient of the stage's output.
+  std::optional<LinkMessage> output_gradient;
+  // The audited output as committed: an ACTIVATION, or a GRADIENT for the
+  // upstream neighbour.
+  LinkMessage claim;
+  // Where the audited stage computed ("cpu", "cuda:0"): the tolerance's
+  // device term.
+  std::string audited_device = "cpu";
+};
+
+struct StageVerifierOptions {
+  std::string device = "cpu";
+  // Violations allowed (OutputTolerance); the device term comes from
+  // DeviceTolerance() for the two devices.
+  double max_violation_fraction = 1e-3;
+};
+
+class StageVerifier {
+ public:
+  static absl::StatusOr<std::unique_ptr<StageVerifier>> Create(
+      const v1::JobSpec& job, const StagePlacement& placement,
+      const StageVerifierOptions& options = {});
+
+  // FAILED_PRECONDITION when the evidence does not hold together (see the
+  // file comment), INVALID_ARGUMENT when the claim cannot be recomputed by
+  // this stage (an activation from the last stage, a gradient from stage 0).
+  absl::StatusOr<OutputComparison> Verify(const AuditedComputation& audit);
+
+ private:
+  StageVerifier(std::unique_ptr<StageRuntime> runtime, StageVerifierOptions options)
+      : runtime_(std::move(runtime)), options_(std::move(options)) {}
+
+  absl::StatusOr<LinkMessage> Recompute(const AuditedComputation& audit);
+
+  std::unique_ptr<StageRuntime> runtime_;
+  StageVerifierOptions options_;
+};
+
+}  // namespace geotrain
+
+#endif  // GEOTRAIN_WORKER_STAGE_VERIFIER_H_
