@@ -79,6 +79,17 @@ export GEOTRAIN_COORDINATOR_BIN_DIR="$(cd "$BUILD_DIR/bin" && pwd)"
 phase "testing $WHEEL_BUILD_DIR"
 (cd "$WHEEL_BUILD_DIR" && ctest --output-on-failure -j2 -L torch)
 GEOTRAIN_GPU_BUILD_DIR="$WHEEL_BUILD_DIR" ./tests/gpu/run.sh --device=cpu
+# A spot check's honest spread across the two LibTorch builds, both ways:
+# the audits one build emits pass the other's verifier.
+phase "spot checks across the two LibTorch builds"
+SPREAD_DIR=$(mktemp -d)
+for pair in "$WHEEL_BUILD_DIR $BUILD_DIR" "$BUILD_DIR $WHEEL_BUILD_DIR"; do
+  set -- $pair
+  rm -f "$SPREAD_DIR"/audit-*.bin
+  "$1/bin/spot_check_spread" --job=deploy/jobs/gpt-tiny.textproto --emit="$SPREAD_DIR"
+  "$2/bin/spot_check_spread" --job=deploy/jobs/gpt-tiny.textproto --verify="$SPREAD_DIR"
+done
+rm -rf "$SPREAD_DIR"
 # The outer optimizer against PyTorch (the wheel's torch on both sides).
 phase "the outer step against PyTorch"
 GEOTRAIN_SOURCE_DIR="$PWD" GEOTRAIN_BIN_DIR="$WHEEL_BUILD_DIR/bin" \
