@@ -81,6 +81,39 @@ OutputComparison Mismatch(std::string what) {
   return result;
 }
 
+// Adds one float tensor's comparison to `result`: `c` claimed, `r`
+// recomputed, `bound` per element (all float64, flat, same size).
+void Accumulate(const torch::Tensor& c, const torch::Tensor& r, const torch::Tensor& bound,
+                OutputComparison* result, double* difference_squared, double* reference_squared) {
+  const torch::Tensor error = (c - r).abs();
+  result->elements += r.numel();
+  result->violations += error.gt(bound).sum().item<int64_t>();
+  result->worst_ratio = std::max(result->worst_ratio, (error / bound).max().item<double>());
+  *difference_squared += error.pow(2).sum().item<double>();
+  *reference_squared += r.pow(2).sum().item<double>();
+}
+
+void Finish(double difference_squared, double reference_squared, double max_violation_fraction,
+            OutputComparison* result) {
+  result->relative_distance =
+      reference_squared > 0 ? std::sqrt(difference_squared / reference_squared)
+                            : (difference_squared > 0 ? INFINITY : 0);
+  result->passed =
+      result->violations <= static_cast<int64_t>(max_violation_fraction * result->elements);
+}
+
+// A layer's parameters, flat float64, from the front of its payload.
+absl::StatusOr<std::vector<torch::Tensor>> ParamsOf(const v1::LayerCheckpoint& layer) {
+  std::vector<torch::Tensor> params;
+  size_t offset = 0;
+  for (const v1::TensorHeader& header : layer.params()) {
+    ASSIGN_OR_RETURN(torch::Tensor t, DecodeTensor(header, layer.payload(), offset));
+    offset += header.payload_bytes();
+    params.push_back(t.reshape({-1}).to(torch::kFloat64));
+  }
+  return params;
+}
+
 }  // namespace
 
 double DeviceTolerance(const std::string& audited_device, const std::string& verifier_device) {
@@ -125,8 +158,8 @@ absl::StatusOr<OutputComparison> CompareOutputs(const LinkMessage& claimed,
       }
       ASSIGN_OR_RETURN(torch::Tensor c, Decoded(claimed, i));
       ASSIGN_OR_RETURN(torch::Tensor r, Decoded(recomputed, i));
-      result.elements += r.numel();
       if (mine.dtype() != v1::DTYPE_FLOAT32) {
+        result.elements += r.numel();
         result.violations += c.ne(r).sum().item<int64_t>();
         continue;
       }
@@ -145,20 +178,58 @@ absl::StatusOr<OutputComparison> CompareOutputs(const LinkMessage& claimed,
       const torch::Tensor bound = codec->to(torch::kFloat64) +
                                   tolerance.device * BlockAbsMax(r, kDeviceBlock) +
                                   1e-30;  // an all-zero block allows exactly zero
-      const torch::Tensor error = (c - r).abs();
-      result.violations += error.gt(bound).sum().item<int64_t>();
-      result.worst_ratio = std::max(result.worst_ratio, (error / bound).max().item<double>());
-      difference_squared += (c - r).pow(2).sum().item<double>();
-      reference_squared += r.pow(2).sum().item<double>();
+      Accumulate(c, r, bound, &result, &difference_squared, &reference_squared);
     }
   } catch (const c10::Error& e) {
     return absl::InternalError(absl::StrCat("comparing outputs: ", e.what()));
   }
-  result.relative_distance =
-      reference_squared > 0 ? std::sqrt(difference_squared / reference_squared)
-                            : (difference_squared > 0 ? INFINITY : 0);
-  result.passed = result.violations <=
-                  static_cast<int64_t>(tolerance.max_violation_fraction * result.elements);
+  Finish(difference_squared, reference_squared, tolerance.max_violation_fraction, &result);
+  return result;
+}
+
+absl::StatusOr<OutputComparison> CompareUpdates(
+    const std::vector<v1::LayerCheckpoint>& before,
+    const std::vector<v1::LayerCheckpoint>& claimed_after,
+    const std::vector<v1::LayerCheckpoint>& recomputed_after, const UpdateTolerance& tolerance) {
+  if (before.size() != recomputed_after.size()) {
+    return absl::InvalidArgumentError("the recomputation has other layers than the weights before");
+  }
+  if (claimed_after.size() != recomputed_after.size()) {
+    return Mismatch(absl::StrCat("layer count (", claimed_after.size(), " against ",
+                                 recomputed_after.size(), ")"));
+  }
+  OutputComparison result;
+  double difference_squared = 0;
+  double reference_squared = 0;
+  try {
+    torch::NoGradGuard no_grad;
+    for (size_t l = 0; l < recomputed_after.size(); ++l) {
+      if (claimed_after[l].layer() != recomputed_after[l].layer()) {
+        return Mismatch(absl::StrCat("layer (", claimed_after[l].layer(), " against ",
+                                     recomputed_after[l].layer(), ")"));
+      }
+      ASSIGN_OR_RETURN(std::vector<torch::Tensor> w0, ParamsOf(before[l]));
+      ASSIGN_OR_RETURN(std::vector<torch::Tensor> claimed, ParamsOf(claimed_after[l]));
+      ASSIGN_OR_RETURN(std::vector<torch::Tensor> mine, ParamsOf(recomputed_after[l]));
+      if (w0.size() != mine.size()) {
+        return absl::InvalidArgumentError("the weights before have other parameters");
+      }
+      if (claimed.size() != mine.size()) return Mismatch("parameter count");
+      for (size_t p = 0; p < mine.size(); ++p) {
+        if (claimed[p].numel() != mine[p].numel() || w0[p].numel() != mine[p].numel()) {
+          return Mismatch("parameter shape");
+        }
+        const torch::Tensor update = mine[p] - w0[p];
+        const torch::Tensor bound = tolerance.update_fraction * BlockAbsMax(update, kDeviceBlock) +
+                                    tolerance.device * BlockAbsMax(mine[p], kDeviceBlock) + 1e-30;
+        Accumulate(claimed[p] - w0[p], update, bound, &result, &difference_squared,
+                   &reference_squared);
+      }
+    }
+  } catch (const c10::Error& e) {
+    return absl::InternalError(absl::StrCat("comparing updates: ", e.what()));
+  }
+  Finish(difference_squared, reference_squared, tolerance.max_violation_fraction, &result);
   return result;
 }
 

@@ -23,9 +23,11 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "common/link_message.h"
+#include "geotrain/v1/coordinator.pb.h"
 
 namespace geotrain {
 
@@ -68,6 +70,27 @@ struct OutputComparison {
 absl::StatusOr<OutputComparison> CompareOutputs(const LinkMessage& claimed,
                                                 const LinkMessage& recomputed,
                                                 const OutputTolerance& tolerance);
+
+// An update audit: the weights a stage claims after one optimizer update,
+// against a verifier's own update from the same weights and optimizer state
+// before it, on the same gradients. Each element of the update
+// (after - before) may differ from the recomputed one by
+// `update_fraction` of its block's largest recomputed update, plus the
+// device term of the weights' block. A stage that skipped its update
+// (stale weights) misses by the whole update.
+struct UpdateTolerance {
+  double update_fraction = 0.1;
+  double device = 1e-4;
+  double max_violation_fraction = 1e-3;
+};
+
+// The layers must be the same, in the same order, with the same
+// parameters (a difference is a failed comparison); INVALID_ARGUMENT when a
+// checkpoint is malformed.
+absl::StatusOr<OutputComparison> CompareUpdates(
+    const std::vector<v1::LayerCheckpoint>& before,
+    const std::vector<v1::LayerCheckpoint>& claimed_after,
+    const std::vector<v1::LayerCheckpoint>& recomputed_after, const UpdateTolerance& tolerance);
 
 }  // namespace geotrain
 

@@ -42,9 +42,16 @@ absl::StatusOr<std::unique_ptr<StageVerifier>> StageVerifier::Create(
   // Unencoded results: the comparison bounds the claim's codec itself.
   runtime_options.activation_encoding.codec = v1::CODEC_NONE;
   runtime_options.gradient_encoding.codec = v1::CODEC_NONE;
-  ASSIGN_OR_RETURN(std::unique_ptr<StageRuntime> runtime,
-                   StageRuntime::Create(job, placement, runtime_options));
-  return std::unique_ptr<StageVerifier>(new StageVerifier(std::move(runtime), options));
+  std::unique_ptr<StageVerifier> verifier(
+      new StageVerifier(job, placement, std::move(runtime_options), options));
+  RETURN_IF_ERROR(verifier->Reset());
+  return verifier;
+}
+
+absl::Status StageVerifier::Reset() {
+  runtime_.reset();
+  ASSIGN_OR_RETURN(runtime_, StageRuntime::Create(job_, placement_, runtime_options_));
+  return absl::OkStatus();
 }
 
 absl::StatusOr<LinkMessage> StageVerifier::Recompute(const AuditedComputation& audit) {
@@ -95,14 +102,7 @@ absl::StatusOr<OutputComparison> StageVerifier::Verify(const AuditedComputation&
     RETURN_IF_ERROR(
         CheckSameMicrobatch(*audit.output_gradient, audit.claim, "the downstream gradient"));
   }
-  runtime_->DropInFlight();
-  RETURN_IF_ERROR(runtime_->RestoreCheckpoint(audit.weights));
-  const std::string digest = runtime_->WeightsDigest();
-  if (digest != audit.weights_digest) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("the weights supplied hash to ", digest.substr(0, 16),
-                     "..., not the committed ", audit.weights_digest.substr(0, 16), "..."));
-  }
+  RETURN_IF_ERROR(Load(audit.weights, audit.weights_digest, "the weights supplied"));
   absl::StatusOr<LinkMessage> recomputed = Recompute(audit);
   runtime_->DropInFlight();
   RETURN_IF_ERROR(recomputed.status());
@@ -110,6 +110,72 @@ absl::StatusOr<OutputComparison> StageVerifier::Verify(const AuditedComputation&
   tolerance.device = DeviceTolerance(audit.audited_device, options_.device);
   tolerance.max_violation_fraction = options_.max_violation_fraction;
   return CompareOutputs(audit.claim, *recomputed, tolerance);
+}
+
+absl::Status StageVerifier::Load(const std::vector<v1::LayerCheckpoint>& weights,
+                                 const std::string& digest, const char* what) {
+  runtime_->DropInFlight();
+  RETURN_IF_ERROR(runtime_->RestoreCheckpoint(weights));
+  const std::string loaded = runtime_->WeightsDigest();
+  if (loaded != digest) {
+    return absl::FailedPreconditionError(absl::StrCat(what, " hash to ", loaded.substr(0, 16),
+                                                      "..., not the committed ",
+                                                      digest.substr(0, 16), "..."));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status StageVerifier::Accumulate(const AuditedUpdate::Microbatch& microbatch) {
+  if (runtime_->is_last()) return runtime_->ForwardLoss(microbatch.input).status();
+  if (!microbatch.output_gradient.has_value()) {
+    return absl::FailedPreconditionError(
+        "an update audit below the last stage needs each microbatch's downstream gradient");
+  }
+  ASSIGN_OR_RETURN(LinkMessage activation, runtime_->Forward(microbatch.input));
+  LinkMessage gradient = *microbatch.output_gradient;
+  const int stage = runtime_->placement().stage;
+  if (gradient.header.weight_versions_size() <= stage ||
+      activation.header.weight_versions_size() <= stage) {
+    return absl::FailedPreconditionError("the gradient names no weight version for this stage");
+  }
+  gradient.header.set_weight_versions(stage, activation.header.weight_versions(stage));
+  return runtime_->Backward(gradient).status();
+}
+
+absl::StatusOr<OutputComparison> StageVerifier::VerifyUpdate(const AuditedUpdate& audit) {
+  if (runtime_->holds_one_tied_end()) {
+    return absl::UnimplementedError(
+        "this stage holds one end of a tied embedding: its update needs the other end's gradient");
+  }
+  if (audit.microbatches.empty()) {
+    return absl::FailedPreconditionError("an update audit needs the update's microbatches");
+  }
+  for (const AuditedUpdate::Microbatch& m : audit.microbatches) {
+    if (!runtime_->is_first()) RETURN_IF_ERROR(CheckEvidence(m.input, "a logged input"));
+    if (m.output_gradient.has_value()) {
+      RETURN_IF_ERROR(CheckEvidence(*m.output_gradient, "a downstream gradient"));
+      RETURN_IF_ERROR(CheckSameMicrobatch(*m.output_gradient, m.input, "a downstream gradient"));
+    }
+  }
+  // The claimed weights are the committed ones.
+  RETURN_IF_ERROR(Reset());
+  RETURN_IF_ERROR(Load(audit.after, audit.after_digest, "the weights claimed after the update"));
+  RETURN_IF_ERROR(Reset());
+  RETURN_IF_ERROR(Load(audit.before, audit.before_digest, "the weights before the update"));
+  absl::Status computed = absl::OkStatus();
+  for (const AuditedUpdate::Microbatch& m : audit.microbatches) {
+    computed = Accumulate(m);
+    if (!computed.ok()) break;
+  }
+  if (computed.ok()) computed = runtime_->ApplyUpdate(audit.progress);
+  absl::StatusOr<std::vector<v1::LayerCheckpoint>> mine =
+      computed.ok() ? runtime_->ExportCheckpoint(0) : computed;
+  runtime_->DropInFlight();
+  RETURN_IF_ERROR(mine.status());
+  UpdateTolerance tolerance;
+  tolerance.device = DeviceTolerance(audit.audited_device, options_.device);
+  tolerance.max_violation_fraction = options_.max_violation_fraction;
+  return CompareUpdates(audit.before, audit.after, *mine, tolerance);
 }
 
 }  // namespace geotrain

@@ -51,6 +51,29 @@ struct AuditedComputation {
   std::string audited_device = "cpu";
 };
 
+// One optimizer update of a stage, with its evidence (an update audit: the
+// check that catches a stage that skips its updates and computes on stale
+// weights, which an output audit cannot, since its outputs are true to the
+// weights it holds).
+struct AuditedUpdate {
+  // The weights and optimizer state before the update, and their digest.
+  std::vector<v1::LayerCheckpoint> before;
+  std::string before_digest;
+  // Every microbatch the update summed, in the order the stage computed
+  // them: the logged input and, below the last stage, the downstream
+  // neighbour's logged gradient.
+  struct Microbatch {
+    LinkMessage input;
+    std::optional<LinkMessage> output_gradient;
+  };
+  std::vector<Microbatch> microbatches;
+  double progress = 0;  // the update's learning-rate position (ApplyUpdate)
+  // The weights the stage claims after it, and their digest.
+  std::vector<v1::LayerCheckpoint> after;
+  std::string after_digest;
+  std::string audited_device = "cpu";  // the tolerance's device term
+};
+
 struct StageVerifierOptions {
   std::string device = "cpu";
   // Violations allowed (OutputTolerance); the device term comes from
@@ -69,14 +92,38 @@ class StageVerifier {
   // this stage (an activation from the last stage, a gradient from stage 0).
   absl::StatusOr<OutputComparison> Verify(const AuditedComputation& audit);
 
+  // Recomputes the update from `before` on the microbatches' gradients and
+  // compares the result with `after` (CompareUpdates). FAILED_PRECONDITION
+  // when a digest or a logged message's commitment does not hold;
+  // UNIMPLEMENTED for a stage that holds one end of a tied embedding (its
+  // update needs the other end's gradient).
+  absl::StatusOr<OutputComparison> VerifyUpdate(const AuditedUpdate& audit);
+
  private:
-  StageVerifier(std::unique_ptr<StageRuntime> runtime, StageVerifierOptions options)
-      : runtime_(std::move(runtime)), options_(std::move(options)) {}
+  StageVerifier(const v1::JobSpec& job, const StagePlacement& placement,
+                RuntimeOptions runtime_options, StageVerifierOptions options)
+      : job_(job),
+        placement_(placement),
+        runtime_options_(std::move(runtime_options)),
+        options_(std::move(options)) {}
+
+  // A fresh copy of the stage: restoring keeps the larger optimizer step
+  // count (StageRuntime::RestoreCheckpoint), so an update is recomputed on
+  // a runtime that has taken none.
+  absl::Status Reset();
 
   absl::StatusOr<LinkMessage> Recompute(const AuditedComputation& audit);
+  // Restores `weights` and checks they hash to `digest`.
+  absl::Status Load(const std::vector<v1::LayerCheckpoint>& weights, const std::string& digest,
+                    const char* what);
+  // Forward and backward of one microbatch; the gradient accumulates.
+  absl::Status Accumulate(const AuditedUpdate::Microbatch& microbatch);
 
+  const v1::JobSpec job_;
+  const StagePlacement placement_;
+  const RuntimeOptions runtime_options_;
+  const StageVerifierOptions options_;
   std::unique_ptr<StageRuntime> runtime_;
-  StageVerifierOptions options_;
 };
 
 }  // namespace geotrain

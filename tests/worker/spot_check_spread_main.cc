@@ -3,7 +3,8 @@
 // for a few steps and writes, for one microbatch of its last step and for
 // each of the codecs none and int8, every audit a spot check could make:
 // the activations of stages 0 and 1, the gradients of stages 1 and 2, with
-// the weights, digests and logged messages a verifier would get.
+// the weights, digests and logged messages a verifier would get; and each
+// stage's update of that step (an update audit).
 // `--verify=DIR` verifies each with this build (StageVerifier) and prints
 // one line per audit; it exits 1 if any fails. Run the two under other
 // OpenBLAS cores or from the two builds (Debian's LibTorch, the wheel's):
@@ -46,6 +47,11 @@ struct Stored {
   int stage = 0;
   std::string codec;
   AuditedComputation audit;
+};
+
+struct StoredUpdate {
+  int stage = 0;
+  AuditedUpdate audit;
 };
 
 void PutString(const std::string& s, std::ofstream& out) {
@@ -105,6 +111,60 @@ absl::StatusOr<Stored> Read(const std::string& path) {
   return s;
 }
 
+void PutLayers(const std::vector<v1::LayerCheckpoint>& layers, std::ofstream& out) {
+  PutString(std::to_string(layers.size()), out);
+  for (const v1::LayerCheckpoint& layer : layers) PutString(layer.SerializeAsString(), out);
+}
+
+bool GetLayers(std::ifstream& in, std::vector<v1::LayerCheckpoint>* layers) {
+  std::string field;
+  if (!GetString(in, &field)) return false;
+  const int count = std::stoi(field);
+  for (int i = 0; i < count; ++i) {
+    if (!GetString(in, &field) || !layers->emplace_back().ParseFromString(field)) return false;
+  }
+  return true;
+}
+
+absl::Status WriteUpdate(const std::string& path, const StoredUpdate& s) {
+  std::ofstream out(path, std::ios::binary);
+  PutString(std::to_string(s.stage), out);
+  PutLayers(s.audit.before, out);
+  PutString(s.audit.before_digest, out);
+  PutString(std::to_string(s.audit.microbatches.size()), out);
+  for (const AuditedUpdate::Microbatch& m : s.audit.microbatches) {
+    PutMessage(m.input, out);
+    PutString(m.output_gradient.has_value() ? "1" : "0", out);
+    if (m.output_gradient.has_value()) PutMessage(*m.output_gradient, out);
+  }
+  PutString(absl::StrFormat("%.17g", s.audit.progress), out);
+  PutLayers(s.audit.after, out);
+  PutString(s.audit.after_digest, out);
+  if (!out.good()) return absl::InternalError(absl::StrCat("writing ", path));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StoredUpdate> ReadUpdate(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  StoredUpdate s;
+  std::string field;
+  bool ok = GetString(in, &field);
+  if (ok) s.stage = std::stoi(field);
+  ok = ok && GetLayers(in, &s.audit.before) && GetString(in, &s.audit.before_digest) &&
+       GetString(in, &field);
+  const int count = ok ? std::stoi(field) : 0;
+  for (int i = 0; ok && i < count; ++i) {
+    AuditedUpdate::Microbatch& m = s.audit.microbatches.emplace_back();
+    ok = GetMessage(in, &m.input) && GetString(in, &field);
+    if (ok && field == "1") ok = GetMessage(in, &m.output_gradient.emplace());
+  }
+  ok = ok && GetString(in, &field);
+  if (ok) s.audit.progress = std::stod(field);
+  ok = ok && GetLayers(in, &s.audit.after) && GetString(in, &s.audit.after_digest);
+  if (!ok) return absl::DataLossError(absl::StrCat(path, " is truncated or malformed"));
+  return s;
+}
+
 LinkMessage Committed(LinkMessage m) {
   m.header.set_commitment(CommitmentOf(m.header, m.payload));
   return m;
@@ -131,6 +191,7 @@ absl::Status Emit(const v1::JobSpec& job, const std::string& dir) {
       ASSIGN_OR_RETURN(stages[k], StageRuntime::Create(job, PlacementOf(job, k), options));
     }
     const int steps = absl::GetFlag(FLAGS_steps);
+    StoredUpdate updates[kStages];
     for (int step = 0; step <= steps; ++step) {
       for (int mb = 0; mb < job.microbatches(); ++mb) {
         ASSIGN_OR_RETURN(LinkMessage data, stages[0]->LoadTrainMicrobatch(step, mb));
@@ -140,10 +201,21 @@ absl::Status Emit(const v1::JobSpec& job, const std::string& dir) {
         ASSIGN_OR_RETURN(std::optional<LinkMessage> g1, stages[1]->Backward(*last.gradient));
         if (!g1.has_value() || !last.gradient.has_value()) return absl::InternalError("no gradient");
         RETURN_IF_ERROR(stages[0]->Backward(*g1).status());
-        if (step < steps || mb > 0) continue;
+        if (step < steps) continue;
+        if (codec == v1::CODEC_NONE) {  // update audits once: the codec is the links'
+          for (int k = 0; k < kStages; ++k) {
+            AuditedUpdate::Microbatch& m = updates[k].audit.microbatches.emplace_back();
+            m.input = k == 0 ? data : Committed(k == 1 ? a0 : a1);
+            if (k < 2) m.output_gradient = Committed(k == 0 ? *g1 : *last.gradient);
+          }
+        }
+        if (mb > 0) continue;
         std::vector<v1::LayerCheckpoint> weights[kStages];
         for (int k = 0; k < kStages; ++k) {
           ASSIGN_OR_RETURN(weights[k], stages[k]->ExportCheckpoint(step));
+          updates[k].stage = k;
+          updates[k].audit.before = weights[k];
+          updates[k].audit.before_digest = stages[k]->WeightsDigest();
         }
         const LinkMessage c_a0 = Committed(a0), c_a1 = Committed(a1);
         const LinkMessage c_g2 = Committed(*last.gradient), c_g1 = Committed(*g1);
@@ -165,6 +237,12 @@ absl::Status Emit(const v1::JobSpec& job, const std::string& dir) {
         RETURN_IF_ERROR(store(2, c_a1, std::nullopt, c_g2));
       }
       for (int k = 0; k < kStages; ++k) RETURN_IF_ERROR(stages[k]->ApplyUpdate(0.5));
+    }
+    for (int k = 0; codec == v1::CODEC_NONE && k < kStages; ++k) {
+      updates[k].audit.progress = 0.5;
+      ASSIGN_OR_RETURN(updates[k].audit.after, stages[k]->ExportCheckpoint(steps + 1));
+      updates[k].audit.after_digest = stages[k]->WeightsDigest();
+      RETURN_IF_ERROR(WriteUpdate(absl::StrCat(dir, "/update-", k, ".bin"), updates[k]));
     }
   }
   std::cout << "emitted " << written << " audits with LibTorch " << TORCH_VERSION << "\n";
@@ -194,6 +272,17 @@ absl::StatusOr<bool> VerifyAll(const v1::JobSpec& job, const std::string& dir) {
     }
     std::cout << "stage " << s.stage << " " << kind << " (" << s.codec
               << "): " << result.Summary() << spread << "\n";
+    all_passed = all_passed && result.passed;
+  }
+  for (int k = 0;; ++k) {
+    const std::string path = absl::StrCat(dir, "/update-", k, ".bin");
+    if (!std::ifstream(path).good()) break;
+    ASSIGN_OR_RETURN(StoredUpdate s, ReadUpdate(path));
+    ASSIGN_OR_RETURN(std::unique_ptr<StageVerifier> verifier,
+                     StageVerifier::Create(job, PlacementOf(job, s.stage)));
+    ASSIGN_OR_RETURN(OutputComparison result, verifier->VerifyUpdate(s.audit));
+    std::cout << "stage " << s.stage << " update of " << s.audit.microbatches.size()
+              << " microbatches: " << result.Summary() << "\n";
     all_passed = all_passed && result.passed;
   }
   std::cout << "verified with LibTorch " << TORCH_VERSION << ": "

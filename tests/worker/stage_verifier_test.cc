@@ -95,6 +95,13 @@ class StageVerifierTest : public testing::Test {
         auto g0 = stages_[1]->Backward(*result->gradient);
         ASSERT_TRUE(g0.ok() && g0->has_value()) << g0.status();
         ASSERT_TRUE(stages_[0]->Backward(**g0).ok());
+        if (step == 2) {
+          for (int k = 0; k < 3; ++k) {
+            AuditedUpdate::Microbatch& m = step_evidence_[k].emplace_back();
+            m.input = k == 0 ? *data : Committed(k == 1 ? *a0 : *a1);
+            if (k < 2) m.output_gradient = Committed(k == 0 ? **g0 : *result->gradient);
+          }
+        }
         if (step == 2 && mb == 0) {
           data_ = *data;
           activation_[0] = Committed(*a0);
@@ -111,6 +118,24 @@ class StageVerifierTest : public testing::Test {
       }
       for (int k = 0; k < 3; ++k) ASSERT_TRUE(stages_[k]->ApplyUpdate(0.5).ok());
     }
+    for (int k = 0; k < 3; ++k) {
+      auto after = stages_[k]->ExportCheckpoint(3);
+      ASSERT_TRUE(after.ok()) << after.status();
+      after_[k] = *after;
+      after_digest_[k] = stages_[k]->WeightsDigest();
+    }
+  }
+
+  // Step 2's update of `stage`, as the stage made it.
+  AuditedUpdate UpdateAudit(int stage) {
+    AuditedUpdate audit;
+    audit.before = weights_[stage];
+    audit.before_digest = digest_[stage];
+    audit.microbatches = step_evidence_[stage];
+    audit.progress = 0.5;
+    audit.after = after_[stage];
+    audit.after_digest = after_digest_[stage];
+    return audit;
   }
 
   AuditedComputation ActivationAudit(int stage) {
@@ -146,8 +171,11 @@ class StageVerifierTest : public testing::Test {
   LinkMessage data_;
   LinkMessage activation_[2];
   LinkMessage gradient_[3];  // gradient_[k]: what stage k sent upstream
-  std::vector<v1::LayerCheckpoint> weights_[3];
+  std::vector<v1::LayerCheckpoint> weights_[3];  // before step 2's update
   std::string digest_[3];
+  std::vector<AuditedUpdate::Microbatch> step_evidence_[3];  // step 2's
+  std::vector<v1::LayerCheckpoint> after_[3];  // after step 2's update
+  std::string after_digest_[3];
 };
 
 // Every honest computation passes, under every codec a recomputation can
@@ -264,6 +292,59 @@ TEST_F(StageVerifierTest, EvidenceThatDoesNotHoldIsRefused) {
   result = (*verifier)->Verify(ActivationAudit(1));
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_TRUE(result->passed) << result->Summary();
+}
+
+// An update audit recomputes a step's update: the honest one passes at
+// every stage; a stage that skipped it (its weights stale, its outputs true
+// to them) misses by the whole update, and one that applied half the
+// microbatches' gradients misses too.
+TEST_F(StageVerifierTest, UpdateAuditsCatchASkippedUpdate) {
+  RunPipeline(v1::CODEC_INT8);
+  for (int stage = 0; stage < 3; ++stage) {
+    auto verifier = StageVerifier::Create(job_, {stage, 3, kBegin[stage], kEnd[stage]});
+    ASSERT_TRUE(verifier.ok());
+    auto honest = (*verifier)->VerifyUpdate(UpdateAudit(stage));
+    ASSERT_TRUE(honest.ok()) << honest.status();
+    EXPECT_TRUE(honest->passed) << "stage " << stage << ": " << honest->Summary();
+    // On the same kernels the update is recomputed to rounding: a wrong
+    // learning rate or bias correction (one optimizer step off moves
+    // AdamW's update by 6.5% here) is not hidden inside the bound.
+    EXPECT_LT(honest->relative_distance, 1e-3) << "stage " << stage << ": " << honest->Summary();
+
+    AuditedUpdate lazy = UpdateAudit(stage);
+    lazy.after = lazy.before;
+    lazy.after_digest = lazy.before_digest;
+    auto skipped = (*verifier)->VerifyUpdate(lazy);
+    ASSERT_TRUE(skipped.ok()) << skipped.status();
+    EXPECT_FALSE(skipped->passed) << "stage " << stage << ": " << skipped->Summary();
+    std::cout << "stage " << stage << " skipped update: " << skipped->Summary() << "\n";
+  }
+  // Half the gradients: stage 1 redoes step 2 on its first microbatch only.
+  auto partial = Make(1, kBegin[1], kEnd[1], v1::CODEC_INT8);
+  ASSERT_TRUE(partial->RestoreCheckpoint(weights_[1]).ok());
+  AuditedUpdate audit = UpdateAudit(1);
+  const AuditedUpdate::Microbatch& first = audit.microbatches[0];
+  auto activation = partial->Forward(first.input);
+  ASSERT_TRUE(activation.ok()) << activation.status();
+  LinkMessage gradient = *first.output_gradient;
+  gradient.header.set_weight_versions(1, activation->header.weight_versions(1));
+  ASSERT_TRUE(partial->Backward(gradient).ok());
+  ASSERT_TRUE(partial->ApplyUpdate(0.5).ok());
+  auto half = partial->ExportCheckpoint(3);
+  ASSERT_TRUE(half.ok());
+  audit.after = *half;
+  audit.after_digest = partial->WeightsDigest();
+  auto verifier = StageVerifier::Create(job_, {1, 3, kBegin[1], kEnd[1]});
+  auto result = (*verifier)->VerifyUpdate(audit);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_FALSE(result->passed) << result->Summary();
+  std::cout << "stage 1 half the gradients: " << result->Summary() << "\n";
+
+  // Claimed weights that are not the committed ones are refused.
+  audit = UpdateAudit(1);
+  audit.after_digest = digest_[1];
+  EXPECT_EQ((*verifier)->VerifyUpdate(audit).status().code(),
+            absl::StatusCode::kFailedPrecondition);
 }
 
 // topk with error feedback adds the sender's residual, which no
