@@ -86,6 +86,7 @@ MetricsSnapshot ClusterMetrics(const v1::ClusterStatus& status) {
     double heartbeat_age_max_s = 0;
     double compute_max_s = 0;
     double bubble_max = 0;
+    int output_suspects = 0;  // the cheap check on every microbatch
   };
   std::map<int, StageFigures> stages;
   for (const v1::WorkerStatus& w : status.workers()) {
@@ -95,6 +96,12 @@ MetricsSnapshot ClusterMetrics(const v1::ClusterStatus& status) {
     f.heartbeat_age_max_s = std::max(f.heartbeat_age_max_s, w.heartbeat_age_s());
     f.compute_max_s = std::max(f.compute_max_s, w.compute_s_per_microbatch());
     f.bubble_max = std::max(f.bubble_max, w.bubble_fraction());
+    for (const v1::OutputNormStatus& n : w.output_norms()) {
+      if (!n.suspicion().empty()) {
+        ++f.output_suspects;
+        break;
+      }
+    }
   }
   for (const auto& [stage, f] : stages) {
     const MetricLabels labels = {{"stage", std::to_string(stage)}};
@@ -108,6 +115,10 @@ MetricsSnapshot ClusterMetrics(const v1::ClusterStatus& status) {
               f.compute_max_s);
     out.Gauge("geotrain_stage_bubble_max_ratio",
               "The stage's workers' largest bubble (idle) fraction.", labels, f.bubble_max);
+    out.Gauge("geotrain_stage_output_norm_suspects",
+              "The stage's workers whose activations or gradients, as their neighbours "
+              "received them, are far from their replicas' or their own history.",
+              labels, f.output_suspects);
   }
   return out;
 }

@@ -247,6 +247,13 @@ void PrintTable(const geotrain::v1::ClusterStatus& s) {
     if (!w.suspected().empty()) {
       std::printf("%-4s SUSPECTED: %s\n", w.id().c_str(), w.suspected().c_str());
     }
+    for (const auto& n : w.output_norms()) {
+      if (!n.suspicion().empty()) {
+        std::printf("%-4s OUTPUTS SUSPECT: %s (rms %.4g, replicas %.4g, history %.4g)\n",
+                    w.id().c_str(), n.suspicion().c_str(), n.rms(), n.replicas_rms(),
+                    n.history_rms());
+      }
+    }
   }
   for (const auto& w : s.workers()) {
     if (w.weight_averages() > 0) {

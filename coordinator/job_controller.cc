@@ -206,6 +206,7 @@ JobController::JobController(JobControllerOptions options, std::shared_ptr<const
         sources.events = &events_;
         sources.checkpoints = checkpoints_.get();
         sources.checkpoint_gate = &checkpoint_gate_;
+        sources.norms = &norms_;
         sources.facts = [this](const std::vector<std::string>& ids) { return plans_.Facts(ids); };
         return sources;
       }()) {}
@@ -399,6 +400,15 @@ bool JobController::Heartbeat(const v1::HeartbeatRequest& request,
   for (int i = 0; i < std::min(request.access_probe_results_size(), 4); ++i) {
     network_.RecordAccess(request.worker_id(), request.access_probe_results(i), now_ms);
   }
+  if (const PlanView::PlanPtr plan = plan_view_.Get()) {
+    for (const OutputNorms& change : norms_.Record(*plan, request.worker_id(), request.stats())) {
+      events_.Add(change.suspicion.empty() ? "output_norms_cleared" : "output_norms_suspect",
+                  membership_.NameOf(change.worker_id),
+                  change.suspicion.empty()
+                      ? absl::StrCat("its ", change.kind, "s are back within bounds")
+                      : change.suspicion);
+    }
+  }
   if (response != nullptr && network_.WantsTask(request.worker_id(), now_ms)) {
     // Shared, not copied: after a join every member may want a task.
     uint64_t generation = 0;
@@ -433,6 +443,7 @@ void JobController::Leave(const std::string& worker_id) {
   if (!membership_.Leave(worker_id, "left")) return;
   network_.Forget(worker_id);
   reachability_.Forget(worker_id);
+  norms_.Forget(worker_id);
   plans_.OnLeft(worker_id);
   membership_.PruneDead(kMaxDeadMembers);
   Persist();

@@ -41,6 +41,7 @@
 #include "coordinator/metrics_sink.h"
 #include "coordinator/network_matrix.h"
 #include "coordinator/network_planner.h"
+#include "coordinator/output_norm_watch.h"
 #include "coordinator/plan_manager.h"
 #include "coordinator/plan_publisher.h"
 #include "coordinator/plan_view.h"
@@ -225,6 +226,7 @@ class JobController {
   EventLog events_;
   ReachabilityManager reachability_;
   PlanView plan_view_;  // the plan decided, for readers
+  OutputNormWatch norms_;  // the cheap check on every microbatch
   ProgressTracker progress_;
   CheckpointGate checkpoint_gate_;
   FaultResponder faults_;

@@ -264,6 +264,16 @@ absl::StatusOr<v1::ClusterStatus> StatusAssembler::Assemble(
     if (auto why = facts.suspected.find(page[i]->id); why != facts.suspected.end()) {
       out->set_suspected(why->second);
     }
+    if (sources_.norms != nullptr) {
+      for (const OutputNorms& n : sources_.norms->NormsOf(page[i]->id)) {
+        v1::OutputNormStatus* norms = out->add_output_norms();
+        norms->set_kind(n.kind);
+        norms->set_rms(n.rms);
+        norms->set_replicas_rms(n.replicas_rms);
+        norms->set_history_rms(n.history_rms);
+        norms->set_suspicion(n.suspicion);
+      }
+    }
   }
   for (v1::Event& e : sources_.events->Recent()) *status.add_events() = std::move(e);
   if (plan != nullptr) {

@@ -24,6 +24,7 @@
 #include "coordinator/event_log.h"
 #include "coordinator/membership.h"
 #include "coordinator/network_matrix.h"
+#include "coordinator/output_norm_watch.h"
 #include "coordinator/plan_view.h"
 #include "coordinator/progress_tracker.h"
 #include "geotrain/v1/job.pb.h"
@@ -50,6 +51,7 @@ struct StatusSources {
   const EventLog* events = nullptr;
   const CheckpointStore* checkpoints = nullptr;
   const CheckpointGate* checkpoint_gate = nullptr;
+  const OutputNormWatch* norms = nullptr;  // optional
   // `ids`: the members of the page (whose suspicions are wanted).
   std::function<ControllerFacts(const std::vector<std::string>& ids)> facts;
 };

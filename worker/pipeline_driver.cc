@@ -302,6 +302,7 @@ void PipelineDriver::CountReceived(const InboundMessage& in) {
   link.bytes_received += message.payload.size();
   link.raw_bytes_received += RawBytes(message.header);
   link.receive_meter.OnMessage(in.trailing_bytes, in.dispersion, in.after_stall);
+  link.received_norms.Observe(message);
 }
 
 double PipelineDriver::RecentComputeSeconds() const {
@@ -774,6 +775,10 @@ void PipelineDriver::PublishStats() {
     out->set_bytes_received(link->bytes_received);
     out->set_raw_bytes_received(link->raw_bytes_received);
     out->set_link_rate_bps(link->peer_rate_bps);
+    if (link->received_norms.messages() > 0) {
+      out->set_received_rms(link->received_norms.rms());
+      out->set_received_measured(link->received_norms.messages());
+    }
     if (link->peer_rate_bps > 0) {
       out->set_link_s_per_microbatch(8 * link->wire_bytes_per_message / link->peer_rate_bps);
     }

@@ -41,6 +41,7 @@
 #include "geotrain/v1/job.pb.h"
 #include "worker/commitment_log.h"
 #include "worker/message_sink.h"
+#include "worker/output_norms.h"
 #include "worker/outer_sync.h"
 #include "worker/stage_replicas.h"
 #include "worker/tied_gradient_exchange.h"
@@ -358,6 +359,8 @@ class PipelineDriver {
     double wire_bytes_per_message = 0;  // recent training messages sent
     std::optional<AdaptiveCodecSelector> selector;
     int messages_since_observation = 0;
+    // The size of what the peer sent: the receiver's cheap check.
+    OutputNormMeter received_norms;
   };
   LinkState down_link_, up_link_;
   absl::Duration send_total_;  // time in Send(), all links

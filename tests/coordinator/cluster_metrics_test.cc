@@ -36,6 +36,11 @@ v1::ClusterStatus TrainingStatus() {
   link->set_bytes_sent(1000);
   link->set_raw_bytes_sent(3900);
   link->set_link_rate_bps(100e6);
+  v1::OutputNormStatus* norms = w->add_output_norms();
+  norms->set_kind("gradient");
+  norms->set_rms(0.2);
+  norms->set_replicas_rms(0.02);
+  norms->set_suspicion("its gradients (stage 0) measure 10x its replicas'");
   v1::WorkerStatus* standby = s.add_workers();
   standby->set_name("w1");
   standby->set_stage(-1);
@@ -56,6 +61,7 @@ TEST(ClusterMetricsTest, NamesFollowPrometheusConventions) {
            "geotrain_stage_workers{stage=\"0\"} 1",
            "geotrain_stage_bubble_max_ratio{stage=\"0\"} 0.25",
            "geotrain_stage_compute_max_seconds_per_microbatch{stage=\"0\"} 0.012",
+           "geotrain_stage_output_norm_suspects{stage=\"0\"} 1",
            "geotrain_job_info{training_job=\"demo\",schedule=\"async-stash\",state=\"training\"} 1",
        }) {
     EXPECT_TRUE(absl::StrContains(text, line)) << line << "\nin:\n" << text;

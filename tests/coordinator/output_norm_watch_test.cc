@@ -1,0 +1,153 @@
+#include "coordinator/output_norm_watch.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+
+namespace geotrain {
+namespace {
+
+// R pipelines of 3 stages: worker "p<r>s<k>" serves stage k of pipeline r.
+v1::Plan PipelinesPlan(int pipelines) {
+  v1::Plan plan;
+  plan.set_pipelines(pipelines);
+  for (int k = 0; k < 3; ++k) {
+    v1::StageAssignment* stage = plan.add_stages();
+    stage->set_stage(k);
+    stage->set_worker_id("p0s" + std::to_string(k));
+    for (int r = 1; r < pipelines; ++r) {
+      v1::Replica* replica = stage->add_replicas();
+      replica->set_worker_id("p" + std::to_string(r) + "s" + std::to_string(k));
+      replica->set_pipeline(r);
+    }
+  }
+  for (int r = 0; r < pipelines; ++r) {
+    for (int k = 0; k + 1 < 3; ++k) {
+      v1::PlannedLink* link = plan.add_links();
+      link->set_upstream_worker("p" + std::to_string(r) + "s" + std::to_string(k));
+      link->set_downstream_worker("p" + std::to_string(r) + "s" + std::to_string(k + 1));
+    }
+  }
+  return plan;
+}
+
+std::string Worker(int pipeline, int stage) {
+  return "p" + std::to_string(pipeline) + "s" + std::to_string(stage);
+}
+
+// What a middle stage reports: the RMS of the activations it received from
+// upstream and of the gradients it received from downstream.
+v1::StageStats Received(double activation_rms, double gradient_rms, uint64_t measured = 20) {
+  v1::StageStats stats;
+  v1::LinkStats* up = stats.add_links();
+  up->set_direction("upstream");
+  up->set_received_rms(activation_rms);
+  up->set_received_measured(measured);
+  v1::LinkStats* down = stats.add_links();
+  down->set_direction("downstream");
+  down->set_received_rms(gradient_rms);
+  down->set_received_measured(measured);
+  return stats;
+}
+
+// The receivers' figures go to the senders: stage 1's report names stage
+// 0's activations and stage 2's gradients.
+TEST(OutputNormWatchTest, FiguresGoToTheSenders) {
+  const v1::Plan plan = PipelinesPlan(1);
+  OutputNormWatch watch;
+  EXPECT_TRUE(watch.Record(plan, Worker(0, 1), Received(1.5, 0.02)).empty());
+  auto stage0 = watch.NormsOf(Worker(0, 0));
+  ASSERT_EQ(stage0.size(), 1u);
+  EXPECT_EQ(stage0[0].kind, "activation");
+  EXPECT_EQ(stage0[0].stage, 0);
+  EXPECT_DOUBLE_EQ(stage0[0].rms, 1.5);
+  auto stage2 = watch.NormsOf(Worker(0, 2));
+  ASSERT_EQ(stage2.size(), 1u);
+  EXPECT_EQ(stage2[0].kind, "gradient");
+  EXPECT_DOUBLE_EQ(stage2[0].rms, 0.02);
+  EXPECT_TRUE(watch.NormsOf(Worker(0, 1)).empty());
+  // Too few messages measured: the figure does not count yet.
+  OutputNormWatch fresh;
+  fresh.Record(plan, Worker(0, 1), Received(1.5, 0.02, /*measured=*/3));
+  EXPECT_TRUE(fresh.NormsOf(Worker(0, 0)).empty());
+}
+
+// Among three pipelines, the worker whose gradients are 10x its replicas'
+// is the suspect, and only it; honest replicas that differ by 30% are not.
+TEST(OutputNormWatchTest, AnOutlierAmongReplicasIsTheSuspect) {
+  const v1::Plan plan = PipelinesPlan(3);
+  OutputNormWatch watch;
+  // Stage 1 receivers report their stage-2 neighbours' gradients: 0.02,
+  // 0.026 (honest spread), 0.2 (x10).
+  const double gradients[3] = {0.02, 0.026, 0.2};
+  std::vector<OutputNorms> raised;
+  for (int round = 0; round < 3; ++round) {
+    for (int r = 0; r < 3; ++r) {
+      for (OutputNorms& n : watch.Record(plan, Worker(r, 1), Received(1.0, gradients[r]))) {
+        raised.push_back(n);
+      }
+    }
+  }
+  ASSERT_EQ(raised.size(), 1u);
+  EXPECT_EQ(raised[0].worker_id, Worker(2, 2));
+  EXPECT_EQ(raised[0].kind, "gradient");
+  EXPECT_NE(raised[0].suspicion.find("the median of its replicas'"), std::string::npos)
+      << raised[0].suspicion;
+  EXPECT_FALSE(watch.SuspicionOf(Worker(2, 2)).empty());
+  EXPECT_TRUE(watch.SuspicionOf(Worker(0, 2)).empty());
+  EXPECT_TRUE(watch.SuspicionOf(Worker(1, 2)).empty());
+
+  // It behaves again: the suspicion is cleared, with one change to report.
+  auto cleared = watch.Record(plan, Worker(2, 1), Received(1.0, 0.022));
+  ASSERT_EQ(cleared.size(), 1u);
+  EXPECT_TRUE(cleared[0].suspicion.empty());
+  EXPECT_TRUE(watch.SuspicionOf(Worker(2, 2)).empty());
+}
+
+// With two pipelines a diverging pair makes both suspects: the norms do not
+// say which one lies (an audit does).
+TEST(OutputNormWatchTest, ADivergingPairMakesBothSuspects) {
+  const v1::Plan plan = PipelinesPlan(2);
+  OutputNormWatch watch;
+  watch.Record(plan, Worker(0, 1), Received(1.0, 0.02));
+  watch.Record(plan, Worker(1, 1), Received(1.0, 0.2));
+  watch.Record(plan, Worker(0, 1), Received(1.0, 0.02));
+  EXPECT_FALSE(watch.SuspicionOf(Worker(0, 2)).empty());
+  EXPECT_FALSE(watch.SuspicionOf(Worker(1, 2)).empty());
+  EXPECT_TRUE(watch.SuspicionOf(Worker(0, 0)).empty());
+}
+
+// One pipeline: a worker is held to its own history. A sudden x10 is
+// suspect; the history did not learn it.
+TEST(OutputNormWatchTest, AJumpAgainstItsOwnHistoryIsSuspect) {
+  const v1::Plan plan = PipelinesPlan(1);
+  OutputNormWatch watch;
+  for (int i = 0; i < 10; ++i) {
+    EXPECT_TRUE(watch.Record(plan, Worker(0, 1), Received(1.0 + 0.01 * i, 0.02)).empty());
+  }
+  for (int i = 0; i < 5; ++i) watch.Record(plan, Worker(0, 1), Received(10.0, 0.02));
+  const std::string why = watch.SuspicionOf(Worker(0, 0));
+  EXPECT_NE(why.find("their own history"), std::string::npos) << why;
+  auto norms = watch.NormsOf(Worker(0, 0));
+  ASSERT_EQ(norms.size(), 1u);
+  EXPECT_NEAR(norms[0].history_rms, 1.05, 0.1);
+  // Forgotten when it leaves.
+  watch.Forget(Worker(0, 0));
+  EXPECT_TRUE(watch.NormsOf(Worker(0, 0)).empty());
+  EXPECT_FALSE(watch.NormsOf(Worker(0, 2)).empty());
+}
+
+// A figure that is not a number, a negative one, or from a worker the plan
+// does not link is ignored.
+TEST(OutputNormWatchTest, NonsenseIsIgnored) {
+  const v1::Plan plan = PipelinesPlan(1);
+  OutputNormWatch watch;
+  watch.Record(plan, Worker(0, 1), Received(std::nan(""), -1));
+  EXPECT_TRUE(watch.NormsOf(Worker(0, 0)).empty());
+  EXPECT_TRUE(watch.NormsOf(Worker(0, 2)).empty());
+  watch.Record(plan, "stranger", Received(1.0, 0.02));
+  EXPECT_TRUE(watch.NormsOf(Worker(0, 0)).empty());
+}
+
+}  // namespace
+}  // namespace geotrain
