@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -9,15 +10,15 @@
 namespace geotrain {
 namespace {
 
-// The stage `worker` serves in `plan`, or -1.
-int StageOf(const v1::Plan& plan, const std::string& worker) {
+// The stage `worker` serves in `plan` (-1: none), and how many workers
+// serve it.
+std::pair<int, int> StageOf(const v1::Plan& plan, const std::string& worker) {
   for (const v1::StageAssignment& s : plan.stages()) {
-    if (s.worker_id() == worker) return s.stage();
-    for (const v1::Replica& r : s.replicas()) {
-      if (r.worker_id() == worker) return s.stage();
-    }
+    bool found = s.worker_id() == worker;
+    for (const v1::Replica& r : s.replicas()) found = found || r.worker_id() == worker;
+    if (found) return {s.stage(), 1 + s.replicas_size()};
   }
-  return -1;
+  return {-1, 0};
 }
 
 // The one worker that sends `receiver` what arrives on its link toward
@@ -64,18 +65,15 @@ std::vector<OutputNorms> OutputNormWatch::Record(const v1::Plan& plan,
     if (sender.empty()) continue;
     const Key key{sender, link.direction() == "upstream" ? "activation" : "gradient"};
     Figure& figure = figures_[key];
-    figure.stage = StageOf(plan, sender);
+    std::tie(figure.stage, figure.stage_workers) = StageOf(plan, sender);
     figure.rms = link.received_rms();
     if (std::optional<OutputNorms> change = JudgeLocked(key)) changed.push_back(*change);
-    // The history learns only from figures that raised no suspicion, so a
-    // slow drift cannot teach it a lie.
+    // The history learns only from figures that raised no suspicion, so an
+    // outlier cannot teach it its lie.
     Figure& judged = figures_[key];
     if (judged.suspicion.empty()) {
-      judged.history = judged.history_count == 0
-                           ? judged.rms
-                           : (1 - options_.history_weight) * judged.history +
-                                 options_.history_weight * judged.rms;
-      ++judged.history_count;
+      judged.history.push_back(judged.rms);
+      while (judged.history.size() > options_.history_window) judged.history.pop_front();
     }
   }
   return changed;
@@ -85,14 +83,20 @@ double OutputNormWatch::ReplicasMedianLocked(const Key& key, int stage) const {
   if (stage < 0) return 0;
   std::vector<double> all;
   double self = 0;
+  int stage_workers = 0;
   for (const auto& [other, figure] : figures_) {
     if (other.second != key.second || figure.stage != stage) continue;
     if (other.first == key.first) {
       self = figure.rms;
+      stage_workers = figure.stage_workers;
     } else {
       all.push_back(figure.rms);
     }
   }
+  // Until every worker of the stage has a figure, none is judged against
+  // the others: with three pipelines, the first two figures would be taken
+  // for a pair, and an honest one made a suspect beside an outlier.
+  if (static_cast<int>(all.size()) + 1 < stage_workers) return 0;
   if (all.size() <= 1) return all.empty() ? 0 : all[0];  // none, or the pair's other
   // Three or more: the median of them all, itself included, which one
   // outlier cannot move far (the median of the others alone would be the
@@ -110,7 +114,11 @@ OutputNorms OutputNormWatch::NormsLocked(const Key& key, const Figure& figure) c
   norms.stage = figure.stage;
   norms.rms = figure.rms;
   norms.replicas_rms = ReplicasMedianLocked(key, figure.stage);
-  norms.history_rms = figure.history_count >= options_.min_history ? figure.history : 0;
+  if (figure.history.size() >= options_.min_history) {
+    double sum = 0;
+    for (double h : figure.history) sum += h;
+    norms.history_rms = sum / figure.history.size();
+  }
   norms.suspicion = figure.suspicion;
   return norms;
 }
@@ -122,9 +130,19 @@ std::optional<OutputNorms> OutputNormWatch::JudgeLocked(const Key& key) {
   if (Outside(norms.rms, norms.replicas_rms, options_.replica_ratio)) {
     suspicion = absl::StrFormat("its %ss (stage %d) measure %.3gx the median of its replicas'",
                                 key.second, figure.stage, norms.rms / norms.replicas_rms);
-  } else if (Outside(norms.rms, norms.history_rms, options_.history_ratio)) {
-    suspicion = absl::StrFormat("its %ss (stage %d) measure %.3gx their own history", key.second,
-                                figure.stage, norms.rms / norms.history_rms);
+  } else if (figure.history.size() >= options_.min_history) {
+    const auto [low, high] = std::minmax_element(figure.history.begin(), figure.history.end());
+    if (norms.rms > *high * options_.history_ratio) {
+      suspicion = absl::StrFormat("its %ss (stage %d) jumped to %.3gx the largest of their "
+                                  "last %d figures",
+                                  key.second, figure.stage, norms.rms / *high,
+                                  static_cast<int>(figure.history.size()));
+    } else if (norms.rms * options_.history_ratio < *low) {
+      suspicion = absl::StrFormat("its %ss (stage %d) fell to %.3gx the smallest of their "
+                                  "last %d figures",
+                                  key.second, figure.stage, norms.rms / *low,
+                                  static_cast<int>(figure.history.size()));
+    }
   }
   const bool was = !figure.suspicion.empty();
   figure.suspicion = suspicion;

@@ -8,7 +8,8 @@
 //
 // "Its replicas'" is the median of the stage's senders, itself included,
 // when there are three or more (one outlier cannot move it far), and the
-// other one's figure when there are two.
+// other one's figure when there are two; nothing until every worker the
+// plan puts on the stage has a figure.
 //
 // With two pipelines a stage has one other replica, and a pair that
 // diverges makes both suspects: nothing in the norms says which one lies.
@@ -17,6 +18,7 @@
 #define GEOTRAIN_COORDINATOR_OUTPUT_NORM_WATCH_H_
 
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <optional>
 #include <string>
@@ -36,14 +38,17 @@ struct OutputNormWatchOptions {
   // differ by a few percent on activations and tens of percent on
   // gradients.
   double replica_ratio = 3.0;
-  // The same against its own history: the slow average of its figures
-  // while it was no suspect.
+  // The same against its own history: the range of its last
+  // `history_window` figures (one a heartbeat) taken while it was no
+  // suspect. A sudden jump is caught; the drift of honest training is not
+  // (the demo GPT's gradients move 20x over a run, gradually: a slow
+  // average of them made suspects of honest workers).
   double history_ratio = 3.0;
+  size_t history_window = 10;
   // Messages a receiver must have measured before its figure counts, and
   // figures before a sender's history does.
   uint64_t min_messages = 8;
-  int min_history = 5;
-  double history_weight = 0.05;
+  size_t min_history = 5;
 };
 
 // One kind of output of one worker, as its receivers measured it.
@@ -53,7 +58,7 @@ struct OutputNorms {
   int stage = -1;
   double rms = 0;
   double replicas_rms = 0;  // what it is compared with (see the file comment); 0: none
-  double history_rms = 0;   // 0: too little history
+  double history_rms = 0;   // the mean of its history; 0: too little
   std::string suspicion;    // why it is a suspect; empty: it is not
 };
 
@@ -77,9 +82,9 @@ class OutputNormWatch {
  private:
   struct Figure {
     int stage = -1;
+    int stage_workers = 0;  // the plan's workers on that stage
     double rms = 0;
-    double history = 0;
-    int history_count = 0;
+    std::deque<double> history;  // its last figures while no suspect
     std::string suspicion;
   };
   using Key = std::pair<std::string, std::string>;  // worker, kind

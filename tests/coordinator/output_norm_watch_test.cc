@@ -78,11 +78,13 @@ TEST(OutputNormWatchTest, AnOutlierAmongReplicasIsTheSuspect) {
   const v1::Plan plan = PipelinesPlan(3);
   OutputNormWatch watch;
   // Stage 1 receivers report their stage-2 neighbours' gradients: 0.02,
-  // 0.026 (honest spread), 0.2 (x10).
+  // 0.026 (honest spread), 0.2 (x10), the outlier's first: until all three
+  // have a figure, none is judged against the others (the first two are
+  // no pair).
   const double gradients[3] = {0.02, 0.026, 0.2};
   std::vector<OutputNorms> raised;
   for (int round = 0; round < 3; ++round) {
-    for (int r = 0; r < 3; ++r) {
+    for (int r : {2, 0, 1}) {
       for (OutputNorms& n : watch.Record(plan, Worker(r, 1), Received(1.0, gradients[r]))) {
         raised.push_back(n);
       }
@@ -117,20 +119,33 @@ TEST(OutputNormWatchTest, ADivergingPairMakesBothSuspects) {
   EXPECT_TRUE(watch.SuspicionOf(Worker(0, 0)).empty());
 }
 
-// One pipeline: a worker is held to its own history. A sudden x10 is
-// suspect; the history did not learn it.
+// One pipeline: a worker is held to its own history. Honest drift, even
+// 20x over a run as the demo GPT's gradients go, is no suspicion; a sudden
+// x10 is, and the history does not learn it.
 TEST(OutputNormWatchTest, AJumpAgainstItsOwnHistoryIsSuspect) {
   const v1::Plan plan = PipelinesPlan(1);
   OutputNormWatch watch;
-  for (int i = 0; i < 10; ++i) {
-    EXPECT_TRUE(watch.Record(plan, Worker(0, 1), Received(1.0 + 0.01 * i, 0.02)).empty());
+  double gradient = 0.04;
+  for (int i = 0; i < 30; ++i) {  // down 20x, by 10% a heartbeat
+    gradient *= 0.9;
+    EXPECT_TRUE(watch.Record(plan, Worker(0, 1), Received(1.0, gradient)).empty()) << i;
   }
-  for (int i = 0; i < 5; ++i) watch.Record(plan, Worker(0, 1), Received(10.0, 0.02));
+  for (int i = 0; i < 30; ++i) {  // and back up
+    gradient /= 0.9;
+    EXPECT_TRUE(watch.Record(plan, Worker(0, 1), Received(1.0, gradient)).empty()) << i;
+  }
+  for (int i = 0; i < 5; ++i) watch.Record(plan, Worker(0, 1), Received(10.0, gradient));
   const std::string why = watch.SuspicionOf(Worker(0, 0));
-  EXPECT_NE(why.find("their own history"), std::string::npos) << why;
+  EXPECT_NE(why.find("jumped to 10x the largest of their last 10 figures"), std::string::npos)
+      << why;
+  EXPECT_TRUE(watch.SuspicionOf(Worker(0, 2)).empty());
   auto norms = watch.NormsOf(Worker(0, 0));
   ASSERT_EQ(norms.size(), 1u);
-  EXPECT_NEAR(norms[0].history_rms, 1.05, 0.1);
+  EXPECT_NEAR(norms[0].history_rms, 1.0, 1e-9);
+  // A fall is caught the same way.
+  for (int i = 0; i < 5; ++i) watch.Record(plan, Worker(0, 1), Received(1.0, gradient / 10));
+  EXPECT_NE(watch.SuspicionOf(Worker(0, 2)).find("fell to 0.152x the smallest"), std::string::npos)
+      << watch.SuspicionOf(Worker(0, 2));
   // Forgotten when it leaves.
   watch.Forget(Worker(0, 0));
   EXPECT_TRUE(watch.NormsOf(Worker(0, 0)).empty());

@@ -17,6 +17,11 @@
 //   --misbehave=poison_checkpoint uploads its stage's checkpoint with every
 //                                 value times -8 (finite) at a step 50 past
 //                                 its newest, once, then trains honestly
+//   --misbehave=scale_outputs     after --after messages, multiplies every
+//                                 activation and gradient it sends by
+//                                 --factor, re-encoded and committed to as
+//                                 its own (the cheap check on every
+//                                 microbatch: issue 35)
 #include <signal.h>
 
 #include <atomic>
@@ -25,16 +30,20 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/codec.h"
+#include "common/commitment.h"
 #include "common/layer_state.h"
 #include "common/logging.h"
 #include "common/plan_util.h"
 #include "common/rpc_options.h"
+#include "common/status_macros.h"
 #include "common/transport_security.h"
 #include "geotrain/v1/coordinator.grpc.pb.h"
 #include "geotrain/v1/stage.grpc.pb.h"
@@ -50,6 +59,7 @@ ABSL_FLAG(std::string, misbehave, "",
           "fake_done|fake_final_step|hijack_link|drop_links|stall|poison_checkpoint");
 ABSL_FLAG(int, after, 20, "messages each plan's pipeline sends honestly first");
 ABSL_FLAG(int, claim_step, 0, "the step its false claims name (the job's last)");
+ABSL_FLAG(double, factor, 10, "scale_outputs: what its outputs are multiplied by");
 
 namespace geotrain {
 namespace {
@@ -60,8 +70,55 @@ enum class Misbehaviour {
   kHijackLink,
   kDropLinks,
   kStall,
-  kPoisonCheckpoint
+  kPoisonCheckpoint,
+  kScaleOutputs
 };
+
+// `message` with its first tensor (the activation or the gradient; float32)
+// multiplied by `factor`, encoded as before and committed to.
+absl::StatusOr<LinkMessage> Scaled(const LinkMessage& message, float factor) {
+  const v1::TensorHeader& header = message.header.tensors(0);
+  absl::string_view bytes(message.payload.data(), header.payload_bytes());
+  std::string decompressed;
+  if (header.zstd()) {
+    ASSIGN_OR_RETURN(decompressed, ZstdDecompress(bytes, header.encoded_bytes()));
+    bytes = decompressed;
+  }
+  uint64_t n = 1;
+  for (int64_t d : header.shape()) n *= static_cast<uint64_t>(d);
+  std::vector<float> values(n);
+  CodecOptions options;
+  options.block_size = header.block_size() > 0 ? static_cast<int>(header.block_size()) : 64;
+  std::unique_ptr<Codec> codec;
+  if (header.codec() == v1::CODEC_NONE) {
+    if (bytes.size() != n * sizeof(float)) return absl::InvalidArgumentError("size");
+    std::memcpy(values.data(), bytes.data(), bytes.size());
+  } else {
+    ASSIGN_OR_RETURN(codec, MakeCodec(header.codec(), options));
+    RETURN_IF_ERROR(codec->Decode(bytes, n, values.data()));
+  }
+  for (float& v : values) v *= factor;
+  std::string encoded;
+  if (codec == nullptr) {
+    encoded.assign(reinterpret_cast<const char*>(values.data()), n * sizeof(float));
+  } else {
+    RETURN_IF_ERROR(codec->Encode(values.data(), n, &encoded));
+  }
+  LinkMessage out;
+  out.header = message.header;
+  v1::TensorHeader* changed = out.header.mutable_tensors(0);
+  changed->set_encoded_bytes(encoded.size());
+  if (header.zstd()) {
+    std::string compressed;
+    RETURN_IF_ERROR(ZstdCompress(encoded, 1, &compressed));
+    encoded = std::move(compressed);
+  }
+  changed->set_payload_bytes(encoded.size());
+  out.payload = std::move(encoded);
+  out.payload.append(message.payload, header.payload_bytes(), std::string::npos);
+  out.header.set_commitment(CommitmentOf(out.header, out.payload));
+  return out;
+}
 
 // Its stage's newest checkpoint, every float times -8, 50 steps on,
 // uploaded as its own. Returns what it says of it (for the test to read).
@@ -121,8 +178,14 @@ std::atomic<uint64_t> last_downstream_epoch{0};
 // What the pipeline sends toward one neighbour, for one plan.
 class HostileSink : public MessageSink {
  public:
-  HostileSink(Misbehaviour how, PeerSide toward, MessageSink* real, int after, int claim_step)
-      : how_(how), toward_(toward), real_(real), after_(after), claim_step_(claim_step) {}
+  HostileSink(Misbehaviour how, PeerSide toward, MessageSink* real, int after, int claim_step,
+              float factor)
+      : how_(how),
+        toward_(toward),
+        real_(real),
+        after_(after),
+        claim_step_(claim_step),
+        factor_(factor) {}
 
   absl::Status Send(LinkMessage message) override {
     if (toward_ == PeerSide::kDownstream) {
@@ -149,6 +212,22 @@ class HostileSink : public MessageSink {
       case Misbehaviour::kStall:
         if (sent_ == after_ + 1) GT_LOG(Warning) << "hostile: stalling the link";
         return absl::OkStatus();  // swallowed; the stream stays open
+      case Misbehaviour::kScaleOutputs: {
+        const v1::MessageKind kind = message.header.kind();
+        if ((kind != v1::MESSAGE_KIND_ACTIVATION && kind != v1::MESSAGE_KIND_GRADIENT) ||
+            message.header.tensors_size() == 0 ||
+            message.header.tensors(0).dtype() != v1::DTYPE_FLOAT32) {
+          return real_->Send(std::move(message));
+        }
+        absl::StatusOr<LinkMessage> scaled = Scaled(message, factor_);
+        if (!scaled.ok()) return real_->Send(std::move(message));
+        if (!scaling_logged_) {
+          scaling_logged_ = true;
+          GT_LOG(Warning) << "hostile: scaling its outputs by " << factor_ << " from message "
+                          << sent_;
+        }
+        return real_->Send(*std::move(scaled));
+      }
       default:
         return real_->Send(std::move(message));
     }
@@ -163,8 +242,10 @@ class HostileSink : public MessageSink {
   MessageSink* const real_;
   const int after_;
   const int claim_step_;
+  const float factor_;
   int sent_ = 0;
   bool done_sent_ = false;
+  bool scaling_logged_ = false;
 };
 
 // The side attacks, with this worker's own key (loaded from --state_dir
@@ -285,9 +366,11 @@ int Main(int argc, char** argv) {
     how = Misbehaviour::kStall;
   } else if (kind == "poison_checkpoint") {
     how = Misbehaviour::kPoisonCheckpoint;
+  } else if (kind == "scale_outputs") {
+    how = Misbehaviour::kScaleOutputs;
   } else {
     std::fprintf(stderr, "--misbehave: one of fake_done, fake_final_step, hijack_link, "
-                         "drop_links, stall, poison_checkpoint\n");
+                         "drop_links, stall, poison_checkpoint, scale_outputs\n");
     return 2;
   }
   if (absl::GetFlag(FLAGS_state_dir).empty()) {
@@ -305,8 +388,9 @@ int Main(int argc, char** argv) {
   options.threads = 1;
   const int after = absl::GetFlag(FLAGS_after);
   const int claim_step = absl::GetFlag(FLAGS_claim_step);
-  options.wrap_link = [how, after, claim_step](PeerSide toward, MessageSink* real) {
-    return std::make_unique<HostileSink>(how, toward, real, after, claim_step);
+  const float factor = static_cast<float>(absl::GetFlag(FLAGS_factor));
+  options.wrap_link = [how, after, claim_step, factor](PeerSide toward, MessageSink* real) {
+    return std::make_unique<HostileSink>(how, toward, real, after, claim_step, factor);
   };
   std::thread(SideAttacks, how, options.coordinator, options.state_dir, options.name, claim_step)
       .detach();

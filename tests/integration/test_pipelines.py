@@ -105,6 +105,14 @@ class PipelinesTest(unittest.TestCase):
                 raise
             status = c.status()
             self.assertEqual(int(status.get("pipelines", 1)), 3, status)
+            # The cheap check on every microbatch raised no suspect among
+            # honest workers (test_verification has the hostile one).
+            self.assertEqual(int(status.get("event_counts", {}).get("output_norms_suspect", 0)), 0,
+                             [e for e in status.get("events", [])
+                              if e["kind"] == "output_norms_suspect"])
+            for w in status["workers"]:
+                self.assertTrue(w.get("output_norms"), w)
+                self.assertFalse([n for n in w["output_norms"] if n.get("suspicion")], w)
             pipelines = {}
             for w in status["workers"]:
                 if w.get("stage", -1) >= 0:
