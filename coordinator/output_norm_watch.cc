@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <tuple>
 
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -65,7 +64,15 @@ std::vector<OutputNorms> OutputNormWatch::Record(const v1::Plan& plan,
     if (sender.empty()) continue;
     const Key key{sender, link.direction() == "upstream" ? "activation" : "gradient"};
     Figure& figure = figures_[key];
-    std::tie(figure.stage, figure.stage_workers) = StageOf(plan, sender);
+    const auto [stage, stage_workers] = StageOf(plan, sender);
+    if (stage != figure.stage) {
+      // Another stage computes other numbers: its history starts again.
+      figure.history.clear();
+      figure.suspicion.clear();
+    }
+    figure.stage = stage;
+    figure.stage_workers = stage_workers;
+    figure.epoch = plan.epoch();
     figure.rms = link.received_rms();
     if (std::optional<OutputNorms> change = JudgeLocked(key)) changed.push_back(*change);
     // The history learns only from figures that raised no suspicion, so an
@@ -84,8 +91,11 @@ double OutputNormWatch::ReplicasMedianLocked(const Key& key, int stage) const {
   std::vector<double> all;
   double self = 0;
   int stage_workers = 0;
+  const uint64_t epoch = figures_.at(key).epoch;
   for (const auto& [other, figure] : figures_) {
-    if (other.second != key.second || figure.stage != stage) continue;
+    // Figures of the same plan only: a worker the plan has moved or
+    // dropped keeps its old figure until it reports again.
+    if (other.second != key.second || figure.stage != stage || figure.epoch != epoch) continue;
     if (other.first == key.first) {
       self = figure.rms;
       stage_workers = figure.stage_workers;

@@ -83,6 +83,7 @@ class OutputNormWatch {
   struct Figure {
     int stage = -1;
     int stage_workers = 0;  // the plan's workers on that stage
+    uint64_t epoch = 0;     // of the plan it was attributed through
     double rms = 0;
     std::deque<double> history;  // its last figures while no suspect
     std::string suspicion;

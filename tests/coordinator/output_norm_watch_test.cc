@@ -152,6 +152,30 @@ TEST(OutputNormWatchTest, AJumpAgainstItsOwnHistoryIsSuspect) {
   EXPECT_FALSE(watch.NormsOf(Worker(0, 2)).empty());
 }
 
+// A worker the plan moves to another stage starts a new history, and
+// figures of an older plan are not its replicas'.
+TEST(OutputNormWatchTest, APlanThatMovesAWorkerStartsItsHistoryAgain) {
+  v1::Plan plan = PipelinesPlan(1);
+  plan.set_epoch(1);
+  OutputNormWatch watch;
+  for (int i = 0; i < 10; ++i) watch.Record(plan, Worker(0, 1), Received(1.0, 0.02));
+  // Epoch 2: p0s0 now serves stage 1 (another stage, other numbers; its
+  // receiver is the worker after it).
+  v1::Plan moved = plan;
+  moved.set_epoch(2);
+  moved.mutable_stages(0)->set_worker_id("x");
+  moved.mutable_stages(1)->set_worker_id(Worker(0, 0));
+  moved.mutable_links(0)->set_upstream_worker("x");
+  moved.mutable_links(0)->set_downstream_worker(Worker(0, 0));
+  moved.mutable_links(1)->set_upstream_worker(Worker(0, 0));
+  EXPECT_TRUE(watch.Record(moved, Worker(0, 2), Received(30.0, 0.02)).empty());
+  auto norms = watch.NormsOf(Worker(0, 0));
+  ASSERT_EQ(norms.size(), 1u);
+  EXPECT_EQ(norms[0].stage, 1);
+  EXPECT_DOUBLE_EQ(norms[0].history_rms, 0);  // too little history: a new one
+  EXPECT_TRUE(norms[0].suspicion.empty());
+}
+
 // A figure that is not a number, a negative one, or from a worker the plan
 // does not link is ignored.
 TEST(OutputNormWatchTest, NonsenseIsIgnored) {
