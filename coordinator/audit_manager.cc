@@ -1,0 +1,254 @@
+#include "coordinator/audit_manager.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace geotrain {
+namespace {
+
+// The key of pipeline r's stage-k computation in the draw: pipelines
+// compute the same microbatch ids, and each is drawn on its own.
+int DrawKey(int stage, int pipeline) { return stage + (pipeline << 16); }
+// Keys past any computation's: the verifier choices' randomness.
+int ChoiceKey(size_t attempt) { return 0x7fff0000 + static_cast<int>(attempt); }
+
+// Pipeline r's worker of `stage`, or empty.
+std::string WorkerOf(const v1::StageAssignment& stage, int pipeline) {
+  if (pipeline == 0) return stage.worker_id();
+  for (const v1::Replica& r : stage.replicas()) {
+    if (r.pipeline() == pipeline) return r.worker_id();
+  }
+  return "";
+}
+
+// Whether `stage` routes its microbatches among replicas of one pipeline.
+bool Routed(const v1::StageAssignment& stage) {
+  for (const v1::Replica& r : stage.replicas()) {
+    if (r.pipeline() == 0) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+const char* AuditStateName(Audit::State state) {
+  switch (state) {
+    case Audit::State::kOpen: return "open";
+    case Audit::State::kPassed: return "passed";
+    case Audit::State::kConfirmed: return "confirmed mismatch";
+    case Audit::State::kVerifierLied: return "verifier outvoted";
+    case Audit::State::kUndecided: return "undecided";
+    case Audit::State::kUnverifiable: return "unverifiable";
+  }
+  return "?";
+}
+
+AuditManager::AuditManager(SpotCheckDraw draw, AuditOptions options)
+    : draw_(std::move(draw)), options_(options) {}
+
+std::optional<std::string> AuditManager::ChooseVerifierLocked(
+    const Audit& audit, const v1::Plan& plan, const std::vector<std::string>& standbys) const {
+  auto usable = [&](const std::string& id) {
+    return !id.empty() && id != audit.audited && id != audit.upstream && id != audit.downstream &&
+           std::find(audit.verifiers.begin(), audit.verifiers.end(), id) == audit.verifiers.end();
+  };
+  // The same stage in the other pipelines first: they hold its layers.
+  std::vector<std::string> candidates;
+  for (const v1::StageAssignment& s : plan.stages()) {
+    if (s.stage() != audit.stage) continue;
+    for (int r = 0; r < std::max(1, plan.pipelines()); ++r) {
+      if (r != audit.pipeline && usable(WorkerOf(s, r))) candidates.push_back(WorkerOf(s, r));
+    }
+  }
+  if (candidates.empty()) {
+    for (const std::string& id : standbys) {
+      if (usable(id)) candidates.push_back(id);
+    }
+  }
+  if (candidates.empty()) return std::nullopt;
+  const double u = draw_.Draw(audit.epoch, audit.microbatch,
+                              ChoiceKey(audit.verifiers.size()) + DrawKey(0, audit.pipeline));
+  return candidates[std::min(candidates.size() - 1,
+                             static_cast<size_t>(u * static_cast<double>(candidates.size())))];
+}
+
+void AuditManager::CloseLocked(Audit audit) {
+  switch (audit.state) {
+    case Audit::State::kPassed: ++counts_.passed; ++per_worker_[audit.audited].first; break;
+    case Audit::State::kConfirmed: ++counts_.confirmed; ++per_worker_[audit.audited].second; break;
+    case Audit::State::kVerifierLied: ++counts_.verifiers_caught; break;
+    case Audit::State::kUndecided: ++counts_.undecided; break;
+    case Audit::State::kUnverifiable: ++counts_.unverifiable; break;
+    case Audit::State::kOpen: return;
+  }
+  open_.erase(audit.id);
+  const uint64_t id = audit.id;
+  closed_[id] = std::move(audit);
+  while (closed_.size() > options_.max_closed_kept) closed_.erase(closed_.begin());
+}
+
+std::vector<Audit> AuditManager::OnStepCommitted(
+    const v1::Plan& plan, int step, int job_microbatches, const std::vector<std::string>& standbys,
+    const std::function<bool(const std::string&)>& is_suspect) {
+  std::vector<Audit> opened;
+  if (step < 1 || options_.fraction <= 0) return opened;
+  absl::MutexLock lock(&mu_);
+  const int pipelines = std::max(1, plan.pipelines());
+  const int stages = plan.stages_size();
+  for (int r = 0; r < pipelines; ++r) {
+    int microbatches = job_microbatches;
+    for (const v1::PipelineInfo& info : plan.pipeline_info()) {
+      if (info.pipeline() == r && info.microbatches() > 0) microbatches = info.microbatches();
+    }
+    for (int k = 0; k < stages; ++k) {
+      const v1::StageAssignment& stage = plan.stages(k);
+      if (Routed(stage) || (k > 0 && Routed(plan.stages(k - 1))) ||
+          (k + 1 < stages && Routed(plan.stages(k + 1)))) {
+        continue;
+      }
+      Audit base;
+      base.epoch = plan.epoch();
+      base.pipeline = r;
+      base.stage = stage.stage();
+      base.step = step;
+      base.audited = WorkerOf(stage, r);
+      if (base.audited.empty()) continue;
+      base.upstream = k > 0 ? WorkerOf(plan.stages(k - 1), r) : "";
+      base.downstream = k + 1 < stages ? WorkerOf(plan.stages(k + 1), r) : "";
+      base.kind = k + 1 < stages ? v1::MESSAGE_KIND_ACTIVATION : v1::MESSAGE_KIND_GRADIENT;
+      if (k == 0 && k + 1 >= stages) continue;  // one stage: nothing crosses a link
+      const double rate = std::min(
+          1.0, options_.fraction * (is_suspect && is_suspect(base.audited) ? options_.suspect_boost
+                                                                          : 1.0));
+      for (int j = 0; j < microbatches; ++j) {
+        const uint64_t microbatch = static_cast<uint64_t>(step - 1) * microbatches + j;
+        if (draw_.Draw(base.epoch, microbatch, DrawKey(base.stage, r)) >= rate) continue;
+        ++counts_.drawn;
+        if (open_.size() >= options_.max_open_audits) {
+          ++counts_.dropped;
+          continue;
+        }
+        Audit audit = base;
+        audit.id = next_id_++;
+        audit.microbatch = microbatch;
+        std::optional<std::string> verifier = ChooseVerifierLocked(audit, plan, standbys);
+        if (!verifier.has_value()) {
+          audit.state = Audit::State::kUndecided;
+          CloseLocked(std::move(audit));
+          continue;
+        }
+        audit.verifiers.push_back(*verifier);
+        open_[audit.id] = audit;
+        opened.push_back(std::move(audit));
+      }
+    }
+  }
+  return opened;
+}
+
+absl::StatusOr<AuditDecision> AuditManager::OnVerdict(uint64_t id, const std::string& verifier,
+                                                      bool passed, bool verifiable,
+                                                      const std::string& summary,
+                                                      const v1::Plan& plan,
+                                                      const std::vector<std::string>& standbys) {
+  absl::MutexLock lock(&mu_);
+  auto it = open_.find(id);
+  if (it == open_.end()) return absl::NotFoundError(absl::StrCat("no open audit ", id));
+  Audit& audit = it->second;
+  // Only the verifier asked last answers, once.
+  if (audit.verifiers.size() != audit.passed.size() + 1 || audit.verifiers.back() != verifier) {
+    return absl::PermissionDeniedError(
+        absl::StrCat(verifier, " was not asked for audit ", id, "'s next verdict"));
+  }
+  AuditDecision decision;
+  if (!verifiable) {
+    audit.state = Audit::State::kUnverifiable;
+    audit.summaries.push_back(summary);
+    decision.reason = absl::StrCat("unverifiable: ", summary);
+    decision.audit = audit;
+    CloseLocked(std::move(audit));
+    return decision;
+  }
+  audit.passed.push_back(passed);
+  audit.summaries.push_back(summary);
+  const int fails = static_cast<int>(std::count(audit.passed.begin(), audit.passed.end(), false));
+  const int passes = static_cast<int>(audit.passed.size()) - fails;
+  // Settled: the first verdict passes, or two verdicts agree on a mismatch,
+  // or a majority has formed after a disagreement.
+  const bool settled = (audit.passed.size() == 1 && passed) || fails >= 2 ||
+                       (passes >= 2 && fails >= 1);
+  if (settled) {
+    const bool mismatch = fails >= 2;
+    if (mismatch) {
+      audit.state = Audit::State::kConfirmed;
+      decision.evict.push_back(audit.audited);
+      // A verifier that passed what the majority found wrong lied too.
+      for (size_t i = 0; i < audit.passed.size(); ++i) {
+        if (audit.passed[i]) decision.evict.push_back(audit.verifiers[i]);
+      }
+      decision.reason = absl::StrCat(
+          audit.audited, "'s ", audit.kind == v1::MESSAGE_KIND_ACTIVATION ? "activation" : "gradient",
+          " of microbatch ", audit.microbatch, " (epoch ", audit.epoch, ", stage ", audit.stage,
+          ") failed ", fails, " verifiers: ", absl::StrJoin(audit.summaries, " | "));
+    } else if (fails >= 1) {
+      audit.state = Audit::State::kVerifierLied;
+      for (size_t i = 0; i < audit.passed.size(); ++i) {
+        if (!audit.passed[i]) decision.evict.push_back(audit.verifiers[i]);
+      }
+      decision.reason = absl::StrCat("outvoted on audit ", id, " of ", audit.audited, ": ",
+                                     passes, " verifiers passed what ",
+                                     absl::StrJoin(decision.evict, ", "), " failed");
+    } else {
+      audit.state = Audit::State::kPassed;
+    }
+    decision.audit = audit;
+    CloseLocked(std::move(audit));
+    return decision;
+  }
+  // Not settled: another verifier, if one is left.
+  std::optional<std::string> next;
+  if (static_cast<int>(audit.verifiers.size()) < options_.max_verifiers) {
+    next = ChooseVerifierLocked(audit, plan, standbys);
+  }
+  if (!next.has_value()) {
+    audit.state = Audit::State::kUndecided;
+    decision.reason = absl::StrCat("audit ", id, " of ", audit.audited, " is undecided (",
+                                   passes, " passed, ", fails, " failed, no verifier left)");
+    decision.audit = audit;
+    CloseLocked(std::move(audit));
+    return decision;
+  }
+  audit.verifiers.push_back(*next);
+  decision.ask = *next;
+  decision.audit = audit;
+  return decision;
+}
+
+std::optional<Audit> AuditManager::Find(uint64_t id) const {
+  absl::MutexLock lock(&mu_);
+  if (auto it = open_.find(id); it != open_.end()) return it->second;
+  if (auto it = closed_.find(id); it != closed_.end()) return it->second;
+  return std::nullopt;
+}
+
+std::vector<Audit> AuditManager::Open() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<Audit> out;
+  for (const auto& [id, audit] : open_) out.push_back(audit);
+  return out;
+}
+
+AuditCounts AuditManager::counts() const {
+  absl::MutexLock lock(&mu_);
+  return counts_;
+}
+
+std::map<std::string, std::pair<int64_t, int64_t>> AuditManager::PerWorker() const {
+  absl::MutexLock lock(&mu_);
+  return per_worker_;
+}
+
+}  // namespace geotrain

@@ -1,0 +1,155 @@
+// The spot checks' bookkeeping (docs/verification.md, issue 35): which
+// computations are audited, who verifies them, and what the verdicts
+// decide. Torch-free and transport-free: the coordinator's service feeds it
+// committed steps and verdicts and carries out its decisions (evidence
+// requests, verifier tasks, evictions).
+//
+// Draws. When a step is committed, stage k's computation of microbatch m
+// in each pipeline is audited when the keyed draw (SpotCheckDraw) falls
+// below f, or f times `suspect_boost` for a worker the cheap check suspects.
+// A stage below the last is audited on its activation; the last stage on
+// its gradient (it sends no activation). Stages whose microbatches are
+// routed among replicas of one pipeline are not audited: which replica
+// computed a microbatch is not in the plan.
+//
+// Verdicts. A verifier is a worker of the same stage in another pipeline,
+// else one of the candidates the caller offers (standbys), chosen by the
+// draw so the audited worker cannot predict it, and never the audited
+// worker, its neighbours in the audit or a verifier already asked.
+// - The first verdict passes: the audit passes.
+// - It fails: a second verifier is asked. Both fail: the mismatch is
+//   confirmed and the audited worker is to be evicted.
+// - They disagree: a third decides. A verifier in the minority lied about
+//   a check and is to be evicted itself; a forged accusation never evicts
+//   an honest worker on one verifier's word.
+// - No verifier left to ask: the audit is undecided and nobody is evicted.
+// - Unverifiable (topk with error feedback): recorded, nobody evicted.
+// A first verdict that passes is not checked again: a verifier that
+// passes a wrong computation lets it through this once. Evidence that does
+// not hold together (a commitment that does not match) is for the caller
+// to find from the hashes, before a verifier is asked; it is not a verdict.
+//
+// Thread-safe.
+#ifndef GEOTRAIN_COORDINATOR_AUDIT_MANAGER_H_
+#define GEOTRAIN_COORDINATOR_AUDIT_MANAGER_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "common/spot_check_draw.h"
+#include "geotrain/v1/coordinator.pb.h"
+#include "geotrain/v1/stage.pb.h"
+
+namespace geotrain {
+
+struct AuditOptions {
+  double fraction = 0.01;      // f: the job's share of computations audited
+  double suspect_boost = 10;   // a suspect's rate is f times this (at most 1)
+  int max_verifiers = 3;       // the third settles a disagreement
+  size_t max_open_audits = 64;  // drawn past this are dropped (and counted)
+  size_t max_closed_kept = 256;
+};
+
+// One audited computation.
+struct Audit {
+  enum class State {
+    kOpen,          // waiting for a verdict
+    kPassed,
+    kConfirmed,     // two verifiers found the mismatch: evict the audited
+    kVerifierLied,  // outvoted: evict the verifier(s) in the minority
+    kUndecided,     // no verifier left to settle it
+    kUnverifiable,
+  };
+  uint64_t id = 0;
+  uint64_t epoch = 0;
+  int pipeline = 0;
+  int stage = 0;
+  int step = 0;
+  uint64_t microbatch = 0;
+  v1::MessageKind kind = v1::MESSAGE_KIND_UNSPECIFIED;
+  std::string audited;
+  std::string upstream;    // sent the input (empty on stage 0)
+  std::string downstream;  // received the output
+  std::vector<std::string> verifiers;  // asked, in order
+  std::vector<bool> passed;            // their verdicts so far, in order
+  std::vector<std::string> summaries;
+  State state = State::kOpen;
+};
+
+const char* AuditStateName(Audit::State state);
+
+// What a verdict decides: who is asked next, who is to be evicted, and why.
+struct AuditDecision {
+  Audit audit;                          // as it stands after the verdict
+  std::optional<std::string> ask;       // the next verifier to ask
+  std::vector<std::string> evict;       // the workers to evict
+  std::string reason;                   // for the event
+};
+
+struct AuditCounts {
+  int64_t drawn = 0;
+  int64_t dropped = 0;  // drawn past max_open_audits
+  int64_t passed = 0;
+  int64_t confirmed = 0;
+  int64_t verifiers_caught = 0;
+  int64_t undecided = 0;
+  int64_t unverifiable = 0;
+};
+
+class AuditManager {
+ public:
+  AuditManager(SpotCheckDraw draw, AuditOptions options = {});
+
+  // Step `step` of `plan` is committed: draws the audits of its
+  // computations, each with its first verifier chosen among the other
+  // pipelines' workers of its stage and `standbys`. `is_suspect` raises a
+  // worker's rate. Returns the audits opened (those with no verifier to ask
+  // are closed as undecided at once and not returned).
+  // `step` counts steps finished (from 1); pipeline r's microbatch ids of
+  // it are (step - 1) * M_r + j, j < M_r, with M_r its
+  // PipelineInfo.microbatches or else `job_microbatches`.
+  std::vector<Audit> OnStepCommitted(const v1::Plan& plan, int step, int job_microbatches,
+                                     const std::vector<std::string>& standbys,
+                                     const std::function<bool(const std::string&)>& is_suspect);
+
+  // `verifier`'s verdict on audit `id`. NOT_FOUND for an audit that is not
+  // open, PERMISSION_DENIED for a worker that was not asked for this
+  // verdict (a verifier answers once).
+  absl::StatusOr<AuditDecision> OnVerdict(uint64_t id, const std::string& verifier, bool passed,
+                                          bool verifiable, const std::string& summary,
+                                          const v1::Plan& plan,
+                                          const std::vector<std::string>& standbys);
+
+  std::optional<Audit> Find(uint64_t id) const;
+  std::vector<Audit> Open() const;
+  AuditCounts counts() const;
+  // Per worker: audits of its computations that passed, and that failed
+  // (confirmed).
+  std::map<std::string, std::pair<int64_t, int64_t>> PerWorker() const;
+
+ private:
+  std::optional<std::string> ChooseVerifierLocked(const Audit& audit, const v1::Plan& plan,
+                                                  const std::vector<std::string>& standbys) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CloseLocked(Audit audit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const SpotCheckDraw draw_;
+  const AuditOptions options_;
+  mutable absl::Mutex mu_;
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  std::map<uint64_t, Audit> open_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, Audit> closed_ ABSL_GUARDED_BY(mu_);  // the newest
+  AuditCounts counts_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::pair<int64_t, int64_t>> per_worker_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace geotrain
+
+#endif  // GEOTRAIN_COORDINATOR_AUDIT_MANAGER_H_

@@ -1,0 +1,203 @@
+#include "coordinator/audit_manager.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+
+namespace geotrain {
+namespace {
+
+std::string Key() { return std::string(32, 'k'); }
+
+std::unique_ptr<AuditManager> Manager(double fraction) {
+  auto draw = SpotCheckDraw::Create(Key(), fraction);
+  EXPECT_TRUE(draw.ok());
+  AuditOptions options;
+  options.fraction = fraction;
+  options.max_open_audits = 100000;
+  return std::make_unique<AuditManager>(*draw, options);
+}
+
+// R pipelines of `stages` stages: "p<r>s<k>" serves stage k of pipeline r.
+v1::Plan PipelinesPlan(int pipelines, int stages = 3) {
+  v1::Plan plan;
+  plan.set_epoch(4);
+  plan.set_pipelines(pipelines);
+  for (int k = 0; k < stages; ++k) {
+    v1::StageAssignment* stage = plan.add_stages();
+    stage->set_stage(k);
+    stage->set_worker_id("p0s" + std::to_string(k));
+    for (int r = 1; r < pipelines; ++r) {
+      v1::Replica* replica = stage->add_replicas();
+      replica->set_worker_id("p" + std::to_string(r) + "s" + std::to_string(k));
+      replica->set_pipeline(r);
+    }
+  }
+  return plan;
+}
+
+const auto kNobodySuspect = [](const std::string&) { return false; };
+
+// About f of every stage's computations are drawn, each with its
+// neighbours, its kind, and a verifier from another pipeline of its stage.
+TEST(AuditManagerTest, DrawsAboutTheFractionWithAVerifierFromAnotherPipeline) {
+  std::unique_ptr<AuditManager> audits = Manager(0.05);
+  const v1::Plan plan = PipelinesPlan(3);
+  int opened = 0;
+  std::set<std::string> audited;
+  for (int step = 1; step <= 400; ++step) {
+    for (const Audit& a : audits->OnStepCommitted(plan, step, 4, {}, kNobodySuspect)) {
+      ++opened;
+      audited.insert(a.audited);
+      EXPECT_EQ(a.epoch, 4u);
+      EXPECT_GE(a.microbatch, static_cast<uint64_t>(step - 1) * 4);
+      EXPECT_LT(a.microbatch, static_cast<uint64_t>(step) * 4);
+      EXPECT_EQ(a.audited, "p" + std::to_string(a.pipeline) + "s" + std::to_string(a.stage));
+      EXPECT_EQ(a.kind, a.stage < 2 ? v1::MESSAGE_KIND_ACTIVATION : v1::MESSAGE_KIND_GRADIENT);
+      EXPECT_EQ(a.upstream, a.stage == 0 ? "" : "p" + std::to_string(a.pipeline) + "s" +
+                                                    std::to_string(a.stage - 1));
+      ASSERT_EQ(a.verifiers.size(), 1u);
+      const std::string& v = a.verifiers[0];
+      EXPECT_EQ(v.substr(2), "s" + std::to_string(a.stage)) << v;  // the same stage
+      EXPECT_NE(v.substr(0, 2), "p" + std::to_string(a.pipeline)) << v;  // another pipeline
+    }
+  }
+  // 400 steps x 4 microbatches x 3 stages x 3 pipelines x 5%: 720.
+  EXPECT_NEAR(opened, 720, 4 * 26);
+  EXPECT_EQ(audited.size(), 9u);
+  EXPECT_EQ(audits->counts().drawn, opened);
+}
+
+// A suspect is audited about `suspect_boost` times as often.
+TEST(AuditManagerTest, ASuspectIsAuditedMoreOften) {
+  std::unique_ptr<AuditManager> audits = Manager(0.01);
+  const v1::Plan plan = PipelinesPlan(3);
+  std::map<std::string, int> per_worker;
+  for (int step = 1; step <= 500; ++step) {
+    for (const Audit& a : audits->OnStepCommitted(
+             plan, step, 4, {}, [](const std::string& id) { return id == "p1s1"; })) {
+      ++per_worker[a.audited];
+    }
+  }
+  // 2,000 computations each: about 20 audits, and about 200 for the suspect.
+  EXPECT_NEAR(per_worker["p1s1"], 200, 4 * 13.4);
+  EXPECT_NEAR(per_worker["p0s1"], 20, 4 * 4.5);
+}
+
+std::unique_ptr<AuditManager> WithOneAudit(const v1::Plan& plan, Audit* audit) {
+  std::unique_ptr<AuditManager> audits = Manager(1.0);
+  for (const Audit& a : audits->OnStepCommitted(plan, 1, 1, {}, kNobodySuspect)) {
+    if (a.audited == "p0s1") *audit = a;
+  }
+  return audits;
+}
+
+TEST(AuditManagerTest, APassingVerdictClosesTheAudit) {
+  const v1::Plan plan = PipelinesPlan(3);
+  Audit audit;
+  std::unique_ptr<AuditManager> audits = WithOneAudit(plan, &audit);
+  ASSERT_EQ(audit.audited, "p0s1");
+  auto decision = audits->OnVerdict(audit.id, audit.verifiers[0], true, true, "ok", plan, {});
+  ASSERT_TRUE(decision.ok()) << decision.status();
+  EXPECT_EQ(decision->audit.state, Audit::State::kPassed);
+  EXPECT_TRUE(decision->evict.empty());
+  EXPECT_FALSE(decision->ask.has_value());
+  EXPECT_EQ(audits->PerWorker()["p0s1"].first, 1);
+  // Answered once: a second answer finds no open audit.
+  EXPECT_EQ(audits->OnVerdict(audit.id, audit.verifiers[0], false, true, "", plan, {})
+                .status()
+                .code(),
+            absl::StatusCode::kNotFound);
+}
+
+// Two verifiers find the mismatch: the audited worker is to be evicted.
+TEST(AuditManagerTest, TwoFailingVerdictsConfirmTheMismatch) {
+  const v1::Plan plan = PipelinesPlan(3);
+  Audit audit;
+  std::unique_ptr<AuditManager> audits = WithOneAudit(plan, &audit);
+  auto first = audits->OnVerdict(audit.id, audit.verifiers[0], false, true, "FAILED: 1728 of 2112",
+                                plan, {});
+  ASSERT_TRUE(first.ok());
+  ASSERT_TRUE(first->ask.has_value());  // a second verifier, another one
+  EXPECT_NE(*first->ask, audit.verifiers[0]);
+  EXPECT_TRUE(first->evict.empty());  // never on one verifier's word
+  auto second = audits->OnVerdict(audit.id, *first->ask, false, true, "FAILED: 1730 of 2112",
+                                 plan, {});
+  ASSERT_TRUE(second.ok());
+  EXPECT_EQ(second->audit.state, Audit::State::kConfirmed);
+  EXPECT_EQ(second->evict, std::vector<std::string>{"p0s1"});
+  EXPECT_NE(second->reason.find("failed 2 verifiers"), std::string::npos) << second->reason;
+  EXPECT_EQ(audits->counts().confirmed, 1);
+}
+
+// A forged accusation: the first verifier fails an honest computation, the
+// second passes it, the third passes it. The liar is the one evicted.
+TEST(AuditManagerTest, AVerifierThatLiesIsOutvotedAndEvicted) {
+  const v1::Plan plan = PipelinesPlan(4);  // three verifiers to ask
+  Audit audit;
+  std::unique_ptr<AuditManager> audits = WithOneAudit(plan, &audit);
+  const std::string liar = audit.verifiers[0];
+  auto first = audits->OnVerdict(audit.id, liar, false, true, "FAILED (forged)", plan, {});
+  ASSERT_TRUE(first.ok() && first->ask.has_value());
+  auto second = audits->OnVerdict(audit.id, *first->ask, true, true, "passed", plan, {});
+  ASSERT_TRUE(second.ok() && second->ask.has_value()) << "a tie: a third verifier decides";
+  EXPECT_TRUE(second->evict.empty());
+  auto third = audits->OnVerdict(audit.id, *second->ask, true, true, "passed", plan, {});
+  ASSERT_TRUE(third.ok());
+  EXPECT_EQ(third->audit.state, Audit::State::kVerifierLied);
+  EXPECT_EQ(third->evict, std::vector<std::string>{liar});
+  EXPECT_EQ(audits->counts().verifiers_caught, 1);
+  EXPECT_EQ(audits->PerWorker()["p0s1"].second, 0);  // the honest worker has no failure
+}
+
+// With no one left to settle a disagreement, nobody is evicted.
+TEST(AuditManagerTest, ADisagreementWithNoOneLeftEvictsNobody) {
+  const v1::Plan plan = PipelinesPlan(3);  // two other pipelines: two verifiers
+  Audit audit;
+  std::unique_ptr<AuditManager> audits = WithOneAudit(plan, &audit);
+  auto first = audits->OnVerdict(audit.id, audit.verifiers[0], false, true, "FAILED", plan, {});
+  ASSERT_TRUE(first.ok() && first->ask.has_value());
+  auto second = audits->OnVerdict(audit.id, *first->ask, true, true, "passed", plan, {});
+  ASSERT_TRUE(second.ok());
+  EXPECT_EQ(second->audit.state, Audit::State::kUndecided);
+  EXPECT_TRUE(second->evict.empty());
+}
+
+// Standbys verify where no other pipeline has the stage; the audited
+// worker's neighbours never do.
+TEST(AuditManagerTest, StandbysVerifyOnePipeline) {
+  std::unique_ptr<AuditManager> audits = Manager(1.0);
+  const v1::Plan plan = PipelinesPlan(1);
+  auto opened = audits->OnStepCommitted(plan, 1, 1, {"p0s0", "standby"}, kNobodySuspect);
+  ASSERT_EQ(opened.size(), 3u);
+  for (const Audit& a : opened) {
+    ASSERT_EQ(a.verifiers.size(), 1u);
+    EXPECT_NE(a.verifiers[0], a.audited);
+    EXPECT_NE(a.verifiers[0], a.upstream);
+    EXPECT_NE(a.verifiers[0], a.downstream);
+  }
+  // Without standbys there is no verifier: undecided at once, none opened.
+  std::unique_ptr<AuditManager> alone = Manager(1.0);
+  EXPECT_TRUE(alone->OnStepCommitted(plan, 1, 1, {}, kNobodySuspect).empty());
+  EXPECT_EQ(alone->counts().undecided, 3);
+}
+
+// Only the verifier asked answers; unverifiable claims evict nobody.
+TEST(AuditManagerTest, OnlyTheVerifierAskedAnswers) {
+  const v1::Plan plan = PipelinesPlan(3);
+  Audit audit;
+  std::unique_ptr<AuditManager> audits = WithOneAudit(plan, &audit);
+  EXPECT_EQ(audits->OnVerdict(audit.id, "p0s1", true, true, "", plan, {}).status().code(),
+            absl::StatusCode::kPermissionDenied);
+  auto decision = audits->OnVerdict(audit.id, audit.verifiers[0], false, false,
+                                   "unverifiable: topk", plan, {});
+  ASSERT_TRUE(decision.ok());
+  EXPECT_EQ(decision->audit.state, Audit::State::kUnverifiable);
+  EXPECT_TRUE(decision->evict.empty());
+}
+
+}  // namespace
+}  // namespace geotrain
