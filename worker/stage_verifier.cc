@@ -65,28 +65,33 @@ absl::StatusOr<LinkMessage> StageVerifier::Recompute(const AuditedComputation& a
   if (runtime_->is_first()) {
     return absl::InvalidArgumentError("stage 0 sends no gradient to audit");
   }
+  ASSIGN_OR_RETURN(std::optional<LinkMessage> up,
+                   ForwardBackward(audit.input, audit.output_gradient));
+  if (!up.has_value()) return absl::InternalError("the backward made no gradient");
+  return std::move(*up);
+}
+
+absl::StatusOr<std::optional<LinkMessage>> StageVerifier::ForwardBackward(
+    const LinkMessage& input, const std::optional<LinkMessage>& output_gradient) {
   if (runtime_->is_last()) {
-    ASSIGN_OR_RETURN(LastStageResult result, runtime_->ForwardLoss(audit.input));
-    if (!result.gradient.has_value()) return absl::InternalError("the last stage made no gradient");
-    return std::move(*result.gradient);
+    ASSIGN_OR_RETURN(LastStageResult result, runtime_->ForwardLoss(input));
+    return std::move(result.gradient);
   }
-  if (!audit.output_gradient.has_value()) {
+  if (!output_gradient.has_value()) {
     return absl::FailedPreconditionError(
-        "a gradient audit below the last stage needs the downstream neighbour's gradient");
+        "a gradient below the last stage needs the downstream neighbour's gradient");
   }
-  ASSIGN_OR_RETURN(LinkMessage activation, runtime_->Forward(audit.input));
+  ASSIGN_OR_RETURN(LinkMessage activation, runtime_->Forward(input));
   // The logged gradient names the audited stage's weight version; the
   // verifier's forward ran on its own copy of those weights.
-  LinkMessage gradient = *audit.output_gradient;
+  LinkMessage gradient = *output_gradient;
   const int stage = runtime_->placement().stage;
   if (gradient.header.weight_versions_size() <= stage ||
       activation.header.weight_versions_size() <= stage) {
     return absl::FailedPreconditionError("the gradient names no weight version for this stage");
   }
   gradient.header.set_weight_versions(stage, activation.header.weight_versions(stage));
-  ASSIGN_OR_RETURN(std::optional<LinkMessage> up, runtime_->Backward(gradient));
-  if (!up.has_value()) return absl::InternalError("the backward made no gradient");
-  return std::move(*up);
+  return runtime_->Backward(gradient);
 }
 
 absl::StatusOr<OutputComparison> StageVerifier::Verify(const AuditedComputation& audit) {
@@ -126,20 +131,7 @@ absl::Status StageVerifier::Load(const std::vector<v1::LayerCheckpoint>& weights
 }
 
 absl::Status StageVerifier::Accumulate(const AuditedUpdate::Microbatch& microbatch) {
-  if (runtime_->is_last()) return runtime_->ForwardLoss(microbatch.input).status();
-  if (!microbatch.output_gradient.has_value()) {
-    return absl::FailedPreconditionError(
-        "an update audit below the last stage needs each microbatch's downstream gradient");
-  }
-  ASSIGN_OR_RETURN(LinkMessage activation, runtime_->Forward(microbatch.input));
-  LinkMessage gradient = *microbatch.output_gradient;
-  const int stage = runtime_->placement().stage;
-  if (gradient.header.weight_versions_size() <= stage ||
-      activation.header.weight_versions_size() <= stage) {
-    return absl::FailedPreconditionError("the gradient names no weight version for this stage");
-  }
-  gradient.header.set_weight_versions(stage, activation.header.weight_versions(stage));
-  return runtime_->Backward(gradient).status();
+  return ForwardBackward(microbatch.input, microbatch.output_gradient).status();
 }
 
 absl::StatusOr<OutputComparison> StageVerifier::VerifyUpdate(const AuditedUpdate& audit) {

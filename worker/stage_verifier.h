@@ -116,7 +116,11 @@ class StageVerifier {
   // Restores `weights` and checks they hash to `digest`.
   absl::Status Load(const std::vector<v1::LayerCheckpoint>& weights, const std::string& digest,
                     const char* what);
-  // Forward and backward of one microbatch; the gradient accumulates.
+  // Forward and backward of one microbatch (the last stage: with its loss);
+  // the weights' gradient accumulates. Returns the gradient for upstream
+  // (none on stage 0).
+  absl::StatusOr<std::optional<LinkMessage>> ForwardBackward(
+      const LinkMessage& input, const std::optional<LinkMessage>& output_gradient);
   absl::Status Accumulate(const AuditedUpdate::Microbatch& microbatch);
 
   const v1::JobSpec job_;

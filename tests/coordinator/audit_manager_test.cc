@@ -7,6 +7,8 @@
 #include <set>
 #include <string>
 
+#include "tests/coordinator/pipelines_plan.h"
+
 namespace geotrain {
 namespace {
 
@@ -21,23 +23,6 @@ std::unique_ptr<AuditManager> Manager(double fraction) {
   return std::make_unique<AuditManager>(*draw, options);
 }
 
-// R pipelines of `stages` stages: "p<r>s<k>" serves stage k of pipeline r.
-v1::Plan PipelinesPlan(int pipelines, int stages = 3) {
-  v1::Plan plan;
-  plan.set_epoch(4);
-  plan.set_pipelines(pipelines);
-  for (int k = 0; k < stages; ++k) {
-    v1::StageAssignment* stage = plan.add_stages();
-    stage->set_stage(k);
-    stage->set_worker_id("p0s" + std::to_string(k));
-    for (int r = 1; r < pipelines; ++r) {
-      v1::Replica* replica = stage->add_replicas();
-      replica->set_worker_id("p" + std::to_string(r) + "s" + std::to_string(k));
-      replica->set_pipeline(r);
-    }
-  }
-  return plan;
-}
 
 const auto kNobodySuspect = [](const std::string&) { return false; };
 

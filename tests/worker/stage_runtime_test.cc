@@ -16,6 +16,7 @@
 
 #include "common/job_spec.h"
 #include "common/tensor_wire.h"
+#include "tests/worker/tiny_text_job.h"
 #include "worker/models.h"
 #include "worker/weight_stash.h"
 
@@ -26,14 +27,8 @@ class StageRuntimeTest : public testing::Test {
  protected:
   void SetUp() override {
     // One file per process: ctest runs this binary's tests in parallel.
-    corpus_ = testing::TempDir() + "/stage_runtime_corpus." + std::to_string(getpid()) + ".txt";
-    std::ofstream out(corpus_);
-    for (int i = 0; i < 400; ++i) out << "the quick brown fox " << i << " jumps over the lazy dog\n";
-    out.close();
-    auto job = ParseJobSpec(
-        "gpt { context: 16 d_model: 32 heads: 4 blocks: 2 } text { paths: \"" + corpus_ +
-            "\" } steps: 4 microbatches: 2 microbatch_size: 4 seed: 7",
-        "test");
+    corpus_ = WriteTinyCorpus("stage_runtime_corpus");
+    auto job = TinyGptJob(corpus_);
     ASSERT_TRUE(job.ok()) << job.status();
     job_ = *job;
   }

@@ -3,15 +3,12 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <unistd.h>
-
-#include <fstream>
 #include <functional>
 
 #include "common/codec.h"
 #include "common/commitment.h"
-#include "common/job_spec.h"
 #include "common/tensor_wire.h"
+#include "tests/worker/tiny_text_job.h"
 #include "worker/output_check.h"
 
 namespace geotrain {
@@ -54,14 +51,8 @@ LinkMessage Tampered(const LinkMessage& claim,
 class StageVerifierTest : public testing::Test {
  protected:
   void SetUp() override {
-    corpus_ = testing::TempDir() + "/stage_verifier_corpus." + std::to_string(getpid()) + ".txt";
-    std::ofstream out(corpus_);
-    for (int i = 0; i < 400; ++i) out << "the quick brown fox " << i << " jumps over the lazy dog\n";
-    out.close();
-    auto job = ParseJobSpec(
-        "gpt { context: 16 d_model: 32 heads: 4 blocks: 2 } text { paths: \"" + corpus_ +
-            "\" } steps: 4 microbatches: 2 microbatch_size: 4 seed: 7",
-        "test");
+    corpus_ = WriteTinyCorpus("stage_verifier_corpus");
+    auto job = TinyGptJob(corpus_);
     ASSERT_TRUE(job.ok()) << job.status();
     job_ = *job;
   }
