@@ -11,9 +11,12 @@ namespace {
 
 // The key of pipeline r's stage-k computation in the draw: pipelines
 // compute the same microbatch ids, and each is drawn on its own.
-int DrawKey(int stage, int pipeline) { return stage + (pipeline << 16); }
-// Keys past any computation's: the verifier choices' randomness.
-int ChoiceKey(size_t attempt) { return 0x7fff0000 + static_cast<int>(attempt); }
+int DrawKey(int stage, int pipeline) { return stage + pipeline * 65536; }
+// The verifier choices' randomness: keys below any computation's of the
+// pipeline (stages are never 65,000 deep).
+int ChoiceKey(size_t attempt, int pipeline) {
+  return DrawKey(-1 - static_cast<int>(attempt), pipeline);
+}
 
 // Pipeline r's worker of `stage`, or empty.
 std::string WorkerOf(const v1::StageAssignment& stage, int pipeline) {
@@ -70,7 +73,7 @@ std::optional<std::string> AuditManager::ChooseVerifierLocked(
   }
   if (candidates.empty()) return std::nullopt;
   const double u = draw_.Draw(audit.epoch, audit.microbatch,
-                              ChoiceKey(audit.verifiers.size()) + DrawKey(0, audit.pipeline));
+                              ChoiceKey(audit.verifiers.size(), audit.pipeline));
   return candidates[std::min(candidates.size() - 1,
                              static_cast<size_t>(u * static_cast<double>(candidates.size())))];
 }

@@ -82,7 +82,15 @@ class ConvergenceTest(unittest.TestCase):
         print(f"gpt-tiny async-stash: val_loss {async_val:.4f} vs sync {sync_val:.4f} "
               f"({async_val / sync_val - 1:+.2%}), "
               f"{a_steps[-1]['samples'] / a_steps[-1]['time_s']:.0f} samples/s")
-        self.assertLessEqual(abs(async_val / sync_val - 1), 0.03)
+        # The claim is that async-stash loses at most 3% against sync. It has
+        # also ended better by more than that, with nothing wrong: its
+        # staleness follows the stages' timing on the machine, and fresh
+        # runs read -3.17% and -3.01% (as well as +0.37% and -0.6%). A
+        # result far better than sync would mean something other than the
+        # same model was evaluated, so that side keeps a bound too, at twice
+        # the largest seen.
+        self.assertLessEqual(async_val / sync_val - 1, 0.03)
+        self.assertGreaterEqual(async_val / sync_val - 1, -0.065)
         stage0 = next(w for w in status["workers"] if w["stage"] == 0)
         self.assertGreater(int(stage0["staleness_max"]), 0)
         self.assertLessEqual(stage0["max_weight_versions"], 3)
