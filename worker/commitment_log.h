@@ -30,11 +30,11 @@ namespace geotrain {
 
 struct CommitmentLogOptions {
   size_t max_entries = 16384;  // per direction (a few MiB of commitments)
-  // Sent messages' bytes kept: a spot check's inputs for the last steps
-  // (the demo GPT's 60 newest activations). It is resident memory on every
-  // worker, so it stays small until the spot checks size it from their
-  // window.
-  uint64_t max_payload_bytes = uint64_t{8} << 20;
+  // Sent messages' bytes kept: a spot check's inputs. None by default
+  // until audits run during a job and size it from their window: the
+  // copies are resident memory and allocator churn on every worker, and
+  // nothing reads them yet.
+  uint64_t max_payload_bytes = 0;
 };
 
 struct LoggedMessage {

@@ -62,7 +62,13 @@ class ConvergenceTest(unittest.TestCase):
         # -16% in one run and +17% in the next with nothing leaking, and
         # +42% once in CI. A least-squares line through every sample from
         # step 20 averages that out (about 5 MiB of standard error over
-        # 280 samples); a leak moves the whole line.
+        # 280 samples); a leak moves the whole line. Clean runs have read
+        # from -1.2% to +16.4% this way (2026-12-07, six runs: one worker's
+        # line rose by 34-39 MiB over the run in two of them, every other
+        # under 8%); whether such a rise levels off over an hour is for the
+        # soak test to measure. A bound of 25% still fails what a leak of a copy
+        # per message does (+204% with the commitment log's byte bound
+        # removed).
         last = steps[-1]["step"]
         for name in steps[-1]["rss_bytes"]:
             points = [(m["step"], m["rss_bytes"][name] / 2**20) for m in steps
@@ -73,7 +79,7 @@ class ConvergenceTest(unittest.TestCase):
             print(f"  {name}: RSS trend {start:.1f} -> {end:.1f} MiB over steps 20-{last} "
                   f"({growth:+.1%}); peaks {peak_early:.1f} (steps 20-100), "
                   f"{peak_late:.1f} (last 100)")
-            self.assertLessEqual(growth, 0.10, f"{name} grew {growth:.1%}")
+            self.assertLessEqual(growth, 0.25, f"{name} grew {growth:.1%}")
 
         # async-stash after the same number of samples: within 3% of sync.
         a_steps, a_evals, status = run_job(self, "gpt-tiny.textproto", 3, "async-stash")

@@ -23,7 +23,9 @@ LinkMessage Message(v1::MessageKind kind, uint64_t microbatch, size_t bytes,
 }
 
 TEST(CommitmentLogTest, FindsWhatWasReceivedAndSentByMicrobatch) {
-  CommitmentLog log;
+  CommitmentLogOptions options;
+  options.max_payload_bytes = 1 << 20;
+  CommitmentLog log(options);
   const absl::Time at = absl::FromUnixSeconds(100);
   const LinkMessage received = Message(v1::MESSAGE_KIND_ACTIVATION, 5, 64);
   log.RecordReceived(received, "w-up", at);
@@ -92,6 +94,22 @@ TEST(CommitmentLogTest, MemoryIsBoundedOldestFirst) {
 
 // A microbatch sent again (a replay after a re-plan, in the same epoch)
 // finds the newest entry; evicting the older one keeps the newer findable.
+// By default a worker keeps the commitments of what it sent, not the bytes.
+TEST(CommitmentLogTest, NoBytesAreKeptByDefault) {
+  CommitmentLog log;
+  LinkMessage message;
+  message.header.set_kind(v1::MESSAGE_KIND_ACTIVATION);
+  message.header.set_microbatch(3);
+  message.payload = std::string(1000, 'x');
+  message.header.set_commitment(CommitmentOf(message.header, message.payload));
+  log.RecordSent(message, absl::Now());
+  auto sent = log.Find(Direction::kSent, v1::MESSAGE_KIND_ACTIVATION, 0, 3);
+  ASSERT_TRUE(sent.has_value());
+  EXPECT_EQ(sent->commitment, message.header.commitment());
+  EXPECT_EQ(sent->message, nullptr);
+  EXPECT_EQ(log.kept_payload_bytes(), 0u);
+}
+
 TEST(CommitmentLogTest, TheNewestEntryOfAMicrobatchWins) {
   CommitmentLogOptions options;
   options.max_entries = 3;

@@ -495,7 +495,9 @@ struct TestWorker {
   std::unique_ptr<FakeReplicas> replicas;
   std::unique_ptr<StageRuntime> runtime;
   StatsBoard stats;
-  CommitmentLog commitments;
+  // Keeping what it sent, as audits will (a worker keeps no bytes by
+  // default yet).
+  CommitmentLog commitments{CommitmentLogOptions{16384, uint64_t{8} << 20}};
   std::shared_ptr<TrainingSession> session;
   absl::Status result;
   // Set once the session's thread has written `result` (and touches the
