@@ -22,23 +22,25 @@ absl::StatusOr<double> SumOfSquares(const v1::TensorHeader& header, const std::s
     ASSIGN_OR_RETURN(decompressed, ZstdDecompress(bytes, header.encoded_bytes()));
     bytes = decompressed;
   }
-  const float* values = nullptr;
+  double sum = 0;
   if (header.codec() == v1::CODEC_NONE) {
     if (bytes.size() != elements * sizeof(float)) {
       return absl::InvalidArgumentError("a float32 tensor's bytes do not match its shape");
     }
-    scratch->resize(elements);
-    if (elements > 0) std::memcpy(scratch->data(), bytes.data(), bytes.size());
-    values = scratch->data();
-  } else {
-    CodecOptions options;
-    options.block_size = static_cast<int>(header.block_size());
-    ASSIGN_OR_RETURN(std::unique_ptr<Codec> codec, MakeCodec(header.codec(), options));
-    scratch->resize(elements);
-    RETURN_IF_ERROR(codec->Decode(bytes, elements, scratch->data()));
-    values = scratch->data();
+    // Read in place: a raw tensor needs no decoded copy.
+    for (uint64_t i = 0; i < elements; ++i) {
+      float value;
+      std::memcpy(&value, bytes.data() + i * sizeof(float), sizeof(float));
+      sum += static_cast<double>(value) * value;
+    }
+    return sum;
   }
-  double sum = 0;
+  CodecOptions options;
+  options.block_size = static_cast<int>(header.block_size());
+  ASSIGN_OR_RETURN(std::unique_ptr<Codec> codec, MakeCodec(header.codec(), options));
+  scratch->resize(elements);
+  RETURN_IF_ERROR(codec->Decode(bytes, elements, scratch->data()));
+  const float* values = scratch->data();
   for (uint64_t i = 0; i < elements; ++i) sum += static_cast<double>(values[i]) * values[i];
   return sum;
 }
