@@ -11,6 +11,7 @@ What is measured: the status (step, epoch) every 0.3 s; the longest time
 in which neither the step nor the epoch changed, from the first moment the
 hostile worker misbehaved. The bound is two leases plus a re-planned
 pipeline's start on this 2-core machine (SLACK_S)."""
+import glob
 import json
 import os
 import re
@@ -140,7 +141,20 @@ class CheckpointPoisoningTest(unittest.TestCase):
                 c.start_worker(f"w{i}", extra=[f"--token={token}"])
             wait_for(lambda: len(c.status()["workers"]) == i + 1, 60, f"worker {i} to join")
         hostile_id = next(w["id"] for w in c.status()["workers"] if w["name"] == "hostile")
-        wait_for(lambda: int(c.status()["step"]) >= 30, 120, "honest checkpoints of stage 1")
+        # The honest worker dies only once its layers are stored: a step
+        # count alone does not say so (uploads run beside training, which
+        # here makes 130 steps a second; one CI run killed it at step 30
+        # before any upload of its layer had landed, and the stage then
+        # rightly started from the seed, with no restore to check).
+        honest_status = next(w for w in c.status()["workers"] if w["name"] == "w1")
+        honest_layers = range(honest_status["layer_begin"], honest_status["layer_end"])
+        self.assertTrue(honest_layers, honest_status)
+
+        def stored(layer):
+            return glob.glob(os.path.join(c.dir, "state", "checkpoints", f"layer-{layer:04d}",
+                                          "step-*.ckpt"))
+        wait_for(lambda: all(stored(layer) for layer in honest_layers), 120,
+                 "honest checkpoints of stage 1")
         honest = next(p for p in c.workers if p.name == "w1")
         honest.stop(signal.SIGKILL)
         poisoned = wait_for(
