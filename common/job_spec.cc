@@ -227,6 +227,9 @@ absl::Status ValidateJobSpec(const v1::JobSpec& job) {
     return Invalid(absl::StrCat("eval_batches at most ", kMaxEvalBatches));
   }
   if (job.lease_ms() > 3600 * 1000) return Invalid("lease_ms at most one hour");
+  if (!(job.verification().fraction() >= 0 && job.verification().fraction() <= 1)) {
+    return Invalid("verification.fraction must be in [0, 1]");
+  }
   if (job.checkpoint_every() > kMaxSteps) return Invalid("checkpoint_every at most steps' bound");
   if (job.replica_sync_every() > kMaxSteps) return Invalid("replica_sync_every out of range");
   if (job.codec_block_size() < 0 || job.codec_block_size() > (1 << 20)) {

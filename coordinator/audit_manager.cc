@@ -106,7 +106,7 @@ std::vector<Audit> AuditManager::OnStepCommitted(
     for (const v1::PipelineInfo& info : plan.pipeline_info()) {
       if (info.pipeline() == r && info.microbatches() > 0) microbatches = info.microbatches();
     }
-    for (int k = 0; k < stages; ++k) {
+    for (int k = std::max(0, options_.first_audited_stage); k < stages; ++k) {
       const v1::StageAssignment& stage = plan.stages(k);
       if (Routed(stage) || (k > 0 && Routed(plan.stages(k - 1))) ||
           (k + 1 < stages && Routed(plan.stages(k + 1)))) {
@@ -228,6 +228,16 @@ absl::StatusOr<AuditDecision> AuditManager::OnVerdict(uint64_t id, const std::st
   decision.ask = *next;
   decision.audit = audit;
   return decision;
+}
+
+bool AuditManager::Abandon(uint64_t id) {
+  absl::MutexLock lock(&mu_);
+  auto it = open_.find(id);
+  if (it == open_.end()) return false;
+  Audit audit = it->second;
+  audit.state = Audit::State::kUndecided;
+  CloseLocked(std::move(audit));
+  return true;
 }
 
 std::optional<Audit> AuditManager::Find(uint64_t id) const {

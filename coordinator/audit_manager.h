@@ -55,6 +55,10 @@ struct AuditOptions {
   int max_verifiers = 3;       // the third settles a disagreement
   size_t max_open_audits = 64;  // drawn past this are dropped (and counted)
   size_t max_closed_kept = 256;
+  // Stages below this are not drawn. Stage 0's input is loaded data, which
+  // no neighbour's log holds; the live spot checks start at stage 1
+  // (AuditCoordinator).
+  int first_audited_stage = 0;
 };
 
 // One audited computation.
@@ -126,6 +130,10 @@ class AuditManager {
                                           bool verifiable, const std::string& summary,
                                           const v1::Plan& plan,
                                           const std::vector<std::string>& standbys);
+
+  // Closes an open audit undecided, without a verdict (its evidence did
+  // not come, or did not hold together). False when it is not open.
+  bool Abandon(uint64_t id);
 
   std::optional<Audit> Find(uint64_t id) const;
   std::vector<Audit> Open() const;

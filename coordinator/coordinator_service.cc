@@ -432,6 +432,32 @@ grpc::Status CoordinatorService::ReportEvent(grpc::ServerContext* context,
   return ToGrpcStatus(options_.controller->RecordWorkerEvent(checked));
 }
 
+grpc::Status AuditService::UploadEvidence(grpc::ServerContext* context,
+                                          const v1::AuditEvidence* request, v1::ReportAck*) {
+  absl::StatusOr<std::string> worker = caller_.Worker(*context, request->worker_id());
+  if (!worker.ok()) return Refused(worker.status());
+  return ToGrpcStatus(options_.controller->AcceptAuditEvidence(*worker, *request));
+}
+
+grpc::Status AuditService::FetchAudit(grpc::ServerContext* context,
+                                      const v1::FetchAuditRequest* request,
+                                      v1::AuditBundle* response) {
+  absl::StatusOr<std::string> worker = caller_.Worker(*context, request->worker_id());
+  if (!worker.ok()) return Refused(worker.status());
+  absl::StatusOr<v1::AuditBundle> bundle =
+      options_.controller->FetchAudit(*worker, request->audit_id());
+  if (!bundle.ok()) return Refused(bundle.status());
+  *response = *std::move(bundle);
+  return grpc::Status::OK;
+}
+
+grpc::Status AuditService::ReportVerdict(grpc::ServerContext* context,
+                                         const v1::AuditVerdict* request, v1::ReportAck*) {
+  absl::StatusOr<std::string> worker = caller_.Worker(*context, request->worker_id());
+  if (!worker.ok()) return Refused(worker.status());
+  return ToGrpcStatus(options_.controller->AcceptAuditVerdict(*worker, *request));
+}
+
 grpc::Status AdminService::CheckAdmin(const grpc::ServerContext& context) const {
   if (caller_.insecure()) {
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,

@@ -8,6 +8,8 @@
 // - the other Coordinator calls: a worker, as itself: its id comes from its
 //   client certificate, and a request naming another worker is refused;
 // - Admin: the admin credential only;
+// - Audit: a worker, as itself (what it may upload or fetch is the
+//   AuditCoordinator's to say);
 // - Status: any certificate of the cluster, or a viewer token
 //   (metadata kTokenMetadataKey).
 // Joins and enrollments are limited per source address (JoinRateLimiter).
@@ -26,6 +28,7 @@
 #include "coordinator/job_controller.h"
 #include "coordinator/plan_streams.h"
 #include "coordinator/reachability_prober.h"
+#include "geotrain/v1/audit.grpc.pb.h"
 #include "geotrain/v1/coordinator.grpc.pb.h"
 #include "geotrain/v1/status.grpc.pb.h"
 
@@ -187,6 +190,24 @@ class AdminService final : public v1::Admin::Service {
 
  private:
   grpc::Status CheckAdmin(const grpc::ServerContext& context) const;
+  const CoordinatorServiceOptions options_;
+  const CallerCheck caller_;
+};
+
+// Spot checks (coordinator/audit_coordinator.h): workers only, each as
+// itself.
+class AuditService final : public v1::Audit::Service {
+ public:
+  explicit AuditService(CoordinatorServiceOptions options)
+      : options_(options), caller_(&options_) {}
+  grpc::Status UploadEvidence(grpc::ServerContext* context, const v1::AuditEvidence* request,
+                              v1::ReportAck* response) override;
+  grpc::Status FetchAudit(grpc::ServerContext* context, const v1::FetchAuditRequest* request,
+                          v1::AuditBundle* response) override;
+  grpc::Status ReportVerdict(grpc::ServerContext* context, const v1::AuditVerdict* request,
+                             v1::ReportAck* response) override;
+
+ private:
   const CoordinatorServiceOptions options_;
   const CallerCheck caller_;
 };

@@ -1,6 +1,7 @@
 #include "coordinator/job_controller.h"
 
 #include <algorithm>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -68,6 +69,33 @@ absl::StatusOr<std::unique_ptr<JobController>> JobController::Create(
       *std::move(events_file)));
   absl::StatusOr<bool> recovered = controller->Recover();
   if (!recovered.ok()) return recovered.status();
+  if (const double fraction = controller->options_.job.verification().fraction(); fraction > 0) {
+    // A fresh key per coordinator: no worker can compute which of its
+    // computations will be audited.
+    absl::StatusOr<std::string> key = SpotCheckDraw::NewKey();
+    if (!key.ok()) return key.status();
+    absl::StatusOr<SpotCheckDraw> draw = SpotCheckDraw::Create(*std::move(key), fraction);
+    if (!draw.ok()) return draw.status();
+    JobController* self = controller.get();
+    AuditCoordinatorOptions audits;
+    audits.audits.fraction = fraction;
+    audits.audits.first_audited_stage = 1;
+    audits.clock = self->options_.clock;
+    audits.events = &self->events_;
+    audits.name_of = [self](const std::string& id) { return self->membership_.NameOf(id); };
+    audits.evict = [self](const std::string& worker_id, const std::string& why) {
+      if (self->options_.revoke_identity) {
+        if (absl::Status revoked = self->options_.revoke_identity(worker_id); !revoked.ok()) {
+          self->events_.Add("revoke_failed", self->membership_.NameOf(worker_id),
+                            std::string(revoked.message()));
+        }
+      }
+      self->RevokeWorker(worker_id);
+    };
+    self->audits_ = std::make_unique<AuditCoordinator>(*std::move(draw), std::move(audits));
+    self->audits_->SetSuspicion(
+        [self](const std::string& id) { return !self->norms_.SuspicionOf(id).empty(); });
+  }
   const JobControllerOptions& opts = controller->options_;
   std::unique_ptr<AppendLog> metrics_file;
   if (!opts.metrics_log_path.empty()) {
@@ -428,6 +456,7 @@ bool JobController::Heartbeat(const v1::HeartbeatRequest& request,
     for (v1::ProbeTask& task : reachability_.TakeTasks(request.worker_id())) {
       *response->add_probes() = std::move(task);
     }
+    if (audits_ != nullptr) audits_->FillHeartbeat(request.worker_id(), response);
   }
   if (!reachability_results) return true;
   for (int i = 0; i < std::min(request.probe_results_size(), kPeerProbes * 4); ++i) {
@@ -455,7 +484,57 @@ PlanPublisher::PlanPtr JobController::WaitForPlan(uint64_t after_epoch,
 }
 
 absl::Status JobController::ReportStep(const v1::StepReport& report) {
-  return progress_.ReportStep(report);
+  absl::Status status = progress_.ReportStep(report);
+  if (status.ok()) DrawAudits();
+  return status;
+}
+
+void JobController::DrawAudits() {
+  if (audits_ == nullptr) return;
+  const PlanView::PlanPtr plan = plan_view_.Get();
+  const int committed = progress_.committed_step();
+  // Nothing new committed (most ticks): no copy of the members.
+  if (plan == nullptr || committed == audited_through_.exchange(committed)) return;
+  audits_->OnCommitted(*plan, committed, options_.job.microbatches(), Standbys(*plan));
+}
+
+std::vector<std::string> JobController::Standbys(const v1::Plan& plan) const {
+  // Other pipelines hold every stage when there are several: the list (a
+  // copy of the members) is made only for one pipeline.
+  std::vector<std::string> standbys;
+  if (plan.pipelines() > 1) return standbys;
+  const std::set<std::string> in_plan = [&] {
+    std::set<std::string> ids;
+    for (const v1::StageAssignment& stage : plan.stages()) {
+      ids.insert(stage.worker_id());
+      for (const v1::Replica& r : stage.replicas()) ids.insert(r.worker_id());
+    }
+    return ids;
+  }();
+  for (const WorkerRecord& w : membership_.LiveWorkers()) {
+    if (in_plan.count(w.id) == 0) standbys.push_back(w.id);
+  }
+  return standbys;
+}
+
+absl::Status JobController::AcceptAuditEvidence(const std::string& caller,
+                                                const v1::AuditEvidence& evidence) {
+  if (audits_ == nullptr) return absl::FailedPreconditionError("this job runs no spot checks");
+  return audits_->AcceptEvidence(caller, evidence);
+}
+
+absl::StatusOr<v1::AuditBundle> JobController::FetchAudit(const std::string& caller,
+                                                          uint64_t audit_id) const {
+  if (audits_ == nullptr) return absl::FailedPreconditionError("this job runs no spot checks");
+  return audits_->Fetch(caller, audit_id);
+}
+
+absl::Status JobController::AcceptAuditVerdict(const std::string& caller,
+                                               const v1::AuditVerdict& verdict) {
+  if (audits_ == nullptr) return absl::FailedPreconditionError("this job runs no spot checks");
+  const PlanView::PlanPtr plan = plan_view_.Get();
+  if (plan == nullptr) return absl::FailedPreconditionError("no plan");
+  return audits_->AcceptVerdict(caller, verdict, *plan, Standbys(*plan));
 }
 
 absl::Status JobController::ReportEval(const v1::EvalReport& report) {
@@ -484,6 +563,10 @@ void JobController::Tick() {
   }
   plans_.Tick(expired);
   progress_.WriteStageCurves(/*job_done=*/false);
+  if (audits_ != nullptr) {
+    DrawAudits();
+    audits_->Expire();
+  }
   if (!expired.empty()) {
     membership_.PruneDead(kMaxDeadMembers);
     Persist();

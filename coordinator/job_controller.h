@@ -9,6 +9,8 @@
 //   - ProgressTracker: step, evaluation and done reports; the metrics log.
 //   - CheckpointGate: who may save and load which checkpoints.
 //   - StatusAssembler: the status, paginated.
+//   - AuditCoordinator: spot checks of the stages' computations, when the
+//     job sets verification.fraction.
 // Each part has its own lock (or none); no call holds one part's lock
 // while it waits on the store, and heartbeats take no lock of the plan.
 // It knows nothing of gRPC; the service adapters in coordinator_service.h
@@ -31,6 +33,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
+#include "coordinator/audit_coordinator.h"
 #include "coordinator/checkpoint_gate.h"
 #include "coordinator/checkpoint_store.h"
 #include "coordinator/coordinator_store.h"
@@ -49,6 +52,7 @@
 #include "coordinator/reachability_manager.h"
 #include "coordinator/status_assembler.h"
 #include "coordinator/straggler_detector.h"
+#include "geotrain/v1/audit.pb.h"
 #include "geotrain/v1/coordinator.pb.h"
 #include "geotrain/v1/job.pb.h"
 #include "geotrain/v1/status.pb.h"
@@ -94,6 +98,10 @@ struct JobControllerOptions {
   // `event_burst` events that refills at `events_per_s`.
   double events_per_s = 2;
   double event_burst = 20;
+  // Denies a worker's certificate from now on (AccessStore::RevokeWorker):
+  // what a confirmed spot-check mismatch does besides ending its lease.
+  // Empty (insecure): the lease ends, and the worker may join again.
+  std::function<absl::Status(const std::string& worker_id)> revoke_identity;
 };
 
 class JobController {
@@ -167,6 +175,13 @@ class JobController {
   // which is excluded from plans for a while.
   absl::Status RecordWorkerEvent(const v1::WorkerEvent& event);
 
+  // Spot checks (AuditCoordinator): a worker's evidence, the audit its
+  // verifier fetches, and the verdict. FAILED_PRECONDITION when the job
+  // runs none.
+  absl::Status AcceptAuditEvidence(const std::string& caller, const v1::AuditEvidence& evidence);
+  absl::StatusOr<v1::AuditBundle> FetchAudit(const std::string& caller, uint64_t audit_id) const;
+  absl::Status AcceptAuditVerdict(const std::string& caller, const v1::AuditVerdict& verdict);
+
   // Expires leases, re-plans around lost workers (a standby takes an
   // orphaned stage; without one the layers are re-partitioned over the
   // survivors) and plans when enough workers are live. Call periodically.
@@ -189,6 +204,10 @@ class JobController {
                 std::shared_ptr<CoordinatorStore> store,
                 std::unique_ptr<CheckpointStore> checkpoints,
                 std::unique_ptr<AppendLog> events_file);
+  // Draws the audits of the steps committed since the last call.
+  void DrawAudits();
+  // Standbys: verifiers when no other pipeline holds the stage.
+  std::vector<std::string> Standbys(const v1::Plan& plan) const;
   // Takes over what a previous coordinator persisted in the store. True
   // when there was something.
   absl::StatusOr<bool> Recover();
@@ -232,6 +251,10 @@ class JobController {
   FaultResponder faults_;
   PlanManager plans_;
   StatusAssembler status_;
+  // Null when the job runs no spot checks; made by Create (its key comes
+  // from the CSPRNG, which can fail).
+  std::unique_ptr<AuditCoordinator> audits_;
+  std::atomic<int> audited_through_{0};  // the committed step DrawAudits last saw
   std::atomic<bool> shutdown_{false};
 };
 

@@ -247,6 +247,12 @@ int main(int argc, char** argv) {
     GT_LOG(Info) << "TLS on; CA " << authority->serving_ca_fingerprint() << "; admin credential "
                  << authority->admin_credential_path();
   }
+  if (access != nullptr) {
+    // A spot check's confirmed mismatch denies the worker's certificate.
+    options.revoke_identity = [store = access.get()](const std::string& worker_id) {
+      return store->RevokeWorker(worker_id);
+    };
+  }
   auto controller = geotrain::JobController::Create(options);
   if (!controller.ok()) return Fail(std::string(controller.status().message()));
   if (!job->init_from().empty()) {
@@ -298,6 +304,7 @@ int main(int argc, char** argv) {
   geotrain::CoordinatorService coordinator_service(service_options);
   geotrain::AdminService admin_service(service_options);
   geotrain::StatusService status_service(service_options);
+  geotrain::AuditService audit_service(service_options);
   // Its state is recovered (JobController::Create) before the port opens;
   // health goes SERVING once the server is up and NOT_SERVING at shutdown.
   geotrain::HealthReporter health("geotrain.v1.Coordinator", "starting");
@@ -323,6 +330,7 @@ int main(int argc, char** argv) {
   coordinator_service.AttachAsyncMethods(&builder);
   builder.RegisterService(&admin_service);
   builder.RegisterService(&status_service);
+  builder.RegisterService(&audit_service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
     return Fail(absl::StrCat("cannot listen on ", absl::GetFlag(FLAGS_listen)));

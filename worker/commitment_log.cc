@@ -24,7 +24,14 @@ LoggedMessage EntryOf(const LinkMessage& message, std::string peer, absl::Time a
 
 }  // namespace
 
-CommitmentLog::CommitmentLog(CommitmentLogOptions options) : options_(options) {}
+CommitmentLog::CommitmentLog(CommitmentLogOptions options)
+    : options_(options), max_payload_bytes_(options.max_payload_bytes) {}
+
+void CommitmentLog::SetMaxPayloadBytes(uint64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  max_payload_bytes_ = bytes;
+  TrimPayloadsLocked();
+}
 
 void CommitmentLog::RecordReceived(const LinkMessage& message, std::string peer, absl::Time at) {
   if (!IsCommittedKind(message.header.kind())) return;
@@ -35,7 +42,12 @@ void CommitmentLog::RecordReceived(const LinkMessage& message, std::string peer,
 void CommitmentLog::RecordSent(const LinkMessage& message, absl::Time at) {
   if (!IsCommittedKind(message.header.kind())) return;
   LoggedMessage entry = EntryOf(message, "", at);
-  const bool keep = message.payload.size() <= options_.max_payload_bytes;
+  uint64_t bound = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    bound = max_payload_bytes_;
+  }
+  const bool keep = message.payload.size() <= bound;
   if (keep) entry.message = std::make_shared<const LinkMessage>(message);  // outside the lock
   absl::MutexLock lock(&mu_);
   if (keep) kept_bytes_ += message.payload.size();
@@ -60,7 +72,7 @@ void CommitmentLog::AppendLocked(Side* side, LoggedMessage entry) {
 
 void CommitmentLog::TrimPayloadsLocked() {
   first_kept_ = std::max(first_kept_, sent_.first_index);
-  while (kept_bytes_ > options_.max_payload_bytes &&
+  while (kept_bytes_ > max_payload_bytes_ &&
          first_kept_ < sent_.first_index + sent_.entries.size()) {
     LoggedMessage& entry = sent_.entries[first_kept_ - sent_.first_index];
     if (entry.message != nullptr) {
@@ -78,6 +90,16 @@ std::optional<LoggedMessage> CommitmentLog::Find(Direction direction, v1::Messag
   auto it = side.newest.find(Key{kind, epoch, microbatch});
   if (it == side.newest.end()) return std::nullopt;
   return side.entries[it->second - side.first_index];
+}
+
+std::optional<LoggedMessage> CommitmentLog::FindNewest(Direction direction, v1::MessageKind kind,
+                                                       uint64_t microbatch) const {
+  absl::MutexLock lock(&mu_);
+  const Side& side = direction == Direction::kReceived ? received_ : sent_;
+  for (auto it = side.entries.rbegin(); it != side.entries.rend(); ++it) {
+    if (it->kind == kind && it->microbatch == microbatch) return *it;
+  }
+  return std::nullopt;
 }
 
 size_t CommitmentLog::entries(Direction direction) const {

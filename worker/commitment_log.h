@@ -70,6 +70,15 @@ class CommitmentLog {
   // logged.
   std::optional<LoggedMessage> Find(Direction direction, v1::MessageKind kind, uint64_t epoch,
                                     uint64_t microbatch) const;
+  // The newest entry of `direction` for (kind, microbatch) in any epoch (a
+  // spot check names the microbatch of a committed step; a pipeline that
+  // goes on through a re-plan keeps its links' epoch). O(entries).
+  std::optional<LoggedMessage> FindNewest(Direction direction, v1::MessageKind kind,
+                                          uint64_t microbatch) const;
+
+  // The byte bound from now on (spot checks: the job turns them on after
+  // the log is made). A smaller bound drops the oldest bytes at once.
+  void SetMaxPayloadBytes(uint64_t bytes);
 
   size_t entries(Direction direction) const;
   uint64_t kept_payload_bytes() const;
@@ -86,6 +95,7 @@ class CommitmentLog {
 
   const CommitmentLogOptions options_;
   mutable absl::Mutex mu_;
+  uint64_t max_payload_bytes_ ABSL_GUARDED_BY(mu_);
   Side received_ ABSL_GUARDED_BY(mu_);
   Side sent_ ABSL_GUARDED_BY(mu_);
   uint64_t kept_bytes_ ABSL_GUARDED_BY(mu_) = 0;

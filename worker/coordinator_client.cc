@@ -19,14 +19,48 @@ namespace geotrain {
 CoordinatorClient::CoordinatorClient(std::string address, CheckpointPacingOptions pacing)
     : address_(std::move(address)),
       stub_(v1::Coordinator::NewStub(MakeChannel(address_))),
-      bulk_stub_(v1::Coordinator::NewStub(MakeChannel(address_, Connection::kOwn))),
-      pacer_(pacing, &clock_) {}
+      pacer_(pacing, &clock_) {
+  std::shared_ptr<grpc::Channel> bulk = MakeChannel(address_, Connection::kOwn);
+  bulk_stub_ = v1::Coordinator::NewStub(bulk);
+  audit_stub_ = v1::Audit::NewStub(bulk);
+}
 
 void CoordinatorClient::UseSecurity(const TransportSecurity& security,
                                     const std::string& server_name) {
   stub_ = v1::Coordinator::NewStub(MakeSecureChannel(address_, security, server_name));
-  bulk_stub_ = v1::Coordinator::NewStub(
-      MakeSecureChannel(address_, security, server_name, Connection::kOwn));
+  std::shared_ptr<grpc::Channel> bulk =
+      MakeSecureChannel(address_, security, server_name, Connection::kOwn);
+  bulk_stub_ = v1::Coordinator::NewStub(bulk);
+  audit_stub_ = v1::Audit::NewStub(bulk);
+}
+
+absl::Status CoordinatorClient::UploadAuditEvidence(const v1::AuditEvidence& evidence,
+                                                    absl::Duration timeout) {
+  grpc::ClientContext context;
+  context.set_deadline(DeadlineFromNow(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout))));
+  v1::ReportAck ack;
+  return FromGrpcStatus(audit_stub_->UploadEvidence(&context, evidence, &ack));
+}
+
+absl::StatusOr<v1::AuditBundle> CoordinatorClient::FetchAudit(uint64_t audit_id,
+                                                              absl::Duration timeout) {
+  grpc::ClientContext context;
+  context.set_deadline(DeadlineFromNow(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout))));
+  v1::FetchAuditRequest request;
+  request.set_worker_id(worker_id());
+  request.set_audit_id(audit_id);
+  v1::AuditBundle bundle;
+  const grpc::Status status = audit_stub_->FetchAudit(&context, request, &bundle);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return bundle;
+}
+
+absl::Status CoordinatorClient::ReportAuditVerdict(const v1::AuditVerdict& verdict,
+                                                   absl::Duration timeout) {
+  grpc::ClientContext context;
+  context.set_deadline(DeadlineFromNow(std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout))));
+  v1::ReportAck ack;
+  return FromGrpcStatus(audit_stub_->ReportVerdict(&context, verdict, &ack));
 }
 
 absl::StatusOr<v1::JoinResponse> CoordinatorClient::JoinWithRetry(
@@ -298,6 +332,9 @@ absl::StatusOr<bool> CoordinatorClient::Heartbeat(uint64_t rss_bytes,
   if (prober_ != nullptr) {
     for (const v1::ProbeTask& task : response.probes()) prober_->Enqueue(task);
     if (response.has_access_probe()) prober_->EnqueueAccess(response.access_probe());
+  }
+  if (audit_work_ && (response.evidence_requests_size() > 0 || response.verify_audits_size() > 0)) {
+    audit_work_(response);
   }
   return response.known();
 }

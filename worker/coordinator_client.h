@@ -20,6 +20,7 @@
 #include "common/clock.h"
 #include "common/transport_security.h"
 #include "worker/checkpoint_pacer.h"
+#include "geotrain/v1/audit.grpc.pb.h"
 #include "worker/peer_prober.h"
 #include "worker/pipeline_driver.h"
 #include "worker/report_queue.h"
@@ -58,6 +59,17 @@ class CoordinatorClient final : public SessionCoordinator {
   absl::StatusOr<bool> Heartbeat(uint64_t rss_bytes, const v1::StageStats& stats);
   // REQUIRES: before the first Heartbeat; `prober` outlives this client.
   void UsePeerProber(PeerProber* prober) { prober_ = prober; }
+  // Called with each heartbeat reply that asks for spot-check work
+  // (evidence, audits to verify), on the heartbeat thread: it must only
+  // queue the work. REQUIRES: before the first Heartbeat.
+  void OnAuditWork(std::function<void(const v1::HeartbeatResponse&)> handler) {
+    audit_work_ = std::move(handler);
+  }
+  // The spot checks' calls (geotrain/v1/audit.proto), on the checkpoints'
+  // connection, each with `timeout`.
+  absl::Status UploadAuditEvidence(const v1::AuditEvidence& evidence, absl::Duration timeout);
+  absl::StatusOr<v1::AuditBundle> FetchAudit(uint64_t audit_id, absl::Duration timeout);
+  absl::Status ReportAuditVerdict(const v1::AuditVerdict& verdict, absl::Duration timeout);
   // Every later heartbeat carries these (worker/layer_benchmark.h).
   void SetLayerTimings(std::map<std::string, double> seconds_per_sample);
   // Opens the plan stream. `context` must outlive the reader.
@@ -113,6 +125,8 @@ class CoordinatorClient final : public SessionCoordinator {
   std::unique_ptr<v1::Coordinator::Stub> stub_;
   // Checkpoints, on a connection of their own (rpc_options.h: Connection).
   std::unique_ptr<v1::Coordinator::Stub> bulk_stub_;
+  std::unique_ptr<v1::Audit::Stub> audit_stub_;  // on bulk_stub_'s connection
+  std::function<void(const v1::HeartbeatResponse&)> audit_work_;
   mutable absl::Mutex mu_;
   std::string worker_id_ ABSL_GUARDED_BY(mu_);
   std::optional<std::vector<v1::LayerCheckpoint>> pending_upload_ ABSL_GUARDED_BY(mu_);

@@ -631,12 +631,35 @@ absl::Status PipelineDriver::SendNextEvalMicrobatch() {
   return SendDown(std::move(activation));
 }
 
+void PipelineDriver::KeepWeightsForAudit() {
+  AuditWeights* kept = options_.audit_weights;
+  if (kept == nullptr || !kept->enabled()) return;
+  const int64_t version = runtime_->current_weight_version();
+  if (version == audit_kept_version_) return;
+  audit_kept_version_ = version;
+  absl::StatusOr<std::vector<v1::LayerCheckpoint>> layers =
+      runtime_->ExportCheckpoint(/*step=*/0, /*weights_only=*/true);
+  if (!layers.ok()) {
+    GT_LOG(Warning) << "weights of version " << version
+                    << " not kept for audits: " << layers.status().message();
+    return;
+  }
+  KeptWeights weights;
+  weights.layer_begin = runtime_->layer_begin();
+  weights.version = version;
+  weights.digest = runtime_->WeightsDigest();
+  for (const v1::LayerCheckpoint& layer : *layers) weights.bytes += layer.ByteSizeLong();
+  weights.layers = std::make_shared<const std::vector<v1::LayerCheckpoint>>(*std::move(layers));
+  kept->Keep(std::move(weights));
+}
+
 absl::Status PipelineDriver::RunLaterStage() {
   while (true) {
     ASSIGN_OR_RETURN(InboundMessage in, NextMessage());
     const v1::LinkHeader& header = in.message.header;
     switch (header.kind()) {
       case v1::MESSAGE_KIND_ACTIVATION:
+        KeepWeightsForAudit();
         if (runtime_->is_last()) {
           absl::StatusOr<LastStageResult> result_or = runtime_->ForwardLoss(in.message);
           if (!result_or.ok()) return RefusedFrom(in, result_or.status());

@@ -39,6 +39,7 @@
 #include "common/plan_util.h"
 #include "geotrain/v1/coordinator.pb.h"
 #include "geotrain/v1/job.pb.h"
+#include "worker/audit_weights.h"
 #include "worker/commitment_log.h"
 #include "worker/message_sink.h"
 #include "worker/output_norms.h"
@@ -218,6 +219,11 @@ struct PipelineDriverOptions {
   // Logs the training messages this stage receives and sends, with their
   // commitments (the evidence spot checks use). Not owned; null: none.
   CommitmentLog* commitments = nullptr;
+  // Spot checks: each weight version this stage computes training
+  // forwards with is kept here (weights only) before its first forward, so
+  // an audit after the step can name it. Not owned; null or not enabled:
+  // none.
+  AuditWeights* audit_weights = nullptr;
   // Told when an outer-sync link broke, a replica's message was refused, or
   // a mean never came: the sync goes on without that replica (its
   // pipeline, or this one when it was the reducer, is the coordinator's to
@@ -288,6 +294,10 @@ class PipelineDriver {
   // message costs the sender its link and the coordinator re-plans around
   // it. Other errors (and OK) pass through.
   absl::Status RefusedFrom(const InboundMessage& in, absl::Status status);
+  // Keeps the current weight version for audits if it is new (see
+  // PipelineDriverOptions::audit_weights). A failure is logged, not
+  // fatal: training never waits on the spot checks.
+  void KeepWeightsForAudit();
   absl::Status SendDown(LinkMessage message);
   absl::Status SendUp(LinkMessage message);
   void PublishStats();
@@ -329,6 +339,7 @@ class PipelineDriver {
   // Stage 0: the evaluation pass being sent (its step, 0: none) and its
   // next microbatch. Its microbatches count in the window until the last
   // stage acknowledges them (EVAL_ACK).
+  int64_t audit_kept_version_ = -1;     // the version KeepWeightsForAudit kept last
   int eval_pass_ = 0;
   int eval_next_ = 0;
   double step_loss_sum_ = 0;            // last stage: losses of this step

@@ -665,12 +665,16 @@ int StageRuntime::DropInFlight() {
   return dropped;
 }
 
-absl::StatusOr<std::vector<v1::LayerCheckpoint>> StageRuntime::ExportCheckpoint(int step) const {
+int64_t StageRuntime::current_weight_version() const { return impl_->stash->current_version(); }
+
+absl::StatusOr<std::vector<v1::LayerCheckpoint>> StageRuntime::ExportCheckpoint(
+    int step, bool weights_only) const {
   const Impl& s = *impl_;
   return GuardTorch("exporting a checkpoint",
                     [&]() -> absl::StatusOr<std::vector<v1::LayerCheckpoint>> {
     const std::vector<torch::Tensor>& params = s.stash->Get(s.stash->current_version());
-    const std::vector<std::vector<torch::Tensor>> state = s.optimizer->State();
+    const std::vector<std::vector<torch::Tensor>> state =
+        weights_only ? std::vector<std::vector<torch::Tensor>>() : s.optimizer->State();
     std::vector<v1::LayerCheckpoint> out;
     for (size_t i = 0; i < s.layers.size(); ++i) {
       const auto [begin, end] = s.LayerParams(static_cast<size_t>(i), params.size());
@@ -688,7 +692,7 @@ absl::StatusOr<std::vector<v1::LayerCheckpoint>> StageRuntime::ExportCheckpoint(
           RETURN_IF_ERROR(EncodeTensor(t, layer.add_optimizer_state(), payload));
         }
       }
-      if (s.outer != nullptr) {
+      if (s.outer != nullptr && !weights_only) {
         layer.set_outer_rounds(s.outer->rounds());
         for (size_t p = begin; p < end; ++p) {
           RETURN_IF_ERROR(EncodeTensor(s.outer->outer_weights()[p], layer.add_outer_weights(),

@@ -152,9 +152,14 @@ class StageRuntime {
   static uint64_t TiedEmbeddingBytes(const v1::JobSpec& job);
   StashStats stash_stats() const;
 
+  // The version new forwards use (the weight stash's current one).
+  int64_t current_weight_version() const;
+
   // This stage's layers (current weights and optimizer state) as one
-  // checkpoint per layer, labelled `step`.
-  absl::StatusOr<std::vector<v1::LayerCheckpoint>> ExportCheckpoint(int step) const;
+  // checkpoint per layer, labelled `step`. `weights_only`: no optimizer or
+  // outer state (what a spot check recomputes with).
+  absl::StatusOr<std::vector<v1::LayerCheckpoint>> ExportCheckpoint(
+      int step, bool weights_only = false) const;
   // The same layers as LayerStateChunks (common/layer_state.h) read
   // straight from the live tensors, a chunk at a time: no copy of the stage
   // is made, so the stage must not change meanwhile (call it from the

@@ -243,6 +243,7 @@ PipelineDriverOptions TrainingSession::DriverOptions(const StageRuntime& runtime
                                                      bool stale_weights) {
   PipelineDriverOptions o;
   o.commitments = parts_.commitments;
+  o.audit_weights = parts_.audit_weights;
   o.epoch = plan_.epoch();
   o.stage = plan_.stage();
   o.num_stages = plan_.num_stages();

@@ -80,6 +80,8 @@ struct SessionParts {
   std::shared_ptr<SendPacer> outer_pacer;
   // Logs the pipeline links' training messages (null: none).
   CommitmentLog* commitments = nullptr;
+  // Keeps weight versions for spot checks (null: none).
+  AuditWeights* audit_weights = nullptr;
 };
 
 class TrainingSession {

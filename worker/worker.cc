@@ -31,6 +31,10 @@ namespace {
 
 // The share of the measured uplink the outer sync's transfers may use.
 constexpr double kOuterUplinkShare = 0.2;
+// Spot checks: what a worker keeps for audits, and each audit call's deadline.
+constexpr uint64_t kAuditSentBytes = uint64_t{64} << 20;
+constexpr uint64_t kAuditWeightBytes = uint64_t{64} << 20;
+constexpr absl::Duration kAuditRpcTimeout = absl::Seconds(30);
 
 // Splits "host:port" / "[v6]:port" at the last colon.
 std::pair<std::string, std::string> SplitHostPort(const std::string& address) {
@@ -71,7 +75,9 @@ Worker::Worker(WorkerOptions options)
       // the rest of the uplink. Unpaced until a measure finds the uplink.
       outer_pacer_(std::make_shared<UplinkSharePacer>(
           [this] { return coordinator_.pacer().uplink_bytes_per_s(); }, kOuterUplinkShare,
-          &clock_)) {}
+          &clock_)),
+      commitments_(options_.commitment_log != nullptr ? *options_.commitment_log
+                                                      : own_commitments_) {}
 
 Worker::~Worker() {
   Stop();
@@ -206,6 +212,38 @@ absl::Status Worker::JoinCoordinator() {
   return absl::OkStatus();
 }
 
+void Worker::StartAuditResponder() {
+  if (job_.verification().fraction() <= 0 || audit_responder_ != nullptr) return;
+  // What an audit asks for comes a heartbeat or two after its step: these
+  // bounds hold a few seconds of a small model's messages and versions.
+  commitments_.SetMaxPayloadBytes(kAuditSentBytes);
+  audit_weights_.SetMaxBytes(kAuditWeightBytes);
+  AuditResponderOptions options;
+  options.device = device_name_.empty() ? "cpu" : device_name_;
+  options.log = &commitments_;
+  options.weights = &audit_weights_;
+  options.calls.worker_id = [this] { return coordinator_.worker_id(); };
+  options.calls.upload = [this](const v1::AuditEvidence& evidence) {
+    return coordinator_.UploadAuditEvidence(evidence, kAuditRpcTimeout);
+  };
+  options.calls.fetch = [this](uint64_t audit_id) {
+    return coordinator_.FetchAudit(audit_id, kAuditRpcTimeout);
+  };
+  options.calls.report = [this](const v1::AuditVerdict& verdict) {
+    return coordinator_.ReportAuditVerdict(verdict, kAuditRpcTimeout);
+  };
+  audit_responder_ = std::make_unique<AuditResponder>(std::move(options));
+  audit_responder_->SetJob(job_);
+  coordinator_.OnAuditWork(
+      [responder = audit_responder_.get()](const v1::HeartbeatResponse& response) {
+        responder->Enqueue(response);
+      });
+  GT_LOG(Info) << "spot checks on (" << job_.verification().fraction()
+               << " of computations): keeping up to " << (kAuditSentBytes >> 20)
+               << " MiB of sent messages and " << (kAuditWeightBytes >> 20)
+               << " MiB of weight versions";
+}
+
 void Worker::MeasureLayerKinds() {
   absl::StatusOr<std::map<std::string, double>> timings =
       TimeLayerKinds(job_, device_name_, kLayerTimingBudget);
@@ -254,6 +292,7 @@ absl::Status Worker::Run() {
                      MetricsExporter::Start(options_.metrics_listen, [this] { return Metrics(); }));
   }
   RETURN_IF_ERROR(JoinCoordinator());
+  StartAuditResponder();
   heartbeat_thread_ = std::thread([this] { HeartbeatLoop(heartbeat_ms_); });
   watch_thread_ = std::thread([this] { WatchLoop(); });
   // Pre-flight compute figures for the planner, on this (the compute)
@@ -540,6 +579,7 @@ absl::Status Worker::Train(const v1::Plan& plan) {
   parts.stats = &stats_;
   parts.outer_pacer = outer_pacer_;
   parts.commitments = &commitments_;
+  parts.audit_weights = &audit_weights_;
   auto session = std::make_shared<TrainingSession>(job_, served, parts, session_options);
   {
     absl::MutexLock lock(&mu_);

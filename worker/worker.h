@@ -47,6 +47,8 @@
 #include "common/health_reporter.h"
 #include "common/metrics_exporter.h"
 #include "geotrain/v1/coordinator.pb.h"
+#include "worker/audit_responder.h"
+#include "worker/audit_weights.h"
 #include "worker/coordinator_client.h"
 #include "worker/link_service.h"
 #include "worker/pipeline_driver.h"
@@ -92,6 +94,12 @@ struct WorkerOptions {
   // stays valid that long. tests/integration/misbehaving_worker_main.cc
   // plays a hostile volunteer with it.
   std::function<std::unique_ptr<MessageSink>(PeerSide toward, MessageSink* real)> wrap_link;
+  // For tests only, with wrap_link: the commitment log to keep instead of
+  // the worker's own (not owned; must outlive the worker), so that a
+  // hostile wrapper can log what it really sent, as a liar in control of
+  // its own code would, and face the spot checks' recomputation rather
+  // than a dispute between logs.
+  CommitmentLog* commitment_log = nullptr;
 };
 
 // Parses "PEER=VIA[,PEER=VIA...]" (each a HOST:PORT) into WorkerOptions::routes.
@@ -151,7 +159,13 @@ class Worker {
   SteadyClock clock_;
   std::shared_ptr<UplinkSharePacer> outer_pacer_;
   // What this worker's pipeline links carried, across its sessions.
-  CommitmentLog commitments_;
+  CommitmentLog own_commitments_;
+  CommitmentLog& commitments_;  // own_commitments_ or options_.commitment_log
+  // Spot checks (a job with verification.fraction): the weight versions
+  // kept for audits, and the thread that answers the coordinator's audit
+  // work. Declared after coordinator_, whose calls the responder makes.
+  AuditWeights audit_weights_;
+  std::unique_ptr<AuditResponder> audit_responder_;
   TransportSecurity peer_security_ = TransportSecurity::Insecure();
   // SERVING while this worker trains a stage with its links open;
   // NOT_SERVING before a plan, as a standby, and between plans.
@@ -182,6 +196,9 @@ class Worker {
   // Times the job's layer kinds (worker/layer_benchmark.h) and hands the
   // figures to the heartbeats. On the compute thread only.
   void MeasureLayerKinds();
+  // With a job that runs spot checks: keeps evidence and answers audits
+  // (once; the job does not change between joins).
+  void StartAuditResponder();
   // What the layer timings may take in all (the quick models take far less).
   static constexpr absl::Duration kLayerTimingBudget = absl::Milliseconds(300);
   absl::Mutex mu_;

@@ -22,9 +22,20 @@
 //                                 --factor, re-encoded and committed to as
 //                                 its own (the cheap check on every
 //                                 microbatch: issue 35)
+//   --misbehave=noise             the same, adding Gaussian noise at --noise
+//                                 of each tensor's RMS
+//   --misbehave=flip_gradients    the same, the sign of every gradient
+//                                 flipped (activations honest)
+//   --misbehave=scale_gradients   the same, gradients only, times --factor
+// With --consistent_log the tampered message is also what its commitment
+// log holds as sent (WorkerOptions::commitment_log): a liar that keeps its
+// evidence consistent, whom only the spot checks' recomputation catches.
 #include <signal.h>
 
 #include <atomic>
+#include <cmath>
+#include <functional>
+#include <random>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -60,6 +71,9 @@ ABSL_FLAG(std::string, misbehave, "",
 ABSL_FLAG(int, after, 20, "messages each plan's pipeline sends honestly first");
 ABSL_FLAG(int, claim_step, 0, "the step its false claims name (the job's last)");
 ABSL_FLAG(double, factor, 10, "scale_outputs: what its outputs are multiplied by");
+ABSL_FLAG(double, noise, 0.01, "noise: the noise's standard deviation over each tensor's RMS");
+ABSL_FLAG(bool, consistent_log, false,
+          "log the tampered messages as sent (the spot checks' adversary)");
 
 namespace geotrain {
 namespace {
@@ -71,12 +85,21 @@ enum class Misbehaviour {
   kDropLinks,
   kStall,
   kPoisonCheckpoint,
-  kScaleOutputs
+  kScaleOutputs,
+  kNoise,
+  kFlipGradients,
+  kScaleGradients
 };
 
+bool Tampers(Misbehaviour how) {
+  return how == Misbehaviour::kScaleOutputs || how == Misbehaviour::kNoise ||
+         how == Misbehaviour::kFlipGradients || how == Misbehaviour::kScaleGradients;
+}
+
 // `message` with its first tensor (the activation or the gradient; float32)
-// multiplied by `factor`, encoded as before and committed to.
-absl::StatusOr<LinkMessage> Scaled(const LinkMessage& message, float factor) {
+// changed by `change`, encoded as before and committed to.
+absl::StatusOr<LinkMessage> Transformed(const LinkMessage& message,
+                                        const std::function<void(std::vector<float>&)>& change) {
   const v1::TensorHeader& header = message.header.tensors(0);
   absl::string_view bytes(message.payload.data(), header.payload_bytes());
   std::string decompressed;
@@ -97,7 +120,7 @@ absl::StatusOr<LinkMessage> Scaled(const LinkMessage& message, float factor) {
     ASSIGN_OR_RETURN(codec, MakeCodec(header.codec(), options));
     RETURN_IF_ERROR(codec->Decode(bytes, n, values.data()));
   }
-  for (float& v : values) v *= factor;
+  change(values);
   std::string encoded;
   if (codec == nullptr) {
     encoded.assign(reinterpret_cast<const char*>(values.data()), n * sizeof(float));
@@ -179,13 +202,15 @@ std::atomic<uint64_t> last_downstream_epoch{0};
 class HostileSink : public MessageSink {
  public:
   HostileSink(Misbehaviour how, PeerSide toward, MessageSink* real, int after, int claim_step,
-              float factor)
+              float factor, double noise, CommitmentLog* log)
       : how_(how),
         toward_(toward),
         real_(real),
         after_(after),
         claim_step_(claim_step),
-        factor_(factor) {}
+        factor_(factor),
+        noise_(noise),
+        log_(log) {}
 
   absl::Status Send(LinkMessage message) override {
     if (toward_ == PeerSide::kDownstream) {
@@ -212,27 +237,55 @@ class HostileSink : public MessageSink {
       case Misbehaviour::kStall:
         if (sent_ == after_ + 1) GT_LOG(Warning) << "hostile: stalling the link";
         return absl::OkStatus();  // swallowed; the stream stays open
-      case Misbehaviour::kScaleOutputs: {
+      case Misbehaviour::kScaleOutputs:
+      case Misbehaviour::kNoise:
+      case Misbehaviour::kFlipGradients:
+      case Misbehaviour::kScaleGradients: {
         const v1::MessageKind kind = message.header.kind();
+        const bool gradients_only =
+            how_ == Misbehaviour::kFlipGradients || how_ == Misbehaviour::kScaleGradients;
         if ((kind != v1::MESSAGE_KIND_ACTIVATION && kind != v1::MESSAGE_KIND_GRADIENT) ||
+            (gradients_only && kind != v1::MESSAGE_KIND_GRADIENT) ||
             message.header.tensors_size() == 0 ||
             message.header.tensors(0).dtype() != v1::DTYPE_FLOAT32) {
           return real_->Send(std::move(message));
         }
-        absl::StatusOr<LinkMessage> scaled = Scaled(message, factor_);
-        if (!scaled.ok()) return real_->Send(std::move(message));
+        absl::StatusOr<LinkMessage> changed = Transformed(message, [this](std::vector<float>& v) {
+          Change(v);
+        });
+        if (!changed.ok()) return real_->Send(std::move(message));
         if (!scaling_logged_) {
           scaling_logged_ = true;
-          GT_LOG(Warning) << "hostile: scaling its outputs by " << factor_ << " from message "
-                          << sent_;
+          GT_LOG(Warning) << "hostile: scaling its outputs by " << factor_ << " ("
+                          << absl::GetFlag(FLAGS_misbehave) << ") from message " << sent_;
         }
-        return real_->Send(*std::move(scaled));
+        // A liar in control of its code logs what it sent.
+        if (log_ != nullptr) log_->RecordSent(*changed, absl::Now());
+        return real_->Send(*std::move(changed));
       }
       default:
         return real_->Send(std::move(message));
     }
   }
   void OnReply(uint64_t microbatch) override { real_->OnReply(microbatch); }
+
+  void Change(std::vector<float>& values) {
+    switch (how_) {
+      case Misbehaviour::kNoise: {
+        double sum = 0;
+        for (float v : values) sum += static_cast<double>(v) * v;
+        const double rms = values.empty() ? 0 : std::sqrt(sum / values.size());
+        std::normal_distribution<float> noise(0.0f, static_cast<float>(noise_ * rms));
+        for (float& v : values) v += noise(random_);
+        break;
+      }
+      case Misbehaviour::kFlipGradients:
+        for (float& v : values) v = -v;
+        break;
+      default:
+        for (float& v : values) v *= factor_;
+    }
+  }
   std::string failed_peer() const override { return real_->failed_peer(); }
   std::string oldest_pending_peer() const override { return real_->oldest_pending_peer(); }
 
@@ -243,6 +296,9 @@ class HostileSink : public MessageSink {
   const int after_;
   const int claim_step_;
   const float factor_;
+  const double noise_;
+  CommitmentLog* const log_;
+  std::mt19937 random_{12345};
   int sent_ = 0;
   bool done_sent_ = false;
   bool scaling_logged_ = false;
@@ -368,9 +424,16 @@ int Main(int argc, char** argv) {
     how = Misbehaviour::kPoisonCheckpoint;
   } else if (kind == "scale_outputs") {
     how = Misbehaviour::kScaleOutputs;
+  } else if (kind == "noise") {
+    how = Misbehaviour::kNoise;
+  } else if (kind == "flip_gradients") {
+    how = Misbehaviour::kFlipGradients;
+  } else if (kind == "scale_gradients") {
+    how = Misbehaviour::kScaleGradients;
   } else {
     std::fprintf(stderr, "--misbehave: one of fake_done, fake_final_step, hijack_link, "
-                         "drop_links, stall, poison_checkpoint, scale_outputs\n");
+                         "drop_links, stall, poison_checkpoint, scale_outputs, noise, "
+                         "flip_gradients, scale_gradients\n");
     return 2;
   }
   if (absl::GetFlag(FLAGS_state_dir).empty()) {
@@ -389,8 +452,16 @@ int Main(int argc, char** argv) {
   const int after = absl::GetFlag(FLAGS_after);
   const int claim_step = absl::GetFlag(FLAGS_claim_step);
   const float factor = static_cast<float>(absl::GetFlag(FLAGS_factor));
-  options.wrap_link = [how, after, claim_step, factor](PeerSide toward, MessageSink* real) {
-    return std::make_unique<HostileSink>(how, toward, real, after, claim_step, factor);
+  const double noise = absl::GetFlag(FLAGS_noise);
+  // Outlives the worker (a static): the worker keeps it as its own log.
+  static CommitmentLog* const consistent_log = new CommitmentLog();
+  CommitmentLog* log = absl::GetFlag(FLAGS_consistent_log) && Tampers(how) ? consistent_log
+                                                                            : nullptr;
+  options.commitment_log = log;
+  options.wrap_link = [how, after, claim_step, factor, noise, log](PeerSide toward,
+                                                                   MessageSink* real) {
+    return std::make_unique<HostileSink>(how, toward, real, after, claim_step, factor, noise,
+                                         log);
   };
   std::thread(SideAttacks, how, options.coordinator, options.state_dir, options.name, claim_step)
       .detach();

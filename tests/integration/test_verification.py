@@ -1,5 +1,5 @@
 """Verification on real processes (issue 35): the cheap check on every
-microbatch.
+microbatch, and spot checks during a job.
 
 Six workers form three pipelines of two stages (test_pipelines' job, over
 TLS). One of them is geotrain-misbehaving-worker with
@@ -9,7 +9,18 @@ its own, so every link check passes. Its neighbour measures the size of
 what it received; the coordinator holds that against the same stage in the
 other two pipelines and must name the hostile worker, and only it, a
 suspect. The honest runs of test_pipelines check the other side: no
-suspect at all."""
+suspect at all.
+
+SpotCheckTest runs the same job with `verification { fraction }`: after
+each committed step the coordinator draws, with a key no worker holds,
+which computations a replica of the stage in another pipeline recomputes
+from the logged evidence. The hostile worker multiplies its gradients by
+1.05, or adds 1% noise, or flips their sign - too little for the cheap
+check - and logs what it really sent, so its evidence holds together; the
+recomputation must find it out, a second verifier confirm it, and the
+coordinator evict it and revoke its certificate, while every audit of an
+honest worker passes."""
+import json
 import os
 import time
 import unittest
@@ -74,6 +85,87 @@ class OutputNormsTest(unittest.TestCase):
             self.assertGreater(ratio, 3)
             out = c.ctl("status")
             self.assertIn("OUTPUTS SUSPECT", out.stdout)
+
+
+SPOT_CHECK_FRACTION = 0.05
+
+
+class SpotCheckTest(unittest.TestCase):
+    def run_adversary(self, misbehave, extra=()):
+        with PipelinesCluster(100000, 8, streaming=False, secure=True) as c:
+            with open(c.job, "a") as f:
+                f.write(f"verification {{ fraction: {SPOT_CHECK_FRACTION} }}\n")
+            c.start_coordinator()
+            token = c.create_token("--uses=6", "--name=six")
+            for i in range(5):
+                c.start_worker(f"w{i}", extra=[f"--token={token}"])
+                wait_for(lambda: len(c.status()["workers"]) == i + 1, 60, f"worker {i} to join")
+            hostile = Process([binary("geotrain-misbehaving-worker"),
+                               f"--coordinator={c.address}", "--listen=127.0.0.1:0",
+                               "--name=hostile", f"--token={token}",
+                               f"--state_dir={os.path.join(c.dir, 'hostile-state')}",
+                               f"--misbehave={misbehave}", "--consistent_log",
+                               f"--after={HONEST_MESSAGES}", *extra],
+                              os.path.join(c.dir, "hostile.log"), name="hostile")
+            c.workers.append(hostile)
+            wait_for(lambda: "hostile: scaling" in hostile.log(), 300,
+                     "the hostile worker to tamper", interval=0.5)
+            status = c.status()
+            mine = next(w for w in status["workers"] if w["name"] == "hostile")
+            # Stage 1 (the last) is audited on its gradients; stage 0's
+            # input is loaded data, not yet audited (docs/verification.md).
+            self.assertEqual(int(mine["stage"]), 1, status["workers"])
+            started, start_step = time.monotonic(), int(status["step"])
+            events_path = os.path.join(c.dir, "state", "events.log")
+
+            def events():
+                with open(events_path) as f:
+                    return [json.loads(line) for line in f if line.strip()]
+
+            def evicted():
+                c.ctl("status")  # the log is written off the caller's thread
+                return next((e for e in events() if e["kind"] == "audit_evicted"), None)
+
+            try:
+                eviction = wait_for(evicted, 180, "an audit_evicted event", interval=0.5)
+            except Exception:
+                print(c.dump_logs())
+                raise
+            after = c.status()
+            log = events()
+            kinds = [e["kind"] for e in log]
+            passed = [e for e in log if e["kind"] == "audit_passed"]
+            failed = [e for e in log if e["kind"] == "audit_failed"]
+            print(f"{misbehave}: evicted after {time.monotonic() - started:.1f} s, steps "
+                  f"{start_step} -> {after['step']}; audits passed {len(passed)}, failed "
+                  f"{len(failed)}, disputed {kinds.count('audit_disputed')}, expired "
+                  f"{kinds.count('audit_expired')}: {eviction['detail'][:400]}", flush=True)
+            self.assertEqual(eviction["worker"], "hostile", eviction)
+            self.assertEqual([e["worker"] for e in log if e["kind"] == "audit_evicted"],
+                             ["hostile"])
+            # Two verifiers failed it; every failure was of the hostile one.
+            self.assertGreaterEqual(len(failed), 2)
+            for e in failed:
+                self.assertIn("audit", e["detail"])
+                self.assertIn(" of hostile ", e["detail"], e)
+            self.assertNotIn("audit_disputed", kinds)
+            # Out of the plan, its certificate denied from now on; the job
+            # goes on.
+            self.assertIn("revoked", kinds)
+            wait_for(lambda: all(w["name"] != "hostile" or int(w["stage"]) == -1
+                                 for w in c.status()["workers"]), 60, "a plan without it")
+            wait_for(lambda: int(c.status()["step"]) > int(after["step"]) + 20, 120,
+                     "training after the eviction")
+            return passed
+
+    def test_scaled_gradients_are_caught_by_recomputation(self):
+        self.run_adversary("scale_outputs", ["--factor=1.05"])
+
+    def test_noisy_gradients_are_caught(self):
+        self.run_adversary("noise", ["--noise=0.01"])
+
+    def test_flipped_gradients_are_caught(self):
+        self.run_adversary("flip_gradients")
 
 
 if __name__ == "__main__":

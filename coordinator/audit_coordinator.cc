@@ -1,0 +1,351 @@
+#include "coordinator/audit_coordinator.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+
+namespace geotrain {
+namespace {
+
+const char* PartName(v1::EvidenceRequest::Part part) {
+  switch (part) {
+    case v1::EvidenceRequest::SENT_INPUT: return "input";
+    case v1::EvidenceRequest::CLAIM: return "claim";
+    case v1::EvidenceRequest::RECEIPT: return "receipt";
+    default: return "?";
+  }
+}
+
+// The first bytes of a commitment, for events.
+std::string Short(const std::string& commitment) {
+  return absl::BytesToHexString(commitment.substr(0, 8));
+}
+
+uint64_t EvidenceBytes(const v1::AuditEvidence& evidence) {
+  return evidence.ByteSizeLong();
+}
+
+// Drawing a step costs a draw per (pipeline, stage, microbatch): after a
+// jump (a restored coordinator) only the newest steps are drawn.
+constexpr int kMaxStepsDrawnAtOnce = 16;
+
+}  // namespace
+
+AuditCoordinator::AuditCoordinator(SpotCheckDraw draw, AuditCoordinatorOptions options)
+    : options_(std::move(options)), manager_(std::move(draw), options_.audits) {}
+
+std::string AuditCoordinator::Name(const std::string& id) const {
+  return options_.name_of ? options_.name_of(id) : id;
+}
+
+void AuditCoordinator::SetSuspicion(std::function<bool(const std::string&)> is_suspect) {
+  absl::MutexLock lock(&mu_);
+  is_suspect_ = std::move(is_suspect);
+}
+
+void AuditCoordinator::AskLocked(const std::string& worker, const Pending& pending,
+                                 v1::EvidenceRequest::Part part) {
+  v1::EvidenceRequest request;
+  request.set_audit_id(pending.audit.id);
+  request.set_part(part);
+  request.set_gradient(pending.audit.kind == v1::MESSAGE_KIND_GRADIENT);
+  request.set_microbatch(pending.audit.microbatch);
+  evidence_asks_[worker].push_back(std::move(request));
+}
+
+void AuditCoordinator::OnCommitted(const v1::Plan& plan, int committed_step, int job_microbatches,
+                                   const std::vector<std::string>& standbys) {
+  absl::MutexLock lock(&mu_);
+  if (plan.epoch() != drawn_epoch_) {
+    // Steps committed again under a new plan (a restore) are drawn again.
+    drawn_epoch_ = plan.epoch();
+    drawn_through_ = std::min(drawn_through_, committed_step - 1);
+  }
+  const int first = std::max(drawn_through_ + 1, committed_step - kMaxStepsDrawnAtOnce + 1);
+  const std::function<bool(const std::string&)> suspect = [this](const std::string& id) {
+    mu_.AssertHeld();
+    return disputed_.count(id) > 0 || (is_suspect_ && is_suspect_(id));
+  };
+  for (int step = first; step <= committed_step; ++step) {
+    for (Audit& audit : manager_.OnStepCommitted(plan, step, job_microbatches, standbys, suspect)) {
+      Pending pending;
+      pending.audit = audit;
+      pending.num_stages = plan.stages_size();
+      for (const v1::StageAssignment& s : plan.stages()) {
+        if (s.stage() == audit.stage) {
+          pending.layer_begin = s.layer_begin();
+          pending.layer_end = s.layer_end();
+        }
+      }
+      pending.opened_ms = options_.clock->NowMs();
+      // The receiver of the output: downstream for an activation, upstream
+      // for a gradient.
+      const std::string& receiver =
+          audit.kind == v1::MESSAGE_KIND_GRADIENT ? audit.upstream : audit.downstream;
+      pending.owed[v1::EvidenceRequest::SENT_INPUT] = audit.upstream;
+      pending.owed[v1::EvidenceRequest::CLAIM] = audit.audited;
+      pending.owed[v1::EvidenceRequest::RECEIPT] = receiver;
+      for (const auto& [part, worker] : pending.owed) AskLocked(worker, pending, part);
+      pending_[audit.id] = std::move(pending);
+    }
+  }
+  drawn_through_ = std::max(drawn_through_, committed_step);
+}
+
+void AuditCoordinator::FillHeartbeat(const std::string& worker_id,
+                                     v1::HeartbeatResponse* response) {
+  absl::MutexLock lock(&mu_);
+  if (auto it = evidence_asks_.find(worker_id); it != evidence_asks_.end()) {
+    for (v1::EvidenceRequest& request : it->second) {
+      *response->add_evidence_requests() = std::move(request);
+    }
+    evidence_asks_.erase(it);
+  }
+  if (auto it = verify_asks_.find(worker_id); it != verify_asks_.end()) {
+    for (uint64_t id : it->second) response->add_verify_audits(id);
+    verify_asks_.erase(it);
+  }
+}
+
+absl::Status AuditCoordinator::AcceptEvidence(const std::string& caller,
+                                              const v1::AuditEvidence& evidence) {
+  absl::MutexLock lock(&mu_);
+  auto it = pending_.find(evidence.audit_id());
+  if (it == pending_.end()) {
+    return absl::NotFoundError(absl::StrCat("no audit ", evidence.audit_id(), " owes evidence"));
+  }
+  Pending& pending = it->second;
+  auto owed = pending.owed.find(evidence.part());
+  if (owed == pending.owed.end() || owed->second != caller) {
+    return absl::PermissionDeniedError(absl::StrCat(caller.substr(0, 128), " owes no ",
+                                                    PartName(evidence.part()), " of audit ",
+                                                    evidence.audit_id()));
+  }
+  const uint64_t id = pending.audit.id;
+  if (!evidence.found()) {
+    AbandonLocked(id, "audit_evidence_missing", caller,
+                  absl::StrCat("audit ", id, ": ", Name(caller), " no longer holds the ",
+                               PartName(evidence.part()), " of microbatch ",
+                               pending.audit.microbatch, " (", evidence.detail().substr(0, 200),
+                               ")"));
+    return absl::OkStatus();
+  }
+  const bool wants_message = evidence.part() != v1::EvidenceRequest::RECEIPT;
+  const v1::MessageKind kind = evidence.part() == v1::EvidenceRequest::SENT_INPUT
+                                   ? v1::MESSAGE_KIND_ACTIVATION
+                                   : pending.audit.kind;
+  if (wants_message && (evidence.message().header().kind() != kind ||
+                        evidence.message().header().microbatch() != pending.audit.microbatch)) {
+    AbandonLocked(id, "audit_evidence_refused", caller,
+                  absl::StrCat("audit ", id, ": ", Name(caller), "'s ", PartName(evidence.part()),
+                               " is not microbatch ", pending.audit.microbatch, "'s"));
+    return absl::InvalidArgumentError("evidence of another message than asked");
+  }
+  if (!wants_message && evidence.received_commitment().empty()) {
+    return absl::InvalidArgumentError("a receipt without a commitment");
+  }
+  const uint64_t bytes = EvidenceBytes(evidence);
+  if (evidence_bytes_ + bytes > options_.max_evidence_bytes) {
+    AbandonLocked(id, "audit_evidence_refused", caller,
+                  absl::StrCat("audit ", id, ": evidence over the coordinator's bound of ",
+                               options_.max_evidence_bytes, " bytes"));
+    return absl::ResourceExhaustedError("the coordinator holds all the evidence it may");
+  }
+  evidence_bytes_ += bytes;
+  pending.bytes += bytes;
+  switch (evidence.part()) {
+    case v1::EvidenceRequest::SENT_INPUT: pending.input = evidence; break;
+    case v1::EvidenceRequest::CLAIM: pending.claim = evidence; break;
+    default: pending.receipt = evidence; break;
+  }
+  pending.owed.erase(owed);
+  if (pending.owed.empty()) OnEvidenceCompleteLocked(&pending);
+  return absl::OkStatus();
+}
+
+void AuditCoordinator::OnEvidenceCompleteLocked(Pending* pending) {
+  const Audit& audit = pending->audit;
+  const uint64_t id = audit.id;
+  auto dispute = [&](const std::string& a, const std::string& b, const std::string& what) {
+    ++disputes_;
+    disputed_.insert(a);
+    disputed_.insert(b);
+    AbandonLocked(id, "audit_disputed", audit.audited,
+                  absl::StrCat("audit ", id, " (stage ", audit.stage, ", microbatch ",
+                               audit.microbatch, "): ", what, "; ", Name(a), " and ", Name(b),
+                               " are audited at the suspect's rate from now on"));
+  };
+  const std::string& input_commitment = pending->input->message().header().commitment();
+  if (input_commitment != pending->claim->received_commitment()) {
+    dispute(audit.upstream, audit.audited,
+            absl::StrCat(Name(audit.upstream), " logged sending an input committed as ",
+                         Short(input_commitment), ", ", Name(audit.audited),
+                         " logged receiving ", Short(pending->claim->received_commitment())));
+    return;
+  }
+  const std::string& claim_commitment = pending->claim->message().header().commitment();
+  const std::string& receiver = pending->receipt->worker_id();
+  if (claim_commitment != pending->receipt->received_commitment()) {
+    dispute(audit.audited, receiver,
+            absl::StrCat(Name(audit.audited), " logged sending an output committed as ",
+                         Short(claim_commitment), ", ", Name(receiver), " logged receiving ",
+                         Short(pending->receipt->received_commitment())));
+    return;
+  }
+  pending->asked_verifier_ms = options_.clock->NowMs();
+  verify_asks_[audit.verifiers.back()].push_back(id);
+}
+
+absl::StatusOr<v1::AuditBundle> AuditCoordinator::Fetch(const std::string& caller,
+                                                        uint64_t audit_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = pending_.find(audit_id);
+  if (it == pending_.end() || it->second.asked_verifier_ms == 0) {
+    return absl::NotFoundError(absl::StrCat("no audit ", audit_id, " to verify"));
+  }
+  const Pending& pending = it->second;
+  if (pending.audit.verifiers.empty() || pending.audit.verifiers.back() != caller) {
+    return absl::PermissionDeniedError(
+        absl::StrCat(caller.substr(0, 128), " is not audit ", audit_id, "'s verifier"));
+  }
+  v1::AuditBundle bundle;
+  bundle.set_audit_id(audit_id);
+  bundle.set_stage(pending.audit.stage);
+  bundle.set_num_stages(pending.num_stages);
+  bundle.set_layer_begin(pending.layer_begin);
+  bundle.set_layer_end(pending.layer_end);
+  *bundle.mutable_weights() = pending.claim->weights();
+  *bundle.mutable_input() = pending.input->message();
+  *bundle.mutable_claim() = pending.claim->message();
+  bundle.set_audited_device(pending.claim->device());
+  bundle.set_weights_digest(pending.claim->weights_digest());
+  return bundle;
+}
+
+absl::Status AuditCoordinator::AcceptVerdict(const std::string& caller,
+                                             const v1::AuditVerdict& verdict,
+                                             const v1::Plan& plan,
+                                             const std::vector<std::string>& standbys) {
+  std::vector<std::pair<std::string, std::string>> evictions;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = pending_.find(verdict.audit_id());
+    if (it == pending_.end() || it->second.asked_verifier_ms == 0 ||
+        it->second.audit.verifiers.back() != caller) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          caller.substr(0, 128), " was not asked for audit ", verdict.audit_id(), "'s verdict"));
+    }
+    Pending& pending = it->second;
+    const uint64_t id = pending.audit.id;
+    if (!verdict.ran()) {
+      AbandonLocked(id, "audit_not_run", caller,
+                    absl::StrCat("audit ", id, ": ", Name(caller), " could not run it: ",
+                                 verdict.summary().substr(0, 300)));
+      return absl::OkStatus();
+    }
+    absl::StatusOr<AuditDecision> decision =
+        manager_.OnVerdict(id, caller, verdict.passed(), verdict.verifiable(),
+                           verdict.summary().substr(0, 500), plan, standbys);
+    if (!decision.ok()) return decision.status();
+    pending.audit = decision->audit;
+    const Audit& audit = decision->audit;
+    const std::string what = absl::StrCat(
+        "audit ", id, " of ", Name(audit.audited), " (stage ", audit.stage, ", step ", audit.step,
+        ", microbatch ", audit.microbatch, ", claim ",
+        Short(pending.claim->message().header().commitment()), ")");
+    options_.events->Add(verdict.passed() ? "audit_passed" : "audit_failed", Name(caller),
+                         absl::StrCat(what, ": ", verdict.summary().substr(0, 300)));
+    if (decision->ask.has_value()) {
+      pending.asked_verifier_ms = options_.clock->NowMs();
+      verify_asks_[*decision->ask].push_back(id);
+      return absl::OkStatus();
+    }
+    for (const std::string& worker : decision->evict) {
+      // Once: the other open audits of an evicted worker end with it.
+      if (!evicted_.insert(worker).second) continue;
+      evictions.emplace_back(worker, absl::StrCat(what, ": ", decision->reason));
+    }
+    if (audit.state == Audit::State::kUndecided) {
+      options_.events->Add("audit_undecided", Name(audit.audited), decision->reason);
+    }
+    ForgetLocked(id);
+    for (const auto& [worker, why] : evictions) {
+      std::vector<uint64_t> moot;
+      for (const auto& [other, p] : pending_) {
+        if (p.audit.audited == worker) moot.push_back(other);
+      }
+      for (uint64_t other : moot) {
+        manager_.Abandon(other);
+        ForgetLocked(other);
+      }
+    }
+  }
+  // Off the lock: eviction re-plans.
+  for (const auto& [worker, why] : evictions) {
+    options_.events->Add("audit_evicted", Name(worker), why);
+    options_.evict(worker, why);
+  }
+  return absl::OkStatus();
+}
+
+void AuditCoordinator::AbandonLocked(uint64_t id, const std::string& kind,
+                                     const std::string& worker, const std::string& why) {
+  auto it = pending_.find(id);
+  if (it == pending_.end()) return;
+  manager_.Abandon(id);
+  options_.events->Add(kind, Name(worker), why);
+  ForgetLocked(id);
+}
+
+void AuditCoordinator::ForgetLocked(uint64_t id) {
+  auto it = pending_.find(id);
+  if (it == pending_.end()) return;
+  evidence_bytes_ -= std::min(evidence_bytes_, it->second.bytes);
+  pending_.erase(it);
+}
+
+void AuditCoordinator::Expire() {
+  absl::MutexLock lock(&mu_);
+  const int64_t now = options_.clock->NowMs();
+  std::vector<std::pair<uint64_t, std::string>> overdue;
+  for (const auto& [id, pending] : pending_) {
+    if (pending.asked_verifier_ms == 0 && now - pending.opened_ms > options_.evidence_timeout_ms) {
+      std::string who;
+      for (const auto& [part, worker] : pending.owed) {
+        absl::StrAppend(&who, who.empty() ? "" : ", ", Name(worker), " (", PartName(part), ")");
+      }
+      overdue.emplace_back(id, absl::StrCat("evidence not uploaded within ",
+                                            options_.evidence_timeout_ms, " ms by ", who));
+    } else if (pending.asked_verifier_ms > 0 &&
+               now - pending.asked_verifier_ms > options_.verdict_timeout_ms) {
+      overdue.emplace_back(id, absl::StrCat("no verdict within ", options_.verdict_timeout_ms,
+                                            " ms from ",
+                                            Name(pending.audit.verifiers.back())));
+    }
+  }
+  for (const auto& [id, why] : overdue) {
+    ++expired_;
+    AbandonLocked(id, "audit_expired", pending_.at(id).audit.audited,
+                  absl::StrCat("audit ", id, ": ", why));
+  }
+}
+
+AuditFigures AuditCoordinator::Figures() const {
+  AuditFigures figures;
+  figures.counts = manager_.counts();
+  absl::MutexLock lock(&mu_);
+  figures.disputes = disputes_;
+  figures.expired = expired_;
+  figures.open = static_cast<int>(pending_.size());
+  figures.evidence_bytes = evidence_bytes_;
+  return figures;
+}
+
+bool AuditCoordinator::Disputed(const std::string& worker_id) const {
+  absl::MutexLock lock(&mu_);
+  return disputed_.count(worker_id) > 0;
+}
+
+}  // namespace geotrain

@@ -1,0 +1,225 @@
+#include "worker/audit_responder.h"
+
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "common/rpc_options.h"
+#include "worker/stage_verifier.h"
+
+namespace geotrain {
+namespace {
+
+// What an upload may carry besides the evidence itself.
+constexpr uint64_t kEnvelopeBytes = 64 << 10;
+
+v1::LoggedLinkMessage ToProto(const LinkMessage& message) {
+  v1::LoggedLinkMessage out;
+  *out.mutable_header() = message.header;
+  out.set_payload(message.payload);
+  return out;
+}
+
+LinkMessage FromProto(const v1::LoggedLinkMessage& message) {
+  LinkMessage out;
+  out.header = message.header();
+  out.payload = message.payload();
+  return out;
+}
+
+// The version of the weights `message` was computed with by the stage
+// that sent it.
+int64_t VersionOf(const v1::LinkHeader& header) {
+  const int stage = header.from_stage();
+  if (stage >= 0 && stage < header.weight_versions_size()) return header.weight_versions(stage);
+  return header.weight_version();
+}
+
+}  // namespace
+
+AuditResponder::AuditResponder(AuditResponderOptions options) : options_(std::move(options)) {
+  thread_ = std::thread([this] { Loop(); });
+}
+
+AuditResponder::~AuditResponder() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  thread_.join();
+}
+
+void AuditResponder::SetJob(const v1::JobSpec& job) {
+  auto copy = std::make_shared<const v1::JobSpec>(job);
+  absl::MutexLock lock(&mu_);
+  job_ = std::move(copy);
+}
+
+void AuditResponder::Enqueue(const v1::HeartbeatResponse& response) {
+  absl::MutexLock lock(&mu_);
+  for (const v1::EvidenceRequest& request : response.evidence_requests()) {
+    if (queue_.size() >= options_.max_queued) break;
+    queue_.push_back(Work{request, 0});
+  }
+  for (uint64_t id : response.verify_audits()) {
+    if (queue_.size() >= options_.max_queued) break;
+    queue_.push_back(Work{std::nullopt, id});
+  }
+}
+
+void AuditResponder::Loop() {
+  while (true) {
+    Work work;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(
+          +[](AuditResponder* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {
+            return self->stop_ || !self->queue_.empty();
+          },
+          this));
+      if (stop_) return;
+      work = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    Do(work);
+  }
+}
+
+v1::AuditEvidence AuditResponder::Gather(const v1::EvidenceRequest& request) const {
+  v1::AuditEvidence evidence;
+  evidence.set_worker_id(options_.calls.worker_id ? options_.calls.worker_id() : "");
+  evidence.set_audit_id(request.audit_id());
+  evidence.set_part(request.part());
+  const v1::MessageKind output_kind =
+      request.gradient() ? v1::MESSAGE_KIND_GRADIENT : v1::MESSAGE_KIND_ACTIVATION;
+  auto missing = [&](const std::string& why) {
+    evidence.set_found(false);
+    evidence.set_detail(why);
+    return evidence;
+  };
+  using Direction = CommitmentLog::Direction;
+  const CommitmentLog& log = *options_.log;
+  if (request.part() == v1::EvidenceRequest::RECEIPT) {
+    std::optional<LoggedMessage> received =
+        log.FindNewest(Direction::kReceived, output_kind, request.microbatch());
+    if (!received.has_value()) return missing("no longer in the received log");
+    evidence.set_found(true);
+    evidence.set_received_commitment(received->commitment);
+    return evidence;
+  }
+  const v1::MessageKind sent_kind =
+      request.part() == v1::EvidenceRequest::SENT_INPUT ? v1::MESSAGE_KIND_ACTIVATION : output_kind;
+  std::optional<LoggedMessage> sent = log.FindNewest(Direction::kSent, sent_kind, request.microbatch());
+  if (!sent.has_value()) return missing("no longer in the sent log");
+  if (sent->message == nullptr) return missing("its bytes are no longer kept");
+  *evidence.mutable_message() = ToProto(*sent->message);
+  if (request.part() == v1::EvidenceRequest::CLAIM) {
+    const int64_t version = VersionOf(sent->message->header);
+    std::optional<KeptWeights> weights = options_.weights->Find(version);
+    if (!weights.has_value()) {
+      return missing(absl::StrCat("weight version ", version, " is no longer kept"));
+    }
+    for (const v1::LayerCheckpoint& layer : *weights->layers) *evidence.add_weights() = layer;
+    evidence.set_weights_digest(weights->digest);
+    evidence.set_device(options_.device);
+    // What this stage received to compute it.
+    std::optional<LoggedMessage> input =
+        log.FindNewest(Direction::kReceived, v1::MESSAGE_KIND_ACTIVATION, request.microbatch());
+    if (!input.has_value()) return missing("its input is no longer in the received log");
+    evidence.set_received_commitment(input->commitment);
+  }
+  const uint64_t limit = options_.max_evidence_bytes > 0
+                             ? options_.max_evidence_bytes
+                             : static_cast<uint64_t>(kCoordinatorMaxReceiveBytes) - kEnvelopeBytes;
+  if (evidence.ByteSizeLong() > limit) {
+    const uint64_t bytes = evidence.ByteSizeLong();
+    evidence.Clear();
+    evidence.set_worker_id(options_.calls.worker_id ? options_.calls.worker_id() : "");
+    evidence.set_audit_id(request.audit_id());
+    evidence.set_part(request.part());
+    return missing(absl::StrCat(bytes, " bytes, over the ", limit,
+                                " one upload may carry (streamed evidence is still to come)"));
+  }
+  evidence.set_found(true);
+  return evidence;
+}
+
+v1::AuditVerdict AuditResponder::VerifyBundle(const v1::AuditBundle& bundle) {
+  v1::AuditVerdict verdict;
+  verdict.set_worker_id(options_.calls.worker_id ? options_.calls.worker_id() : "");
+  verdict.set_audit_id(bundle.audit_id());
+  std::shared_ptr<const v1::JobSpec> job;
+  {
+    absl::MutexLock lock(&mu_);
+    job = job_;
+  }
+  auto not_run = [&](const std::string& why) {
+    verdict.set_ran(false);
+    verdict.set_summary(why);
+    return verdict;
+  };
+  if (job == nullptr) return not_run("this worker has no job yet");
+  StagePlacement placement;
+  placement.stage = bundle.stage();
+  placement.num_stages = bundle.num_stages();
+  placement.layer_begin = bundle.layer_begin();
+  placement.layer_end = bundle.layer_end();
+  StageVerifierOptions verifier_options;
+  verifier_options.device = options_.device;
+  absl::StatusOr<std::unique_ptr<StageVerifier>> verifier =
+      StageVerifier::Create(*job, placement, verifier_options);
+  if (!verifier.ok()) return not_run(std::string(verifier.status().message()));
+  AuditedComputation audit;
+  audit.weights.assign(bundle.weights().begin(), bundle.weights().end());
+  audit.weights_digest = bundle.weights_digest();
+  audit.input = FromProto(bundle.input());
+  audit.claim = FromProto(bundle.claim());
+  audit.audited_device = bundle.audited_device().empty() ? "cpu" : bundle.audited_device();
+  absl::StatusOr<OutputComparison> comparison = (*verifier)->Verify(audit);
+  if (!comparison.ok()) return not_run(std::string(comparison.status().message()));
+  verdict.set_ran(true);
+  verdict.set_passed(comparison->passed);
+  verdict.set_verifiable(comparison->verifiable);
+  verdict.set_summary(comparison->Summary());
+  return verdict;
+}
+
+void AuditResponder::Do(const Work& work) {
+  if (work.evidence.has_value()) {
+    const v1::AuditEvidence evidence = Gather(*work.evidence);
+    const absl::Status uploaded = options_.calls.upload(evidence);
+    if (!uploaded.ok()) {
+      GT_LOG(Warning) << "audit " << evidence.audit_id() << ": evidence upload failed: "
+                      << uploaded.message();
+    }
+    absl::MutexLock lock(&mu_);
+    ++(evidence.found() ? counts_.evidence_sent : counts_.evidence_missing);
+    return;
+  }
+  absl::StatusOr<v1::AuditBundle> bundle = options_.calls.fetch(work.verify);
+  if (!bundle.ok()) {
+    GT_LOG(Warning) << "audit " << work.verify << ": fetch failed: " << bundle.status().message();
+    return;
+  }
+  const v1::AuditVerdict verdict = VerifyBundle(*bundle);
+  GT_LOG(Info) << "audit " << work.verify << " of stage " << bundle->stage() << ", microbatch "
+               << bundle->claim().header().microbatch() << ": "
+               << (verdict.ran() ? (verdict.passed() ? "passed" : "FAILED") : "not run") << " ("
+               << verdict.summary() << ")";
+  const absl::Status reported = options_.calls.report(verdict);
+  if (!reported.ok()) {
+    GT_LOG(Warning) << "audit " << work.verify << ": verdict not reported: "
+                    << reported.message();
+  }
+  absl::MutexLock lock(&mu_);
+  ++counts_.verified;
+  if (verdict.ran() && !verdict.passed()) ++counts_.failed;
+}
+
+AuditResponder::Counts AuditResponder::counts() const {
+  absl::MutexLock lock(&mu_);
+  return counts_;
+}
+
+}  // namespace geotrain

@@ -1,0 +1,59 @@
+// A stage's recent weight versions, kept for spot checks
+// (docs/verification.md): an audit names the version an output was
+// computed with after the step is committed, when the stage has moved on.
+// The driver keeps each version once, before its first forward (weights
+// only, no optimizer state); the audit responder reads them on its own
+// thread. Bounded by bytes: the oldest versions go first. Thread-safe.
+#ifndef GEOTRAIN_WORKER_AUDIT_WEIGHTS_H_
+#define GEOTRAIN_WORKER_AUDIT_WEIGHTS_H_
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "geotrain/v1/coordinator.pb.h"
+
+namespace geotrain {
+
+struct KeptWeights {
+  int layer_begin = 0;  // which stage they are of
+  int64_t version = 0;
+  std::string digest;   // StageRuntime::WeightsDigest of them
+  std::shared_ptr<const std::vector<v1::LayerCheckpoint>> layers;
+  uint64_t bytes = 0;
+};
+
+class AuditWeights {
+ public:
+  explicit AuditWeights(uint64_t max_bytes = 0) : max_bytes_(max_bytes) {}
+
+  // 0: keeps nothing (no spot checks in this job).
+  void SetMaxBytes(uint64_t max_bytes);
+  bool enabled() const;
+  // Keeps `weights` as the newest version; versions of another stage
+  // (another layer_begin) are dropped first.
+  void Keep(KeptWeights weights);
+  // The newest kept weights of `version` (all are of the stage kept last).
+  std::optional<KeptWeights> Find(int64_t version) const;
+  // The newest version kept of `layer_begin`, if any.
+  std::optional<int64_t> newest(int layer_begin) const;
+  uint64_t bytes() const;
+  size_t versions() const;
+
+ private:
+  void TrimLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  mutable absl::Mutex mu_;
+  uint64_t max_bytes_ ABSL_GUARDED_BY(mu_);
+  std::deque<KeptWeights> kept_ ABSL_GUARDED_BY(mu_);  // oldest first
+  uint64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace geotrain
+
+#endif  // GEOTRAIN_WORKER_AUDIT_WEIGHTS_H_
