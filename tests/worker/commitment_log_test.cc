@@ -127,5 +127,32 @@ TEST(CommitmentLogTest, TheNewestEntryOfAMicrobatchWins) {
   EXPECT_EQ(got->commitment, again.header.commitment());
 }
 
+// A spot check names a microbatch, not the links' epoch: the newest entry
+// of any epoch answers; a bound set later keeps bytes from then on.
+TEST(CommitmentLogTest, FindsTheNewestOfAnyEpochAndTakesABoundLater) {
+  CommitmentLog log;
+  const absl::Time at = absl::FromUnixSeconds(100);
+  log.RecordSent(Message(v1::MESSAGE_KIND_GRADIENT, 4, 100, /*epoch=*/2), at);
+  EXPECT_EQ(log.FindNewest(Direction::kSent, v1::MESSAGE_KIND_GRADIENT, 4)->message, nullptr);
+  log.SetMaxPayloadBytes(250);
+  const LinkMessage newer = Message(v1::MESSAGE_KIND_GRADIENT, 4, 100, /*epoch=*/5);
+  log.RecordSent(newer, at);
+  std::optional<LoggedMessage> got = log.FindNewest(Direction::kSent, v1::MESSAGE_KIND_GRADIENT, 4);
+  ASSERT_TRUE(got.has_value());
+  EXPECT_EQ(got->epoch, 5u);
+  ASSERT_NE(got->message, nullptr);
+  EXPECT_EQ(got->message->payload, newer.payload);
+  EXPECT_FALSE(log.FindNewest(Direction::kSent, v1::MESSAGE_KIND_ACTIVATION, 4).has_value());
+  EXPECT_FALSE(log.FindNewest(Direction::kReceived, v1::MESSAGE_KIND_GRADIENT, 4).has_value());
+  // Three more: only the newest two keep their bytes under 250.
+  for (uint64_t mb = 5; mb < 8; ++mb) log.RecordSent(Message(v1::MESSAGE_KIND_GRADIENT, mb, 100), at);
+  EXPECT_EQ(log.kept_payload_bytes(), 200u);
+  EXPECT_EQ(log.FindNewest(Direction::kSent, v1::MESSAGE_KIND_GRADIENT, 4)->message, nullptr);
+  EXPECT_NE(log.FindNewest(Direction::kSent, v1::MESSAGE_KIND_GRADIENT, 7)->message, nullptr);
+  // A smaller bound drops bytes at once.
+  log.SetMaxPayloadBytes(100);
+  EXPECT_EQ(log.kept_payload_bytes(), 100u);
+}
+
 }  // namespace
 }  // namespace geotrain
