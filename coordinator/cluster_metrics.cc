@@ -78,6 +78,24 @@ MetricsSnapshot ClusterMetrics(const v1::ClusterStatus& status) {
     out.Counter("geotrain_events_total", "Events since this coordinator started, by kind.",
                 {{"kind", kind}}, static_cast<double>(count));
   }
+  if (status.has_audits()) {
+    const v1::AuditStatus& a = status.audits();
+    const std::pair<const char*, int64_t> outcomes[] = {
+        {"passed", a.passed()},       {"failed", a.failed()},
+        {"verifier_caught", a.verifiers_caught()}, {"undecided", a.undecided()},
+        {"disputed", a.disputes()},   {"expired", a.expired()}};
+    out.Counter("geotrain_audits_drawn_total", "Spot checks drawn since this coordinator started.",
+                job, static_cast<double>(a.drawn()));
+    for (const auto& [outcome, count] : outcomes) {
+      out.Counter("geotrain_audits_total",
+                  "Spot checks closed since this coordinator started, by outcome (failed: two "
+                  "verifiers confirmed a mismatch and the worker was evicted).",
+                  {{"outcome", outcome}}, static_cast<double>(count));
+    }
+    out.Gauge("geotrain_audits_open", "Spot checks waiting for evidence or a verdict.", job,
+              a.open());
+    out.Gauge("geotrain_audit_fraction", "The job's spot-check fraction.", job, a.fraction());
+  }
   // Per stage, not per worker: the coordinator's series stay bounded by
   // the plan's stages however many members there are. Each worker's own
   // stage and link series are on its own endpoint (--metrics_listen).

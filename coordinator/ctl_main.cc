@@ -243,6 +243,21 @@ void PrintTable(const geotrain::v1::ClusterStatus& s) {
                   r.oldest_outstanding_s() * 1e3);
     }
   }
+  if (s.has_audits()) {
+    const auto& a = s.audits();
+    std::printf("\nspot checks (fraction %g): %ld drawn, %ld passed, %ld failed, %ld verifiers "
+                "caught, %ld undecided (%ld disputed, %ld expired), %d open\n",
+                a.fraction(), static_cast<long>(a.drawn()), static_cast<long>(a.passed()),
+                static_cast<long>(a.failed()), static_cast<long>(a.verifiers_caught()),
+                static_cast<long>(a.undecided()), static_cast<long>(a.disputes()),
+                static_cast<long>(a.expired()), a.open());
+    for (const auto& w : s.workers()) {
+      if (w.audits_passed() + w.audits_failed() == 0) continue;
+      std::printf("%-4s audits: %ld passed, %ld failed%s\n", w.id().c_str(),
+                  static_cast<long>(w.audits_passed()), static_cast<long>(w.audits_failed()),
+                  w.audits_failed() > 0 ? "  FAILED SPOT CHECK" : "");
+    }
+  }
   for (const auto& w : s.workers()) {
     if (!w.suspected().empty()) {
       std::printf("%-4s SUSPECTED: %s\n", w.id().c_str(), w.suspected().c_str());

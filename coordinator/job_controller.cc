@@ -235,6 +235,7 @@ JobController::JobController(JobControllerOptions options, std::shared_ptr<const
         sources.checkpoints = checkpoints_.get();
         sources.checkpoint_gate = &checkpoint_gate_;
         sources.norms = &norms_;
+        sources.audits = [this] { return static_cast<const AuditCoordinator*>(audits_.get()); };
         sources.facts = [this](const std::vector<std::string>& ids) { return plans_.Facts(ids); };
         return sources;
       }()) {}

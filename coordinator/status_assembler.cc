@@ -258,11 +258,33 @@ absl::StatusOr<v1::ClusterStatus> StatusAssembler::Assemble(
   status.set_accuracy(figures.accuracy);
   status.set_elapsed_s((now_ms - sources_.start_ms) / 1000.0);
   status.set_samples_per_s(figures.samples_per_s);
+  const AuditCoordinator* audits = sources_.audits ? sources_.audits() : nullptr;
+  std::map<std::string, std::pair<int64_t, int64_t>> audited;  // passed, failed
+  if (audits != nullptr) {
+    const AuditFigures f = audits->Figures();
+    v1::AuditStatus* a = status.mutable_audits();
+    a->set_fraction(job.verification().fraction());
+    a->set_drawn(f.counts.drawn);
+    a->set_passed(f.counts.passed);
+    a->set_failed(f.counts.confirmed);
+    a->set_verifiers_caught(f.counts.verifiers_caught);
+    a->set_undecided(f.counts.undecided);
+    a->set_disputes(f.disputes);
+    a->set_expired(f.expired);
+    a->set_open(f.open);
+    a->set_evidence_bytes(f.evidence_bytes);
+    a->set_dropped(f.counts.dropped);
+    audited = audits->PerWorker();
+  }
   for (size_t i = 0; i < page.size(); ++i) {
     v1::WorkerStatus* out = status.add_workers();
     FillWorker(*page[i], placements[i], *sources_.network, now_ms, out);
     if (auto why = facts.suspected.find(page[i]->id); why != facts.suspected.end()) {
       out->set_suspected(why->second);
+    }
+    if (auto counts = audited.find(page[i]->id); counts != audited.end()) {
+      out->set_audits_passed(counts->second.first);
+      out->set_audits_failed(counts->second.second);
     }
     if (sources_.norms != nullptr) {
       for (const OutputNorms& n : sources_.norms->NormsOf(page[i]->id)) {

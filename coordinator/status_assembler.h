@@ -24,6 +24,7 @@
 #include "coordinator/event_log.h"
 #include "coordinator/membership.h"
 #include "coordinator/network_matrix.h"
+#include "coordinator/audit_coordinator.h"
 #include "coordinator/output_norm_watch.h"
 #include "coordinator/plan_view.h"
 #include "coordinator/progress_tracker.h"
@@ -52,6 +53,8 @@ struct StatusSources {
   const CheckpointStore* checkpoints = nullptr;
   const CheckpointGate* checkpoint_gate = nullptr;
   const OutputNormWatch* norms = nullptr;  // optional
+  // The spot checks (null, or returning null: none).
+  std::function<const AuditCoordinator*()> audits;
   // `ids`: the members of the page (whose suspicions are wanted).
   std::function<ControllerFacts(const std::vector<std::string>& ids)> facts;
 };

@@ -123,7 +123,8 @@ def chromium(binary, url, extra):
 
 def pipelines_fixture(doc):
     """The fixture as two pipelines of two stages (job.outer): its four
-    staged workers, pipeline 1 a round behind."""
+    staged workers, pipeline 1 a round behind, with spot checks: the last
+    worker failed one and was evicted."""
     st = doc["status"]
     ws = [w for w in st["workers"] if w["stage"] >= 0]
     for k, w in enumerate(ws):
@@ -134,6 +135,11 @@ def pipelines_fixture(doc):
     st["pipeline_status"] = [
         {"pipeline": r, "workers": [ws[2 * r]["id"], ws[2 * r + 1]["id"]], "step": 30 - 4 * r,
          "loss": 2.5 + 0.1 * r, "samples_per_s": 120.5} for r in range(2)]
+    st["audits"] = {"fraction": 0.05, "drawn": "41", "passed": "37", "failed": "1",
+                    "undecided": "2", "open": 1}
+    for w in ws:
+        w["audits_passed"] = "9"
+    ws[-1]["audits_failed"] = "1"
     return doc
 
 
@@ -322,6 +328,11 @@ def main():
             want = " → ".join(names[i] for i in p["workers"])
             c.check("pipeline %d workers, step, outer rounds" % p["pipeline"],
                     want in text and str(p["step"]) in text and str(7 - p["pipeline"]) in text, text)
+        audits = Dom.text(dom.by_id("audits"))
+        c.check("spot checks in the header", "hidden" not in (dom.by_id("audits-kv") or {}).get("attrs", {})
+                and audits == "37 passed · 1 failed · 1 open", audits)
+        failed = [Dom.text(r) for r in dom.by_class("worker-row") if "failed a spot check" in Dom.text(r)]
+        c.check("the worker that failed a spot check is marked", len(failed) == 1, "; ".join(failed)[:120])
 
     print("mode auth: 401 without the viewer token")
     with Server("auth") as srv:

@@ -22,8 +22,10 @@ coordinator evict it and revoke its certificate, while every audit of an
 honest worker passes."""
 import json
 import os
+import re
 import time
 import unittest
+import urllib.request
 
 from cluster import Process, binary, wait_for
 from test_pipelines import PipelinesCluster
@@ -95,6 +97,7 @@ class SpotCheckTest(unittest.TestCase):
         with PipelinesCluster(100000, 8, streaming=False, secure=True) as c:
             with open(c.job, "a") as f:
                 f.write(f"verification {{ fraction: {SPOT_CHECK_FRACTION} }}\n")
+            c.coordinator_flags.append("--metrics_listen=127.0.0.1:0")
             c.start_coordinator()
             token = c.create_token("--uses=6", "--name=six")
             for i in range(5):
@@ -156,6 +159,22 @@ class SpotCheckTest(unittest.TestCase):
                                  for w in c.status()["workers"]), 60, "a plan without it")
             wait_for(lambda: int(c.status()["step"]) > int(after["step"]) + 20, 120,
                      "training after the eviction")
+            # What an operator sees: status, geotrain-ctl and Prometheus.
+            final = c.status()
+            audits = final["audits"]
+            self.assertEqual(int(audits["failed"]), 1, audits)
+            self.assertGreater(int(audits["passed"]), 0, audits)
+            for w in final["workers"]:
+                self.assertEqual(int(w.get("audits_failed", 0)), 1 if w["name"] == "hostile" else 0,
+                                 w)
+            text = c.ctl("status").stdout
+            self.assertIn("spot checks (fraction 0.05)", text)
+            self.assertIn("FAILED SPOT CHECK", text)
+            url = wait_for(lambda: re.search(r"metrics: (http://\S+/metrics)", c.coordinator.log()),
+                           10, "the coordinator's metrics address").group(1)
+            metrics = urllib.request.urlopen(url, timeout=5).read().decode()
+            self.assertRegex(metrics, r'geotrain_audits_total\{outcome="failed"\} 1\b')
+            self.assertRegex(metrics, r'geotrain_audits_total\{outcome="passed"\} [1-9]')
             return passed
 
     def test_scaled_gradients_are_caught_by_recomputation(self):
