@@ -80,6 +80,9 @@ absl::StatusOr<std::unique_ptr<JobController>> JobController::Create(
     AuditCoordinatorOptions audits;
     audits.audits.fraction = fraction;
     audits.audits.first_audited_stage = 1;
+    // Each open audit holds at most a few MiB of evidence (bounded apart,
+    // max_evidence_bytes); fast steps draw many.
+    audits.audits.max_open_audits = 256;
     audits.clock = self->options_.clock;
     audits.events = &self->events_;
     audits.name_of = [self](const std::string& id) { return self->membership_.NameOf(id); };

@@ -90,6 +90,7 @@ class OutputNormsTest(unittest.TestCase):
 
 
 SPOT_CHECK_FRACTION = 0.05
+HONEST_STEPS = 400
 
 
 class SpotCheckTest(unittest.TestCase):
@@ -176,6 +177,38 @@ class SpotCheckTest(unittest.TestCase):
             self.assertRegex(metrics, r'geotrain_audits_total\{outcome="failed"\} 1\b')
             self.assertRegex(metrics, r'geotrain_audits_total\{outcome="passed"\} [1-9]')
             return passed
+
+    def test_honest_workers_on_mixed_kernels_pass_every_audit(self):
+        """Six honest workers, half of them on OpenBLAS's generic Prescott
+        kernel (the others on this CPU's own): every audit passes; none
+        fails, disputes or evicts."""
+        with PipelinesCluster(HONEST_STEPS, 8, streaming=False, secure=True) as c:
+            with open(c.job, "a") as f:
+                f.write(f"verification {{ fraction: {SPOT_CHECK_FRACTION} }}\n")
+            c.start_coordinator()
+            token = c.create_token("--uses=6", "--name=six")
+            for i in range(6):
+                env = dict(os.environ, OPENBLAS_CORETYPE="Prescott") if i % 2 else None
+                c.start_worker(f"w{i}", extra=[f"--token={token}"], env=env)
+                wait_for(lambda: len(c.status()["workers"]) == i + 1, 60, f"worker {i} to join")
+            try:
+                c.wait_done(timeout=600)
+            except Exception:
+                print(c.dump_logs())
+                raise
+            # The last audits settle within a heartbeat or two of the end.
+            time.sleep(3)
+            status = c.status()
+            kernels = {w["blas"].rsplit("core ", 1)[-1] for w in status["workers"]}
+            self.assertEqual(len(kernels), 2, kernels)  # Prescott and this CPU's
+            audits = status["audits"]
+            print(f"honest, kernels {sorted(kernels)}, {HONEST_STEPS} steps: {audits}", flush=True)
+            self.assertGreater(int(audits.get("passed", 0)), 20, audits)
+            for outcome in ("failed", "verifiers_caught", "disputes"):
+                self.assertEqual(int(audits.get(outcome, 0)), 0, audits)
+            kinds = [e["kind"] for e in c.status().get("events", [])]
+            self.assertNotIn("audit_evicted", kinds)
+            self.assertNotIn("audit_failed", kinds)
 
     def test_scaled_gradients_are_caught_by_recomputation(self):
         self.run_adversary("scale_outputs", ["--factor=1.05"])
