@@ -154,6 +154,7 @@ absl::Status AuditCoordinator::AcceptEvidence(const std::string& caller,
     return absl::ResourceExhaustedError("the coordinator holds all the evidence it may");
   }
   evidence_bytes_ += bytes;
+  evidence_bytes_total_ += bytes;
   pending.bytes += bytes;
   switch (evidence.part()) {
     case v1::EvidenceRequest::SENT_INPUT: pending.input = evidence; break;
@@ -221,6 +222,7 @@ absl::StatusOr<v1::AuditBundle> AuditCoordinator::Fetch(const std::string& calle
   *bundle.mutable_claim() = pending.claim->message();
   bundle.set_audited_device(pending.claim->device());
   bundle.set_weights_digest(pending.claim->weights_digest());
+  fetched_bytes_total_ += bundle.ByteSizeLong();
   return bundle;
 }
 
@@ -340,6 +342,8 @@ AuditFigures AuditCoordinator::Figures() const {
   figures.expired = expired_;
   figures.open = static_cast<int>(pending_.size());
   figures.evidence_bytes = evidence_bytes_;
+  figures.evidence_bytes_total = evidence_bytes_total_;
+  figures.fetched_bytes_total = fetched_bytes_total_;
   return figures;
 }
 

@@ -74,6 +74,8 @@ struct AuditFigures {
   int64_t expired = 0;
   int open = 0;
   uint64_t evidence_bytes = 0;
+  uint64_t evidence_bytes_total = 0;  // uploaded since the start
+  uint64_t fetched_bytes_total = 0;   // fetched by verifiers since the start
 };
 
 class AuditCoordinator {
@@ -148,6 +150,8 @@ class AuditCoordinator {
   uint64_t evidence_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t disputes_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t expired_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t evidence_bytes_total_ ABSL_GUARDED_BY(mu_) = 0;
+  mutable uint64_t fetched_bytes_total_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace geotrain

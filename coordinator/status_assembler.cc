@@ -274,6 +274,8 @@ absl::StatusOr<v1::ClusterStatus> StatusAssembler::Assemble(
     a->set_open(f.open);
     a->set_evidence_bytes(f.evidence_bytes);
     a->set_dropped(f.counts.dropped);
+    a->set_evidence_bytes_total(f.evidence_bytes_total);
+    a->set_fetched_bytes_total(f.fetched_bytes_total);
     audited = audits->PerWorker();
   }
   for (size_t i = 0; i < page.size(); ++i) {
