@@ -58,6 +58,10 @@ void ApplyJobDefaults(v1::JobSpec* job) {
   if (job->eval_batches() == 0) job->set_eval_batches(8);
   if (job->lease_ms() == 0) job->set_lease_ms(5000);
   if (job->checkpoint_every() == 0) job->set_checkpoint_every(10);
+  // `verification {}` asks for spot checks at the default rate.
+  if (job->has_verification() && !job->verification().has_fraction()) {
+    job->mutable_verification()->set_fraction(0.01);
+  }
   if (job->update_every() == 0) job->set_update_every(1);
   if (job->activation_codec() == v1::CODEC_UNSPECIFIED) job->set_activation_codec(v1::CODEC_NONE);
   if (job->gradient_codec() == v1::CODEC_UNSPECIFIED) job->set_gradient_codec(v1::CODEC_NONE);

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/logging.h"
+#include "common/plan_util.h"
 #include "coordinator/plan_builder.h"
 #include "coordinator/state_store.h"
 
@@ -96,8 +97,7 @@ absl::StatusOr<std::unique_ptr<JobController>> JobController::Create(
       self->RevokeWorker(worker_id);
     };
     self->audits_ = std::make_unique<AuditCoordinator>(*std::move(draw), std::move(audits));
-    self->audits_->SetSuspicion(
-        [self](const std::string& id) { return !self->norms_.SuspicionOf(id).empty(); });
+    self->audits_->SetSuspicion([self](const std::string& id) { return self->IsSuspect(id); });
   }
   const JobControllerOptions& opts = controller->options_;
   std::unique_ptr<AppendLog> metrics_file;
@@ -171,6 +171,14 @@ JobController::JobController(JobControllerOptions options, std::shared_ptr<const
         progress.persist = [this] { Persist(); };
         progress.lead_steps = ProgressLeadSteps(options_.job);
         progress.max_suspects = 4 * kMaxDeadMembers;
+        progress.on_pipeline_loss = [this](int pipeline, double loss) {
+          if (std::optional<std::string> change = losses_.Record(pipeline, loss)) {
+            events_.Add(change->empty() ? "loss_jump_cleared" : "loss_jump", "",
+                        change->empty() ? absl::StrCat("pipeline ", pipeline,
+                                                       "'s loss is back among the others'")
+                                        : *change);
+          }
+        };
         return progress;
       }()),
       checkpoint_gate_([&] {
@@ -500,6 +508,15 @@ void JobController::DrawAudits() {
   // Nothing new committed (most ticks): no copy of the members.
   if (plan == nullptr || committed == audited_through_.exchange(committed)) return;
   audits_->OnCommitted(*plan, committed, options_.job.microbatches(), Standbys(*plan));
+}
+
+bool JobController::IsSuspect(const std::string& worker_id) const {
+  if (!norms_.SuspicionOf(worker_id).empty()) return true;
+  const PlanView::PlanPtr plan = plan_view_.Get();
+  int index = 0;
+  const v1::StageAssignment* stage = plan != nullptr ? StageOf(*plan, worker_id, &index) : nullptr;
+  if (stage == nullptr) return false;
+  return !losses_.SuspicionOf(WorkersOf(*stage)[index].pipeline).empty();
 }
 
 std::vector<std::string> JobController::Standbys(const v1::Plan& plan) const {

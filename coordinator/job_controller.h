@@ -40,6 +40,7 @@
 #include "coordinator/durable_state_writer.h"
 #include "coordinator/event_log.h"
 #include "coordinator/fault_responder.h"
+#include "coordinator/loss_jump_watch.h"
 #include "coordinator/membership.h"
 #include "coordinator/metrics_sink.h"
 #include "coordinator/network_matrix.h"
@@ -206,6 +207,9 @@ class JobController {
                 std::unique_ptr<AppendLog> events_file);
   // Draws the audits of the steps committed since the last call.
   void DrawAudits();
+  // A worker the cheap checks suspect: its outputs' norms, or its
+  // pipeline's loss.
+  bool IsSuspect(const std::string& worker_id) const;
   // Standbys: verifiers when no other pipeline holds the stage.
   std::vector<std::string> Standbys(const v1::Plan& plan) const;
   // Takes over what a previous coordinator persisted in the store. True
@@ -246,6 +250,7 @@ class JobController {
   ReachabilityManager reachability_;
   PlanView plan_view_;  // the plan decided, for readers
   OutputNormWatch norms_;  // the cheap check on every microbatch
+  LossJumpWatch losses_;   // ... and on every pipeline's loss
   ProgressTracker progress_;
   CheckpointGate checkpoint_gate_;
   FaultResponder faults_;

@@ -179,6 +179,7 @@ absl::Status ProgressTracker::ReportStep(const v1::StepReport& report) {
       if (const v1::StageAssignment* last = StageOf(*plan, report.worker_id(), &index)) {
         const int pipeline = WorkersOf(*last)[index].pipeline;
         pipeline_claims_[pipeline] = {report.step(), report.loss()};
+        if (options_.on_pipeline_loss) options_.on_pipeline_loss(pipeline, report.loss());
         pipeline_moved_ms_[pipeline] = options_.clock->NowMs();
       }
     }

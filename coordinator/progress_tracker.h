@@ -50,6 +50,9 @@ struct ProgressTrackerOptions {
   int lead_steps = 64;
   // Bounds the suspects remembered (one event each).
   size_t max_suspects = 256;
+  // With several pipelines: each one's loss of each step it reports, under
+  // the tracker's lock (LossJumpWatch). May be empty.
+  std::function<void(int pipeline, double loss)> on_pipeline_loss;
 };
 
 class ProgressTracker {

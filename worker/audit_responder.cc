@@ -48,7 +48,7 @@ AuditResponder::~AuditResponder() {
     stop_ = true;
   }
   thread_.join();
-}
+}  // (verifier_ is destroyed here, where StageVerifier is complete)
 
 void AuditResponder::SetJob(const v1::JobSpec& job) {
   auto copy = std::make_shared<const v1::JobSpec>(job);
@@ -165,18 +165,28 @@ v1::AuditVerdict AuditResponder::VerifyBundle(const v1::AuditBundle& bundle) {
   placement.num_stages = bundle.num_stages();
   placement.layer_begin = bundle.layer_begin();
   placement.layer_end = bundle.layer_end();
-  StageVerifierOptions verifier_options;
-  verifier_options.device = options_.device;
-  absl::StatusOr<std::unique_ptr<StageVerifier>> verifier =
-      StageVerifier::Create(*job, placement, verifier_options);
-  if (!verifier.ok()) return not_run(std::string(verifier.status().message()));
+  // Output audits load their weights into the verifier each time, so one
+  // made for the same stage of the same job serves again.
+  const std::string key = absl::StrCat(placement.stage, "/", placement.num_stages, "/",
+                                       placement.layer_begin, "/", placement.layer_end);
+  if (verifier_ == nullptr || verifier_key_ != key || verifier_job_ != job) {
+    verifier_.reset();
+    StageVerifierOptions verifier_options;
+    verifier_options.device = options_.device;
+    absl::StatusOr<std::unique_ptr<StageVerifier>> made =
+        StageVerifier::Create(*job, placement, verifier_options);
+    if (!made.ok()) return not_run(std::string(made.status().message()));
+    verifier_ = *std::move(made);
+    verifier_key_ = key;
+    verifier_job_ = job;
+  }
   AuditedComputation audit;
   audit.weights.assign(bundle.weights().begin(), bundle.weights().end());
   audit.weights_digest = bundle.weights_digest();
   audit.input = FromProto(bundle.input());
   audit.claim = FromProto(bundle.claim());
   audit.audited_device = bundle.audited_device().empty() ? "cpu" : bundle.audited_device();
-  absl::StatusOr<OutputComparison> comparison = (*verifier)->Verify(audit);
+  absl::StatusOr<OutputComparison> comparison = verifier_->Verify(audit);
   if (!comparison.ok()) return not_run(std::string(comparison.status().message()));
   verdict.set_ran(true);
   verdict.set_passed(comparison->passed);

@@ -30,6 +30,10 @@
 #include "worker/commitment_log.h"
 
 namespace geotrain {
+class StageVerifier;
+}  // namespace geotrain
+
+namespace geotrain {
 
 // The coordinator's audit calls (CoordinatorClient in production).
 struct AuditCalls {
@@ -84,6 +88,11 @@ class AuditResponder {
   std::deque<Work> queue_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::shared_ptr<const v1::JobSpec> job_ ABSL_GUARDED_BY(mu_);
+  // The last verifier made, reused while audits are of the same stage and
+  // job (building one builds the stage's model). The loop's thread only.
+  std::unique_ptr<StageVerifier> verifier_;
+  std::shared_ptr<const v1::JobSpec> verifier_job_;  // held: its address is the key's
+  std::string verifier_key_;
   Counts counts_ ABSL_GUARDED_BY(mu_);
   std::thread thread_;
 };

@@ -121,6 +121,33 @@ INSTANTIATE_TEST_SUITE_P(
                    "do not mix"}),
     [](const testing::TestParamInfo<BadJobCase>& info) { return info.param.name; });
 
+// Spot checks: off without the block; `verification {}` audits 1%; an
+// explicit share is kept, 0 included; one outside [0, 1] is refused.
+TEST(JobSpecTest, VerificationDefaultsAndBounds) {
+  const std::string base = "mlp { hidden: 8 } fashion_mnist {} steps: 10 ";
+  absl::StatusOr<v1::JobSpec> off = ParseJobSpec(base, "job.textproto");
+  ASSERT_TRUE(off.ok()) << off.status();
+  EXPECT_DOUBLE_EQ(off->verification().fraction(), 0);
+  absl::StatusOr<v1::JobSpec> on = ParseJobSpec(base + "verification {}", "job.textproto");
+  ASSERT_TRUE(on.ok()) << on.status();
+  EXPECT_DOUBLE_EQ(on->verification().fraction(), 0.01);
+  absl::StatusOr<v1::JobSpec> zero =
+      ParseJobSpec(base + "verification { fraction: 0 }", "job.textproto");
+  ASSERT_TRUE(zero.ok()) << zero.status();
+  EXPECT_DOUBLE_EQ(zero->verification().fraction(), 0);
+  absl::StatusOr<v1::JobSpec> some =
+      ParseJobSpec(base + "verification { fraction: 0.05 }", "job.textproto");
+  ASSERT_TRUE(some.ok()) << some.status();
+  EXPECT_DOUBLE_EQ(some->verification().fraction(), 0.05);
+  for (const char* bad : {"1.5", "-0.1", "nan"}) {
+    absl::StatusOr<v1::JobSpec> refused =
+        ParseJobSpec(base + "verification { fraction: " + bad + " }", "job.textproto");
+    ASSERT_FALSE(refused.ok()) << bad;
+    EXPECT_NE(refused.status().message().find("verification.fraction"), std::string::npos)
+        << refused.status();
+  }
+}
+
 TEST(JobSpecTest, MissingFileIsNamed) {
   absl::StatusOr<v1::JobSpec> job = LoadJobSpec("/nonexistent/job.textproto");
   ASSERT_FALSE(job.ok());
