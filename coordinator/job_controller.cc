@@ -520,10 +520,11 @@ bool JobController::IsSuspect(const std::string& worker_id) const {
 }
 
 std::vector<std::string> JobController::Standbys(const v1::Plan& plan) const {
-  // Other pipelines hold every stage when there are several: the list (a
-  // copy of the members) is made only for one pipeline.
+  // Verifiers after the other pipelines' workers of the stage (with two
+  // pipelines, the second verifier of an audit is a standby). A few are
+  // plenty: the draw picks among them.
+  constexpr size_t kMaxStandbyVerifiers = 16;
   std::vector<std::string> standbys;
-  if (plan.pipelines() > 1) return standbys;
   const std::set<std::string> in_plan = [&] {
     std::set<std::string> ids;
     for (const v1::StageAssignment& stage : plan.stages()) {
@@ -534,6 +535,7 @@ std::vector<std::string> JobController::Standbys(const v1::Plan& plan) const {
   }();
   for (const WorkerRecord& w : membership_.LiveWorkers()) {
     if (in_plan.count(w.id) == 0) standbys.push_back(w.id);
+    if (standbys.size() >= kMaxStandbyVerifiers) break;
   }
   return standbys;
 }

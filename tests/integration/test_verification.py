@@ -94,24 +94,30 @@ HONEST_STEPS = 400
 
 
 class SpotCheckTest(unittest.TestCase):
-    def run_adversary(self, misbehave, extra=()):
-        with PipelinesCluster(100000, 8, streaming=False, secure=True) as c:
+    def run_adversary(self, misbehave, extra=(), workers=6, position=5):
+        """The hostile worker joins `position`-th of `workers` (join order:
+        pipeline r is the (2r)th and (2r+1)th to join, the rest stand
+        by), so holds stage 1 of pipeline position // 2."""
+        with PipelinesCluster(100000, 8, streaming=False, secure=True, workers=workers) as c:
             with open(c.job, "a") as f:
                 f.write(f"verification {{ fraction: {SPOT_CHECK_FRACTION} }}\n")
             c.coordinator_flags.append("--metrics_listen=127.0.0.1:0")
             c.start_coordinator()
-            token = c.create_token("--uses=6", "--name=six")
-            for i in range(5):
-                c.start_worker(f"w{i}", extra=[f"--token={token}"])
+            token = c.create_token(f"--uses={workers}", "--name=volunteers")
+            hostile = None
+            for i in range(workers):
+                if i == position:
+                    hostile = Process([binary("geotrain-misbehaving-worker"),
+                                       f"--coordinator={c.address}", "--listen=127.0.0.1:0",
+                                       "--name=hostile", f"--token={token}",
+                                       f"--state_dir={os.path.join(c.dir, 'hostile-state')}",
+                                       f"--misbehave={misbehave}", "--consistent_log",
+                                       f"--after={HONEST_MESSAGES}", *extra],
+                                      os.path.join(c.dir, "hostile.log"), name="hostile")
+                    c.workers.append(hostile)
+                else:
+                    c.start_worker(f"w{i}", extra=[f"--token={token}"])
                 wait_for(lambda: len(c.status()["workers"]) == i + 1, 60, f"worker {i} to join")
-            hostile = Process([binary("geotrain-misbehaving-worker"),
-                               f"--coordinator={c.address}", "--listen=127.0.0.1:0",
-                               "--name=hostile", f"--token={token}",
-                               f"--state_dir={os.path.join(c.dir, 'hostile-state')}",
-                               f"--misbehave={misbehave}", "--consistent_log",
-                               f"--after={HONEST_MESSAGES}", *extra],
-                              os.path.join(c.dir, "hostile.log"), name="hostile")
-            c.workers.append(hostile)
             wait_for(lambda: "hostile: scaling" in hostile.log(), 300,
                      "the hostile worker to tamper", interval=0.5)
             status = c.status()
@@ -218,6 +224,11 @@ class SpotCheckTest(unittest.TestCase):
 
     def test_flipped_gradients_are_caught(self):
         self.run_adversary("flip_gradients")
+
+    def test_two_pipelines_confirm_with_a_standby(self):
+        """Two pipelines and a standby: the other pipeline's worker of the
+        stage is the first verifier, the standby the second."""
+        self.run_adversary("scale_outputs", ["--factor=1.05"], workers=5, position=4)
 
 
 if __name__ == "__main__":
