@@ -276,7 +276,11 @@ absl::Status AuditCoordinator::AcceptVerdict(const std::string& caller,
     for (const auto& [worker, why] : evictions) {
       std::vector<uint64_t> moot;
       for (const auto& [other, p] : pending_) {
-        if (p.audit.audited == worker) moot.push_back(other);
+        // Its own audits, and those waiting on its verdict.
+        if (p.audit.audited == worker ||
+            (p.asked_verifier_ms > 0 && p.audit.verifiers.back() == worker)) {
+          moot.push_back(other);
+        }
       }
       for (uint64_t other : moot) {
         manager_.Abandon(other);

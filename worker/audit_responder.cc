@@ -212,7 +212,8 @@ void AuditResponder::Do(const Work& work) {
     GT_LOG(Warning) << "audit " << work.verify << ": fetch failed: " << bundle.status().message();
     return;
   }
-  const v1::AuditVerdict verdict = VerifyBundle(*bundle);
+  v1::AuditVerdict verdict = VerifyBundle(*bundle);
+  if (options_.tamper_verdict) options_.tamper_verdict(&verdict);
   GT_LOG(Info) << "audit " << work.verify << " of stage " << bundle->stage() << ", microbatch "
                << bundle->claim().header().microbatch() << ": "
                << (verdict.ran() ? (verdict.passed() ? "passed" : "FAILED") : "not run") << " ("

@@ -50,6 +50,9 @@ struct AuditResponderOptions {
   AuditCalls calls;
   size_t max_queued = 256;        // work past this is dropped (and logged)
   uint64_t max_evidence_bytes = 0;  // 0: kCoordinatorMaxReceiveBytes less a margin
+  // Fault injection, for tests only (WorkerOptions::tamper_verdict): sees
+  // each verdict before it is reported.
+  std::function<void(v1::AuditVerdict*)> tamper_verdict;
 };
 
 class AuditResponder {

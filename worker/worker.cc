@@ -232,6 +232,7 @@ void Worker::StartAuditResponder() {
   options.calls.report = [this](const v1::AuditVerdict& verdict) {
     return coordinator_.ReportAuditVerdict(verdict, kAuditRpcTimeout);
   };
+  options.tamper_verdict = options_.tamper_verdict;
   audit_responder_ = std::make_unique<AuditResponder>(std::move(options));
   audit_responder_->SetJob(job_);
   coordinator_.OnAuditWork(

@@ -100,6 +100,9 @@ struct WorkerOptions {
   // its own code would, and face the spot checks' recomputation rather
   // than a dispute between logs.
   CommitmentLog* commitment_log = nullptr;
+  // For tests only: changes each spot-check verdict this worker reports as
+  // a verifier (a verifier that lies; the coordinator must outvote it).
+  std::function<void(v1::AuditVerdict*)> tamper_verdict;
 };
 
 // Parses "PEER=VIA[,PEER=VIA...]" (each a HOST:PORT) into WorkerOptions::routes.

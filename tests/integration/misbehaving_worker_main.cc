@@ -27,6 +27,8 @@
 //   --misbehave=flip_gradients    the same, the sign of every gradient
 //                                 flipped (activations honest)
 //   --misbehave=scale_gradients   the same, gradients only, times --factor
+//   --misbehave=lie_as_verifier   trains honestly; fails every spot check it
+//                                 is asked to verify (a forged accusation)
 // With --consistent_log the tampered message is also what its commitment
 // log holds as sent (WorkerOptions::commitment_log): a liar that keeps its
 // evidence consistent, whom only the spot checks' recomputation catches.
@@ -88,7 +90,8 @@ enum class Misbehaviour {
   kScaleOutputs,
   kNoise,
   kFlipGradients,
-  kScaleGradients
+  kScaleGradients,
+  kLieAsVerifier
 };
 
 bool Tampers(Misbehaviour how) {
@@ -430,10 +433,12 @@ int Main(int argc, char** argv) {
     how = Misbehaviour::kFlipGradients;
   } else if (kind == "scale_gradients") {
     how = Misbehaviour::kScaleGradients;
+  } else if (kind == "lie_as_verifier") {
+    how = Misbehaviour::kLieAsVerifier;
   } else {
     std::fprintf(stderr, "--misbehave: one of fake_done, fake_final_step, hijack_link, "
                          "drop_links, stall, poison_checkpoint, scale_outputs, noise, "
-                         "flip_gradients, scale_gradients\n");
+                         "flip_gradients, scale_gradients, lie_as_verifier\n");
     return 2;
   }
   if (absl::GetFlag(FLAGS_state_dir).empty()) {
@@ -458,6 +463,15 @@ int Main(int argc, char** argv) {
   CommitmentLog* log = absl::GetFlag(FLAGS_consistent_log) && Tampers(how) ? consistent_log
                                                                             : nullptr;
   options.commitment_log = log;
+  if (how == Misbehaviour::kLieAsVerifier) {
+    options.tamper_verdict = [](v1::AuditVerdict* verdict) {
+      if (!verdict->ran()) return;
+      GT_LOG(Warning) << "hostile: failing audit " << verdict->audit_id()
+                      << " it found: " << verdict->summary();
+      verdict->set_passed(false);
+      verdict->set_summary("FAILED: every element outside the bound (a lie)");
+    };
+  }
   options.wrap_link = [how, after, claim_step, factor, noise, log](PeerSide toward,
                                                                    MessageSink* real) {
     return std::make_unique<HostileSink>(how, toward, real, after, claim_step, factor, noise,

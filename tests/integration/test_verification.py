@@ -225,6 +225,55 @@ class SpotCheckTest(unittest.TestCase):
     def test_flipped_gradients_are_caught(self):
         self.run_adversary("flip_gradients")
 
+    def test_a_lying_verifier_is_outvoted_and_evicted(self):
+        """Three pipelines and a standby; the hostile worker trains
+        honestly on stage 1 but fails every audit it verifies. The second
+        verifier passes it and the third (the standby, or the remaining
+        pipeline) settles it: the liar is evicted, the worker it accused
+        is not, and no honest worker is recorded as failing."""
+        with PipelinesCluster(100000, 8, streaming=False, secure=True, workers=7) as c:
+            with open(c.job, "a") as f:
+                f.write(f"verification {{ fraction: {SPOT_CHECK_FRACTION} }}\n")
+            c.start_coordinator()
+            token = c.create_token("--uses=7", "--name=volunteers")
+            for i in range(7):
+                if i == 6:
+                    c.workers.append(Process(
+                        [binary("geotrain-misbehaving-worker"), f"--coordinator={c.address}",
+                         "--listen=127.0.0.1:0", "--name=hostile", f"--token={token}",
+                         f"--state_dir={os.path.join(c.dir, 'hostile-state')}",
+                         "--misbehave=lie_as_verifier"],
+                        os.path.join(c.dir, "hostile.log"), name="hostile"))
+                else:
+                    c.start_worker(f"w{i}", extra=[f"--token={token}"])
+                wait_for(lambda: len(c.status()["workers"]) == i + 1, 60, f"worker {i} to join")
+            events_path = os.path.join(c.dir, "state", "events.log")
+
+            def events():
+                c.ctl("status")  # the log is written off the caller's thread
+                with open(events_path) as f:
+                    return [json.loads(line) for line in f if line.strip()]
+
+            try:
+                eviction = wait_for(
+                    lambda: next((e for e in events() if e["kind"] == "audit_evicted"), None),
+                    180, "an audit_evicted event", interval=0.5)
+            except Exception:
+                print(c.dump_logs())
+                raise
+            log = events()
+            status = c.status()
+            print(f"lying verifier: {eviction['worker']} evicted: {eviction['detail'][:300]}; "
+                  f"audits {status['audits']}", flush=True)
+            self.assertEqual(eviction["worker"], "hostile", eviction)
+            self.assertIn("outvoted", eviction["detail"])
+            self.assertEqual([e["worker"] for e in log if e["kind"] == "audit_evicted"],
+                             ["hostile"])
+            self.assertEqual(int(status["audits"].get("failed", 0)), 0, status["audits"])
+            self.assertGreaterEqual(int(status["audits"]["verifiers_caught"]), 1)
+            for w in status["workers"]:
+                self.assertEqual(int(w.get("audits_failed", 0)), 0, w)
+
     def test_two_pipelines_confirm_with_a_standby(self):
         """Two pipelines and a standby: the other pipeline's worker of the
         stage is the first verifier, the standby the second."""
