@@ -23,7 +23,8 @@
 //    revoked, the lease ended, a re-plan around the worker).
 // An audit whose evidence or verdict does not come within its deadline is
 // closed undecided, with an event naming who did not answer. A worker is
-// evicted once; its other open audits close undecided with it.
+// evicted once; its other open audits, and those waiting on its verdict,
+// close undecided with it.
 //
 // Bounded: at most AuditOptions::max_open_audits open, and at most
 // `max_evidence_bytes` of uploaded evidence held (a part past it is refused
