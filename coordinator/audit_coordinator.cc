@@ -52,6 +52,7 @@ void AuditCoordinator::AskLocked(const std::string& worker, const Pending& pendi
   request.set_part(part);
   request.set_gradient(pending.audit.kind == v1::MESSAGE_KIND_GRADIENT);
   request.set_microbatch(pending.audit.microbatch);
+  request.set_stage(pending.audit.stage);
   evidence_asks_[worker].push_back(std::move(request));
 }
 
@@ -64,6 +65,7 @@ void AuditCoordinator::OnCommitted(const v1::Plan& plan, int committed_step, int
     drawn_through_ = std::min(drawn_through_, committed_step - 1);
   }
   const int first = std::max(drawn_through_ + 1, committed_step - kMaxStepsDrawnAtOnce + 1);
+  std::shared_ptr<const v1::Plan> shared_plan;  // for stage-0 audits, copied once
   const std::function<bool(const std::string&)> suspect = [this](const std::string& id) {
     mu_.AssertHeld();
     return disputed_.count(id) > 0 || (is_suspect_ && is_suspect_(id));
@@ -84,7 +86,13 @@ void AuditCoordinator::OnCommitted(const v1::Plan& plan, int committed_step, int
       // for a gradient.
       const std::string& receiver =
           audit.kind == v1::MESSAGE_KIND_GRADIENT ? audit.upstream : audit.downstream;
-      pending.owed[v1::EvidenceRequest::SENT_INPUT] = audit.upstream;
+      if (audit.stage == 0) {
+        // Its input is data: the verifier loads it (the plan says whose).
+        if (shared_plan == nullptr) shared_plan = std::make_shared<const v1::Plan>(plan);
+        pending.plan = shared_plan;
+      } else {
+        pending.owed[v1::EvidenceRequest::SENT_INPUT] = audit.upstream;
+      }
       pending.owed[v1::EvidenceRequest::CLAIM] = audit.audited;
       pending.owed[v1::EvidenceRequest::RECEIPT] = receiver;
       for (const auto& [part, worker] : pending.owed) AskLocked(worker, pending, part);
@@ -178,8 +186,9 @@ void AuditCoordinator::OnEvidenceCompleteLocked(Pending* pending) {
                                audit.microbatch, "): ", what, "; ", Name(a), " and ", Name(b),
                                " are audited at the suspect's rate from now on"));
   };
-  const std::string& input_commitment = pending->input->message().header().commitment();
-  if (input_commitment != pending->claim->received_commitment()) {
+  const std::string input_commitment =
+      pending->input.has_value() ? pending->input->message().header().commitment() : "";
+  if (pending->input.has_value() && input_commitment != pending->claim->received_commitment()) {
     dispute(audit.upstream, audit.audited,
             absl::StrCat(Name(audit.upstream), " logged sending an input committed as ",
                          Short(input_commitment), ", ", Name(audit.audited),
@@ -218,7 +227,11 @@ absl::StatusOr<v1::AuditBundle> AuditCoordinator::Fetch(const std::string& calle
   bundle.set_layer_begin(pending.layer_begin);
   bundle.set_layer_end(pending.layer_end);
   *bundle.mutable_weights() = pending.claim->weights();
-  *bundle.mutable_input() = pending.input->message();
+  if (pending.input.has_value()) *bundle.mutable_input() = pending.input->message();
+  if (pending.plan != nullptr) {
+    *bundle.mutable_plan() = *pending.plan;
+    bundle.set_audited_worker(pending.audit.audited);
+  }
   *bundle.mutable_claim() = pending.claim->message();
   bundle.set_audited_device(pending.claim->device());
   bundle.set_weights_digest(pending.claim->weights_digest());

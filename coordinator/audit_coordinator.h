@@ -125,6 +125,9 @@ class AuditCoordinator {
     // Who owes which part.
     std::map<v1::EvidenceRequest::Part, std::string> owed;
     std::optional<v1::AuditEvidence> input, claim, receipt;
+    // Stage 0: the plan the verifier derives the audited worker's data
+    // from.
+    std::shared_ptr<const v1::Plan> plan;
     uint64_t bytes = 0;
   };
   void AskLocked(const std::string& worker, const Pending& pending, v1::EvidenceRequest::Part part)

@@ -80,7 +80,7 @@ absl::StatusOr<std::unique_ptr<JobController>> JobController::Create(
     JobController* self = controller.get();
     AuditCoordinatorOptions audits;
     audits.audits.fraction = fraction;
-    audits.audits.first_audited_stage = 1;
+    audits.audits.first_audited_stage = 0;
     // Each open audit holds at most a few MiB of evidence (bounded apart,
     // max_evidence_bytes); fast steps draw many.
     audits.audits.max_open_audits = 256;

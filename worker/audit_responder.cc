@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/rpc_options.h"
+#include "worker/served_plan.h"
 #include "worker/stage_verifier.h"
 
 namespace geotrain {
@@ -123,11 +124,13 @@ v1::AuditEvidence AuditResponder::Gather(const v1::EvidenceRequest& request) con
     for (const v1::LayerCheckpoint& layer : *weights->layers) *evidence.add_weights() = layer;
     evidence.set_weights_digest(weights->digest);
     evidence.set_device(options_.device);
-    // What this stage received to compute it.
-    std::optional<LoggedMessage> input =
-        log.FindNewest(Direction::kReceived, v1::MESSAGE_KIND_ACTIVATION, request.microbatch());
-    if (!input.has_value()) return missing("its input is no longer in the received log");
-    evidence.set_received_commitment(input->commitment);
+    // What this stage received to compute it (stage 0: data, no message).
+    if (request.stage() > 0) {
+      std::optional<LoggedMessage> input =
+          log.FindNewest(Direction::kReceived, v1::MESSAGE_KIND_ACTIVATION, request.microbatch());
+      if (!input.has_value()) return missing("its input is no longer in the received log");
+      evidence.set_received_commitment(input->commitment);
+    }
   }
   const uint64_t limit = options_.max_evidence_bytes > 0
                              ? options_.max_evidence_bytes
@@ -183,8 +186,27 @@ v1::AuditVerdict AuditResponder::VerifyBundle(const v1::AuditBundle& bundle) {
   AuditedComputation audit;
   audit.weights.assign(bundle.weights().begin(), bundle.weights().end());
   audit.weights_digest = bundle.weights_digest();
-  audit.input = FromProto(bundle.input());
   audit.claim = FromProto(bundle.claim());
+  if (bundle.stage() == 0) {
+    // The audited worker's microbatch, loaded from its share of the data.
+    absl::StatusOr<ServedPlan> served = ServedPlan::For(bundle.plan(), *job, bundle.audited_worker());
+    if (!served.ok()) return not_run(absl::StrCat("the audited worker's data: ",
+                                                  served.status().message()));
+    DataShard shard;
+    shard.pipelines = served->data_stride();
+    shard.pipeline = served->data_lane();
+    shard.start_step = served->start_step();
+    shard.base = served->data_base();
+    shard.microbatches = served->microbatches();
+    shard.block = served->data_block();
+    absl::StatusOr<LinkMessage> input = verifier_->LoadFirstStageInput(
+        shard, audit.claim.header.step(), audit.claim.header.microbatch());
+    if (!input.ok()) return not_run(std::string(input.status().message()));
+    audit.input = *std::move(input);
+    audit.input.header.set_epoch(audit.claim.header.epoch());  // data has none of its own
+  } else {
+    audit.input = FromProto(bundle.input());
+  }
   audit.audited_device = bundle.audited_device().empty() ? "cpu" : bundle.audited_device();
   absl::StatusOr<OutputComparison> comparison = verifier_->Verify(audit);
   if (!comparison.ok()) return not_run(std::string(comparison.status().message()));

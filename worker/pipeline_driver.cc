@@ -572,6 +572,7 @@ absl::Status PipelineDriver::RunFirstStage() {
       ASSIGN_OR_RETURN(LinkMessage input,
                        runtime_->LoadTrainMicrobatchById(step, next));
       next += replicas;
+      KeepWeightsForAudit();
       if (runtime_->is_last()) {  // a single-stage pipeline
         ASSIGN_OR_RETURN(LastStageResult result, runtime_->ForwardLoss(input));
         RETURN_IF_ERROR(AfterBackward(result.loss, input.header.microbatch()));

@@ -117,6 +117,16 @@ absl::StatusOr<OutputComparison> StageVerifier::Verify(const AuditedComputation&
   return CompareOutputs(audit.claim, *recomputed, tolerance);
 }
 
+absl::StatusOr<LinkMessage> StageVerifier::LoadFirstStageInput(const DataShard& shard, int step,
+                                                               uint64_t microbatch) {
+  if (!runtime_->is_first()) {
+    return absl::FailedPreconditionError("only stage 0 loads its input from the data");
+  }
+  runtime_->SetDataShard(shard.pipelines, shard.pipeline, shard.start_step, shard.base,
+                         shard.microbatches, shard.block);
+  return runtime_->LoadTrainMicrobatchById(step, static_cast<int64_t>(microbatch));
+}
+
 absl::Status StageVerifier::Load(const std::vector<v1::LayerCheckpoint>& weights,
                                  const std::string& digest, const char* what) {
   runtime_->DropInFlight();

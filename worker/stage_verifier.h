@@ -74,6 +74,16 @@ struct AuditedUpdate {
   std::string audited_device = "cpu";  // the tolerance's device term
 };
 
+// A pipeline's share of the data (StageRuntime::SetDataShard's figures).
+struct DataShard {
+  int pipelines = 1;
+  int pipeline = 0;
+  int start_step = 0;
+  int64_t base = 0;
+  int microbatches = 0;
+  int64_t block = 0;
+};
+
 struct StageVerifierOptions {
   std::string device = "cpu";
   // Violations allowed (OutputTolerance); the device term comes from
@@ -91,6 +101,13 @@ class StageVerifier {
   // file comment), INVALID_ARGUMENT when the claim cannot be recomputed by
   // this stage (an activation from the last stage, a gradient from stage 0).
   absl::StatusOr<OutputComparison> Verify(const AuditedComputation& audit);
+
+  // Stage 0: the input of training microbatch `microbatch` (labelled
+  // `step`) of the pipeline whose share of the data is `shard`, loaded as
+  // the audited stage loaded it: a function of the job's seed and the
+  // index alone. FAILED_PRECONDITION on another stage.
+  absl::StatusOr<LinkMessage> LoadFirstStageInput(const DataShard& shard, int step,
+                                                  uint64_t microbatch);
 
   // Recomputes the update from `before` on the microbatches' gradients and
   // compares the result with `after` (CompareUpdates). FAILED_PRECONDITION

@@ -94,10 +94,9 @@ HONEST_STEPS = 400
 
 
 class SpotCheckTest(unittest.TestCase):
-    def run_adversary(self, misbehave, extra=(), workers=6, position=5):
-        """The hostile worker joins `position`-th of `workers` (join order:
-        pipeline r is the (2r)th and (2r+1)th to join, the rest stand
-        by), so holds stage 1 of pipeline position // 2."""
+    def run_adversary(self, misbehave, extra=(), workers=6, position=5, stage=1):
+        """The hostile worker joins `position`-th of `workers` and must
+        hold `stage` (join order places it)."""
         with PipelinesCluster(100000, 8, streaming=False, secure=True, workers=workers) as c:
             with open(c.job, "a") as f:
                 f.write(f"verification {{ fraction: {SPOT_CHECK_FRACTION} }}\n")
@@ -122,9 +121,9 @@ class SpotCheckTest(unittest.TestCase):
                      "the hostile worker to tamper", interval=0.5)
             status = c.status()
             mine = next(w for w in status["workers"] if w["name"] == "hostile")
-            # Stage 1 (the last) is audited on its gradients; stage 0's
-            # input is loaded data, not yet audited (docs/verification.md).
-            self.assertEqual(int(mine["stage"]), 1, status["workers"])
+            # Stage 1 (the last) is audited on its gradients, stage 0 on
+            # its activations (its input: data the verifier loads itself).
+            self.assertEqual(int(mine["stage"]), stage, status["workers"])
             started, start_step = time.monotonic(), int(status["step"])
             events_path = os.path.join(c.dir, "state", "events.log")
 
@@ -273,6 +272,9 @@ class SpotCheckTest(unittest.TestCase):
             self.assertGreaterEqual(int(status["audits"]["verifiers_caught"]), 1)
             for w in status["workers"]:
                 self.assertEqual(int(w.get("audits_failed", 0)), 0, w)
+
+    def test_scaled_activations_of_stage_0_are_caught(self):
+        self.run_adversary("scale_outputs", ["--factor=1.05"], position=4, stage=0)
 
     def test_two_pipelines_confirm_with_a_standby(self):
         """Two pipelines and a standby: the other pipeline's worker of the
