@@ -342,6 +342,72 @@ TEST_F(AuditCoordinatorTest, EvidenceOfAnotherMessageIsRefused) {
   EXPECT_EQ(EventsOf("audit_evidence_refused"), 1);
 }
 
+// Stage 0's input is data: its audits owe no input, and the verifier's
+// bundle carries the plan it derives the audited worker's data from.
+TEST_F(AuditCoordinatorTest, StageZeroAuditsCarryThePlanInsteadOfAnInput) {
+  EventLogOptions events;
+  events.clock = &clock_;
+  events_ = std::make_unique<EventLog>(std::move(events));
+  auto draw = SpotCheckDraw::Create(std::string(32, 'k'), 1.0);
+  ASSERT_TRUE(draw.ok());
+  AuditCoordinatorOptions options;
+  options.audits.fraction = 1.0;
+  options.audits.max_open_audits = 1000;
+  options.clock = &clock_;
+  options.events = events_.get();
+  options.evict = [this](const std::string& worker, const std::string&) {
+    evicted_.push_back(worker);
+  };
+  audits_ = std::make_unique<AuditCoordinator>(*draw, options);
+  audits_->OnCommitted(plan_, 1, 1, {});
+  EXPECT_EQ(audits_->Figures().open, 6);  // both stages of 3 pipelines, 1 microbatch
+  // Stage 0 of pipeline 0 owes its claim (its activation), stage 1 the
+  // receipt of it, and no one an input.
+  std::map<std::string, v1::HeartbeatResponse> work;
+  for (int r = 0; r < 3; ++r) {
+    for (int k = 0; k < 2; ++k) work[PipelineWorker(r, k)] = Work(PipelineWorker(r, k));
+  }
+  uint64_t stage_zero = 0;
+  for (const auto& [w, response] : work) {
+    for (const v1::EvidenceRequest& q : response.evidence_requests()) {
+      if (q.stage() != 0) continue;
+      EXPECT_NE(q.part(), v1::EvidenceRequest::SENT_INPUT);
+      EXPECT_FALSE(q.gradient());
+      v1::AuditEvidence e;
+      e.set_worker_id(w);
+      e.set_audit_id(q.audit_id());
+      e.set_part(q.part());
+      e.set_found(true);
+      if (q.part() == v1::EvidenceRequest::CLAIM) {
+        EXPECT_EQ(w.substr(2), "s0");
+        *e.mutable_message() = Message(v1::MESSAGE_KIND_ACTIVATION, q.microbatch(), "act");
+        stage_zero = q.audit_id();
+      } else {
+        EXPECT_EQ(w.substr(2), "s1");
+        e.set_received_commitment("act");
+      }
+      ASSERT_TRUE(audits_->AcceptEvidence(w, e).ok());
+    }
+  }
+  ASSERT_NE(stage_zero, 0u);
+  bool fetched = false;
+  for (int r = 0; r < 3; ++r) {
+    const std::string verifier = PipelineWorker(r, 0);
+    const v1::HeartbeatResponse response = Work(verifier);
+    for (uint64_t id : response.verify_audits()) {
+      absl::StatusOr<v1::AuditBundle> bundle = audits_->Fetch(verifier, id);
+      ASSERT_TRUE(bundle.ok()) << bundle.status();
+      EXPECT_EQ(bundle->stage(), 0);
+      EXPECT_FALSE(bundle->has_input());
+      EXPECT_EQ(bundle->plan().epoch(), plan_.epoch());
+      EXPECT_EQ(bundle->audited_worker().substr(2), "s0");
+      EXPECT_NE(bundle->audited_worker(), verifier);
+      fetched = true;
+    }
+  }
+  EXPECT_TRUE(fetched);
+}
+
 // Steps are drawn once; a new plan epoch draws the steps it commits again.
 TEST_F(AuditCoordinatorTest, EachCommittedStepIsDrawnOnce) {
   Make(0.5);
