@@ -60,9 +60,12 @@ void AuditCoordinator::OnCommitted(const v1::Plan& plan, int committed_step, int
                                    const std::vector<std::string>& standbys) {
   absl::MutexLock lock(&mu_);
   if (plan.epoch() != drawn_epoch_) {
-    // Steps committed again under a new plan (a restore) are drawn again.
+    // A new plan draws the steps it commits from here on; after a restore
+    // to an older step, those it commits again. (A step committed under
+    // the old plan is not drawn again under the new one: its members did
+    // not compute it.)
     drawn_epoch_ = plan.epoch();
-    drawn_through_ = std::min(drawn_through_, committed_step - 1);
+    drawn_through_ = std::min(drawn_through_, committed_step);
   }
   const int first = std::max(drawn_through_ + 1, committed_step - kMaxStepsDrawnAtOnce + 1);
   std::shared_ptr<const v1::Plan> shared_plan;  // for stage-0 audits, copied once
@@ -348,6 +351,28 @@ void AuditCoordinator::Expire() {
     ++expired_;
     AbandonLocked(id, "audit_expired", pending_.at(id).audit.audited,
                   absl::StrCat("audit ", id, ": ", why));
+  }
+  // Work never handed out (a worker that stopped heartbeating) goes with
+  // its audit: the queues stay bounded by the open audits.
+  for (auto it = evidence_asks_.begin(); it != evidence_asks_.end();) {
+    std::vector<v1::EvidenceRequest>& asks = it->second;
+    asks.erase(std::remove_if(asks.begin(), asks.end(),
+                              [this](const v1::EvidenceRequest& r) {
+                                mu_.AssertHeld();
+                                return pending_.count(r.audit_id()) == 0;
+                              }),
+               asks.end());
+    it = asks.empty() ? evidence_asks_.erase(it) : std::next(it);
+  }
+  for (auto it = verify_asks_.begin(); it != verify_asks_.end();) {
+    std::vector<uint64_t>& asks = it->second;
+    asks.erase(std::remove_if(asks.begin(), asks.end(),
+                              [this](uint64_t id) {
+                                mu_.AssertHeld();
+                                return pending_.count(id) == 0;
+                              }),
+               asks.end());
+    it = asks.empty() ? verify_asks_.erase(it) : std::next(it);
   }
 }
 

@@ -308,10 +308,11 @@ TEST_F(AuditCoordinatorTest, MissingEvidenceClosesTheAuditUndecided) {
   ASSERT_TRUE(audits_->AcceptEvidence(audited, gone).ok());
   EXPECT_EQ(EventsOf("audit_evidence_missing"), 1);
   EXPECT_EQ(audits_->Figures().open, 5);
-  // The rest never come.
+  // The rest never come, and the work nobody took goes with them.
   clock_.AdvanceMs(31000);
   audits_->Expire();
   EXPECT_EQ(audits_->Figures().open, 0);
+  EXPECT_EQ(Work(PipelineWorker(1, 0)).evidence_requests_size(), 0);
   EXPECT_EQ(audits_->Figures().expired, 5);
   EXPECT_EQ(EventsOf("audit_expired"), 5);
   EXPECT_TRUE(evicted_.empty());
@@ -408,16 +409,19 @@ TEST_F(AuditCoordinatorTest, StageZeroAuditsCarryThePlanInsteadOfAnInput) {
   EXPECT_TRUE(fetched);
 }
 
-// Steps are drawn once; a new plan epoch draws the steps it commits again.
+// Steps are drawn once, a new plan's from where the old one's stopped.
 TEST_F(AuditCoordinatorTest, EachCommittedStepIsDrawnOnce) {
-  Make(0.5);
+  Make(1.0);
   audits_->OnCommitted(plan_, 3, 2, {});
-  const int after_three = static_cast<int>(audits_->Figures().counts.drawn);
+  EXPECT_EQ(audits_->Figures().counts.drawn, 3 * 3 * 2);  // steps x pipelines x microbatches
   audits_->OnCommitted(plan_, 3, 2, {});
-  EXPECT_EQ(audits_->Figures().counts.drawn, after_three);
-  audits_->OnCommitted(plan_, 4, 2, {});
-  EXPECT_GE(audits_->Figures().counts.drawn, after_three);
-  EXPECT_GT(after_three, 0);
+  EXPECT_EQ(audits_->Figures().counts.drawn, 18);
+  v1::Plan next = plan_;
+  next.set_epoch(plan_.epoch() + 1);
+  audits_->OnCommitted(next, 3, 2, {});
+  EXPECT_EQ(audits_->Figures().counts.drawn, 18);  // step 3 was the old plan's
+  audits_->OnCommitted(next, 4, 2, {});
+  EXPECT_EQ(audits_->Figures().counts.drawn, 24);
 }
 
 }  // namespace
