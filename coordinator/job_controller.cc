@@ -533,7 +533,10 @@ std::vector<std::string> JobController::Standbys(const v1::Plan& plan) const {
     }
     return ids;
   }();
-  for (const WorkerRecord& w : membership_.LiveWorkers()) {
+  // The shared snapshot the heartbeats use: no copy of the members per
+  // committed step.
+  const std::shared_ptr<const std::vector<WorkerRecord>> live = membership_.SharedLivePeers();
+  for (const WorkerRecord& w : *live) {
     if (in_plan.count(w.id) == 0) standbys.push_back(w.id);
     if (standbys.size() >= kMaxStandbyVerifiers) break;
   }
