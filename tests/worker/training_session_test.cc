@@ -100,12 +100,21 @@ class FakeNetwork {
     if (*stop) return absl::CancelledError("stopped");
     return active_[worker].registration;
   }
+  // While held, every delivery waits (its sender blocked, as on a link
+  // whose peer stopped reading): what the workers do meanwhile, such as
+  // seeing a new plan one after the other, races no delivery.
+  void HoldDeliveries(bool held) {
+    absl::MutexLock lock(&mu_);
+    held_ = held;
+  }
   absl::Status Deliver(const std::string& from, const std::string& to, bool from_upstream,
                        LinkMessage message, bool from_replica = false) {
     const uint64_t link_epoch = message.header.epoch();
     std::shared_ptr<Inbox> inbox;
     {
       absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(
+          +[](bool* held) { return !*held; }, &held_));
       if (cut_.count({from, to}) > 0) return absl::UnavailableError("the link was cut");
       auto it = active_.find(to);
       if (it == active_.end()) return absl::UnavailableError(absl::StrCat("'", to, "' is gone"));
@@ -175,6 +184,7 @@ class FakeNetwork {
     int registration = 0;  // the worker's sessions, counted from 1
   };
   absl::Mutex mu_;
+  bool held_ ABSL_GUARDED_BY(mu_) = false;
   std::map<std::string, Active> active_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, int> registrations_ ABSL_GUARDED_BY(mu_);
   struct Registered {
@@ -682,9 +692,14 @@ TEST_F(TrainingSessionTest, PlanChangeMidStepEndsQuietlyAndTheNextPlanFinishes) 
   TestWorker& last = AddWorker("w1", 1);
   Start(MakePlan(1, 0, {{"w0"}, {"w1"}}));
   ASSERT_TRUE(AwaitStep(last, 2));
-  // The plan watch sees epoch 2: every session of epoch 1 ends.
+  // Both plan watches see epoch 2 before either link notices: every session
+  // of epoch 1 ends. (A neighbour that has not seen it yet reports its link
+  // lost under epoch 1, which the coordinator ignores once epoch 2 is
+  // published: FaultResponderTest's "old news".)
+  net_.HoldDeliveries(true);
   first.session->Abort();
   last.session->Abort();
+  net_.HoldDeliveries(false);
   Join();
   EXPECT_TRUE(absl::IsCancelled(first.result) || absl::IsUnavailable(first.result))
       << first.result;
