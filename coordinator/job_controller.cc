@@ -441,7 +441,8 @@ bool JobController::Heartbeat(const v1::HeartbeatRequest& request,
     network_.RecordAccess(request.worker_id(), request.access_probe_results(i), now_ms);
   }
   if (const PlanView::PlanPtr plan = plan_view_.Get()) {
-    for (const OutputNorms& change : norms_.Record(*plan, request.worker_id(), request.stats())) {
+    for (const OutputNorms& change : norms_.Record(*plan, request.worker_id(), request.epoch(),
+                                                          request.stats())) {
       events_.Add(change.suspicion.empty() ? "output_norms_cleared" : "output_norms_suspect",
                   membership_.NameOf(change.worker_id),
                   change.suspicion.empty()

@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <set>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 
@@ -45,76 +47,144 @@ bool Outside(double value, double reference, double ratio) {
   return reference > 0 && (value > reference * ratio || value * ratio < reference);
 }
 
+// What a sender is compared with: the median of the stage's figures
+// (`self` included) with three or more, the other one's with two, none
+// alone.
+double ReplicasReference(double self, std::vector<double> others) {
+  if (others.size() <= 1) return others.empty() ? 0 : others[0];
+  // The median of them all, itself included, which one outlier cannot move
+  // far (the median of the others alone would be the mean of an honest one
+  // and the outlier with two others).
+  others.push_back(self);
+  std::sort(others.begin(), others.end());
+  const size_t n = others.size();
+  return n % 2 == 1 ? others[n / 2] : (others[n / 2 - 1] + others[n / 2]) / 2;
+}
+
 }  // namespace
 
 OutputNormWatch::OutputNormWatch(OutputNormWatchOptions options) : options_(options) {}
 
 std::vector<OutputNorms> OutputNormWatch::Record(const v1::Plan& plan,
                                                  const std::string& receiver,
+                                                 uint64_t receiver_epoch,
                                                  const v1::StageStats& stats) {
   std::vector<OutputNorms> changed;
+  if (receiver_epoch != plan.epoch()) return changed;
   absl::MutexLock lock(&mu_);
+  std::set<Group> touched;
   for (int i = 0; i < std::min(stats.links_size(), 64); ++i) {
     const v1::LinkStats& link = stats.links(i);
-    if (link.received_measured() < options_.min_messages || !std::isfinite(link.received_rms()) ||
-        link.received_rms() < 0) {
-      continue;
-    }
+    if (link.received_rms_by_step_size() == 0) continue;
     const std::string sender = SenderOf(plan, receiver, link.direction());
     if (sender.empty()) continue;
     const Key key{sender, link.direction() == "upstream" ? "activation" : "gradient"};
     Figure& figure = figures_[key];
     const auto [stage, stage_workers] = StageOf(plan, sender);
-    if (stage != figure.stage) {
-      // Another stage computes other numbers: its history starts again.
+    if (stage != figure.stage || plan.epoch() != figure.epoch) {
+      // Another plan may cut the model elsewhere: other numbers. Its
+      // figures, and its history, start again.
+      figure.samples.clear();
       figure.history.clear();
       figure.suspicion.clear();
+      figure.judged_step = -1;
     }
     figure.stage = stage;
     figure.stage_workers = stage_workers;
     figure.epoch = plan.epoch();
-    figure.rms = link.received_rms();
-    if (std::optional<OutputNorms> change = JudgeLocked(key)) changed.push_back(*change);
-    // The history learns only from figures that raised no suspicion, so an
-    // outlier cannot teach it its lie.
-    Figure& judged = figures_[key];
-    if (judged.suspicion.empty()) {
-      judged.history.push_back(judged.rms);
-      while (judged.history.size() > options_.history_window) judged.history.pop_front();
+    figure.receiver = receiver;
+    for (int j = 0; j < std::min(link.received_rms_by_step_size(), 64); ++j) {
+      const v1::StepRms& sample = link.received_rms_by_step(j);
+      if (sample.step() < 0 || sample.messages() == 0 || !std::isfinite(sample.rms()) ||
+          sample.rms() < 0) {
+        continue;
+      }
+      figure.samples[sample.step()] = {sample.rms(), sample.messages()};
     }
+    while (figure.samples.size() > options_.kept_samples) {
+      figure.samples.erase(figure.samples.begin());
+    }
+    if (stage >= 0 && !figure.samples.empty()) touched.insert({key.second, stage, plan.epoch()});
   }
+  for (const Group& group : touched) JudgeGroupLocked(group, &changed);
   return changed;
 }
 
-double OutputNormWatch::ReplicasMedianLocked(const Key& key, int stage) const {
-  if (stage < 0) return 0;
-  std::vector<double> all;
-  double self = 0;
-  int stage_workers = 0;
-  const uint64_t epoch = figures_.at(key).epoch;
-  for (const auto& [other, figure] : figures_) {
-    // Figures of the same plan only: a worker the plan has moved or
-    // dropped keeps its old figure until it reports again.
-    if (other.second != key.second || figure.stage != stage || figure.epoch != epoch) continue;
-    if (other.first == key.first) {
-      self = figure.rms;
-      stage_workers = figure.stage_workers;
-    } else {
-      all.push_back(figure.rms);
+void OutputNormWatch::JudgeGroupLocked(const Group& group, std::vector<OutputNorms>* changed) {
+  const auto& [kind, stage, epoch] = group;
+  std::vector<std::pair<const Key*, Figure*>> members;
+  for (auto& [key, figure] : figures_) {
+    if (key.second == kind && figure.stage == stage && figure.epoch == epoch) {
+      members.push_back({&key, &figure});
     }
   }
-  // Until every worker of the stage has a figure, none is judged against
-  // the others: with three pipelines, the first two figures would be taken
-  // for a pair, and an honest one made a suspect beside an outlier.
-  if (static_cast<int>(all.size()) + 1 < stage_workers) return 0;
-  if (all.size() <= 1) return all.empty() ? 0 : all[0];  // none, or the pair's other
-  // Three or more: the median of them all, itself included, which one
-  // outlier cannot move far (the median of the others alone would be the
-  // mean of an honest one and the outlier with two others).
-  all.push_back(self);
-  std::sort(all.begin(), all.end());
-  const size_t n = all.size();
-  return n % 2 == 1 ? all[n / 2] : (all[n / 2 - 1] + all[n / 2]) / 2;
+  // Until every worker of the stage has figures, none is judged: with
+  // three pipelines, the first two would be taken for a pair, and an
+  // honest one made a suspect beside an outlier.
+  if (members.empty() || static_cast<int>(members.size()) < members[0].second->stage_workers) {
+    return;
+  }
+  // The newest step all of them have, later than the last judged.
+  int& last_judged = judged_steps_.try_emplace(group, -1).first->second;
+  int step = -1;
+  for (auto it = members[0].second->samples.rbegin(); it != members[0].second->samples.rend();
+       ++it) {
+    if (it->first <= last_judged) break;
+    bool everyone = true;
+    for (const auto& member : members) everyone = everyone && member.second->samples.count(it->first);
+    if (everyone) {
+      step = it->first;
+      break;
+    }
+  }
+  if (step < 0) return;
+  last_judged = step;
+  std::vector<std::string> figures;
+  for (const auto& [key, figure] : members) {
+    const Sample& sample = figure->samples.at(step);
+    figures.push_back(absl::StrFormat("%s %.4g (by %s over %d)", key->first, sample.rms,
+                                      figure->receiver, sample.messages));
+  }
+  const std::string at = absl::StrFormat("step %d, plan epoch %d: %s", step, epoch,
+                                         absl::StrJoin(figures, ", "));
+  for (const auto& [key, figure] : members) {
+    const double rms = figure->samples.at(step).rms;
+    std::vector<double> others;
+    for (const auto& other : members) {
+      if (other.second != figure) others.push_back(other.second->samples.at(step).rms);
+    }
+    const double reference = ReplicasReference(rms, others);
+    std::string suspicion;
+    if (Outside(rms, reference, options_.replica_ratio)) {
+      suspicion = absl::StrFormat("its %ss (stage %d) measure %.3gx the median of its replicas' (%s)",
+                                  kind, stage, rms / reference, at);
+    } else if (figure->history.size() >= options_.min_history) {
+      const auto [low, high] = std::minmax_element(figure->history.begin(), figure->history.end());
+      if (rms > *high * options_.history_ratio) {
+        suspicion = absl::StrFormat("its %ss (stage %d) jumped to %.3gx the largest of their "
+                                    "last %d figures (step %d)",
+                                    kind, stage, rms / *high,
+                                    static_cast<int>(figure->history.size()), step);
+      } else if (rms * options_.history_ratio < *low) {
+        suspicion = absl::StrFormat("its %ss (stage %d) fell to %.3gx the smallest of their "
+                                    "last %d figures (step %d)",
+                                    kind, stage, rms / *low,
+                                    static_cast<int>(figure->history.size()), step);
+      }
+    }
+    figure->judged_step = step;
+    figure->judged_rms = rms;
+    figure->judged_replicas_rms = reference;
+    // The history learns only from figures that raised no suspicion, so an
+    // outlier cannot teach it its lie.
+    if (suspicion.empty()) {
+      figure->history.push_back(rms);
+      while (figure->history.size() > options_.history_window) figure->history.pop_front();
+    }
+    const bool was = !figure->suspicion.empty();
+    figure->suspicion = suspicion;
+    if (was != !suspicion.empty()) changed->push_back(NormsLocked(*key, *figure));
+  }
 }
 
 OutputNorms OutputNormWatch::NormsLocked(const Key& key, const Figure& figure) const {
@@ -122,42 +192,17 @@ OutputNorms OutputNormWatch::NormsLocked(const Key& key, const Figure& figure) c
   norms.worker_id = key.first;
   norms.kind = key.second;
   norms.stage = figure.stage;
-  norms.rms = figure.rms;
-  norms.replicas_rms = ReplicasMedianLocked(key, figure.stage);
+  norms.step = figure.judged_step;
+  norms.rms = figure.judged_step >= 0 || figure.samples.empty()
+                  ? figure.judged_rms
+                  : figure.samples.rbegin()->second.rms;
+  norms.replicas_rms = figure.judged_replicas_rms;
   if (figure.history.size() >= options_.min_history) {
     double sum = 0;
     for (double h : figure.history) sum += h;
     norms.history_rms = sum / figure.history.size();
   }
   norms.suspicion = figure.suspicion;
-  return norms;
-}
-
-std::optional<OutputNorms> OutputNormWatch::JudgeLocked(const Key& key) {
-  Figure& figure = figures_[key];
-  OutputNorms norms = NormsLocked(key, figure);
-  std::string suspicion;
-  if (Outside(norms.rms, norms.replicas_rms, options_.replica_ratio)) {
-    suspicion = absl::StrFormat("its %ss (stage %d) measure %.3gx the median of its replicas'",
-                                key.second, figure.stage, norms.rms / norms.replicas_rms);
-  } else if (figure.history.size() >= options_.min_history) {
-    const auto [low, high] = std::minmax_element(figure.history.begin(), figure.history.end());
-    if (norms.rms > *high * options_.history_ratio) {
-      suspicion = absl::StrFormat("its %ss (stage %d) jumped to %.3gx the largest of their "
-                                  "last %d figures",
-                                  key.second, figure.stage, norms.rms / *high,
-                                  static_cast<int>(figure.history.size()));
-    } else if (norms.rms * options_.history_ratio < *low) {
-      suspicion = absl::StrFormat("its %ss (stage %d) fell to %.3gx the smallest of their "
-                                  "last %d figures",
-                                  key.second, figure.stage, norms.rms / *low,
-                                  static_cast<int>(figure.history.size()));
-    }
-  }
-  const bool was = !figure.suspicion.empty();
-  figure.suspicion = suspicion;
-  if (was == !suspicion.empty()) return std::nullopt;
-  norms.suspicion = suspicion;
   return norms;
 }
 

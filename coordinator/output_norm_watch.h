@@ -6,10 +6,16 @@
 // becomes a suspect: its computations are to be audited more often.
 // Suspicion is not a verdict; only an audit evicts.
 //
-// "Its replicas'" is the median of the stage's senders, itself included,
-// when there are three or more (one outlier cannot move it far), and the
-// other one's figure when there are two; nothing until every worker the
-// plan puts on the stage has a figure.
+// Figures are per sampled step (LinkStats.received_rms_by_step): the same
+// step's in every pipeline, so replicas are compared at the same point of
+// training, never at whatever moments their receivers' heartbeats caught
+// (early in a run activations grow several-fold within a second, and a
+// figure a heartbeat older made an honest worker a suspect).
+//
+// "Its replicas'" is the median of the stage's senders at that step, itself
+// included, when there are three or more (one outlier cannot move it far),
+// and the other one's figure when there are two; nothing until every
+// worker the plan puts on the stage has a figure for the step.
 //
 // With two pipelines a stage has one other replica, and a pair that
 // diverges makes both suspects: nothing in the norms says which one lies.
@@ -22,6 +28,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -34,21 +41,21 @@ namespace geotrain {
 
 struct OutputNormWatchOptions {
   // A sender's RMS this many times the median of its replicas' (or this
-  // many times smaller) is an outlier. Honest replicas of the demo GPT
-  // differ by a few percent on activations and tens of percent on
-  // gradients.
+  // many times smaller) at the same step is an outlier. Honest replicas of
+  // the demo GPT differ by a few percent on activations and tens of
+  // percent on gradients.
   double replica_ratio = 3.0;
   // The same against its own history: the range of its last
-  // `history_window` figures (one a heartbeat) taken while it was no
-  // suspect. A sudden jump is caught; the drift of honest training is not
-  // (the demo GPT's gradients move 20x over a run, gradually: a slow
-  // average of them made suspects of honest workers).
+  // `history_window` judged figures (one a judged sampled step, 8 steps
+  // apart or more) taken while it was no suspect. A sudden jump is caught;
+  // the drift of honest training is not (the demo GPT's gradients move 20x
+  // over a run, gradually: a slow average of them made suspects of honest
+  // workers).
   double history_ratio = 3.0;
   size_t history_window = 10;
-  // Messages a receiver must have measured before its figure counts, and
-  // figures before a sender's history does.
-  uint64_t min_messages = 8;
   size_t min_history = 5;
+  // Sampled steps kept per sender (its receivers report their newest 16).
+  size_t kept_samples = 64;
 };
 
 // One kind of output of one worker, as its receivers measured it.
@@ -56,7 +63,8 @@ struct OutputNorms {
   std::string worker_id;
   std::string kind;  // "activation" or "gradient"
   int stage = -1;
-  double rms = 0;
+  int step = -1;            // the step last judged at; -1: none yet
+  double rms = 0;           // at that step (before it: the newest figure)
   double replicas_rms = 0;  // what it is compared with (see the file comment); 0: none
   double history_rms = 0;   // the mean of its history; 0: too little
   std::string suspicion;    // why it is a suspect; empty: it is not
@@ -67,10 +75,14 @@ class OutputNormWatch {
   explicit OutputNormWatch(OutputNormWatchOptions options = {});
 
   // `receiver`'s link figures, attributed through `plan` to the workers
-  // that sent them. Returns the outputs that became suspect with this
-  // report, and those that stopped being (suspicion empty), for events.
+  // that sent them; `receiver_epoch` is the plan epoch the receiver runs
+  // (figures measured under another plan are not attributed through this
+  // one). Each stage is judged at the newest sampled step every worker the
+  // plan puts on it has a figure for, once per step. Returns the outputs
+  // that became suspect, and those that stopped being (suspicion empty),
+  // for events.
   std::vector<OutputNorms> Record(const v1::Plan& plan, const std::string& receiver,
-                                  const v1::StageStats& stats);
+                                  uint64_t receiver_epoch, const v1::StageStats& stats);
 
   // The worker's figures (activation, gradient; either may be missing).
   std::vector<OutputNorms> NormsOf(const std::string& worker_id) const;
@@ -80,25 +92,37 @@ class OutputNormWatch {
   void Forget(const std::string& worker_id);
 
  private:
+  struct Sample {
+    double rms = 0;
+    uint32_t messages = 0;
+  };
   struct Figure {
     int stage = -1;
     int stage_workers = 0;  // the plan's workers on that stage
     uint64_t epoch = 0;     // of the plan it was attributed through
-    double rms = 0;
-    std::deque<double> history;  // its last figures while no suspect
+    std::string receiver;   // who measured it
+    std::map<int, Sample> samples;  // by step, the newest kept_samples
+    std::deque<double> history;     // its last judged figures while no suspect
+    int judged_step = -1;
+    double judged_rms = 0;
+    double judged_replicas_rms = 0;
     std::string suspicion;
   };
   using Key = std::pair<std::string, std::string>;  // worker, kind
+  // A stage's senders of one kind under one plan, judged together.
+  using Group = std::tuple<std::string, int, uint64_t>;  // kind, stage, epoch
 
-  // Re-judges `key` against its stage's other senders and its history.
-  std::optional<OutputNorms> JudgeLocked(const Key& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Judges every sender of `group` at the newest step all of them have
+  // figures for, if it is later than the group's last; appends changes.
+  void JudgeGroupLocked(const Group& group, std::vector<OutputNorms>* changed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   OutputNorms NormsLocked(const Key& key, const Figure& figure) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  double ReplicasMedianLocked(const Key& key, int stage) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const OutputNormWatchOptions options_;
   mutable absl::Mutex mu_;
   std::map<Key, Figure> figures_ ABSL_GUARDED_BY(mu_);
+  std::map<Group, int> judged_steps_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace geotrain

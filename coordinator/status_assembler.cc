@@ -296,6 +296,7 @@ absl::StatusOr<v1::ClusterStatus> StatusAssembler::Assemble(
         norms->set_replicas_rms(n.replicas_rms);
         norms->set_history_rms(n.history_rms);
         norms->set_suspicion(n.suspicion);
+        norms->set_step(n.step);
       }
     }
   }

@@ -1,5 +1,6 @@
 #include "worker/output_norms.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -85,6 +86,24 @@ void OutputNormMeter::Observe(const LinkMessage& message) {
   if (!rms.ok() || !std::isfinite(*rms)) return;
   rms_ = messages_ == 0 ? *rms : (1 - weight_) * rms_ + weight_ * *rms;
   ++messages_;
+  const int step = message.header.step();
+  if (step < 0) return;
+  newest_step_ = std::max(newest_step_, step);
+  if (step % kSampleStride != 0) return;
+  StepSum& sum = samples_[step];
+  sum.mean_squares += *rms * *rms;
+  ++sum.messages;
+  while (samples_.size() > kReportedSamples + 1) samples_.erase(samples_.begin());
+}
+
+std::vector<StepRms> OutputNormMeter::CompleteSamples() const {
+  std::vector<StepRms> out;
+  for (const auto& [step, sum] : samples_) {
+    if (step >= newest_step_) break;  // messages of it may still come
+    out.push_back({step, std::sqrt(sum.mean_squares / sum.messages), sum.messages});
+  }
+  if (out.size() > kReportedSamples) out.erase(out.begin(), out.end() - kReportedSamples);
+  return out;
 }
 
 }  // namespace geotrain

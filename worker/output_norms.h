@@ -11,6 +11,7 @@
 #define GEOTRAIN_WORKER_OUTPUT_NORMS_H_
 
 #include <cstdint>
+#include <map>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -23,10 +24,26 @@ namespace geotrain {
 // 0 for a message without float32 tensors.
 absl::StatusOr<double> FloatRms(const LinkMessage& message);
 
-// A moving average of the RMS of the training messages one link received.
+// The RMS of the messages of one sampled step, as one link received them.
+struct StepRms {
+  int step = 0;
+  double rms = 0;
+  uint32_t messages = 0;
+};
+
+// What one link received, measured two ways: a moving average of each
+// training message's RMS (a figure to show), and the RMS of the messages of
+// each sampled step (what replicas are compared by: every pipeline's
+// receivers sample the same steps, so the figures the coordinator compares
+// are of the same point in training, whenever each heartbeat left).
 // Not thread-safe (the driver's thread only).
 class OutputNormMeter {
  public:
+  // Steps that are multiples of this are sampled.
+  static constexpr int kSampleStride = 8;
+  // Complete samples reported (and the one in progress kept besides).
+  static constexpr size_t kReportedSamples = 16;
+
   // Weight of the newest message in the moving average.
   explicit OutputNormMeter(double weight = 0.1) : weight_(weight) {}
 
@@ -36,11 +53,20 @@ class OutputNormMeter {
 
   double rms() const { return rms_; }
   uint64_t messages() const { return messages_; }
+  // The newest kReportedSamples sampled steps a message of a later step
+  // has arrived after, oldest first.
+  std::vector<StepRms> CompleteSamples() const;
 
  private:
+  struct StepSum {
+    double mean_squares = 0;  // the sum of each message's mean square
+    uint32_t messages = 0;
+  };
   double weight_;
   double rms_ = 0;
   uint64_t messages_ = 0;
+  int newest_step_ = -1;
+  std::map<int, StepSum> samples_;
   std::vector<float> scratch_;  // decoded values, reused
 };
 

@@ -802,6 +802,12 @@ void PipelineDriver::PublishStats() {
     if (link->received_norms.messages() > 0) {
       out->set_received_rms(link->received_norms.rms());
       out->set_received_measured(link->received_norms.messages());
+      for (const StepRms& sample : link->received_norms.CompleteSamples()) {
+        v1::StepRms* figure = out->add_received_rms_by_step();
+        figure->set_step(sample.step);
+        figure->set_rms(sample.rms);
+        figure->set_messages(sample.messages);
+      }
     }
     if (link->peer_rate_bps > 0) {
       out->set_link_s_per_microbatch(8 * link->wire_bytes_per_message / link->peer_rate_bps);

@@ -99,5 +99,33 @@ TEST(OutputNormsTest, TheMeterAveragesTrainingMessagesOnly) {
   EXPECT_NEAR(meter.rms(), 2 * first, 1e-6);
 }
 
+// Each sampled step (a multiple of 8) gets the RMS of its own messages,
+// reported once a later step's message has arrived; the other steps only
+// feed the moving average. At most the newest 16 are reported.
+TEST(OutputNormsTest, SampledStepsAreReportedOnceComplete) {
+  OutputNormMeter meter;
+  auto at_step = [](int step, float scale) {
+    LinkMessage m = Activation(Ramp(256, scale), v1::CODEC_NONE);
+    m.header.set_step(step);
+    return m;
+  };
+  const double unit = ExactRms(Ramp(256, 1));
+  meter.Observe(at_step(8, 1));
+  meter.Observe(at_step(8, 3));
+  EXPECT_TRUE(meter.CompleteSamples().empty());  // step 8 may have more to come
+  meter.Observe(at_step(9, 100));                 // not sampled
+  std::vector<StepRms> samples = meter.CompleteSamples();
+  ASSERT_EQ(samples.size(), 1u);
+  EXPECT_EQ(samples[0].step, 8);
+  EXPECT_EQ(samples[0].messages, 2u);
+  EXPECT_NEAR(samples[0].rms, unit * std::sqrt((1.0 + 9.0) / 2), 1e-5);
+  for (int step = 16; step <= 8 * 30; step += 8) meter.Observe(at_step(step, 2));
+  samples = meter.CompleteSamples();
+  ASSERT_EQ(samples.size(), OutputNormMeter::kReportedSamples);
+  EXPECT_EQ(samples.front().step, 8 * 14);
+  EXPECT_EQ(samples.back().step, 8 * 29);  // 240 is the newest: not complete
+  EXPECT_NEAR(samples.back().rms, 2 * unit, 1e-5);
+}
+
 }  // namespace
 }  // namespace geotrain
