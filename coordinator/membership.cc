@@ -19,6 +19,10 @@ constexpr size_t kMaxAddressBytes = 256;
 constexpr size_t kMaxDeviceStringBytes = 512;
 constexpr size_t kMaxStatsEntries = 64;
 constexpr size_t kMaxStatsStringBytes = 256;
+// LinkStats.received_rms_by_step: entries kept per link (the worker sends
+// 16), and the most bytes one takes on the wire.
+constexpr size_t kMaxStepSamples = 16;
+constexpr size_t kMaxStepSampleBytes = 24;
 constexpr double kMaxGflops = 1e7;          // 10 PFLOP/s: no single device is faster
 constexpr uint64_t kMaxMemoryBytes = 1ULL << 50;  // 1 PiB
 
@@ -160,9 +164,17 @@ v1::StageStats BoundedStageStats(const v1::StageStats& stats) {
     out.mutable_routes()->DeleteSubrange(kMaxStatsEntries, out.routes_size() - kMaxStatsEntries);
   }
   for (v1::LinkStats& link : *out.mutable_links()) {
+    // The newest sampled steps, as many as a worker reports; each is a few
+    // numbers.
+    auto* samples = link.mutable_received_rms_by_step();
+    if (samples->size() > static_cast<int>(kMaxStepSamples)) {
+      samples->DeleteSubrange(0, samples->size() - kMaxStepSamples);
+    }
     std::string bytes;
     link.SerializeToString(&bytes);
-    if (bytes.size() > 4 * kMaxStatsStringBytes) link.Clear();
+    if (bytes.size() > 4 * kMaxStatsStringBytes + kMaxStepSamples * kMaxStepSampleBytes) {
+      link.Clear();
+    }
   }
   for (v1::RouteStats& route : *out.mutable_routes()) {
     std::string bytes;

@@ -164,6 +164,30 @@ TEST(MembershipTest, HeartbeatRecordsHealth) {
   EXPECT_EQ(all[0].step, 12);
 }
 
+// What a stranger's heartbeat can make the coordinator keep is bounded: a
+// link's sampled steps to the newest 16, an oversized link cleared, while a
+// full honest link (16 samples and its strings) is kept whole.
+TEST(MembershipTest, StatsAreBounded) {
+  v1::StageStats stats;
+  v1::LinkStats* honest = stats.add_links();
+  honest->set_peer(std::string(64, 'p'));
+  honest->set_codec_reason(std::string(200, 'r'));
+  for (int i = 0; i < 40; ++i) {
+    v1::StepRms* sample = honest->add_received_rms_by_step();
+    sample->set_step(8 * i);
+    sample->set_rms(1e-3 * (i + 1));
+    sample->set_messages(4);
+  }
+  stats.add_links()->set_codec_reason(std::string(4096, 'x'));
+  const v1::StageStats bounded = BoundedStageStats(stats);
+  ASSERT_EQ(bounded.links_size(), 2);
+  ASSERT_EQ(bounded.links(0).received_rms_by_step_size(), 16);
+  EXPECT_EQ(bounded.links(0).received_rms_by_step(0).step(), 8 * 24);
+  EXPECT_EQ(bounded.links(0).received_rms_by_step(15).step(), 8 * 39);
+  EXPECT_EQ(bounded.links(0).codec_reason(), honest->codec_reason());
+  EXPECT_TRUE(bounded.links(1).codec_reason().empty());
+}
+
 TEST(MembershipTest, LeaveEndsLeaseAtOnce) {
   FakeClock clock;
   Membership membership(&clock, 1000);
