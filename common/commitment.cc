@@ -13,7 +13,7 @@ namespace {
 
 // Domain separation: a commitment is never the hash of anything else
 // geotrain hashes.
-constexpr absl::string_view kDomain = "geotrain.link-commitment.v1";
+constexpr absl::string_view kDomain = "geotrain.link-commitment.v2";
 
 // Appends fixed-width little-endian integers.
 class Layout {
@@ -22,6 +22,11 @@ class Layout {
     for (int i = 0; i < 8; ++i) bytes_.push_back(static_cast<char>((value >> (8 * i)) & 0xff));
   }
   void I64(int64_t value) { U64(static_cast<uint64_t>(value)); }
+  // Length-prefixed, so no two fields' bytes can be read as each other's.
+  void Bytes(absl::string_view value) {
+    U64(value.size());
+    bytes_.append(value.data(), value.size());
+  }
   const std::string& bytes() const { return bytes_; }
 
  private:
@@ -49,6 +54,7 @@ std::string IdentityOf(const v1::LinkHeader& header) {
     out.U64(t.zstd() ? 1 : 0);
     out.U64(t.encoded_bytes());
   }
+  out.Bytes(header.weights_digest());
   return out.bytes();
 }
 

@@ -121,7 +121,12 @@ v1::AuditEvidence AuditResponder::Gather(const v1::EvidenceRequest& request) con
     if (!weights.has_value()) {
       return missing(absl::StrCat("weight version ", version, " is no longer kept"));
     }
-    for (const v1::LayerCheckpoint& layer : *weights->layers) *evidence.add_weights() = layer;
+    absl::StatusOr<std::vector<v1::LayerCheckpoint>> layers = weights->export_layers();
+    if (!layers.ok()) {
+      return missing(absl::StrCat("weight version ", version, " could not be exported: ",
+                                  layers.status().message()));
+    }
+    for (v1::LayerCheckpoint& layer : *layers) *evidence.add_weights() = std::move(layer);
     evidence.set_weights_digest(weights->digest);
     evidence.set_device(options_.device);
     // What this stage received to compute it (stage 0: data, no message).
@@ -185,7 +190,6 @@ v1::AuditVerdict AuditResponder::VerifyBundle(const v1::AuditBundle& bundle) {
   }
   AuditedComputation audit;
   audit.weights.assign(bundle.weights().begin(), bundle.weights().end());
-  audit.weights_digest = bundle.weights_digest();
   audit.claim = FromProto(bundle.claim());
   if (bundle.stage() == 0) {
     // The audited worker's microbatch, loaded from its share of the data.

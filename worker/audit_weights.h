@@ -2,19 +2,22 @@
 // (docs/verification.md): an audit names the version an output was
 // computed with after the step is committed, when the stage has moved on.
 // The driver keeps each version once, before its first forward (weights
-// only, no optimizer state); the audit responder reads them on its own
-// thread. Bounded by bytes: the oldest versions go first. Thread-safe.
+// only, no optimizer state, held without a copy); the audit responder
+// exports the few it is asked for on its own thread. Bounded by bytes: the
+// oldest versions go first. Thread-safe.
 #ifndef GEOTRAIN_WORKER_AUDIT_WEIGHTS_H_
 #define GEOTRAIN_WORKER_AUDIT_WEIGHTS_H_
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "geotrain/v1/coordinator.pb.h"
 
@@ -24,8 +27,9 @@ struct KeptWeights {
   int layer_begin = 0;  // which stage they are of
   int64_t version = 0;
   std::string digest;   // StageRuntime::WeightsDigest of them
-  std::shared_ptr<const std::vector<v1::LayerCheckpoint>> layers;
-  uint64_t bytes = 0;
+  // Exports them (StageRuntime::ExportWeightsLater), on any thread.
+  std::function<absl::StatusOr<std::vector<v1::LayerCheckpoint>>()> export_layers;
+  uint64_t bytes = 0;   // what holding them keeps alive
 };
 
 class AuditWeights {

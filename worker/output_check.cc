@@ -123,6 +123,7 @@ double DeviceTolerance(const std::string& audited_device, const std::string& ver
 
 std::string OutputComparison::Summary() const {
   if (!verifiable) return absl::StrCat("unverifiable: ", unverifiable_reason);
+  if (!failure.empty()) return absl::StrCat("FAILED: ", failure);
   if (!mismatch.empty()) return absl::StrCat("FAILED: the ", mismatch, " differs");
   return absl::StrFormat("%s: %d of %d elements outside the bound, worst %.3g x bound, "
                          "relative distance %.3g",

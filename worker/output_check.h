@@ -50,6 +50,9 @@ struct OutputComparison {
   // Set when the claim's form differs (tensor count, shape or dtype): a
   // failed comparison with no numbers.
   std::string mismatch;
+  // Set when the audit failed before any comparison (the weights supplied
+  // are not the committed ones): the reason, whole.
+  std::string failure;
   int64_t elements = 0;
   int64_t violations = 0;
   // ||claimed - recomputed|| / ||recomputed|| over the float tensors.

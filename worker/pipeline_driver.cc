@@ -579,6 +579,7 @@ absl::Status PipelineDriver::RunFirstStage() {
         continue;
       }
       ASSIGN_OR_RETURN(LinkMessage activation, runtime_->Forward(input));
+      StampWeightsDigest(&activation);
       RETURN_IF_ERROR(SendDown(std::move(activation)));
       ++in_flight;
     }
@@ -638,20 +639,23 @@ void PipelineDriver::KeepWeightsForAudit() {
   const int64_t version = runtime_->current_weight_version();
   if (version == audit_kept_version_) return;
   audit_kept_version_ = version;
-  absl::StatusOr<std::vector<v1::LayerCheckpoint>> layers =
-      runtime_->ExportCheckpoint(/*step=*/0, /*weights_only=*/true);
-  if (!layers.ok()) {
-    GT_LOG(Warning) << "weights of version " << version
-                    << " not kept for audits: " << layers.status().message();
-    return;
-  }
+  // The outputs of this version commit to its digest (StampWeightsDigest).
+  audit_kept_digest_ = runtime_->WeightsDigest();
   KeptWeights weights;
   weights.layer_begin = runtime_->layer_begin();
   weights.version = version;
-  weights.digest = runtime_->WeightsDigest();
-  for (const v1::LayerCheckpoint& layer : *layers) weights.bytes += layer.ByteSizeLong();
-  weights.layers = std::make_shared<const std::vector<v1::LayerCheckpoint>>(*std::move(layers));
+  weights.digest = audit_kept_digest_;
+  weights.export_layers = runtime_->ExportWeightsLater();
+  weights.bytes = runtime_->WeightBytes();
   kept->Keep(std::move(weights));
+}
+
+void PipelineDriver::StampWeightsDigest(LinkMessage* message) const {
+  if (audit_kept_version_ < 0 || message->header.weight_versions().empty() ||
+      message->header.weight_versions().rbegin()[0] != audit_kept_version_) {
+    return;
+  }
+  message->header.set_weights_digest(audit_kept_digest_);
 }
 
 absl::Status PipelineDriver::RunLaterStage() {
@@ -665,12 +669,14 @@ absl::Status PipelineDriver::RunLaterStage() {
           absl::StatusOr<LastStageResult> result_or = runtime_->ForwardLoss(in.message);
           if (!result_or.ok()) return RefusedFrom(in, result_or.status());
           LastStageResult result = *std::move(result_or);
+          StampWeightsDigest(&*result.gradient);
           RETURN_IF_ERROR(SendUp(*std::move(result.gradient)));
           RETURN_IF_ERROR(AfterBackward(result.loss, header.microbatch()));
         } else {
           absl::StatusOr<LinkMessage> activation_or = runtime_->Forward(in.message);
           if (!activation_or.ok()) return RefusedFrom(in, activation_or.status());
           LinkMessage activation = *std::move(activation_or);
+          StampWeightsDigest(&activation);
           RETURN_IF_ERROR(SendDown(std::move(activation)));
         }
         break;

@@ -298,6 +298,10 @@ class PipelineDriver {
   // PipelineDriverOptions::audit_weights). A failure is logged, not
   // fatal: training never waits on the spot checks.
   void KeepWeightsForAudit();
+  // Commits `message`, this stage's own output, to the digest of the
+  // weights it was computed with (LinkHeader.weights_digest) when they are
+  // the version KeepWeightsForAudit kept last, as they are right after it.
+  void StampWeightsDigest(LinkMessage* message) const;
   absl::Status SendDown(LinkMessage message);
   absl::Status SendUp(LinkMessage message);
   void PublishStats();
@@ -340,6 +344,7 @@ class PipelineDriver {
   // next microbatch. Its microbatches count in the window until the last
   // stage acknowledges them (EVAL_ACK).
   int64_t audit_kept_version_ = -1;     // the version KeepWeightsForAudit kept last
+  std::string audit_kept_digest_;       // and its digest
   int eval_pass_ = 0;
   int eval_next_ = 0;
   double step_loss_sum_ = 0;            // last stage: losses of this step

@@ -708,6 +708,39 @@ absl::StatusOr<std::vector<v1::LayerCheckpoint>> StageRuntime::ExportCheckpoint(
   });
 }
 
+StageRuntime::WeightsExport StageRuntime::ExportWeightsLater() const {
+  const Impl& s = *impl_;
+  std::vector<torch::Tensor> params = s.stash->Get(s.stash->current_version());
+  std::vector<std::pair<size_t, size_t>> ranges;
+  for (size_t i = 0; i < s.layers.size(); ++i) ranges.push_back(s.LayerParams(i, params.size()));
+  return [params = std::move(params), ranges = std::move(ranges),
+          layer_begin = s.placement.layer_begin, optimizer_steps = s.optimizer->steps()]()
+             -> absl::StatusOr<std::vector<v1::LayerCheckpoint>> {
+    return GuardTorch("exporting kept weights",
+                      [&]() -> absl::StatusOr<std::vector<v1::LayerCheckpoint>> {
+      std::vector<v1::LayerCheckpoint> out;
+      for (size_t i = 0; i < ranges.size(); ++i) {
+        v1::LayerCheckpoint& layer = out.emplace_back();
+        layer.set_layer(layer_begin + static_cast<int>(i));
+        layer.set_optimizer_steps(optimizer_steps);
+        for (size_t p = ranges[i].first; p < ranges[i].second; ++p) {
+          RETURN_IF_ERROR(EncodeTensor(params[p], layer.add_params(), layer.mutable_payload()));
+        }
+      }
+      return out;
+    });
+  };
+}
+
+uint64_t StageRuntime::WeightBytes() const {
+  const Impl& s = *impl_;
+  uint64_t bytes = 0;
+  for (const torch::Tensor& p : s.stash->Get(s.stash->current_version())) {
+    bytes += static_cast<uint64_t>(p.numel()) * p.element_size();
+  }
+  return bytes;
+}
+
 uint64_t StageRuntime::StateBytes() const {
   const Impl& s = *impl_;
   uint64_t bytes = 0;

@@ -160,6 +160,15 @@ class StageRuntime {
   // outer state (what a spot check recomputes with).
   absl::StatusOr<std::vector<v1::LayerCheckpoint>> ExportCheckpoint(
       int step, bool weights_only = false) const;
+  // The current version's weights as ExportCheckpoint(0, true) gives them,
+  // exported only when called, on any thread. Nothing is copied now: it
+  // holds the version's tensors, which the stash never changes once
+  // published (each update publishes new ones). What audits keep for every
+  // version and export for the few they draw.
+  using WeightsExport = std::function<absl::StatusOr<std::vector<v1::LayerCheckpoint>>()>;
+  WeightsExport ExportWeightsLater() const;
+  // Bytes of the current version's weights.
+  uint64_t WeightBytes() const;
   // The same layers as LayerStateChunks (common/layer_state.h) read
   // straight from the live tensors, a chunk at a time: no copy of the stage
   // is made, so the stage must not change meanwhile (call it from the

@@ -2,6 +2,7 @@
 
 #include <utility>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "common/commitment.h"
 #include "common/status_macros.h"
@@ -107,7 +108,18 @@ absl::StatusOr<OutputComparison> StageVerifier::Verify(const AuditedComputation&
     RETURN_IF_ERROR(
         CheckSameMicrobatch(*audit.output_gradient, audit.claim, "the downstream gradient"));
   }
-  RETURN_IF_ERROR(Load(audit.weights, audit.weights_digest, "the weights supplied"));
+  // The claim (its commitment checked above, and matched to its
+  // receiver's log by the coordinator) fixes the weights.
+  const std::string& committed = audit.claim.header.weights_digest();
+  if (committed.empty()) return WrongWeights("the claim commits to no weights");
+  runtime_->DropInFlight();
+  RETURN_IF_ERROR(runtime_->RestoreCheckpoint(audit.weights));
+  if (const std::string loaded = runtime_->WeightsDigest(); loaded != committed) {
+    // Both are hex (StageRuntime::WeightsDigest); a hostile one is cut short.
+    return WrongWeights(absl::StrCat("the weights supplied hash to ", loaded.substr(0, 16),
+                                     "..., not the ", absl::CHexEscape(committed.substr(0, 16)),
+                                     "... its output committed to"));
+  }
   absl::StatusOr<LinkMessage> recomputed = Recompute(audit);
   runtime_->DropInFlight();
   RETURN_IF_ERROR(recomputed.status());
@@ -115,6 +127,13 @@ absl::StatusOr<OutputComparison> StageVerifier::Verify(const AuditedComputation&
   tolerance.device = DeviceTolerance(audit.audited_device, options_.device);
   tolerance.max_violation_fraction = options_.max_violation_fraction;
   return CompareOutputs(audit.claim, *recomputed, tolerance);
+}
+
+OutputComparison StageVerifier::WrongWeights(const std::string& why) {
+  OutputComparison failed;
+  failed.passed = false;
+  failed.failure = why;
+  return failed;
 }
 
 absl::StatusOr<LinkMessage> StageVerifier::LoadFirstStageInput(const DataShard& shard, int step,

@@ -4,7 +4,11 @@
 //
 // What it checks before it computes anything:
 // - the weights are the ones the audited stage committed to: their digest
-//   (StageRuntime::WeightsDigest) equals `weights_digest`;
+//   (StageRuntime::WeightsDigest) equals the claim's
+//   LinkHeader.weights_digest, which the claim's commitment covers and its
+//   receiver logged before any audit was drawn. Weights that do not hash to
+//   it, or a claim that commits to none, fail the audit: the audited worker
+//   alone chose them;
 // - the logged input and, for a gradient, the downstream neighbour's
 //   logged gradient carry valid commitments (common/commitment.h), so a
 //   neighbour's log cannot be swapped for other bytes;
@@ -33,10 +37,9 @@ namespace geotrain {
 
 // One committed computation of a stage, with its evidence.
 struct AuditedComputation {
-  // The audited stage's weights at the version the claim was computed with,
-  // and the digest it committed to for that version.
+  // The audited stage's weights at the version the claim was computed with
+  // (they must hash to the claim's weights_digest).
   std::vector<v1::LayerCheckpoint> weights;
-  std::string weights_digest;
   // What the stage received: the upstream neighbour's logged activation,
   // or, on stage 0, the microbatch the verifier loads from (seed, id).
   LinkMessage input;
@@ -130,6 +133,8 @@ class StageVerifier {
   absl::Status Reset();
 
   absl::StatusOr<LinkMessage> Recompute(const AuditedComputation& audit);
+  // A failed comparison for weights that are not the committed ones.
+  static OutputComparison WrongWeights(const std::string& why);
   // Restores `weights` and checks they hash to `digest`.
   absl::Status Load(const std::vector<v1::LayerCheckpoint>& weights, const std::string& digest,
                     const char* what);

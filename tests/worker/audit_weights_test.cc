@@ -10,7 +10,7 @@ KeptWeights Version(int layer_begin, int64_t version, uint64_t bytes) {
   w.layer_begin = layer_begin;
   w.version = version;
   w.digest = "d" + std::to_string(version);
-  w.layers = std::make_shared<const std::vector<v1::LayerCheckpoint>>();
+  w.export_layers = [] { return std::vector<v1::LayerCheckpoint>(); };
   w.bytes = bytes;
   return w;
 }

@@ -82,6 +82,7 @@ TEST(LinkValidatorTest, ATrainingMessageMustCarryItsCommitment) {
            [](v1::LinkHeader* h) { h->set_step(2); },
            [](v1::LinkHeader* h) { h->set_weight_version(3); },
            [](v1::LinkHeader* h) { h->add_weight_versions(4); },
+           [](v1::LinkHeader* h) { h->set_weights_digest(std::string(32, 'w')); },
            [](v1::LinkHeader* h) { h->mutable_tensors(1)->set_codec(v1::CODEC_FP16); }}) {
     LinkMessage renamed = committed;
     change(&renamed.header);
@@ -110,8 +111,13 @@ TEST(LinkValidatorTest, ACommitmentIsStableAcrossBuilds) {
   m.header.set_microbatch(7);
   m.header.set_step(2);
   AddTensor(&m, {2, 4, 8}, v1::DTYPE_FLOAT32);
-  EXPECT_EQ(CommitmentHex(CommitmentOf(m.header, m.payload)), 
-            "37b578359dd30b5c38163087da2b660fa764419a54b050d58bdd22137c313bf8");
+  EXPECT_EQ(CommitmentHex(CommitmentOf(m.header, m.payload)),
+            "fe0446d77a070101e95e546f1c5f0c1fad95a37cb9b52b4c0885ad05afcb7259");
+  std::string digest;
+  for (char c = 0; c < 32; ++c) digest.push_back(c);
+  m.header.set_weights_digest(digest);
+  EXPECT_EQ(CommitmentHex(CommitmentOf(m.header, m.payload)),
+            "f0ca00fec4012944e6d327cf4c1f52864e3e5c8ae33b31f71fda2d473039cf65");
 }
 
 TEST(LinkValidatorTest, AcceptsWhatThePlanImplies) {

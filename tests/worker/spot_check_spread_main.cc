@@ -83,7 +83,6 @@ absl::Status Write(const std::string& path, const Stored& s) {
   PutString(s.codec, out);
   PutString(std::to_string(s.audit.weights.size()), out);
   for (const v1::LayerCheckpoint& layer : s.audit.weights) PutString(layer.SerializeAsString(), out);
-  PutString(s.audit.weights_digest, out);
   PutMessage(s.audit.input, out);
   PutString(s.audit.output_gradient.has_value() ? "1" : "0", out);
   if (s.audit.output_gradient.has_value()) PutMessage(*s.audit.output_gradient, out);
@@ -103,8 +102,7 @@ absl::StatusOr<Stored> Read(const std::string& path) {
   for (int i = 0; ok && i < layers; ++i) {
     ok = GetString(in, &field) && s.audit.weights.emplace_back().ParseFromString(field);
   }
-  ok = ok && GetString(in, &s.audit.weights_digest) && GetMessage(in, &s.audit.input) &&
-       GetString(in, &field);
+  ok = ok && GetMessage(in, &s.audit.input) && GetString(in, &field);
   if (ok && field == "1") ok = GetMessage(in, &s.audit.output_gradient.emplace());
   ok = ok && GetMessage(in, &s.audit.claim);
   if (!ok) return absl::DataLossError(absl::StrCat(path, " is truncated or malformed"));
@@ -211,21 +209,28 @@ absl::Status Emit(const v1::JobSpec& job, const std::string& dir) {
         }
         if (mb > 0) continue;
         std::vector<v1::LayerCheckpoint> weights[kStages];
+        std::string digest[kStages];
         for (int k = 0; k < kStages; ++k) {
           ASSIGN_OR_RETURN(weights[k], stages[k]->ExportCheckpoint(step));
+          digest[k] = stages[k]->WeightsDigest();
           updates[k].stage = k;
           updates[k].audit.before = weights[k];
-          updates[k].audit.before_digest = stages[k]->WeightsDigest();
+          updates[k].audit.before_digest = digest[k];
         }
-        const LinkMessage c_a0 = Committed(a0), c_a1 = Committed(a1);
-        const LinkMessage c_g2 = Committed(*last.gradient), c_g1 = Committed(*g1);
+        // Each output commits to its stage's weights, as a worker's do in
+        // a job with spot checks.
+        auto committed = [&](LinkMessage m, int stage) {
+          m.header.set_weights_digest(digest[stage]);
+          return Committed(std::move(m));
+        };
+        const LinkMessage c_a0 = committed(a0, 0), c_a1 = committed(a1, 1);
+        const LinkMessage c_g2 = committed(*last.gradient, 2), c_g1 = committed(*g1, 1);
         auto store = [&](int stage, const LinkMessage& input, std::optional<LinkMessage> gradient,
                          const LinkMessage& claim) -> absl::Status {
           Stored s;
           s.stage = stage;
           s.codec = CodecName(codec);
           s.audit.weights = weights[stage];
-          s.audit.weights_digest = stages[stage]->WeightsDigest();
           s.audit.input = input;
           s.audit.output_gradient = std::move(gradient);
           s.audit.claim = claim;

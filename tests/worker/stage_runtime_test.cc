@@ -502,6 +502,40 @@ TEST_F(StageRuntimeTest, AStreamedCheckpointIsTheExportedOne) {
             absl::StatusCode::kCancelled);
 }
 
+// Weights kept for audits are exported when asked, after the stage has
+// moved on: exactly the version's weights-only checkpoint as it was, not
+// the newer one.
+TEST_F(StageRuntimeTest, WeightsExportedLaterAreTheVersionsAsItWas) {
+  auto runtime = Make(0, 1, 0, 4);
+  auto train_step = [&](int step) {
+    for (int mb = 0; mb < job_.microbatches(); ++mb) {
+      ASSERT_TRUE(runtime->ForwardLoss(*runtime->LoadTrainMicrobatch(step, mb)).ok());
+    }
+    ASSERT_TRUE(runtime->ApplyUpdate(0.5).ok());
+  };
+  train_step(0);
+  auto then = runtime->ExportCheckpoint(0, /*weights_only=*/true);
+  ASSERT_TRUE(then.ok());
+  const std::string digest = runtime->WeightsDigest();
+  StageRuntime::WeightsExport later = runtime->ExportWeightsLater();
+  uint64_t bytes = 0;
+  for (const auto& layer : *then) bytes += layer.payload().size();
+  EXPECT_EQ(runtime->WeightBytes(), bytes);
+  train_step(1);
+  train_step(2);
+  ASSERT_NE(runtime->WeightsDigest(), digest);
+  auto exported = later();
+  ASSERT_TRUE(exported.ok()) << exported.status();
+  ASSERT_EQ(exported->size(), then->size());
+  for (size_t i = 0; i < then->size(); ++i) {
+    EXPECT_EQ((*exported)[i].SerializeAsString(), (*then)[i].SerializeAsString()) << i;
+  }
+  // And they restore to the digest they had.
+  auto fresh = Make(0, 1, 0, 4);
+  ASSERT_TRUE(fresh->RestoreCheckpoint(*exported).ok());
+  EXPECT_EQ(fresh->WeightsDigest(), digest);
+}
+
 TEST_F(StageRuntimeTest, RestoreRefusesWhatDoesNotFit) {
   auto runtime = Make(0, 2, 0, 2);
   auto other = Make(1, 2, 2, 4);

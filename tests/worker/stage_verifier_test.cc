@@ -19,6 +19,13 @@ LinkMessage Committed(LinkMessage message) {
   return message;
 }
 
+// A stage's output as it sends it in a job with spot checks: committed,
+// with the digest of the weights it says it computed with.
+LinkMessage CommittedBy(LinkMessage message, const std::string& weights_digest) {
+  message.header.set_weights_digest(weights_digest);
+  return Committed(std::move(message));
+}
+
 // What a dishonest stage sends: its first tensor changed, re-encoded as the
 // honest one was, and committed (a sender commits to what it sends).
 LinkMessage Tampered(const LinkMessage& claim,
@@ -94,17 +101,17 @@ class StageVerifierTest : public testing::Test {
           }
         }
         if (step == 2 && mb == 0) {
-          data_ = *data;
-          activation_[0] = Committed(*a0);
-          activation_[1] = Committed(*a1);
-          gradient_[2] = Committed(*result->gradient);
-          gradient_[1] = Committed(**g0);
           for (int k = 0; k < 3; ++k) {
             auto weights = stages_[k]->ExportCheckpoint(step);
             ASSERT_TRUE(weights.ok()) << weights.status();
             weights_[k] = *weights;
             digest_[k] = stages_[k]->WeightsDigest();
           }
+          data_ = *data;
+          activation_[0] = CommittedBy(*a0, digest_[0]);
+          activation_[1] = CommittedBy(*a1, digest_[1]);
+          gradient_[2] = CommittedBy(*result->gradient, digest_[2]);
+          gradient_[1] = CommittedBy(**g0, digest_[1]);
         }
       }
       for (int k = 0; k < 3; ++k) ASSERT_TRUE(stages_[k]->ApplyUpdate(0.5).ok());
@@ -132,7 +139,6 @@ class StageVerifierTest : public testing::Test {
   AuditedComputation ActivationAudit(int stage) {
     AuditedComputation audit;
     audit.weights = weights_[stage];
-    audit.weights_digest = digest_[stage];
     audit.input = stage == 0 ? data_ : activation_[stage - 1];
     audit.claim = activation_[stage];
     return audit;
@@ -141,7 +147,6 @@ class StageVerifierTest : public testing::Test {
   AuditedComputation GradientAudit(int stage) {
     AuditedComputation audit;
     audit.weights = weights_[stage];
-    audit.weights_digest = digest_[stage];
     audit.input = activation_[stage - 1];
     if (stage < 2) audit.output_gradient = gradient_[stage + 1];
     audit.claim = gradient_[stage];
@@ -231,9 +236,10 @@ TEST_F(StageVerifierTest, StaleWeightsAndASkippedLayerFail) {
   auto output = stale->Forward(activation_[0]);
   ASSERT_TRUE(output.ok()) << output.status();
   AuditedComputation audit = ActivationAudit(1);
-  audit.claim = Committed(*output);
+  audit.claim = CommittedBy(*output, digest_[1]);
   OutputComparison result = Verify(1, audit);
   EXPECT_FALSE(result.passed) << "stale: " << result.Summary();
+  EXPECT_TRUE(result.failure.empty()) << result.Summary();  // the numbers differ
   std::cout << "stale weights: " << result.Summary() << "\n";
 
   // Skipped: stage 0 ran its embedding but not its block.
@@ -242,14 +248,56 @@ TEST_F(StageVerifierTest, StaleWeightsAndASkippedLayerFail) {
   auto skipped = skipping->Forward(data_);
   ASSERT_TRUE(skipped.ok()) << skipped.status();
   audit = ActivationAudit(0);
-  audit.claim = Committed(*skipped);
+  audit.claim = CommittedBy(*skipped, digest_[0]);
   result = Verify(0, audit);
   EXPECT_FALSE(result.passed) << "skipped layer: " << result.Summary();
   std::cout << "skipped layer: " << result.Summary() << "\n";
 }
 
-// Evidence that does not hold together is an error, not a verdict: weights
-// that are not the committed ones, a logged input whose bytes changed, a
+// Weights made up after the draw to fit a wrong output: stage 1 sends the
+// output of other weights (here, its weights after the update) while its
+// message commits to the weights it holds, then supplies the other weights,
+// which reproduce the output exactly. Held to the digest its output
+// committed to, the audit fails; so do weights that are not the committed
+// ones and a claim that commits to none. Had it committed to the weights it
+// used, the same recomputation would pass: the digest is what catches it.
+TEST_F(StageVerifierTest, WeightsOtherThanTheCommittedOnesFail) {
+  RunPipeline(v1::CODEC_NONE);
+  auto verifier = StageVerifier::Create(job_, {1, 3, kBegin[1], kEnd[1]});
+  ASSERT_TRUE(verifier.ok());
+  auto forger = Make(1, kBegin[1], kEnd[1], v1::CODEC_NONE);
+  ASSERT_TRUE(forger->RestoreCheckpoint(after_[1]).ok());
+  auto forged = forger->Forward(activation_[0]);
+  ASSERT_TRUE(forged.ok()) << forged.status();
+
+  AuditedComputation audit = ActivationAudit(1);
+  audit.weights = after_[1];
+  audit.claim = CommittedBy(*forged, digest_[1]);
+  auto result = (*verifier)->Verify(audit);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_FALSE(result->passed);
+  EXPECT_NE(result->Summary().find("its output committed to"), std::string::npos)
+      << result->Summary();
+  std::cout << "forged weights: " << result->Summary() << "\n";
+  audit.claim = CommittedBy(*forged, after_digest_[1]);
+  result = (*verifier)->Verify(audit);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_TRUE(result->passed) << result->Summary();
+
+  audit = ActivationAudit(1);
+  audit.weights = weights_[0];  // another stage's: they do not even load
+  EXPECT_FALSE((*verifier)->Verify(audit).ok());
+  audit = ActivationAudit(1);
+  audit.claim = CommittedBy(audit.claim, "");
+  result = (*verifier)->Verify(audit);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_FALSE(result->passed);
+  EXPECT_NE(result->Summary().find("commits to no weights"), std::string::npos)
+      << result->Summary();
+}
+
+// Evidence that does not hold together is an error, not a verdict: a
+// logged input whose bytes changed, a claim without its commitment, a
 // gradient of another microbatch.
 TEST_F(StageVerifierTest, EvidenceThatDoesNotHoldIsRefused) {
   RunPipeline(v1::CODEC_NONE);
@@ -257,15 +305,8 @@ TEST_F(StageVerifierTest, EvidenceThatDoesNotHoldIsRefused) {
   ASSERT_TRUE(verifier.ok());
 
   AuditedComputation audit = ActivationAudit(1);
-  audit.weights = weights_[1];
-  audit.weights_digest = digest_[0];
-  auto result = (*verifier)->Verify(audit);
-  EXPECT_EQ(result.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_NE(result.status().message().find("committed"), std::string::npos) << result.status();
-
-  audit = ActivationAudit(1);
   audit.input.payload[3] ^= 1;
-  result = (*verifier)->Verify(audit);
+  auto result = (*verifier)->Verify(audit);
   EXPECT_EQ(result.status().code(), absl::StatusCode::kFailedPrecondition) << result.status();
 
   audit = ActivationAudit(1);
