@@ -121,8 +121,11 @@ class PipelineTest(unittest.TestCase):
             print(f"  step {step:2d}: {one:.7f} {three:.7f}")
 
     def test_async_schedule_reports_stage_figures(self):
+        # Join order: both workers hold a stage. The network planner may run
+        # this small MLP on one worker and keep the other as a spare (a fresh
+        # run under load did), and a spare reports no schedule.
         with Cluster(job_path("fmnist-mlp.textproto"),
-                     ["--steps=3000", "--schedule=async-stash"]) as c:
+                     ["--steps=3000", "--schedule=async-stash", "--planner=join-order"]) as c:
             c.start_coordinator()
             for i in range(2):
                 c.start_worker(f"w{i}")
