@@ -218,6 +218,11 @@ class SpotCheckTest(unittest.TestCase):
     def test_scaled_gradients_are_caught_by_recomputation(self):
         self.run_adversary("scale_outputs", ["--factor=1.05"])
 
+    def test_gradients_times_ten_are_caught(self):
+        """x10 is also what the cheap check sees (it makes the worker a
+        suspect, audited at 10x f); the recomputation evicts it."""
+        self.run_adversary("scale_outputs", ["--factor=10"])
+
     def test_noisy_gradients_are_caught(self):
         self.run_adversary("noise", ["--noise=0.01"])
 
@@ -280,6 +285,98 @@ class SpotCheckTest(unittest.TestCase):
         """Two pipelines and a standby: the other pipeline's worker of the
         stage is the first verifier, the standby the second."""
         self.run_adversary("scale_outputs", ["--factor=1.05"], workers=5, position=4)
+
+
+END_STEPS = 1500
+
+
+class AdversaryToTheEndTest(unittest.TestCase):
+    """Two pipelines and a standby train END_STEPS steps with spot checks,
+    twice: once all honest, once with pipeline 1's last stage flipping the
+    sign of its gradients (the most damaging of the issue's adversaries: its
+    pipeline climbs the loss while the other descends) from its 21st
+    message until it is evicted and the standby takes its place. The
+    adversary must be evicted within the stated 500 steps and the job must
+    train to its end. Both runs' validation losses are printed: without a
+    rollback of what the adversary sent before its eviction (still to come,
+    docs/verification.md), the adversary's run ends 19-27% above the
+    clean one, not within the issue's 2%; an honest worker killed at the
+    same step and replaced by the standby ends where the clean run does."""
+
+    def run_job(self, hostile):
+        with PipelinesCluster(END_STEPS, 8, streaming=False, secure=True, workers=5) as c:
+            with open(c.job) as f:
+                job = f.read()
+            # The validation loss over 800 images, not 32: a figure to
+            # compare two runs by.
+            job = job.replace("eval_batches: 2", "eval_batches: 50")
+            with open(c.job, "w") as f:
+                f.write(job + f"verification {{ fraction: {SPOT_CHECK_FRACTION} }}\n")
+            c.start_coordinator()
+            token = c.create_token("--uses=5", "--name=volunteers")
+            for i in range(5):
+                if hostile and i == 4:
+                    c.workers.append(Process(
+                        [binary("geotrain-misbehaving-worker"), f"--coordinator={c.address}",
+                         "--listen=127.0.0.1:0", "--name=hostile", f"--token={token}",
+                         f"--state_dir={os.path.join(c.dir, 'hostile-state')}",
+                         "--misbehave=flip_gradients", "--consistent_log",
+                         f"--after={HONEST_MESSAGES}"],
+                        os.path.join(c.dir, "hostile.log"), name="hostile"))
+                else:
+                    c.start_worker(f"w{i}", extra=[f"--token={token}"])
+                wait_for(lambda: len(c.status()["workers"]) == i + 1, 60, f"worker {i} to join")
+            events_path = os.path.join(c.dir, "state", "events.log")
+
+            def events():
+                with open(events_path) as f:
+                    return [json.loads(line) for line in f if line.strip()]
+
+            # The committed step when the hostile worker started lying and
+            # when it was evicted, as an operator watching would see them.
+            lying_at = evicted_at = None
+            deadline = time.monotonic() + 600
+            try:
+                while True:
+                    status = c.status()
+                    if hostile and lying_at is None and "hostile: scaling" in c.workers[-1].log():
+                        lying_at = int(status["step"])
+                    if hostile and evicted_at is None and any(
+                            e["kind"] == "audit_evicted" for e in events()):
+                        evicted_at = int(status["step"])
+                    if status["state"] == "done":
+                        break
+                    for p in c.workers:  # the hostile one is revoked and may exit
+                        if p.name != "hostile" and p.popen.poll() not in (None, 0):
+                            raise RuntimeError(f"{p.name} exited with {p.popen.returncode}")
+                    self.assertLess(time.monotonic(), deadline, "the job did not finish")
+                    time.sleep(0.25)
+            except Exception:
+                print(c.dump_logs())
+                raise
+            evals = [m for m in c.evals() if int(m["step"]) == END_STEPS]
+            self.assertTrue(evals, c.evals())
+            val_loss = sum(float(m["val_loss"]) for m in evals) / len(evals)
+            return val_loss, events(), lying_at, evicted_at
+
+    def test_the_adversary_is_evicted_and_the_job_trains_to_its_end(self):
+        clean_loss, clean_events, _, _ = self.run_job(hostile=False)
+        self.assertNotIn("audit_evicted", [e["kind"] for e in clean_events])
+        loss, events, lying_at, evicted_at = self.run_job(hostile=True)
+        evictions = [e for e in events if e["kind"] == "audit_evicted"]
+        self.assertEqual([e["worker"] for e in evictions], ["hostile"], evictions)
+        self.assertIsNotNone(lying_at)
+        self.assertIsNotNone(evicted_at)
+        print(f"flip_gradients to the end: lying from step {lying_at}, evicted by step "
+              f"{evicted_at} of {END_STEPS}; validation loss {loss:.4f} against "
+              f"{clean_loss:.4f} clean ({100 * (loss / clean_loss - 1):+.2f}%)", flush=True)
+        # The bound the docs state: evicted within 500 steps of its first
+        # lie (about 5 s of this job; heartbeats, not steps, pace audits).
+        self.assertLess(evicted_at - lying_at, 500)
+        # It trained on after the eviction: far below where it started
+        # (2.3 on ten classes), where the clean run is.
+        self.assertLess(loss, 1.0)
+        self.assertLess(clean_loss, 1.0)
 
 
 if __name__ == "__main__":
