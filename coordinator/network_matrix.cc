@@ -109,12 +109,37 @@ std::optional<v1::ProbeTask> NetworkMatrix::NextTask(const std::string& worker,
     next_check_ms_[worker] = now_ms + kRecheckMs;
     return std::nullopt;
   }
+  // Measures are small and one at a time per prober: only an access task
+  // keeps one waiting.
+  if (PortsBusyLocked({worker, oldest->id}, worker, now_ms, /*measures_too=*/false)) {
+    return std::nullopt;
+  }
   v1::ProbeTask task;
   task.set_worker_id(oldest->id);
   task.set_address(oldest->address);
   task.set_measure_bytes(options_.probe_bytes);
   pending_[worker] = {oldest->id, now_ms};
   return task;
+}
+
+bool NetworkMatrix::PortsBusyLocked(const std::vector<std::string>& members,
+                                    const std::string& except, int64_t now_ms,
+                                    bool measures_too) const {
+  auto member = [&](const std::string& id) {
+    return std::find(members.begin(), members.end(), id) != members.end();
+  };
+  for (const auto& [owner, access] : access_pending_) {
+    if (owner == except || now_ms - access.sent_ms >= options_.task_timeout_ms) continue;
+    for (const std::string& id : access.members) {
+      if (member(id)) return true;
+    }
+  }
+  if (!measures_too) return false;
+  for (const auto& [prober, target] : pending_) {
+    if (prober == except || now_ms - target.second >= options_.task_timeout_ms) continue;
+    if (member(prober) || member(target.first)) return true;
+  }
+  return false;
 }
 
 bool NetworkMatrix::SampleMeasured(const std::string& worker,
@@ -215,7 +240,7 @@ std::optional<v1::AccessProbeTask> NetworkMatrix::NextAccessTask(
   const std::vector<const WorkerRecord*> sample = SampleFor(worker, live, live_generation);
   absl::MutexLock lock(&mu_);
   if (auto pending = access_pending_.find(worker); pending != access_pending_.end()) {
-    if (now_ms - pending->second < options_.task_timeout_ms) return std::nullopt;
+    if (now_ms - pending->second.sent_ms < options_.task_timeout_ms) return std::nullopt;
     access_pending_.erase(pending);
   }
   if (auto known = access_.find(worker);
@@ -229,13 +254,19 @@ std::optional<v1::AccessProbeTask> NetworkMatrix::NextAccessTask(
     return entries_.at({worker, a->id}).rate_bps > entries_.at({worker, b->id}).rate_bps;
   });
   v1::AccessProbeTask task;
+  std::vector<std::string> members = {worker};
   for (size_t i = 0; i < peers.size() && static_cast<int>(i) < options_.access_peers; ++i) {
     v1::ProbeTask* peer = task.add_peers();
     peer->set_worker_id(peers[i]->id);
     peer->set_address(peers[i]->address);
+    members.push_back(peers[i]->id);
+  }
+  if (PortsBusyLocked(members, worker, now_ms, /*measures_too=*/true)) {
+    next_check_ms_[worker] = now_ms;  // asked again at its next heartbeat
+    return std::nullopt;
   }
   task.set_measure_bytes(options_.probe_bytes);
-  access_pending_[worker] = now_ms;
+  access_pending_[worker] = {now_ms, std::move(members)};
   return task;
 }
 

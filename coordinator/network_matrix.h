@@ -57,7 +57,8 @@ class NetworkMatrix {
 
   // At most one measure task for `worker` (from the live workers `live`, not
   // relays): a sampled peer whose pair has no probe figure or an old one,
-  // and only while no earlier task of `worker`'s is outstanding.
+  // and only while no earlier task of `worker`'s is outstanding and no
+  // access task loads either end's port.
   // `live_generation`: Membership::SharedLivePeers' generation of `live`,
   // which lets the sample be kept between calls (0: ranked afresh).
   std::optional<v1::ProbeTask> NextTask(const std::string& worker,
@@ -83,8 +84,9 @@ class NetworkMatrix {
   // At most one access measurement for `worker`: once at least two peers of
   // its sample answered its measure tasks (so they can be reached the way
   // links go), while it has no figure or an older one than the refresh,
-  // and while no access task of its is outstanding. (The worker runs its
-  // tasks one after another, so none shares the port with another.)
+  // while no access task of its is outstanding, and while no other task
+  // (measure or access) loads the port of it or of the peers it would use:
+  // it waits for them. (The worker runs its own tasks one after another.)
   std::optional<v1::AccessProbeTask> NextAccessTask(const std::string& worker,
                                                     const std::vector<WorkerRecord>& live,
                                                     int64_t now_ms,
@@ -141,7 +143,20 @@ class NetworkMatrix {
   // worker -> the addresses it was learnt at (Forget without a scan).
   std::map<std::string, std::set<std::string>> addresses_of_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, Access> access_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, int64_t> access_pending_ ABSL_GUARDED_BY(mu_);  // worker -> sent at
+  // Outstanding access task per worker: when it was sent, and the workers
+  // whose ports it loads (the worker and its peers).
+  struct AccessPending {
+    int64_t sent_ms = 0;
+    std::vector<std::string> members;
+  };
+  std::map<std::string, AccessPending> access_pending_ ABSL_GUARDED_BY(mu_);
+  // Whether an outstanding task other than `except`'s (an access task, or
+  // with `measures_too` a measure task too; not past the task timeout)
+  // loads the port of any of `members`: two measurements through one port
+  // would each read part of it (a 20 Mb/s lab port read 11 Mb/s so).
+  bool PortsBusyLocked(const std::vector<std::string>& members, const std::string& except,
+                       int64_t now_ms, bool measures_too) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   std::optional<Access> AccessOfLocked(const std::string& worker) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -253,6 +253,46 @@ TEST(NetworkMatrixTest, AnAccessMeasurementFollowsTwoMeasuredPeers) {
   EXPECT_FALSE(matrix.AccessOf("w0").has_value());
 }
 
+// Two measurements through one port would each read part of it: an access
+// task waits while another task loads one of its ports, and a measure task
+// waits while an access task loads either end's.
+TEST(NetworkMatrixTest, NoTwoMeasurementsShareAPort) {
+  NetworkMatrixOptions options;
+  options.sample = 2;
+  NetworkMatrix matrix(options);
+  const std::vector<WorkerRecord> live = Workers(3);
+  int64_t now = 1000;
+  for (const char* worker : {"w0", "w1", "w2"}) {
+    for (int i = 0; i < 2; ++i) {
+      std::optional<v1::ProbeTask> task = matrix.NextTask(worker, live, now);
+      ASSERT_TRUE(task.has_value()) << worker;
+      matrix.RecordProbe(worker, Measured(task->worker_id(), 0.01, 1e8), now);
+    }
+  }
+  // w0's access task loads w0, w1 and w2: w1's waits, then goes once it
+  // is answered.
+  ASSERT_TRUE(matrix.NextAccessTask("w0", live, now).has_value());
+  EXPECT_FALSE(matrix.NextTask("w1", live, now).has_value());  // its sample is fresh
+  EXPECT_FALSE(matrix.NextAccessTask("w1", live, now).has_value());
+  EXPECT_TRUE(matrix.WantsTask("w1", now));  // asked again at its next heartbeat
+  // A measure through a loaded port waits as well.
+  now += options.refresh_ms + 1;
+  matrix.RecordAccess("w0", AccessMeasured(1e8, 1e8, 2), now - options.refresh_ms);
+  ASSERT_TRUE(matrix.NextAccessTask("w1", live, now).has_value());
+  EXPECT_FALSE(matrix.NextTask("w2", live, now).has_value());
+  matrix.RecordAccess("w1", AccessMeasured(1e8, 1e8, 2), now);
+  std::optional<v1::ProbeTask> measure = matrix.NextTask("w2", live, now);
+  ASSERT_TRUE(measure.has_value());
+  // And an access task waits for another's measure through one of its
+  // ports (a worker's own tasks run one after another).
+  EXPECT_FALSE(matrix.NextAccessTask("w0", live, now).has_value());
+  matrix.RecordProbe("w2", Measured(measure->worker_id(), 0.01, 1e8), now);
+  EXPECT_TRUE(matrix.NextAccessTask("w0", live, now).has_value());
+  // A task past its timeout loads nothing any more.
+  EXPECT_FALSE(matrix.NextAccessTask("w2", live, now).has_value());
+  EXPECT_TRUE(matrix.NextAccessTask("w2", live, now + options.task_timeout_ms).has_value());
+}
+
 // A failed or implausible answer leaves the port unknown (not limited) and
 // is not retried before the refresh; an unanswered task is given up.
 TEST(NetworkMatrixTest, AFailedAccessMeasurementLeavesThePortUnknown) {
