@@ -29,11 +29,16 @@
 //   --misbehave=scale_gradients   the same, gradients only, times --factor
 //   --misbehave=lie_as_verifier   trains honestly; fails every spot check it
 //                                 is asked to verify (a forged accusation)
+// With --lie_every=N (N > 1) the tampering ones lie only on microbatches
+// whose id is a multiple of N: a liar that guesses which computations go
+// unchecked (the draw's key is the coordinator's, so any guess is as good
+// as another), honest on the rest.
 // With --consistent_log the tampered message is also what its commitment
 // log holds as sent (WorkerOptions::commitment_log): a liar that keeps its
 // evidence consistent, whom only the spot checks' recomputation catches.
 #include <signal.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <functional>
@@ -73,6 +78,9 @@ ABSL_FLAG(std::string, misbehave, "",
 ABSL_FLAG(int, after, 20, "messages each plan's pipeline sends honestly first");
 ABSL_FLAG(int, claim_step, 0, "the step its false claims name (the job's last)");
 ABSL_FLAG(double, factor, 10, "scale_outputs: what its outputs are multiplied by");
+ABSL_FLAG(int, lie_every, 1,
+          "scale_outputs, noise, flip_gradients, scale_gradients: tamper only with "
+          "microbatches whose id is a multiple of this (a guess at the unchecked ones)");
 ABSL_FLAG(double, noise, 0.01, "noise: the noise's standard deviation over each tensor's RMS");
 ABSL_FLAG(bool, consistent_log, false,
           "log the tampered messages as sent (the spot checks' adversary)");
@@ -205,7 +213,7 @@ std::atomic<uint64_t> last_downstream_epoch{0};
 class HostileSink : public MessageSink {
  public:
   HostileSink(Misbehaviour how, PeerSide toward, MessageSink* real, int after, int claim_step,
-              float factor, double noise, CommitmentLog* log)
+              float factor, double noise, int lie_every, CommitmentLog* log)
       : how_(how),
         toward_(toward),
         real_(real),
@@ -213,6 +221,7 @@ class HostileSink : public MessageSink {
         claim_step_(claim_step),
         factor_(factor),
         noise_(noise),
+        lie_every_(std::max(1, lie_every)),
         log_(log) {}
 
   absl::Status Send(LinkMessage message) override {
@@ -250,7 +259,8 @@ class HostileSink : public MessageSink {
         if ((kind != v1::MESSAGE_KIND_ACTIVATION && kind != v1::MESSAGE_KIND_GRADIENT) ||
             (gradients_only && kind != v1::MESSAGE_KIND_GRADIENT) ||
             message.header.tensors_size() == 0 ||
-            message.header.tensors(0).dtype() != v1::DTYPE_FLOAT32) {
+            message.header.tensors(0).dtype() != v1::DTYPE_FLOAT32 ||
+            message.header.microbatch() % lie_every_ != 0) {
           return real_->Send(std::move(message));
         }
         absl::StatusOr<LinkMessage> changed = Transformed(message, [this](std::vector<float>& v) {
@@ -300,6 +310,7 @@ class HostileSink : public MessageSink {
   const int claim_step_;
   const float factor_;
   const double noise_;
+  const int lie_every_;
   CommitmentLog* const log_;
   std::mt19937 random_{12345};
   int sent_ = 0;
@@ -458,6 +469,7 @@ int Main(int argc, char** argv) {
   const int claim_step = absl::GetFlag(FLAGS_claim_step);
   const float factor = static_cast<float>(absl::GetFlag(FLAGS_factor));
   const double noise = absl::GetFlag(FLAGS_noise);
+  const int lie_every = absl::GetFlag(FLAGS_lie_every);
   // Outlives the worker (a static): the worker keeps it as its own log.
   static CommitmentLog* const consistent_log = new CommitmentLog();
   CommitmentLog* log = absl::GetFlag(FLAGS_consistent_log) && Tampers(how) ? consistent_log
@@ -472,10 +484,10 @@ int Main(int argc, char** argv) {
       verdict->set_summary("FAILED: every element outside the bound (a lie)");
     };
   }
-  options.wrap_link = [how, after, claim_step, factor, noise, log](PeerSide toward,
-                                                                   MessageSink* real) {
+  options.wrap_link = [how, after, claim_step, factor, noise, lie_every, log](
+                          PeerSide toward, MessageSink* real) {
     return std::make_unique<HostileSink>(how, toward, real, after, claim_step, factor, noise,
-                                         log);
+                                         lie_every, log);
   };
   std::thread(SideAttacks, how, options.coordinator, options.state_dir, options.name, claim_step)
       .detach();

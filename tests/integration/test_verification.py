@@ -223,6 +223,12 @@ class SpotCheckTest(unittest.TestCase):
         suspect, audited at 10x f); the recomputation evicts it."""
         self.run_adversary("scale_outputs", ["--factor=10"])
 
+    def test_a_liar_on_a_quarter_of_its_microbatches_is_caught(self):
+        """It lies (x1.05) only on the microbatches it guesses go unchecked,
+        one in four; the draw's key is the coordinator's, so an audit of
+        it finds a lie one time in four, and it is evicted all the same."""
+        self.run_adversary("scale_outputs", ["--factor=1.05", "--lie_every=4"])
+
     def test_noisy_gradients_are_caught(self):
         self.run_adversary("noise", ["--noise=0.01"])
 
