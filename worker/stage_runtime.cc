@@ -743,10 +743,7 @@ uint64_t StageRuntime::WeightBytes() const {
 
 uint64_t StageRuntime::StateBytes() const {
   const Impl& s = *impl_;
-  uint64_t bytes = 0;
-  for (const torch::Tensor& p : s.stash->Get(s.stash->current_version())) {
-    bytes += static_cast<uint64_t>(p.numel()) * p.element_size();
-  }
+  uint64_t bytes = WeightBytes();
   for (const std::vector<torch::Tensor>& per_param : s.optimizer->State()) {
     for (const torch::Tensor& t : per_param) {
       bytes += static_cast<uint64_t>(t.numel()) * t.element_size();

@@ -33,6 +33,17 @@ from test_pipelines import PipelinesCluster
 HONEST_MESSAGES = 20  # what the hostile worker sends honestly first
 
 
+def hostile_worker(c, token, *flags):
+    """geotrain-misbehaving-worker named "hostile" joining `c` with `token`
+    and `flags`; added to c.workers."""
+    process = Process([binary("geotrain-misbehaving-worker"), f"--coordinator={c.address}",
+                       "--listen=127.0.0.1:0", "--name=hostile", f"--token={token}",
+                       f"--state_dir={os.path.join(c.dir, 'hostile-state')}", *flags],
+                      os.path.join(c.dir, "hostile.log"), name="hostile")
+    c.workers.append(process)
+    return process
+
+
 class OutputNormsTest(unittest.TestCase):
     def test_scaled_outputs_make_their_sender_the_only_suspect(self):
         with PipelinesCluster(400, 8, streaming=False, secure=True) as c:
@@ -41,14 +52,8 @@ class OutputNormsTest(unittest.TestCase):
             for i in range(5):
                 c.start_worker(f"w{i}", extra=[f"--token={token}"])
                 wait_for(lambda: len(c.status()["workers"]) == i + 1, 60, f"worker {i} to join")
-            hostile = Process([binary("geotrain-misbehaving-worker"),
-                               f"--coordinator={c.address}", "--listen=127.0.0.1:0",
-                               "--name=hostile", f"--token={token}",
-                               f"--state_dir={os.path.join(c.dir, 'hostile-state')}",
-                               "--misbehave=scale_outputs", "--factor=10",
-                               f"--after={HONEST_MESSAGES}"],
-                              os.path.join(c.dir, "hostile.log"), name="hostile")
-            c.workers.append(hostile)
+            hostile = hostile_worker(c, token, "--misbehave=scale_outputs", "--factor=10",
+                                     f"--after={HONEST_MESSAGES}")
             wait_for(lambda: "hostile: scaling" in hostile.log(), 300,
                      "the hostile worker to scale its outputs", interval=0.5)
             started = time.monotonic()
@@ -106,14 +111,9 @@ class SpotCheckTest(unittest.TestCase):
             hostile = None
             for i in range(workers):
                 if i == position:
-                    hostile = Process([binary("geotrain-misbehaving-worker"),
-                                       f"--coordinator={c.address}", "--listen=127.0.0.1:0",
-                                       "--name=hostile", f"--token={token}",
-                                       f"--state_dir={os.path.join(c.dir, 'hostile-state')}",
-                                       f"--misbehave={misbehave}", "--consistent_log",
-                                       f"--after={HONEST_MESSAGES}", *extra],
-                                      os.path.join(c.dir, "hostile.log"), name="hostile")
-                    c.workers.append(hostile)
+                    hostile = hostile_worker(c, token, f"--misbehave={misbehave}",
+                                             "--consistent_log", f"--after={HONEST_MESSAGES}",
+                                             *extra)
                 else:
                     c.start_worker(f"w{i}", extra=[f"--token={token}"])
                 wait_for(lambda: len(c.status()["workers"]) == i + 1, 60, f"worker {i} to join")
@@ -248,12 +248,7 @@ class SpotCheckTest(unittest.TestCase):
             token = c.create_token("--uses=7", "--name=volunteers")
             for i in range(7):
                 if i == 6:
-                    c.workers.append(Process(
-                        [binary("geotrain-misbehaving-worker"), f"--coordinator={c.address}",
-                         "--listen=127.0.0.1:0", "--name=hostile", f"--token={token}",
-                         f"--state_dir={os.path.join(c.dir, 'hostile-state')}",
-                         "--misbehave=lie_as_verifier"],
-                        os.path.join(c.dir, "hostile.log"), name="hostile"))
+                    hostile_worker(c, token, "--misbehave=lie_as_verifier")
                 else:
                     c.start_worker(f"w{i}", extra=[f"--token={token}"])
                 wait_for(lambda: len(c.status()["workers"]) == i + 1, 60, f"worker {i} to join")
@@ -322,13 +317,8 @@ class AdversaryToTheEndTest(unittest.TestCase):
             token = c.create_token("--uses=5", "--name=volunteers")
             for i in range(5):
                 if hostile and i == 4:
-                    c.workers.append(Process(
-                        [binary("geotrain-misbehaving-worker"), f"--coordinator={c.address}",
-                         "--listen=127.0.0.1:0", "--name=hostile", f"--token={token}",
-                         f"--state_dir={os.path.join(c.dir, 'hostile-state')}",
-                         "--misbehave=flip_gradients", "--consistent_log",
-                         f"--after={HONEST_MESSAGES}"],
-                        os.path.join(c.dir, "hostile.log"), name="hostile"))
+                    hostile_worker(c, token, "--misbehave=flip_gradients", "--consistent_log",
+                                   f"--after={HONEST_MESSAGES}")
                 else:
                     c.start_worker(f"w{i}", extra=[f"--token={token}"])
                 wait_for(lambda: len(c.status()["workers"]) == i + 1, 60, f"worker {i} to join")
