@@ -5,6 +5,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "common/plan_util.h"
 
 namespace geotrain {
 namespace {
@@ -66,6 +67,16 @@ void AuditCoordinator::OnCommitted(const v1::Plan& plan, int committed_step, int
     // not compute it.)
     drawn_epoch_ = plan.epoch();
     drawn_through_ = std::min(drawn_through_, committed_step);
+    // Its workers new to a stage are trusted up to where it starts; those
+    // that left it are forgotten.
+    std::map<std::string, int> trusted;
+    for (const v1::StageAssignment& stage : plan.stages()) {
+      for (const StageWorker& w : WorkersOf(stage)) {
+        auto known = trusted_.find(w.id);
+        trusted[w.id] = known != trusted_.end() ? known->second : plan.start_step();
+      }
+    }
+    trusted_ = std::move(trusted);
   }
   const int first = std::max(drawn_through_ + 1, committed_step - kMaxStepsDrawnAtOnce + 1);
   std::shared_ptr<const v1::Plan> shared_plan;  // for stage-0 audits, copied once
@@ -246,7 +257,11 @@ absl::Status AuditCoordinator::AcceptVerdict(const std::string& caller,
                                              const v1::AuditVerdict& verdict,
                                              const v1::Plan& plan,
                                              const std::vector<std::string>& standbys) {
-  std::vector<std::pair<std::string, std::string>> evictions;
+  struct Eviction {
+    std::string worker, why;
+    std::optional<int> trusted_step;
+  };
+  std::vector<Eviction> evictions;
   {
     absl::MutexLock lock(&mu_);
     auto it = pending_.find(verdict.audit_id());
@@ -280,16 +295,29 @@ absl::Status AuditCoordinator::AcceptVerdict(const std::string& caller,
       verify_asks_[*decision->ask].push_back(id);
       return absl::OkStatus();
     }
+    if (audit.state == Audit::State::kPassed) {
+      if (auto trusted = trusted_.find(audit.audited); trusted != trusted_.end()) {
+        trusted->second = std::max(trusted->second, audit.step);
+      }
+    }
     for (const std::string& worker : decision->evict) {
       // Once: the other open audits of an evicted worker end with it.
       if (!evicted_.insert(worker).second) continue;
-      evictions.emplace_back(worker, absl::StrCat(what, ": ", decision->reason));
+      std::optional<int> trusted_step;
+      if (audit.state == Audit::State::kConfirmed && worker == audit.audited) {
+        auto trusted = trusted_.find(worker);
+        // Not of the plan any more (it left as it was caught): nobody
+        // past the floor is trusted.
+        trusted_step = trusted != trusted_.end() ? trusted->second : TrustedFloorLocked();
+      }
+      evictions.push_back({worker, absl::StrCat(what, ": ", decision->reason), trusted_step});
     }
     if (audit.state == Audit::State::kUndecided) {
       options_.events->Add("audit_undecided", Name(audit.audited), decision->reason);
     }
     ForgetLocked(id);
-    for (const auto& [worker, why] : evictions) {
+    for (const Eviction& eviction : evictions) {
+      const std::string& worker = eviction.worker;
       std::vector<uint64_t> moot;
       for (const auto& [other, p] : pending_) {
         // Its own audits, and those waiting on its verdict.
@@ -305,11 +333,27 @@ absl::Status AuditCoordinator::AcceptVerdict(const std::string& caller,
     }
   }
   // Off the lock: eviction re-plans.
-  for (const auto& [worker, why] : evictions) {
-    options_.events->Add("audit_evicted", Name(worker), why);
-    options_.evict(worker, why);
+  for (const Eviction& eviction : evictions) {
+    options_.events->Add("audit_evicted", Name(eviction.worker), eviction.why);
+    options_.evict(eviction.worker, eviction.why, eviction.trusted_step);
   }
   return absl::OkStatus();
+}
+
+int AuditCoordinator::TrustedFloor() const {
+  absl::MutexLock lock(&mu_);
+  return TrustedFloorLocked();
+}
+
+int AuditCoordinator::TrustedFloorLocked() const {
+  int floor = -1;
+  for (const auto& [worker, step] : trusted_) floor = floor < 0 ? step : std::min(floor, step);
+  return floor;
+}
+
+void AuditCoordinator::RolledBack(int step) {
+  absl::MutexLock lock(&mu_);
+  for (auto& [worker, trusted] : trusted_) trusted = std::min(trusted, step);
 }
 
 void AuditCoordinator::AbandonLocked(uint64_t id, const std::string& kind,

@@ -26,6 +26,14 @@
 // evicted once; its other open audits, and those waiting on its verdict,
 // close undecided with it.
 //
+// 5. It keeps the step up to which each worker of the plan is trusted:
+//    the plan's start step when it first holds a stage (it had computed
+//    nothing yet), raised by each audit of its computations that passes.
+//    An eviction for a confirmed wrong computation carries the evicted
+//    worker's, for the job to roll back to (docs/verification.md,
+//    "Rollback"); the lowest over the plan's workers is what the
+//    checkpoint store must keep a checkpoint at or before (TrustedFloor).
+//
 // Bounded: at most AuditOptions::max_open_audits open, and at most
 // `max_evidence_bytes` of uploaded evidence held (a part past it is refused
 // and its audit closed undecided). Thread-safe; it holds its own lock only.
@@ -60,8 +68,13 @@ struct AuditCoordinatorOptions {
   // A worker's name for events (the id when empty).
   std::function<std::string(const std::string& id)> name_of;
   // Evicts a worker whose computation two verifiers failed, or a verifier
-  // outvoted: revokes its certificate and ends its lease. Required.
-  std::function<void(const std::string& worker_id, const std::string& why)> evict;
+  // outvoted: revokes its certificate and ends its lease. For a wrong
+  // computation, `trusted_step` is the step up to which the worker's
+  // computations are trusted (see 5 above): the job rolls back to it. A
+  // lying verifier computed nothing the job used: nullopt. Required.
+  std::function<void(const std::string& worker_id, const std::string& why,
+                     std::optional<int> trusted_step)>
+      evict;
   // Evidence must be uploaded, and a verdict reported, within these.
   int64_t evidence_timeout_ms = 30000;
   int64_t verdict_timeout_ms = 60000;
@@ -115,6 +128,12 @@ class AuditCoordinator {
   }
   bool Disputed(const std::string& worker_id) const;
 
+  // The lowest step to which a worker of the plan last committed under is
+  // trusted; -1 before the first commit.
+  int TrustedFloor() const;
+  // The job rolled back to `step`: nobody is trusted past it.
+  void RolledBack(int step);
+
  private:
   struct Pending {
     Audit audit;
@@ -139,6 +158,7 @@ class AuditCoordinator {
                      const std::string& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ForgetLocked(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string Name(const std::string& id) const;
+  int TrustedFloorLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const AuditCoordinatorOptions options_;
   AuditManager manager_;
@@ -151,6 +171,8 @@ class AuditCoordinator {
   std::map<std::string, std::vector<uint64_t>> verify_asks_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> disputed_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> evicted_ ABSL_GUARDED_BY(mu_);
+  // Worker -> the step up to which its computations are trusted (see 5).
+  std::map<std::string, int> trusted_ ABSL_GUARDED_BY(mu_);
   uint64_t evidence_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t disputes_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t expired_ ABSL_GUARDED_BY(mu_) = 0;

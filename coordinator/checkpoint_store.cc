@@ -275,7 +275,7 @@ absl::Status CheckpointWriter::Commit() {
   if (fsync(fd_) != 0) return ErrnoError("fsync " + tmp_);
   close(fd_);
   fd_ = -1;
-  RETURN_IF_ERROR(store_->CommitFile(tmp_, layer_, step_, uploader_));
+  RETURN_IF_ERROR(store_->CommitFile(tmp_, layer_, step_, uploader_, rollbacks_));
   committed_ = true;
   return absl::OkStatus();
 }
@@ -370,24 +370,32 @@ absl::StatusOr<std::unique_ptr<CheckpointWriter>> CheckpointStore::BeginSave(
   }
   const std::string header_bytes = header.SerializeAsString();
   std::string tmp;
+  uint64_t rollbacks = 0;
   {
     absl::MutexLock lock(&mu_);
     RETURN_IF_ERROR(MakeDir(LayerDir(header.layer())));
     tmp = absl::StrCat(PathOf(header.layer(), header.step()), ".tmp", next_temp_++);
+    rollbacks = rollbacks_;
   }
   const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   if (fd < 0) return ErrnoError("open " + tmp);
   auto writer = std::unique_ptr<CheckpointWriter>(
       new CheckpointWriter(this, header.layer(), header.step(), header.worker_id(), tmp, fd,
-                           payload_bytes));
+                           payload_bytes, rollbacks));
   RETURN_IF_ERROR(WriteAll(fd, Frame(0, header_bytes.size()) + header_bytes, tmp));
   writer->crc_ = Crc32Update(0, header_bytes);
   return writer;
 }
 
 absl::Status CheckpointStore::CommitFile(const std::string& tmp, int layer, int step,
-                                         const std::string& uploader) {
+                                         const std::string& uploader, uint64_t rollbacks) {
   absl::MutexLock lock(&mu_);
+  if (rollbacks != rollbacks_) {
+    // Computed before a rollback, from weights it discarded.
+    std::remove(tmp.c_str());
+    return absl::AbortedError(absl::StrCat("checkpoint of layer ", layer, " step ", step,
+                                           " begun before the job was rolled back"));
+  }
   if (!uploader.empty() && quarantined_.count(uploader) > 0) {
     // Begun before the quarantine, committed after it: kept for an
     // operator with the uploader's other files, never indexed.
@@ -416,14 +424,37 @@ absl::Status CheckpointStore::CommitFile(const std::string& tmp, int layer, int 
 
 void CheckpointStore::PruneLocked(int layer) {
   constexpr size_t kOtherUploaders = 2;
+  // Above the pin, the newest checkpoint of each bucket of `width` steps
+  // (about 8 buckets up to the newest), so that when the pin moves up (an
+  // audit passed) a checkpoint near it is still there: audits come seconds
+  // after their step, when a fast job's newest few are many steps ahead.
+  // The width is a power of two, so a bucket that widens holds the newest
+  // of the two it was made of: what was kept stays the candidate.
+  constexpr int kBucketsAbovePin = 8;
   std::vector<int>& steps = index_[layer];
+  if (steps.empty()) return;
+  int width = 0;
+  if (pinned_step_ >= 0) {
+    width = 1;
+    while (width < (1 << 30) && int64_t{width} * kBucketsAbovePin < steps.back() - pinned_step_) {
+      width *= 2;
+    }
+  }
+  int last_bucket = -1;
   std::set<std::string> kept_uploaders;
   size_t kept = 0, others = 0;
+  bool pinned_kept = false;
   std::vector<int> keep;
   for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
     const std::string& by = uploaders_[{layer, *it}];
     if (kept < static_cast<size_t>(keep_)) {
       ++kept;
+      pinned_kept = pinned_kept || *it <= pinned_step_;
+      if (width > 0) last_bucket = *it / width;
+    } else if (width > 0 && *it > pinned_step_ && *it / width != last_bucket) {
+      last_bucket = *it / width;  // the newest of its bucket
+    } else if (!pinned_kept && *it <= pinned_step_) {
+      pinned_kept = true;  // the newest at or before the pin
     } else if (others < kOtherUploaders && kept_uploaders.count(by) == 0) {
       ++others;
     } else {
@@ -536,18 +567,64 @@ absl::StatusOr<int> CheckpointStore::Quarantine(const std::string& uploader) {
         if (!reader.ok() || (*reader)->header().worker_id() != uploader) continue;
       }
       absl::MutexLock lock(&mu_);
-      RETURN_IF_ERROR(MakeDir(QuarantineDir()));
-      const std::string from = PathOf(layer, step);
-      const std::string to =
-          absl::StrFormat("%s/layer-%04d-step-%08d.ckpt", QuarantineDir(), layer, step);
-      if (rename(from.c_str(), to.c_str()) != 0) return ErrnoError("rename " + from);
-      std::vector<int>& kept = index_[layer];
-      kept.erase(std::remove(kept.begin(), kept.end(), step), kept.end());
-      uploaders_.erase({layer, step});
+      RETURN_IF_ERROR(MoveToQuarantineLocked(
+          layer, step, absl::StrFormat("layer-%04d-step-%08d.ckpt", layer, step)));
       ++moved;
     }
   }
   return moved;
+}
+
+absl::Status CheckpointStore::MoveToQuarantineLocked(int layer, int step,
+                                                    const std::string& name) {
+  RETURN_IF_ERROR(MakeDir(QuarantineDir()));
+  const std::string from = PathOf(layer, step);
+  const std::string to = absl::StrCat(QuarantineDir(), "/", name);
+  if (rename(from.c_str(), to.c_str()) != 0) return ErrnoError("rename " + from);
+  std::vector<int>& kept = index_[layer];
+  kept.erase(std::remove(kept.begin(), kept.end(), step), kept.end());
+  uploaders_.erase({layer, step});
+  return absl::OkStatus();
+}
+
+void CheckpointStore::PinAtOrBefore(int step) {
+  absl::MutexLock lock(&mu_);
+  pinned_step_ = step;
+}
+
+absl::StatusOr<CheckpointStore::Rollback> CheckpointStore::RollBackTo(int trusted_step,
+                                                                      int num_layers) {
+  if (num_layers < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("a rollback of ", num_layers, " layers"));
+  }
+  absl::MutexLock lock(&mu_);
+  ++rollbacks_;  // uploads begun before this fail when they commit
+  // The newest step <= trusted_step that every layer has.
+  std::set<int> common;
+  for (int layer = 0; layer < num_layers; ++layer) {
+    std::set<int> here;
+    if (auto it = index_.find(layer); it != index_.end()) {
+      for (int step : it->second) {
+        if (step <= trusted_step && (layer == 0 || common.count(step) > 0)) here.insert(step);
+      }
+    }
+    common = std::move(here);
+  }
+  Rollback rollback;
+  rollback.step = common.empty() ? 0 : *common.rbegin();
+  for (auto& [layer, steps] : index_) {
+    const std::vector<int> all = steps;
+    for (int step : all) {
+      if (step <= rollback.step) continue;
+      RETURN_IF_ERROR(MoveToQuarantineLocked(
+          layer, step,
+          absl::StrFormat("layer-%04d-step-%08d.rollback-%d.ckpt", layer, step, rollbacks_)));
+      ++rollback.moved;
+    }
+  }
+  // Rolled back, the job trusts nothing after the step it resumes at.
+  pinned_step_ = std::min(pinned_step_, rollback.step);
+  return rollback;
 }
 
 std::string CheckpointStore::QuarantineDir() const { return absl::StrCat(dir_, "/quarantine"); }

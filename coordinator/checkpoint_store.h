@@ -79,15 +79,16 @@ class CheckpointWriter {
  private:
   friend class CheckpointStore;
   CheckpointWriter(CheckpointStore* store, int layer, int step, std::string uploader,
-                   std::string tmp, int fd, uint64_t payload_bytes)
+                   std::string tmp, int fd, uint64_t payload_bytes, uint64_t rollbacks)
       : store_(store), layer_(layer), step_(step), uploader_(std::move(uploader)),
-        tmp_(std::move(tmp)), fd_(fd), payload_bytes_(payload_bytes) {}
+        tmp_(std::move(tmp)), fd_(fd), payload_bytes_(payload_bytes), rollbacks_(rollbacks) {}
   CheckpointStore* store_;
   const int layer_, step_;
   const std::string uploader_;
   const std::string tmp_;
   int fd_;
   const uint64_t payload_bytes_;
+  const uint64_t rollbacks_;  // the store's rollbacks when it began
   uint64_t written_ = 0;
   uint32_t crc_ = 0;
   bool committed_ = false;
@@ -156,6 +157,27 @@ class CheckpointStore {
   // certificate refuses their uploads).
   absl::StatusOr<int> Quarantine(const std::string& uploader);
 
+  // Each layer's newest checkpoint at or before `step` is kept however old
+  // it gets (besides what PruneLocked keeps): the state a rollback goes
+  // back to (RollBackTo). `step` should not decrease between rollbacks; a
+  // checkpoint pruned before it was pinned is gone. -1: nothing pinned.
+  void PinAtOrBefore(int step);
+
+  // What RollBackTo did.
+  struct Rollback {
+    int step = 0;     // the checkpoints the job goes back to (0: the seed's)
+    int moved = 0;    // files moved into quarantine
+  };
+  // Rolls the store back for a job of `num_layers` layers whose
+  // computations are trusted up to `trusted_step`: finds the newest step
+  // at or before it at which every layer has a checkpoint (0 when there is
+  // none: the layers start from the seed) and moves every checkpoint after
+  // it into quarantine/, so that restores take exactly that step's. An
+  // upload begun before the rollback is refused when it commits (it was
+  // computed from what is being rolled back). INVALID_ARGUMENT for
+  // num_layers < 1.
+  absl::StatusOr<Rollback> RollBackTo(int trusted_step, int num_layers);
+
   // Layer -> steps on disk, oldest first. In memory: cheap enough for
   // every status query.
   std::map<int, std::vector<int>> Index() const;
@@ -175,10 +197,14 @@ class CheckpointStore {
   void ScanLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Renames the writer's file into place and updates the index.
   absl::Status CommitFile(const std::string& tmp, int layer, int step,
-                          const std::string& uploader);
-  // Removes a layer's files beyond what is kept: the newest `keep_`, and
-  // the newest of each of up to kOtherUploaders uploaders besides theirs,
-  // so that a worker's quarantine leaves somebody else's to restore.
+                          const std::string& uploader, uint64_t rollbacks);
+  // Moves (layer, step)'s file to quarantine/ as `name` and out of the index.
+  absl::Status MoveToQuarantineLocked(int layer, int step, const std::string& name)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes a layer's files beyond what is kept: the newest `keep_`, the
+  // newest of each of up to kOtherUploaders uploaders besides theirs, so
+  // that a worker's quarantine leaves somebody else's to restore, and the
+  // pinned one (PinAtOrBefore).
   void PruneLocked(int layer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   friend class CheckpointWriter;
 
@@ -191,6 +217,8 @@ class CheckpointStore {
   uint64_t next_temp_ ABSL_GUARDED_BY(mu_) = 0;
   // Uploaders whose checkpoints were quarantined.
   std::set<std::string> quarantined_ ABSL_GUARDED_BY(mu_);
+  int pinned_step_ ABSL_GUARDED_BY(mu_) = -1;  // PinAtOrBefore
+  uint64_t rollbacks_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace geotrain

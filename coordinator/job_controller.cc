@@ -87,14 +87,15 @@ absl::StatusOr<std::unique_ptr<JobController>> JobController::Create(
     audits.clock = self->options_.clock;
     audits.events = &self->events_;
     audits.name_of = [self](const std::string& id) { return self->membership_.NameOf(id); };
-    audits.evict = [self](const std::string& worker_id, const std::string& why) {
+    audits.evict = [self](const std::string& worker_id, const std::string& why,
+                          std::optional<int> trusted_step) {
       if (self->options_.revoke_identity) {
         if (absl::Status revoked = self->options_.revoke_identity(worker_id); !revoked.ok()) {
           self->events_.Add("revoke_failed", self->membership_.NameOf(worker_id),
                             std::string(revoked.message()));
         }
       }
-      self->RevokeWorker(worker_id);
+      self->RevokeWorker(worker_id, trusted_step);
     };
     self->audits_ = std::make_unique<AuditCoordinator>(*std::move(draw), std::move(audits));
     self->audits_->SetSuspicion([self](const std::string& id) { return self->IsSuspect(id); });
@@ -395,11 +396,32 @@ void JobController::RecordAdminEvent(const std::string& kind, const std::string&
   events_.Add(kind, "", detail);
 }
 
-bool JobController::RevokeWorker(const std::string& worker_id) {
+bool JobController::RevokeWorker(const std::string& worker_id,
+                                 std::optional<int> trusted_step) {
   const bool was_live = membership_.Leave(worker_id, "revoked");
   // Its checkpoints are no longer trusted (disk I/O: off every lock).
   const absl::StatusOr<int> quarantined = checkpoints_->Quarantine(worker_id);
-  plans_.OnRevoked(worker_id, quarantined);
+  std::optional<int> roll_back_to;
+  if (trusted_step.has_value()) {
+    // Nor is anything computed since the step it was last trusted at:
+    // its outputs fed its pipeline's updates, and through the outer
+    // optimizer every replica's (docs/verification.md, "Rollback").
+    const PlanView::PlanPtr plan = plan_view_.Get();
+    const absl::StatusOr<CheckpointStore::Rollback> rollback = checkpoints_->RollBackTo(
+        *trusted_step, plan != nullptr ? plan->num_layers() : 0);
+    if (rollback.ok()) {
+      roll_back_to = rollback->step;
+      if (audits_ != nullptr) audits_->RolledBack(rollback->step);
+      events_.Add("checkpoints_rolled_back", membership_.NameOf(worker_id),
+                  absl::StrCat("trusted up to step ", *trusted_step, ": back to step ",
+                               rollback->step, "; ", rollback->moved,
+                               " later checkpoint files moved into quarantine"));
+    } else {
+      events_.Add("rollback_failed", membership_.NameOf(worker_id),
+                  std::string(rollback.status().message()));
+    }
+  }
+  plans_.OnRevoked(worker_id, quarantined, roll_back_to);
   membership_.PruneDead(kMaxDeadMembers);
   Persist();
   return was_live;
@@ -509,6 +531,8 @@ void JobController::DrawAudits() {
   // Nothing new committed (most ticks): no copy of the members.
   if (plan == nullptr || committed == audited_through_.exchange(committed)) return;
   audits_->OnCommitted(*plan, committed, options_.job.microbatches(), Standbys(*plan));
+  // What a rollback would go back to stays on disk.
+  checkpoints_->PinAtOrBefore(audits_->TrustedFloor());
 }
 
 bool JobController::IsSuspect(const std::string& worker_id) const {

@@ -134,7 +134,13 @@ class JobController {
                         const std::string& token_id);
   void RecordAdminEvent(const std::string& kind, const std::string& detail);
   // Ends a revoked worker's lease now (re-planning around it). True when it was live.
-  bool RevokeWorker(const std::string& worker_id);
+  // With `trusted_step` (a confirmed wrong computation: its computations
+  // are trusted up to that step), the job also rolls back: the checkpoints
+  // go back to the newest step at or before it that every layer has
+  // (CheckpointStore::RollBackTo), and so does the next plan
+  // (PlanManager::OnRevoked).
+  bool RevokeWorker(const std::string& worker_id,
+                    std::optional<int> trusted_step = std::nullopt);
   // False when the worker is unknown or dead (it must join again).
   // `response` (when given) gets the probes this worker is asked to make;
   // the request's results count only for probes it was asked to make.

@@ -82,7 +82,8 @@ void PlanManager::OnLeft(const std::string& worker_id) {
 }
 
 void PlanManager::OnRevoked(const std::string& worker_id,
-                            const absl::StatusOr<int>& quarantined) {
+                            const absl::StatusOr<int>& quarantined,
+                            std::optional<int> roll_back_to) {
   absl::MutexLock lock(&mu_);
   AddEventLocked("revoked", NameOf(worker_id),
                  absl::StrCat(worker_id, ": its certificate is denied from now on"));
@@ -94,8 +95,16 @@ void PlanManager::OnRevoked(const std::string& worker_id,
                    absl::StrCat(*quarantined, " checkpoint files it uploaded; restores use "
                                               "the newest of the others"));
   }
+  if (roll_back_to.has_value()) {
+    pending_rollback_ = std::min(pending_rollback_.value_or(*roll_back_to), *roll_back_to);
+  }
+  const uint64_t epoch = plan_.has_value() ? plan_->epoch() : 0;
   // Live or not (a lapsed lease not yet expired), it leaves the plan.
   MaybeReplanLocked();
+  if (pending_rollback_.has_value() && plan_.has_value() && plan_->epoch() == epoch &&
+      plan_->stages_size() > 0 && !plan_->job_done()) {
+    PublishReplanLocked(*plan_, "the same workers");
+  }
 }
 
 void PlanManager::OnReachabilityChanged(const ReachabilityManager::Verdict& verdict) {
@@ -339,11 +348,18 @@ void PlanManager::RelinkLocked(const std::string& why) {
 }
 
 void PlanManager::PublishLocked(v1::Plan plan) {
+  if (plan.rollback_epoch() == 0 && plan_.has_value()) {
+    plan.set_rollback_epoch(plan_->rollback_epoch());
+    plan.set_rollback_step(plan_->rollback_step());
+  }
+  // A plan that rolls back continues nothing: no pipeline goes on, and no
+  // worker's live state is anyone's source.
+  const bool rolls_back = plan.rollback_epoch() > 0 && plan.rollback_epoch() == plan.epoch();
+  const v1::Plan* previous = plan_.has_value() && !rolls_back ? &*plan_ : nullptr;
   if (!plan.job_done()) {
     AssignLinksLocked(&plan);
     if (options_.job.has_outer()) {
-      const std::set<int> continuing =
-          AssignPipelineInfo(plan_.has_value() ? &*plan_ : nullptr, DataInputLocked(), &plan);
+      const std::set<int> continuing = AssignPipelineInfo(previous, DataInputLocked(), &plan);
       if (!continuing.empty()) {
         std::string which;
         for (int r : continuing) absl::StrAppend(&which, which.empty() ? "" : ", ", r);
@@ -354,7 +370,7 @@ void PlanManager::PublishLocked(v1::Plan plan) {
       }
     }
     // After the pipelines' entries: a pipeline formed anew takes no holder.
-    AssignStateSources(plan_.has_value() ? &*plan_ : nullptr, &plan);
+    AssignStateSources(previous, &plan);
   }
   faults_.PlanChanged();
   // The state naming the plan's members is submitted first; the publisher
@@ -366,6 +382,7 @@ void PlanManager::PublishLocked(v1::Plan plan) {
   publisher_->Submit(plan);
   parts_.plan_view->Set(std::make_shared<const v1::Plan>(plan));
   plan_ = std::move(plan);
+  if (rolls_back) progress_.RollBack(plan_->start_step());
   progress_.StartEpoch(*plan_);
 }
 

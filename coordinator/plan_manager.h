@@ -89,8 +89,14 @@ class PlanManager {
   void OnJoined(const WorkerRecord& record, const std::string& detail);
   void OnLeft(const std::string& worker_id);
   // A revoked worker: `quarantined` checkpoint files it uploaded were set
-  // aside (or the error doing so).
-  void OnRevoked(const std::string& worker_id, const absl::StatusOr<int>& quarantined);
+  // aside (or the error doing so). With `roll_back_to` (a confirmed wrong
+  // computation: the checkpoint store was rolled back to that step), the
+  // next plan rolls the whole job back there (Plan.rollback_step): it
+  // resumes after that step, every pipeline formed anew and every worker
+  // restoring from the checkpoints. Published at once, even where the
+  // worker's leaving changes no plan.
+  void OnRevoked(const std::string& worker_id, const absl::StatusOr<int>& quarantined,
+                 std::optional<int> roll_back_to = std::nullopt);
   // Peer probes changed a member's verdict (ReachabilityManager).
   void OnReachabilityChanged(const ReachabilityManager::Verdict& verdict);
   // The member of a join whose caller gave up is forgotten, unless a plan
@@ -234,6 +240,8 @@ class PlanManager {
   // Written under mu_; read without it (done(), persistence).
   std::atomic<bool> done_{false};
   bool waiting_for_workers_ ABSL_GUARDED_BY(mu_) = false;
+  // A rollback the next published plan carries out (OnRevoked).
+  std::optional<int> pending_rollback_ ABSL_GUARDED_BY(mu_);
   // When min_workers were first live with no plan yet (-1: not yet): the
   // first plan's pre-flight wait is bounded from there.
   int64_t quorum_since_ms_ ABSL_GUARDED_BY(mu_) = -1;

@@ -162,9 +162,22 @@ void PlanManager::MaybeVoluntaryReplanLocked() {
 void PlanManager::PublishReplanLocked(v1::Plan next, const std::string& summary) {
   // No step commits from here until the plan starts its epoch: it resumes
   // after exactly this one.
-  const int start_step = progress_.CloseEpoch();
+  int start_step = progress_.CloseEpoch();
   replan_policy_.Switched(options_.clock->NowMs());
   next.set_epoch(plan_->epoch() + 1);
+  if (pending_rollback_.has_value()) {
+    const int committed = start_step;
+    start_step = std::min(start_step, *pending_rollback_);
+    pending_rollback_.reset();
+    next.set_rollback_epoch(next.epoch());
+    next.set_rollback_step(start_step);
+    AddEventLocked("rolled_back", "",
+                   absl::StrCat("epoch ", next.epoch(), ": the job goes back from step ",
+                                committed, " to step ", start_step,
+                                ", the last trusted state; every worker restores its layers "
+                                "from that step's checkpoints",
+                                start_step == 0 ? " (none: from the seed)" : ""));
+  }
   // Every index drawn so far is below the next plan's data_base, so that
   // a change of pipelines draws no index twice (StageRuntime::SetDataShard).
   next.set_data_base(static_cast<uint64_t>(DataHighWater(*plan_, DataInputLocked())));

@@ -6,6 +6,12 @@
 
 namespace geotrain {
 
+void ProgressGate::RollBack(int step) {
+  absl::MutexLock lock(&mu_);
+  committed_ = step;
+  pipelines_.clear();
+}
+
 void ProgressGate::StartEpoch(uint64_t epoch, int committed_step,
                               std::map<std::string, int> first_stage,
                               std::map<std::string, int> last_stage,

@@ -89,6 +89,12 @@ class ProgressGate {
   // Returns the steps committed now. Anything else is ignored.
   std::vector<Step> FirstStageFinished(const std::string& worker_id, uint64_t epoch, int step);
 
+  // The job rolled back (Plan.rollback_step): the committed step goes back
+  // to `step`, the only way it ever goes down, and every claim held is
+  // dropped. Call before the rolling-back plan's StartEpoch, which forms
+  // every pipeline anew.
+  void RollBack(int step);
+
   int committed_step() const;
   // The newest step claimed (held or committed): what a checkpoint may be
   // of at most.

@@ -77,6 +77,13 @@ int ProgressTracker::CloseEpoch() {
   return step_;
 }
 
+void ProgressTracker::RollBack(int step) {
+  absl::MutexLock lock(&mu_);
+  step_ = std::min(step_, step);
+  curves_step_ = std::min(curves_step_, step_);
+  gate_.RollBack(step_);
+}
+
 void ProgressTracker::StartEpoch(const v1::Plan& plan) {
   absl::MutexLock lock(&mu_);
   closed_ = false;

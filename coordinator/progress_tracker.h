@@ -78,6 +78,9 @@ class ProgressTracker {
   // pipeline keeps its last claim; the watchdog's clock restarts; steps
   // commit again.
   void StartEpoch(const v1::Plan& plan);
+  // A plan that rolls the job back to `step` is being published (before
+  // its StartEpoch): the committed step goes back there (ProgressGate).
+  void RollBack(int step);
 
   // Refuses reports of another epoch or of a step that is not new
   // (FAILED_PRECONDITION), of workers the plan does not put on the last

@@ -117,7 +117,10 @@ v1::AuditEvidence AuditResponder::Gather(const v1::EvidenceRequest& request) con
   *evidence.mutable_message() = ToProto(*sent->message);
   if (request.part() == v1::EvidenceRequest::CLAIM) {
     const int64_t version = VersionOf(sent->message->header);
-    std::optional<KeptWeights> weights = options_.weights->Find(version);
+    // The version the output committed to (a version number recurs after
+    // a rollback).
+    std::optional<KeptWeights> weights =
+        options_.weights->Find(version, sent->message->header.weights_digest());
     if (!weights.has_value()) {
       return missing(absl::StrCat("weight version ", version, " is no longer kept"));
     }

@@ -34,10 +34,10 @@ void AuditWeights::TrimLocked() {
   }
 }
 
-std::optional<KeptWeights> AuditWeights::Find(int64_t version) const {
+std::optional<KeptWeights> AuditWeights::Find(int64_t version, const std::string& digest) const {
   absl::MutexLock lock(&mu_);
   for (auto it = kept_.rbegin(); it != kept_.rend(); ++it) {
-    if (it->version == version) return *it;
+    if (it->version == version && (digest.empty() || it->digest == digest)) return *it;
   }
   return std::nullopt;
 }

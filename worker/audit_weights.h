@@ -42,8 +42,11 @@ class AuditWeights {
   // Keeps `weights` as the newest version; versions of another stage
   // (another layer_begin) are dropped first.
   void Keep(KeptWeights weights);
-  // The newest kept weights of `version` (all are of the stage kept last).
-  std::optional<KeptWeights> Find(int64_t version) const;
+  // The newest kept weights of `version` (all are of the stage kept last)
+  // whose digest is `digest` (empty: any). A version number recurs after
+  // the job rolls back (Plan.rollback_step); the digest an output
+  // committed to tells its weights from those computed since.
+  std::optional<KeptWeights> Find(int64_t version, const std::string& digest = "") const;
   // The newest version kept of `layer_begin`, if any.
   std::optional<int64_t> newest(int layer_begin) const;
   uint64_t bytes() const;

@@ -456,7 +456,19 @@ absl::StatusOr<std::vector<v1::LayerCheckpoint>> Worker::FetchFromHolder(
 
 absl::StatusOr<bool> Worker::PrepareRuntime(const StagePlacement& placement,
                                             const ScheduleConfig& schedule,
-                                            const v1::StageAssignment& mine, uint64_t epoch) {
+                                            const v1::StageAssignment& mine, uint64_t epoch,
+                                            uint64_t rollback_epoch) {
+  if (runtime_ != nullptr && rollback_epoch > runtime_rollback_epoch_) {
+    // A confirmed wrong computation: what this stage learnt since the
+    // rollback's step came in part from it (docs/verification.md).
+    GT_LOG(Warning) << "the job rolled back (plan epoch " << rollback_epoch
+                    << "): discarding this stage's weights for the coordinator's checkpoints";
+    coordinator_.ReportEvent("rolled_back",
+                             absl::StrCat("stage ", runtime_->placement().stage,
+                                          ": its weights discarded, restoring the checkpoints of "
+                                          "the rollback of epoch ", rollback_epoch));
+    runtime_.reset();
+  }
   if (runtime_ != nullptr) {
     const StagePlacement& held = runtime_->placement();
     const bool same_place =
@@ -500,6 +512,7 @@ absl::StatusOr<bool> Worker::PrepareRuntime(const StagePlacement& placement,
   }
   ASSIGN_OR_RETURN(std::unique_ptr<StageRuntime> runtime,
                    StageRuntime::Create(job_, placement, runtime_options));
+  runtime_rollback_epoch_ = rollback_epoch;
   // A live worker that keeps this stage gives us its state, if the plan
   // names one; otherwise (or if it cannot) every layer that has a
   // checkpoint starts from it, the rest from the seed (a layer nobody has
@@ -598,8 +611,9 @@ absl::Status Worker::Train(const v1::Plan& plan) {
       worker->session_ = nullptr;
     }
   } unregister{this};
-  ASSIGN_OR_RETURN(const bool built, PrepareRuntime(served.placement(), served.schedule(),
-                                                    served.assignment(), plan.epoch()));
+  ASSIGN_OR_RETURN(const bool built,
+                   PrepareRuntime(served.placement(), served.schedule(), served.assignment(),
+                                  plan.epoch(), plan.rollback_epoch()));
   OfferStateToNewcomers(served.assignment(), plan.epoch());
   primary_ = served.primary();
   served_plan_epoch_ = plan.epoch();

@@ -133,11 +133,13 @@ class Worker {
   // Trains the stage the plan gives this worker, in a TrainingSession.
   absl::Status Train(const v1::Plan& plan);
   // A runtime for `placement`: the current one if it fits (after dropping
-  // what is in flight), else a new one restored from checkpoints. True when
-  // it built a new one.
+  // what is in flight) and the job has not rolled back since it was made
+  // (`rollback_epoch`, Plan.rollback_epoch), else a new one restored from
+  // checkpoints. True when it built a new one.
   absl::StatusOr<bool> PrepareRuntime(const StagePlacement& placement,
                                       const ScheduleConfig& schedule,
-                                      const v1::StageAssignment& mine, uint64_t epoch);
+                                      const v1::StageAssignment& mine, uint64_t epoch,
+                                      uint64_t rollback_epoch);
   // The plan sends newcomers of this worker's stage here for its state
   // (state_source): offer them a snapshot taken now.
   void OfferStateToNewcomers(const v1::StageAssignment& mine, uint64_t epoch);
@@ -186,6 +188,8 @@ class Worker {
   int heartbeat_ms_ = 1000;
   StatsBoard stats_;
   std::unique_ptr<StageRuntime> runtime_;  // Run()'s thread only
+  // The newest rollback (Plan.rollback_epoch) runtime_'s state postdates.
+  uint64_t runtime_rollback_epoch_ = 0;    // Run()'s thread only
   int64_t dropped_microbatches_ = 0;       // Run()'s thread only
   bool primary_ = true;                    // Run()'s thread only: not a replica
   bool was_standby_ = false;               // Run()'s thread only: since the last Train

@@ -4,6 +4,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -31,8 +32,10 @@ class AuditCoordinatorTest : public ::testing::Test {
     options.audits.max_open_audits = 1000;
     options.clock = &clock_;
     options.events = events_.get();
-    options.evict = [this](const std::string& worker, const std::string& why) {
+    options.evict = [this](const std::string& worker, const std::string& why,
+                           std::optional<int> trusted_step) {
       evicted_.push_back(worker);
+      trusted_at_eviction_[worker] = trusted_step;
     };
     options.max_evidence_bytes = max_evidence_bytes;
     audits_ = std::make_unique<AuditCoordinator>(*draw, options);
@@ -126,6 +129,7 @@ class AuditCoordinatorTest : public ::testing::Test {
   std::unique_ptr<EventLog> events_;
   std::unique_ptr<AuditCoordinator> audits_;
   std::vector<std::string> evicted_;
+  std::map<std::string, std::optional<int>> trusted_at_eviction_;
 };
 
 // With f = 1 every microbatch of stage 1 in every pipeline is audited: its
@@ -232,6 +236,40 @@ TEST_F(AuditCoordinatorTest, TwoFailedVerdictsEvictTheAuditedWorkerOnce) {
   for (const auto& [w, n] : times) EXPECT_EQ(n, 1) << w;
   EXPECT_EQ(EventsOf("audit_evicted"), static_cast<int>(evicted_.size()));
   EXPECT_EQ(audits_->Figures().open, 0);
+  // Wrong from the start: trusted only to where the plan started.
+  for (const auto& [w, n] : times) EXPECT_EQ(trusted_at_eviction_[w], 0) << w;
+}
+
+// Issue 35's rollback: a worker is trusted up to its newest passed audit;
+// caught later, its eviction carries that step for the job to go back to.
+// The floor (what the checkpoint store keeps) is the least trusted
+// worker's: here stage 0's, never audited, at the plan's start.
+TEST_F(AuditCoordinatorTest, AWorkerCaughtIsEvictedWithTheStepItWasTrustedUpTo) {
+  EXPECT_EQ(audits_->TrustedFloor(), -1);
+  audits_->OnCommitted(plan_, 3, 1, {});
+  for (const auto& [verifier, ids] : GiveAllEvidence()) {
+    for (uint64_t id : ids) {
+      ASSERT_TRUE(audits_->AcceptVerdict(verifier, Verdict(verifier, id, true), plan_, {}).ok());
+    }
+  }
+  EXPECT_EQ(audits_->Figures().open, 0);
+  EXPECT_EQ(audits_->TrustedFloor(), 0);
+  // Step 4's audits fail twice each.
+  audits_->OnCommitted(plan_, 4, 1, {});
+  for (const auto& [verifier, ids] : GiveAllEvidence()) {
+    for (uint64_t id : ids) {
+      ASSERT_TRUE(audits_->AcceptVerdict(verifier, Verdict(verifier, id, false), plan_, {}).ok());
+    }
+  }
+  for (int r = 0; r < 3; ++r) {
+    const std::string w = PipelineWorker(r, 1);
+    for (uint64_t id : Work(w).verify_audits()) {
+      const absl::Status s = audits_->AcceptVerdict(w, Verdict(w, id, false), plan_, {});
+      EXPECT_TRUE(s.ok() || s.code() == absl::StatusCode::kPermissionDenied) << s;
+    }
+  }
+  ASSERT_FALSE(evicted_.empty());
+  for (const std::string& w : evicted_) EXPECT_EQ(trusted_at_eviction_[w], 3) << w;
 }
 
 // A verifier that fails an honest computation is outvoted by the next two
@@ -273,6 +311,8 @@ TEST_F(AuditCoordinatorTest, AForgedAccusationEvictsTheAccuserNotTheAccused) {
     ASSERT_TRUE(audits_->AcceptVerdict(next, Verdict(next, target, true), plan, {}).ok());
   }
   ASSERT_EQ(evicted_, std::vector<std::string>{liar});
+  // A lying verifier computed nothing the job used: no rollback.
+  EXPECT_EQ(trusted_at_eviction_[liar], std::nullopt);
   EXPECT_EQ(audits_->Figures().counts.verifiers_caught, 1);
   EXPECT_EQ(audits_->Figures().counts.confirmed, 0);
 }
@@ -356,7 +396,7 @@ TEST_F(AuditCoordinatorTest, StageZeroAuditsCarryThePlanInsteadOfAnInput) {
   options.audits.max_open_audits = 1000;
   options.clock = &clock_;
   options.events = events_.get();
-  options.evict = [this](const std::string& worker, const std::string&) {
+  options.evict = [this](const std::string& worker, const std::string&, std::optional<int>) {
     evicted_.push_back(worker);
   };
   audits_ = std::make_unique<AuditCoordinator>(*draw, options);

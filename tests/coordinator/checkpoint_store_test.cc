@@ -104,6 +104,75 @@ TEST(CheckpointStoreTest, AnUploadInFlightAtTheQuarantineIsQuarantinedToo) {
   EXPECT_EQ((*store)->LoadLatest(1, nullptr)->step(), 30);
 }
 
+// Issue 35: the state a rollback goes back to outlives the pruning that
+// keeps the newest few: each layer's newest checkpoint at or before the
+// pinned step stays, and above it the newest of each of about 8 buckets,
+// so that a pin that moves up still finds one near it.
+TEST(CheckpointStoreTest, ThePinnedCheckpointAndAFewAboveItOutlivePruning) {
+  auto store = CheckpointStore::Open(TempDir(), /*keep=*/2);
+  ASSERT_TRUE(store.ok());
+  (*store)->PinAtOrBefore(25);
+  for (int step = 10; step <= 600; step += 10) {
+    for (int layer : {0, 1}) ASSERT_TRUE((*store)->Save(Checkpoint(layer, step)).ok());
+  }
+  // 20: the pinned; 120-510: buckets of 128 steps; 590 and 600: the newest.
+  const std::vector<int> kept = {20, 120, 250, 380, 510, 590, 600};
+  EXPECT_EQ((*store)->Index(), (std::map<int, std::vector<int>>{{0, kept}, {1, kept}}));
+  // The pin moves up to 300: 250 is the newest at or before it, and the
+  // old pinned one goes at the next prune.
+  (*store)->PinAtOrBefore(300);
+  ASSERT_TRUE((*store)->Save(Checkpoint(0, 610)).ok());
+  EXPECT_EQ((*store)->Index().at(0), (std::vector<int>{250, 380, 510, 600, 610}));
+  // Without a pin, the newest few only.
+  (*store)->PinAtOrBefore(-1);
+  ASSERT_TRUE((*store)->Save(Checkpoint(0, 620)).ok());
+  EXPECT_EQ((*store)->Index().at(0), (std::vector<int>{610, 620}));
+}
+
+// A rollback goes back to the newest step every layer has at or before
+// the trusted one, moves the later checkpoints into quarantine (restores
+// take exactly that step's), and refuses uploads begun before it.
+TEST(CheckpointStoreTest, ARollbackQuarantinesLaterCheckpointsAndUploadsInFlight) {
+  const std::string dir = TempDir();
+  auto store = CheckpointStore::Open(dir, /*keep=*/5);
+  ASSERT_TRUE(store.ok());
+  for (int step : {10, 20, 30, 40}) ASSERT_TRUE((*store)->Save(Checkpoint(0, step)).ok());
+  for (int step : {10, 30, 40}) ASSERT_TRUE((*store)->Save(Checkpoint(1, step)).ok());
+  v1::LayerCheckpoint late = Checkpoint(1, 50);
+  const std::string payload = late.payload();
+  late.clear_payload();
+  auto writer = (*store)->BeginSave(late, payload.size());
+  ASSERT_TRUE(writer.ok());
+  ASSERT_TRUE((*writer)->Append(payload).ok());
+
+  EXPECT_EQ((*store)->RollBackTo(25, /*num_layers=*/2).status().code(),
+            absl::StatusCode::kOk);
+  // Layer 1 has no step 20: both go back to 10.
+  EXPECT_EQ((*store)->Index(), (std::map<int, std::vector<int>>{{0, {10}}, {1, {10}}}));
+  EXPECT_EQ((*store)->LoadLatest(0, nullptr)->step(), 10);
+  EXPECT_TRUE(
+      std::ifstream(dir + "/checkpoints/quarantine/layer-0000-step-00000040.rollback-1.ckpt")
+          .good());
+  EXPECT_EQ((*writer)->Commit().code(), absl::StatusCode::kAborted);
+  EXPECT_EQ((*store)->Index().at(1), (std::vector<int>{10}));
+  // Uploads begun after it commit.
+  ASSERT_TRUE((*store)->Save(Checkpoint(1, 20)).ok());
+  EXPECT_EQ((*store)->LoadLatest(1, nullptr)->step(), 20);
+}
+
+TEST(CheckpointStoreTest, ARollbackWithNoCommonStepGoesBackToTheSeed) {
+  auto store = CheckpointStore::Open(TempDir(), /*keep=*/3);
+  ASSERT_TRUE(store.ok());
+  ASSERT_TRUE((*store)->Save(Checkpoint(0, 10)).ok());
+  ASSERT_TRUE((*store)->Save(Checkpoint(1, 20)).ok());
+  absl::StatusOr<CheckpointStore::Rollback> rollback = (*store)->RollBackTo(30, 2);
+  ASSERT_TRUE(rollback.ok()) << rollback.status();
+  EXPECT_EQ(rollback->step, 0);
+  EXPECT_EQ(rollback->moved, 2);
+  EXPECT_EQ((*store)->LoadLatest(0, nullptr).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ((*store)->RollBackTo(30, 0).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(CheckpointStoreTest, ARestartedStoreFindsEverything) {
   const std::string dir = TempDir();
   {

@@ -157,5 +157,70 @@ TEST_F(ProgressClaimTest, ARestoreFallsBackToTheNewestTrustedCheckpoint) {
   EXPECT_EQ(restored->payload(), std::string(restored->payload().size(), '\0'));
 }
 
+// Issue 35: a worker caught computing wrong, trusted up to step 12, takes
+// the whole job back to the newest step every layer has a checkpoint at
+// or before it (10): the later checkpoints are quarantined, the next plan
+// says so and starts there, the committed step goes back, and training
+// goes on from it (steps 11 and up commit again). Here the worker caught
+// had already left the plan (its link was lost and a standby took its
+// stage), so the rollback's plan has the same workers; the checkpoints are
+// all others' (the caught worker's own are quarantined whatever their
+// step: nothing audits what a worker uploads).
+TEST_F(ProgressClaimTest, AWrongComputationRollsTheJobBackToItsTrustedCheckpoint) {
+  const std::string c = Join("c").worker_id();  // a standby
+  TrainSteps(first_, last_, 20);
+  ASSERT_TRUE(ReportLinkLost(first_, last_, 1).ok());
+  const v1::Plan before = Plan();
+  ASSERT_EQ(before.stages(1).worker_id(), c);
+  for (int step : {10, 20}) {
+    for (const v1::StageAssignment& stage : before.stages()) {
+      for (int layer = stage.layer_begin(); layer < stage.layer_end(); ++layer) {
+        ASSERT_TRUE(controller_->checkpoint_gate()
+                        .Save(FittingCheckpoint(stage.worker_id(), layer, step))
+                        .ok());
+      }
+    }
+  }
+  clock_.AdvanceMs(10);
+  for (const std::string& id : {first_, c}) Heartbeat(id, 0);
+  controller_->RevokeWorker(last_, /*trusted_step=*/12);
+  EXPECT_TRUE(HasEvent("checkpoints_rolled_back"));
+  EXPECT_TRUE(HasEvent("rolled_back"));
+  const v1::Plan plan = Plan();
+  EXPECT_EQ(plan.epoch(), before.epoch() + 1);
+  EXPECT_EQ(plan.stages(1).worker_id(), c);
+  EXPECT_EQ(plan.rollback_epoch(), plan.epoch());
+  EXPECT_EQ(plan.rollback_step(), 10);
+  EXPECT_EQ(plan.start_step(), 10);
+  EXPECT_EQ(controller_->Status().step(), 10);
+  for (const v1::StageAssignment& stage : plan.stages()) {
+    for (int layer = stage.layer_begin(); layer < stage.layer_end(); ++layer) {
+      absl::StatusOr<v1::LayerCheckpoint> restored =
+          controller_->checkpoint_gate().Load(stage.worker_id(), layer);
+      ASSERT_TRUE(restored.ok()) << restored.status();
+      EXPECT_EQ(restored->step(), 10) << layer;
+    }
+  }
+  // Training goes on from step 10.
+  for (int step = 11; step <= 12; ++step) {
+    v1::StepReport report;
+    report.set_worker_id(c);
+    report.set_epoch(plan.epoch());
+    report.set_step(step);
+    report.set_loss(2.0);
+    report.set_samples(8);
+    ASSERT_TRUE(controller_->ReportStep(report).ok()) << step;
+    FinishedOnStageZero(first_, step, plan.epoch());
+  }
+  EXPECT_EQ(controller_->Status().step(), 12);
+  // A later plan repeats the rollback; it does not roll back again.
+  Join("d");
+  controller_->RevokeWorker(c);
+  ASSERT_EQ(Plan().epoch(), plan.epoch() + 1);
+  EXPECT_EQ(Plan().rollback_epoch(), plan.epoch());
+  EXPECT_EQ(Plan().rollback_step(), 10);
+  EXPECT_EQ(controller_->Status().step(), 12);
+}
+
 }  // namespace
 }  // namespace geotrain

@@ -45,5 +45,21 @@ TEST(AuditWeightsTest, KeepsTheNewestVersionsWithinTheBound) {
   EXPECT_EQ(kept.versions(), 0u);
 }
 
+// After a rollback a version number recurs with other weights: an audit
+// of an output from before it must find the weights that output committed
+// to, or none, never the newer ones (their digest would fail an honest
+// worker).
+TEST(AuditWeightsTest, ARecurringVersionIsFoundByTheDigestCommittedTo) {
+  AuditWeights kept(1000);
+  kept.Keep(Version(0, 7, 100));  // before the rollback: "d7"
+  KeptWeights again = Version(0, 7, 100);
+  again.digest = "d7-after-rollback";
+  kept.Keep(again);
+  EXPECT_EQ(kept.Find(7)->digest, "d7-after-rollback");
+  EXPECT_EQ(kept.Find(7, "d7")->digest, "d7");
+  EXPECT_EQ(kept.Find(7, "d7-after-rollback")->digest, "d7-after-rollback");
+  EXPECT_FALSE(kept.Find(7, "forged").has_value());
+}
+
 }  // namespace
 }  // namespace geotrain
