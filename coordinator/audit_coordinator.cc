@@ -307,8 +307,11 @@ absl::Status AuditCoordinator::AcceptVerdict(const std::string& caller,
       if (audit.state == Audit::State::kConfirmed && worker == audit.audited) {
         auto trusted = trusted_.find(worker);
         // Not of the plan any more (it left as it was caught): nobody
-        // past the floor is trusted.
-        trusted_step = trusted != trusted_.end() ? trusted->second : TrustedFloorLocked();
+        // past the floor is trusted. A pass of a later step (a worker that
+        // lies on some microbatches) does not vouch for the one caught.
+        trusted_step = std::max(
+            0, std::min(trusted != trusted_.end() ? trusted->second : TrustedFloorLocked(),
+                        audit.step - 1));
       }
       evictions.push_back({worker, absl::StrCat(what, ": ", decision->reason), trusted_step});
     }

@@ -30,7 +30,8 @@
 //    the plan's start step when it first holds a stage (it had computed
 //    nothing yet), raised by each audit of its computations that passes.
 //    An eviction for a confirmed wrong computation carries the evicted
-//    worker's, for the job to roll back to (docs/verification.md,
+//    worker's (at most the step before the one caught), for the job to
+//    roll back to (docs/verification.md,
 //    "Rollback"); the lowest over the plan's workers is what the
 //    checkpoint store must keep a checkpoint at or before (TrustedFloor).
 //

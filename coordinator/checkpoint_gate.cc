@@ -68,11 +68,12 @@ absl::Status CheckpointGate::Save(const v1::LayerCheckpoint& checkpoint) {
 }
 
 absl::StatusOr<std::unique_ptr<CheckpointReader>> CheckpointGate::Open(
-    const std::string& worker_id, int layer) {
+    const std::string& worker_id, int layer, std::optional<int> step) {
   RETURN_IF_ERROR(CheckOwnLayer(worker_id, layer));
   std::vector<std::string> skipped;
   absl::StatusOr<std::unique_ptr<CheckpointReader>> reader =
-      options_.store->OpenLatest(layer, &skipped);
+      step.has_value() ? options_.store->Open(layer, *step)
+                       : options_.store->OpenLatest(layer, &skipped);
   for (const std::string& why : skipped) {
     options_.events->Add("checkpoint_corrupt", "", absl::StrCat(why, "; using an older one"));
   }

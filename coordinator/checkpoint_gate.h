@@ -16,6 +16,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -53,8 +54,10 @@ class CheckpointGate {
   absl::Status Authorize(const std::string& worker_id, const v1::LayerCheckpoint& header,
                          uint64_t payload_bytes);
   void RecordRefused(const std::string& worker_id, const std::string& why);
+  // `step`: that step's file (a rollback's restore), not the newest.
   absl::StatusOr<std::unique_ptr<CheckpointReader>> Open(const std::string& worker_id,
-                                                         int layer);
+                                                         int layer,
+                                                         std::optional<int> step = std::nullopt);
   // Whole-layer forms (tests, tools). With `probe`, Load returns only the
   // newest step (from the index, no tensors, no event).
   absl::Status Save(const v1::LayerCheckpoint& checkpoint);

@@ -37,9 +37,10 @@ absl::Status CheckpointUpload::End() {
 }
 
 absl::Status SendCheckpoint(JobController& controller, const std::string& worker_id, int layer,
+                            std::optional<int> step,
                             const std::function<bool(const v1::LayerStateChunk&)>& emit) {
   ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader,
-                   controller.checkpoint_gate().Open(worker_id, layer));
+                   controller.checkpoint_gate().Open(worker_id, layer, step));
   LayerStateChunker chunker(reader->header(), reader->payload_bytes(), emit);
   std::string piece;
   while (chunker.bytes_sent() < reader->payload_bytes()) {

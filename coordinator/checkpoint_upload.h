@@ -7,6 +7,7 @@
 #define GEOTRAIN_COORDINATOR_CHECKPOINT_UPLOAD_H_
 
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "common/layer_state.h"
@@ -38,6 +39,7 @@ class CheckpointUpload : public LayerStateSink {
 // `worker_id` (CheckpointGate::Open decides whether it may have
 // it). False from `emit` (the stream broke) is CANCELLED.
 absl::Status SendCheckpoint(JobController& controller, const std::string& worker_id, int layer,
+                            std::optional<int> step,
                             const std::function<bool(const v1::LayerStateChunk&)>& emit);
 
 }  // namespace geotrain

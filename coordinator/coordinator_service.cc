@@ -420,6 +420,7 @@ grpc::Status CoordinatorService::LoadCheckpoint(grpc::ServerContext* context,
   }
   return ToGrpcStatus(SendCheckpoint(
       *options_.controller, *worker, request->layer(),
+      request->has_step() ? std::optional<int>(request->step()) : std::nullopt,
       [writer](const v1::LayerStateChunk& chunk) { return writer->Write(chunk); }));
 }
 

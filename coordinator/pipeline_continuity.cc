@@ -94,6 +94,24 @@ int64_t DataHighWater(const v1::Plan& old, const PipelineDataInput& input) {
   return base + int64_t{drawn_to - old.start_step()} * pipelines * m;
 }
 
+int64_t DataIndexAfterStep(const v1::Plan& plan, int step, int64_t microbatches) {
+  const int64_t m = std::max<int64_t>(1, microbatches);
+  if (plan.pipeline_info_size() > 0) {
+    int64_t index = 0;
+    for (const v1::PipelineInfo& info : plan.pipeline_info()) {
+      const int64_t block = info.data_block() > 0 ? info.data_block()
+                                                  : std::max(1, info.data_stride()) * m;
+      index = std::max(index, static_cast<int64_t>(info.data_base()) +
+                                  std::max(0, step - info.start_step()) * block);
+    }
+    return index;
+  }
+  const int pipelines = PipelinesOf(plan);
+  const int64_t base = plan.has_data_base() ? static_cast<int64_t>(plan.data_base())
+                                            : int64_t{plan.start_step()} * pipelines * m;
+  return base + int64_t{std::max(0, step - plan.start_step())} * pipelines * m;
+}
+
 std::set<int> AssignPipelineInfo(const v1::Plan* old, const PipelineDataInput& input,
                                  v1::Plan* next) {
   next->clear_pipeline_info();

@@ -38,6 +38,15 @@ struct PipelineDataInput {
 // old plan's shared draw (Plan.data_base, start_step and R).
 int64_t DataHighWater(const v1::Plan& old, const PipelineDataInput& input);
 
+// The first data index past those `plan` draws for its steps up to and
+// including `step` (at or after its start step): where a job rolled back
+// to `step` goes on drawing, so that the steps it trains again see the
+// samples they saw the first time and none the rolled-back model has
+// seen. With pipelines formed in different plans, past the furthest of
+// them (no sample is drawn twice by one model's history; an exact replay
+// needs them formed together, as in a job's first plan).
+int64_t DataIndexAfterStep(const v1::Plan& plan, int step, int64_t microbatches);
+
 // Sets `next`'s pipeline_info (its data_base already the high-water mark):
 // a continuing pipeline keeps its entry, every other is formed in next's
 // epoch. `old` is null for a first plan. Returns the continuing pipelines.

@@ -381,6 +381,17 @@ void PlanManager::PublishLocked(v1::Plan plan) {
   Persist();
   publisher_->Submit(plan);
   parts_.plan_view->Set(std::make_shared<const v1::Plan>(plan));
+  if (!plan.job_done()) {
+    v1::Plan layout;
+    layout.set_epoch(plan.epoch());
+    layout.set_start_step(plan.start_step());
+    if (plan.has_data_base()) layout.set_data_base(plan.data_base());
+    layout.set_pipelines(plan.pipelines());
+    *layout.mutable_pipeline_info() = plan.pipeline_info();
+    data_layouts_.push_back(std::move(layout));
+    constexpr size_t kDataLayoutsKept = 64;
+    while (data_layouts_.size() > kDataLayoutsKept) data_layouts_.pop_front();
+  }
   plan_ = std::move(plan);
   if (rolls_back) progress_.RollBack(plan_->start_step());
   progress_.StartEpoch(*plan_);

@@ -15,6 +15,7 @@
 #define GEOTRAIN_COORDINATOR_PLAN_MANAGER_H_
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -242,6 +243,10 @@ class PlanManager {
   bool waiting_for_workers_ ABSL_GUARDED_BY(mu_) = false;
   // A rollback the next published plan carries out (OnRevoked).
   std::optional<int> pending_rollback_ ABSL_GUARDED_BY(mu_);
+  // The data layouts of the last plans published (their epoch, start
+  // step, data_base, pipelines and pipeline_info only), oldest first: where
+  // a rollback's steps drew their data (DataIndexAfterStep).
+  std::deque<v1::Plan> data_layouts_ ABSL_GUARDED_BY(mu_);
   // When min_workers were first live with no plan yet (-1: not yet): the
   // first plan's pre-flight wait is bounded from there.
   int64_t quorum_since_ms_ ABSL_GUARDED_BY(mu_) = -1;

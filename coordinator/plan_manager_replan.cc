@@ -181,6 +181,16 @@ void PlanManager::PublishReplanLocked(v1::Plan next, const std::string& summary)
   // Every index drawn so far is below the next plan's data_base, so that
   // a change of pipelines draws no index twice (StageRuntime::SetDataShard).
   next.set_data_base(static_cast<uint64_t>(DataHighWater(*plan_, DataInputLocked())));
+  if (next.rollback_epoch() == next.epoch()) {
+    // Rolled back, the job draws again what it drew after that step (the
+    // rolled-back model never saw it), from the plan then in force.
+    for (auto it = data_layouts_.rbegin(); it != data_layouts_.rend(); ++it) {
+      if (it->start_step() > start_step) continue;
+      next.set_data_base(static_cast<uint64_t>(
+          DataIndexAfterStep(*it, start_step, std::max(1, options_.job.microbatches()))));
+      break;
+    }
+  }
   next.set_start_step(start_step);
   AddEventLocked("replanned", "",
                  absl::StrCat("epoch ", next.epoch(), ", resuming after step ", start_step, "; ",

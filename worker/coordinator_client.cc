@@ -228,13 +228,15 @@ absl::StatusOr<std::vector<v1::LayerCheckpoint>> ReceiveLayerStates(
 }
 
 absl::StatusOr<v1::LayerCheckpoint> CoordinatorClient::LoadCheckpoint(int layer, bool probe,
-                                                                       uint64_t max_layer_bytes) {
+                                                                       uint64_t max_layer_bytes,
+                                                                       std::optional<int> step) {
   grpc::ClientContext context;
   context.set_deadline(DeadlineFromNow(StateDeadline(probe ? 0 : max_layer_bytes)));
   v1::LoadCheckpointRequest request;
   request.set_worker_id(worker_id());
   request.set_layer(layer);
   request.set_probe(probe);
+  if (step.has_value()) request.set_step(*step);
   std::unique_ptr<grpc::ClientReader<v1::LayerStateChunk>> reader =
       bulk_stub_->LoadCheckpoint(&context, request);
   ASSIGN_OR_RETURN(std::vector<v1::LayerCheckpoint> layers,

@@ -91,8 +91,10 @@ class CoordinatorClient final : public SessionCoordinator {
   // `probe`: only to compare steps (the coordinator records no restore).
   // The layer arrives in chunks (common/layer_state.h); one declaring more
   // than `max_layer_bytes` is refused before anything is allocated.
+  // `step`: that step's checkpoint, not the newest (a rollback's restore).
   absl::StatusOr<v1::LayerCheckpoint> LoadCheckpoint(int layer, bool probe = false,
-                                                     uint64_t max_layer_bytes = 1 << 30);
+                                                     uint64_t max_layer_bytes = 1 << 30,
+                                                     std::optional<int> step = std::nullopt);
   void CheckpointReady(std::vector<v1::LayerCheckpoint> layers) override;
   // The uploads' pacer, which also knows the uplink as measured.
   const CheckpointPacer& pacer() const { return pacer_; }

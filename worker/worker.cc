@@ -457,13 +457,13 @@ absl::StatusOr<std::vector<v1::LayerCheckpoint>> Worker::FetchFromHolder(
 absl::StatusOr<bool> Worker::PrepareRuntime(const StagePlacement& placement,
                                             const ScheduleConfig& schedule,
                                             const v1::StageAssignment& mine, uint64_t epoch,
-                                            uint64_t rollback_epoch) {
+                                            uint64_t rollback_epoch, int rollback_step) {
   if (runtime_ != nullptr && rollback_epoch > runtime_rollback_epoch_) {
     // A confirmed wrong computation: what this stage learnt since the
     // rollback's step came in part from it (docs/verification.md).
     GT_LOG(Warning) << "the job rolled back (plan epoch " << rollback_epoch
                     << "): discarding this stage's weights for the coordinator's checkpoints";
-    coordinator_.ReportEvent("rolled_back",
+    coordinator_.ReportEvent("rollback_restore",
                              absl::StrCat("stage ", runtime_->placement().stage,
                                           ": its weights discarded, restoring the checkpoints of "
                                           "the rollback of epoch ", rollback_epoch));
@@ -535,9 +535,23 @@ absl::StatusOr<bool> Worker::PrepareRuntime(const StagePlacement& placement,
                                source.worker_id());
     }
   }
+  // In the plan that rolls back, every replica takes exactly the step it
+  // rolled back to, though the stage's primary may have uploaded a newer
+  // one since it restored.
+  std::optional<int> exact_step;
+  if (rollback_epoch > 0 && rollback_epoch == epoch) exact_step = rollback_step;
   for (int layer = placement.layer_begin; layer < placement.layer_end && from_peer.empty();
        ++layer) {
-    absl::StatusOr<v1::LayerCheckpoint> checkpoint = coordinator_.LoadCheckpoint(layer, /*probe=*/false, MaxLayerStateBytes(job_, layer));
+    absl::StatusOr<v1::LayerCheckpoint> checkpoint = coordinator_.LoadCheckpoint(
+        layer, /*probe=*/false, MaxLayerStateBytes(job_, layer), exact_step);
+    if (exact_step.value_or(0) > 0 && checkpoint.status().code() == absl::StatusCode::kNotFound) {
+      // Not the seed's: the rollback's step should be kept; take the
+      // newest rather than start the layer over.
+      GT_LOG(Warning) << "no checkpoint of layer " << layer << " at the rollback's step "
+                      << *exact_step << "; restoring the newest";
+      checkpoint = coordinator_.LoadCheckpoint(layer, /*probe=*/false,
+                                               MaxLayerStateBytes(job_, layer));
+    }
     if (checkpoint.ok()) {
       found.push_back(*std::move(checkpoint));
     } else if (checkpoint.status().code() == absl::StatusCode::kNotFound) {
@@ -613,7 +627,7 @@ absl::Status Worker::Train(const v1::Plan& plan) {
   } unregister{this};
   ASSIGN_OR_RETURN(const bool built,
                    PrepareRuntime(served.placement(), served.schedule(), served.assignment(),
-                                  plan.epoch(), plan.rollback_epoch()));
+                                  plan.epoch(), plan.rollback_epoch(), plan.rollback_step()));
   OfferStateToNewcomers(served.assignment(), plan.epoch());
   primary_ = served.primary();
   served_plan_epoch_ = plan.epoch();

@@ -135,11 +135,12 @@ class Worker {
   // A runtime for `placement`: the current one if it fits (after dropping
   // what is in flight) and the job has not rolled back since it was made
   // (`rollback_epoch`, Plan.rollback_epoch), else a new one restored from
-  // checkpoints. True when it built a new one.
+  // checkpoints: those of `rollback_step` in the plan that rolls back.
+  // True when it built a new one.
   absl::StatusOr<bool> PrepareRuntime(const StagePlacement& placement,
                                       const ScheduleConfig& schedule,
                                       const v1::StageAssignment& mine, uint64_t epoch,
-                                      uint64_t rollback_epoch);
+                                      uint64_t rollback_epoch, int rollback_step);
   // The plan sends newcomers of this worker's stage here for its state
   // (state_source): offer them a snapshot taken now.
   void OfferStateToNewcomers(const v1::StageAssignment& mine, uint64_t epoch);

@@ -240,5 +240,39 @@ TEST(PipelineContinuityTest, TheHighWaterMarkOfAPlanWithoutEntries) {
             100 + int64_t{25 + 1 + 1 - 10} * 2 * kMicrobatches);
 }
 
+// Issue 35's rollback: the job goes on drawing where the plan then in
+// force had got to after the step it rolls back to. A first plan's
+// pipelines, formed together and rolled back to step 0, draw exactly what
+// they drew the first time; rolled back to step 7, what came after it.
+TEST(PipelineContinuityTest, ARollbackDrawsAgainWhatCameAfterItsStep) {
+  v1::Plan first = Pipelines(1, 0, {{"a0", "b0"}, {"a1", "b1"}});
+  Publish(nullptr, Reached({}), &first);
+  EXPECT_EQ(DataIndexAfterStep(first, 0, kMicrobatches), 0);
+  EXPECT_EQ(DataIndexAfterStep(first, 7, kMicrobatches), int64_t{7} * 2 * kMicrobatches);
+  // The rollback's plan, formed anew from that index, has the same lanes
+  // and base as the first plan: the same indices step by step.
+  v1::Plan again = Pipelines(5, 0, {{"a0", "b0"}, {"a1", "s"}});
+  again.set_data_base(static_cast<uint64_t>(DataIndexAfterStep(first, 0, kMicrobatches)));
+  AssignPipelineInfo(nullptr, Reached({}), &again);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(again.pipeline_info(r).data_base(), first.pipeline_info(r).data_base());
+    EXPECT_EQ(again.pipeline_info(r).data_lane(), first.pipeline_info(r).data_lane());
+    EXPECT_EQ(again.pipeline_info(r).data_stride(), first.pipeline_info(r).data_stride());
+  }
+  // Pipelines formed in different plans: past the furthest.
+  v1::Plan later = Pipelines(2, 10, {{"a0", "b0"}, {"a1", "s"}});
+  Publish(&first, Reached({{0, 12}, {1, 12}}), &later);
+  const v1::PipelineInfo& formed = later.pipeline_info(1);  // at step 12, past 112
+  ASSERT_EQ(formed.start_step(), 12);
+  EXPECT_EQ(DataIndexAfterStep(later, 15, kMicrobatches),
+            std::max<int64_t>(15 * 2 * kMicrobatches,
+                              static_cast<int64_t>(formed.data_base()) +
+                                  int64_t{15 - 12} * 2 * kMicrobatches));
+  // Without entries: from its base.
+  v1::Plan one = Pipelines(3, 10, {{"a0"}, {"b0"}});
+  one.set_data_base(100);
+  EXPECT_EQ(DataIndexAfterStep(one, 14, kMicrobatches), 100 + int64_t{4} * kMicrobatches);
+}
+
 }  // namespace
 }  // namespace geotrain

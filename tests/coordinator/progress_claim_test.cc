@@ -192,6 +192,8 @@ TEST_F(ProgressClaimTest, AWrongComputationRollsTheJobBackToItsTrustedCheckpoint
   EXPECT_EQ(plan.rollback_epoch(), plan.epoch());
   EXPECT_EQ(plan.rollback_step(), 10);
   EXPECT_EQ(plan.start_step(), 10);
+  // Its steps draw again what steps 11 and up drew the first time.
+  EXPECT_EQ(plan.data_base(), uint64_t{10} * std::max(1, job_.microbatches()));
   EXPECT_EQ(controller_->Status().step(), 10);
   for (const v1::StageAssignment& stage : plan.stages()) {
     for (int layer = stage.layer_begin(); layer < stage.layer_end(); ++layer) {
@@ -213,6 +215,13 @@ TEST_F(ProgressClaimTest, AWrongComputationRollsTheJobBackToItsTrustedCheckpoint
     FinishedOnStageZero(first_, step, plan.epoch());
   }
   EXPECT_EQ(controller_->Status().step(), 12);
+  // A replica that restores late still takes the rollback's step, though
+  // the primary has uploaded a newer one.
+  ASSERT_TRUE(controller_->checkpoint_gate().Save(FittingCheckpoint(first_, 0, 12)).ok());
+  EXPECT_EQ((*controller_->checkpoint_gate().Open(first_, 0))->header().step(), 12);
+  EXPECT_EQ((*controller_->checkpoint_gate().Open(first_, 0, 10))->header().step(), 10);
+  EXPECT_EQ(controller_->checkpoint_gate().Open(first_, 0, 11).status().code(),
+            absl::StatusCode::kNotFound);
   // A later plan repeats the rollback; it does not roll back again.
   Join("d");
   controller_->RevokeWorker(c);
