@@ -78,7 +78,9 @@ cmake --build "$WHEEL_BUILD_DIR" -j2 --target geotrain_torch_checks
 export GEOTRAIN_COORDINATOR_BIN_DIR="$(cd "$BUILD_DIR/bin" && pwd)"
 phase "testing $WHEEL_BUILD_DIR"
 (cd "$WHEEL_BUILD_DIR" && ctest --output-on-failure -j2 -L torch)
-GEOTRAIN_GPU_BUILD_DIR="$WHEEL_BUILD_DIR" ./tests/gpu/run.sh --device=cpu
+# Its spot-check run mixes the builds: pipeline 1 runs Debian's LibTorch.
+GEOTRAIN_GPU_BUILD_DIR="$WHEEL_BUILD_DIR" \
+  GEOTRAIN_GPU_OTHER_BIN_DIR="$(cd "$BUILD_DIR/bin" && pwd)" ./tests/gpu/run.sh --device=cpu
 # A spot check's honest spread across the two LibTorch builds, both ways:
 # the audits one build emits pass the other's verifier.
 phase "spot checks across the two LibTorch builds"

@@ -3,16 +3,30 @@
 --device (workers sharing it), and checks that the per-step losses agree
 within a relative 1e-3 (LibTorch keeps TF32 off for fp32 matmuls by default,
 so the remaining differences are summation order). Prints samples/s of both.
-Exits non-zero on any difference beyond the tolerance or a failed run.
+
+Then the spot checks across devices (issue 35): two pipelines of two
+stages with `verification { fraction: 0.05 }` over TLS, pipeline 0 on
+--device and pipeline 1 on the CPU, so that each pipeline's computations
+are recomputed on the other's device; in CPU mode pipeline 1 runs
+OpenBLAS's generic kernel instead. With --other_bin_dir, pipeline 1's
+workers are another build's (tests/run.sh: Debian's LibTorch beside the
+wheel's). Every worker is honest: no audit may fail, no verifier be
+caught, nobody be evicted, and some audits must pass.
+
+Exits non-zero on any difference beyond the tolerance, a failed audit or a
+failed run.
 
   GEOTRAIN_BIN_DIR=build-wheel/bin tests/gpu/compare_devices.py --device=cuda:0
 """
 import argparse
+import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "integration"))
 import cluster  # noqa: E402
+from test_pipelines import PipelinesCluster  # noqa: E402
 
 TOLERANCE = 1e-3
 
@@ -41,10 +55,59 @@ def train(device, steps):
     return losses, rate, devices, blas
 
 
+def check_audits(device, steps, other_bin_dir):
+    """The honest spot-check run (see above): returns a line of figures and
+    whether it passed."""
+    started = time.monotonic()
+    with PipelinesCluster(steps, 8, streaming=False, secure=True, workers=4) as c:
+        with open(c.job, "a") as f:
+            f.write("verification { fraction: 0.05 }\n")
+        c.start_coordinator()
+        token = c.create_token("--uses=4", "--name=gpu-check")
+        # Join order: w0 and w1 are pipeline 0, w2 and w3 pipeline 1.
+        for i in range(4):
+            other = i >= 2
+            env = None
+            if other and device == "cpu":
+                env = dict(os.environ, OPENBLAS_CORETYPE="Prescott")
+            worker_binary = None
+            if other and other_bin_dir:
+                worker_binary = os.path.join(other_bin_dir, "geotrain-worker")
+            c.start_worker(f"w{i}", [f"--token={token}", f"--device={'cpu' if other else device}",
+                                     "--threads=0"], env=env, worker_binary=worker_binary)
+            cluster.wait_for(lambda: len(c.status()["workers"]) == i + 1, 120,
+                             f"worker {i} to join")
+        try:
+            c.wait_done(timeout=900)
+        except Exception:
+            print(c.dump_logs())
+            raise
+        c.ctl("status")  # the events log is written off the caller's thread
+        status = c.status()
+        with open(os.path.join(c.dir, "state", "events.log")) as f:
+            kinds = [json.loads(line)["kind"] for line in f if line.strip()]
+    audits = status.get("audits", {})
+    count = lambda key: int(audits.get(key, 0))  # noqa: E731
+    devices = sorted({f"{w['device']}/{w.get('blas', '')}" for w in status["workers"]})
+    line = (f"{steps} steps in {time.monotonic() - started:.0f} s on {devices}"
+            + (f", pipeline 1 from {other_bin_dir}" if other_bin_dir else "")
+            + f": audits drawn {count('drawn')}, passed {count('passed')}, failed "
+            f"{count('failed')}, verifiers caught {count('verifiers_caught')}, undecided "
+            f"{count('undecided')}, disputes {count('disputes')}; evictions "
+            f"{kinds.count('audit_evicted')}")
+    ok = (count("passed") > 0 and count("failed") == 0 and count("verifiers_caught") == 0
+          and count("disputes") == 0 and "audit_evicted" not in kinds)
+    return line, ok
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--audit_steps", type=int, default=400,
+                        help="steps of the honest spot-check run (0: skip it)")
+    parser.add_argument("--other_bin_dir", default="",
+                        help="another build's bin directory for pipeline 1's workers")
     args = parser.parse_args()
 
     cpu_losses, cpu_rate, cpu_devices, blas = train("cpu", args.steps)
@@ -75,6 +138,12 @@ def main():
     if worst > TOLERANCE:
         print("FAIL: losses differ beyond the tolerance")
         return 1
+    if args.audit_steps > 0:
+        line, ok = check_audits(args.device, args.audit_steps, args.other_bin_dir)
+        print(f"spot checks, pipeline 0 on {args.device} and pipeline 1 on cpu: {line}")
+        if not ok:
+            print("FAIL: an honest run failed, disputed or evicted on a spot check")
+            return 1
     print("gpu check: OK")
     return 0
 

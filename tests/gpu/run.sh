@@ -3,7 +3,9 @@
 # geotrain against that machine's CUDA LibTorch (PyPI's torch wheel, with
 # the CUDA codec kernels), runs cuda_codec_test, trains the demo job with 3
 # workers sharing the device, checks that `sync` gives the same per-step
-# losses there as on the CPU, and prints samples/s of both.
+# losses there as on the CPU, and prints samples/s of both; then runs two
+# pipelines with spot checks, one on the device and one on the CPU, where
+# no honest worker may fail an audit (compare_devices.py).
 #
 #   tests/gpu/run.sh                  # on cuda:0
 #   tests/gpu/run.sh --device=cuda:1
@@ -13,7 +15,9 @@
 # tests/run.sh's second tree), GEOTRAIN_GPU_STEPS (default 30),
 # GEOTRAIN_COORDINATOR_BIN_DIR (a directory that already has
 # geotrain-coordinator and geotrain-ctl, which link no LibTorch: this tree
-# then builds only the worker).
+# then builds only the worker), GEOTRAIN_GPU_AUDIT_STEPS (default 400; 0
+# skips the spot-check run), GEOTRAIN_GPU_OTHER_BIN_DIR (another build's
+# bin directory: its geotrain-worker runs the spot-check run's pipeline 1).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -61,4 +65,5 @@ if [ -x "$BUILD_DIR/bin/cuda_codec_test" ]; then
 fi
 echo "== sync on $DEVICE against sync on cpu ($STEPS steps, 3 workers)"
 GEOTRAIN_BIN_DIR="$BUILD_DIR/bin" python3 -u tests/gpu/compare_devices.py \
-  --device="$DEVICE" --steps="$STEPS"
+  --device="$DEVICE" --steps="$STEPS" --audit_steps="${GEOTRAIN_GPU_AUDIT_STEPS:-400}" \
+  --other_bin_dir="${GEOTRAIN_GPU_OTHER_BIN_DIR:-}"

@@ -133,10 +133,11 @@ class Cluster:
         self.port = wait_for(port, 30, "the coordinator's port")
         return self
 
-    def start_worker(self, name, extra=(), env=None):
+    def start_worker(self, name, extra=(), env=None, worker_binary=None):
         """`extra` flags come last, so they override the defaults here;
-        `env` adds to the environment."""
-        args = [binary("geotrain-worker"), f"--coordinator={self.address}",
+        `env` adds to the environment; `worker_binary` is another build's
+        geotrain-worker (BIN_DIR's by default)."""
+        args = [worker_binary or binary("geotrain-worker"), f"--coordinator={self.address}",
                 "--listen=127.0.0.1:0", "--device=cpu", "--threads=1",
                 f"--name={name}"] + ([] if self.secure else ["--insecure"]) + list(extra)
         worker = Process(args, os.path.join(self.dir, f"{name}.log"), env, name)
