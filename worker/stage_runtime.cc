@@ -12,6 +12,7 @@
 #include "common/status_macros.h"
 #include "common/tensor_wire.h"
 #include "common/layer_state.h"
+#include "common/logging.h"
 #include "worker/datasets.h"
 #include "worker/models.h"
 #include "worker/optimizer.h"
@@ -112,9 +113,18 @@ struct StageRuntime::Impl {
   }
   std::vector<torch::Tensor> eval_params;
   int64_t eval_params_round = -1;
+  int64_t forwards_run = 0;  // RunLayers calls (RuntimeOptions::tamper_*)
 
   torch::Tensor RunLayers(torch::Tensor x, const std::vector<torch::Tensor>& params) {
+    const bool skip = options.tamper_skip_layer >= 0 &&
+                      forwards_run++ >= options.tamper_after_forwards;
+    if (skip && forwards_run == options.tamper_after_forwards + 1) {
+      GT_LOG(Warning) << "tampering: leaving out layer "
+                      << placement.layer_begin + options.tamper_skip_layer
+                      << " from forward pass " << forwards_run;
+    }
     for (size_t i = 0; i < layers.size(); ++i) {
+      if (skip && static_cast<int>(i) == options.tamper_skip_layer) continue;
       const auto [begin, end] = LayerParams(static_cast<size_t>(i), params.size());
       x = layers[i]->Forward(x, at::ArrayRef<torch::Tensor>(params.data() + begin, end - begin));
     }

@@ -45,6 +45,13 @@ struct RuntimeOptions {
   // How outgoing activations and gradients are encoded on the wire.
   WireEncoding activation_encoding;
   WireEncoding gradient_encoding;
+  // For tests only (an adversarial worker, WorkerOptions::tamper_runtime):
+  // after `tamper_after_forwards` forward passes, every pass leaves out the
+  // stage's layer of this index (0: its first), as faulty or lazy
+  // hardware might. Its outputs stay true to nothing: a spot check's
+  // recomputation runs every layer. -1: never.
+  int tamper_skip_layer = -1;
+  int64_t tamper_after_forwards = 0;
 };
 
 // Weight stashing figures of one stage.

@@ -510,6 +510,7 @@ absl::StatusOr<bool> Worker::PrepareRuntime(const StagePlacement& placement,
     encoding->topk_fraction = job_.topk_fraction();
     encoding->zstd = job_.zstd();
   }
+  if (options_.tamper_runtime) options_.tamper_runtime(&runtime_options);
   ASSIGN_OR_RETURN(std::unique_ptr<StageRuntime> runtime,
                    StageRuntime::Create(job_, placement, runtime_options));
   runtime_rollback_epoch_ = rollback_epoch;

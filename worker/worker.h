@@ -103,6 +103,10 @@ struct WorkerOptions {
   // For tests only: changes each spot-check verdict this worker reports as
   // a verifier (a verifier that lies; the coordinator must outvote it).
   std::function<void(v1::AuditVerdict*)> tamper_verdict;
+  // For tests only: changes the options of each stage runtime this worker
+  // builds (RuntimeOptions::tamper_skip_layer: a stage that leaves a layer
+  // out). Its spot-check verifiers' runtimes are not changed.
+  std::function<void(RuntimeOptions*)> tamper_runtime;
 };
 
 // Parses "PEER=VIA[,PEER=VIA...]" (each a HOST:PORT) into WorkerOptions::routes.

@@ -27,6 +27,10 @@
 //   --misbehave=flip_gradients    the same, the sign of every gradient
 //                                 flipped (activations honest)
 //   --misbehave=scale_gradients   the same, gradients only, times --factor
+//   --misbehave=skip_layer        after --after forward passes, leaves out its
+//                                 stage's layer --layer (0: its first; it must
+//                                 keep the shapes) from every pass; its
+//                                 messages and log are true to what it ran
 //   --misbehave=lie_as_verifier   trains honestly; fails every spot check it
 //                                 is asked to verify (a forged accusation)
 // With --lie_every=N (N > 1) the tampering ones lie only on microbatches
@@ -82,6 +86,7 @@ ABSL_FLAG(int, lie_every, 1,
           "scale_outputs, noise, flip_gradients, scale_gradients: tamper only with "
           "microbatches whose id is a multiple of this (a guess at the unchecked ones)");
 ABSL_FLAG(double, noise, 0.01, "noise: the noise's standard deviation over each tensor's RMS");
+ABSL_FLAG(int, layer, 0, "skip_layer: which of its stage's layers it leaves out");
 ABSL_FLAG(bool, consistent_log, false,
           "log the tampered messages as sent (the spot checks' adversary)");
 
@@ -99,6 +104,7 @@ enum class Misbehaviour {
   kNoise,
   kFlipGradients,
   kScaleGradients,
+  kSkipLayer,
   kLieAsVerifier
 };
 
@@ -444,12 +450,14 @@ int Main(int argc, char** argv) {
     how = Misbehaviour::kFlipGradients;
   } else if (kind == "scale_gradients") {
     how = Misbehaviour::kScaleGradients;
+  } else if (kind == "skip_layer") {
+    how = Misbehaviour::kSkipLayer;
   } else if (kind == "lie_as_verifier") {
     how = Misbehaviour::kLieAsVerifier;
   } else {
     std::fprintf(stderr, "--misbehave: one of fake_done, fake_final_step, hijack_link, "
                          "drop_links, stall, poison_checkpoint, scale_outputs, noise, "
-                         "flip_gradients, scale_gradients, lie_as_verifier\n");
+                         "flip_gradients, scale_gradients, skip_layer, lie_as_verifier\n");
     return 2;
   }
   if (absl::GetFlag(FLAGS_state_dir).empty()) {
@@ -475,6 +483,12 @@ int Main(int argc, char** argv) {
   CommitmentLog* log = absl::GetFlag(FLAGS_consistent_log) && Tampers(how) ? consistent_log
                                                                             : nullptr;
   options.commitment_log = log;
+  if (how == Misbehaviour::kSkipLayer) {
+    options.tamper_runtime = [after, layer = absl::GetFlag(FLAGS_layer)](RuntimeOptions* o) {
+      o->tamper_skip_layer = layer;
+      o->tamper_after_forwards = after;
+    };
+  }
   if (how == Misbehaviour::kLieAsVerifier) {
     options.tamper_verdict = [](v1::AuditVerdict* verdict) {
       if (!verdict->ran()) return;

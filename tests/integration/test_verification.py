@@ -100,7 +100,7 @@ HONEST_STEPS = 400
 
 class SpotCheckTest(unittest.TestCase):
     def run_adversary(self, misbehave, extra=(), workers=6, position=5, stage=1, plan_at=None,
-                      lies_always=True):
+                      lies_always=True, tamper_mark="hostile: scaling"):
         """The hostile worker joins `position`-th of `workers` and must
         hold `stage` (join order places it). The first plan is made when
         `plan_at` workers (all, by default) have joined: with a standby,
@@ -122,7 +122,7 @@ class SpotCheckTest(unittest.TestCase):
                 else:
                     c.start_worker(f"w{i}", extra=[f"--token={token}"])
                 wait_for(lambda: len(c.status()["workers"]) == i + 1, 60, f"worker {i} to join")
-            wait_for(lambda: "hostile: scaling" in hostile.log(), 300,
+            wait_for(lambda: tamper_mark in hostile.log(), 300,
                      "the hostile worker to tamper", interval=0.5)
             status = c.status()
             mine = next(w for w in status["workers"] if w["name"] == "hostile")
@@ -244,6 +244,14 @@ class SpotCheckTest(unittest.TestCase):
         """x10 is also what the cheap check sees (it makes the worker a
         suspect, audited at 10x f); the recomputation evicts it."""
         self.run_adversary("scale_outputs", ["--factor=10"])
+
+    def test_a_skipped_layer_is_caught(self):
+        """Stage 1 (layers 1 and 2) leaves out layer 1 (64 to 64) from its
+        21st forward pass on, through a hook in its runtime: its messages
+        and log are true to what it ran, so only the recomputation, with
+        every layer of the weights it committed to, finds it out."""
+        self.run_adversary("skip_layer", ["--layer=0"],
+                           tamper_mark="tampering: leaving out layer 1")
 
     def test_a_liar_on_a_quarter_of_its_microbatches_is_caught(self):
         """It lies (x1.05) only on the microbatches it guesses go unchecked,
