@@ -55,10 +55,20 @@ def train(device, steps):
     return losses, rate, devices, blas
 
 
-def check_audits(device, steps, other_bin_dir):
-    """The honest spot-check run (see above): returns a line of figures and
-    whether it passed."""
+def audit_line(status):
+    audits = status.get("audits", {})
+    return (f"audits drawn {audits.get('drawn', 0)}, passed {audits.get('passed', 0)}, failed "
+            f"{audits.get('failed', 0)}, verifiers caught {audits.get('verifiers_caught', 0)}, "
+            f"undecided {audits.get('undecided', 0)}, disputes {audits.get('disputes', 0)}")
+
+
+def check_audits(device, steps, other_bin_dir, minutes=0):
+    """The honest spot-check run (see above), `steps` long or, with
+    `minutes`, that long (a progress line a minute): returns a line of
+    figures and whether it passed."""
     started = time.monotonic()
+    if minutes > 0:
+        steps = 5_000_000
     with PipelinesCluster(steps, 8, streaming=False, secure=True, workers=4) as c:
         with open(c.job, "a") as f:
             f.write("verification { fraction: 0.05 }\n")
@@ -78,12 +88,24 @@ def check_audits(device, steps, other_bin_dir):
             cluster.wait_for(lambda: len(c.status()["workers"]) == i + 1, 120,
                              f"worker {i} to join")
         try:
-            c.wait_done(timeout=900)
+            if minutes > 0:
+                while time.monotonic() - started < minutes * 60:
+                    time.sleep(60)
+                    status = c.status()
+                    rss = max(int(w.get("rss_bytes", 0)) for w in status["workers"])
+                    print(f"  {(time.monotonic() - started) / 60:.0f} min: step {status['step']}, "
+                          f"{audit_line(status)}; largest worker RSS {rss / 2**20:.0f} MiB",
+                          flush=True)
+                    if any(p.popen.poll() is not None for p in c.workers):
+                        raise RuntimeError("a worker exited")
+            else:
+                c.wait_done(timeout=900)
         except Exception:
             print(c.dump_logs())
             raise
         c.ctl("status")  # the events log is written off the caller's thread
         status = c.status()
+        steps = int(status["step"])
         with open(os.path.join(c.dir, "state", "events.log")) as f:
             kinds = [json.loads(line)["kind"] for line in f if line.strip()]
     audits = status.get("audits", {})
@@ -91,10 +113,7 @@ def check_audits(device, steps, other_bin_dir):
     devices = sorted({f"{w['device']}/{w.get('blas', '')}" for w in status["workers"]})
     line = (f"{steps} steps in {time.monotonic() - started:.0f} s on {devices}"
             + (f", pipeline 1 from {other_bin_dir}" if other_bin_dir else "")
-            + f": audits drawn {count('drawn')}, passed {count('passed')}, failed "
-            f"{count('failed')}, verifiers caught {count('verifiers_caught')}, undecided "
-            f"{count('undecided')}, disputes {count('disputes')}; evictions "
-            f"{kinds.count('audit_evicted')}")
+            + f": {audit_line(status)}; evictions {kinds.count('audit_evicted')}")
     ok = (count("passed") > 0 and count("failed") == 0 and count("verifiers_caught") == 0
           and count("disputes") == 0 and "audit_evicted" not in kinds)
     return line, ok
@@ -108,7 +127,16 @@ def main():
                         help="steps of the honest spot-check run (0: skip it)")
     parser.add_argument("--other_bin_dir", default="",
                         help="another build's bin directory for pipeline 1's workers")
+    parser.add_argument("--audit_minutes", type=float, default=0,
+                        help="run the spot-check job this long instead of --audit_steps")
+    parser.add_argument("--audits_only", action="store_true",
+                        help="skip the loss comparison")
     args = parser.parse_args()
+    if args.audits_only:
+        line, ok = check_audits(args.device, args.audit_steps, args.other_bin_dir,
+                                args.audit_minutes)
+        print(f"spot checks, pipeline 0 on {args.device} and pipeline 1 on cpu: {line}")
+        return 0 if ok else 1
 
     cpu_losses, cpu_rate, cpu_devices, blas = train("cpu", args.steps)
     print(f"cpu: {len(cpu_losses)} steps, {cpu_rate:.1f} samples/s, devices {cpu_devices}, BLAS {blas}")
@@ -139,7 +167,8 @@ def main():
         print("FAIL: losses differ beyond the tolerance")
         return 1
     if args.audit_steps > 0:
-        line, ok = check_audits(args.device, args.audit_steps, args.other_bin_dir)
+        line, ok = check_audits(args.device, args.audit_steps, args.other_bin_dir,
+                                args.audit_minutes)
         print(f"spot checks, pipeline 0 on {args.device} and pipeline 1 on cpu: {line}")
         if not ok:
             print("FAIL: an honest run failed, disputed or evicted on a spot check")
