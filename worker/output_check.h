@@ -6,7 +6,8 @@
 // float tensor gets a bound, derived from the codec the claim was encoded
 // with and from the two devices, and an element outside it is a violation:
 //
-//   |claimed_i - recomputed_i| <= codec_i + device * absmax(block of i)
+//   |claimed_i - recomputed_i| <= codec_i + device * max(absmax(block of i),
+//                                                         rms(tensor))
 //
 //   codec_i: none 0; fp16 2^-11 |r_i| (and saturation past 65504);
 //            bf16 2^-8 |r_i|; int8 absmax/254 and int4 absmax/14 of the
@@ -32,14 +33,17 @@
 namespace geotrain {
 
 struct OutputTolerance {
-  // Slack for the two devices, relative to each block's largest magnitude.
-  double device = 1e-4;
+  // Slack for the two devices, relative to each block's largest magnitude
+  // (at least the tensor's RMS).
+  double device = 1e-3;
   // Violations allowed, as a fraction of the elements compared.
   double max_violation_fraction = 1e-3;
 };
 
 // The device term for an audited stage and its verifier ("cpu", "cuda",
-// "cuda:N"): 1e-4 between CPUs, whatever their BLAS kernels; 2e-2 when
+// "cuda:N"): 1e-3 between CPUs, whatever their BLAS library and kernels
+// (two LibTorch builds, MKL against OpenBLAS, reached 1.07e-4 of the
+// tensor's RMS in 13,000 audits of an MLP's gradients); 2e-2 when
 // either is a GPU (TF32 matrix products round to 10 bits, and the error
 // compounds through the stage's layers).
 double DeviceTolerance(const std::string& audited_device, const std::string& verifier_device);

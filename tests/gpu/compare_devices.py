@@ -11,7 +11,9 @@ are recomputed on the other's device; in CPU mode pipeline 1 runs
 OpenBLAS's generic kernel instead. With --other_bin_dir, pipeline 1's
 workers are another build's (tests/run.sh: Debian's LibTorch beside the
 wheel's). Every worker is honest: no audit may fail, no verifier be
-caught, nobody be evicted, and some audits must pass.
+caught, no verdict fail (with two pipelines a failed first verdict has no
+second verifier to overturn it) and nobody be evicted, and some audits
+must pass.
 
 Exits non-zero on any difference beyond the tolerance, a failed audit or a
 failed run.
@@ -113,9 +115,13 @@ def check_audits(device, steps, other_bin_dir, minutes=0):
     devices = sorted({f"{w['device']}/{w.get('blas', '')}" for w in status["workers"]})
     line = (f"{steps} steps in {time.monotonic() - started:.0f} s on {devices}"
             + (f", pipeline 1 from {other_bin_dir}" if other_bin_dir else "")
-            + f": {audit_line(status)}; evictions {kinds.count('audit_evicted')}")
+            + f": {audit_line(status)}; failed verdicts {kinds.count('audit_failed')}, "
+            f"evictions {kinds.count('audit_evicted')}")
+    # A failed verdict is an honest worker one verifier short of eviction
+    # (with two pipelines there is no second to ask): none may fail.
     ok = (count("passed") > 0 and count("failed") == 0 and count("verifiers_caught") == 0
-          and count("disputes") == 0 and "audit_evicted" not in kinds)
+          and count("disputes") == 0 and "audit_failed" not in kinds
+          and "audit_evicted" not in kinds)
     return line, ok
 
 

@@ -227,6 +227,34 @@ TEST_F(StageVerifierTest, ChangedOutputsFail) {
   }
 }
 
+// Issue 35's honest spread across LibTorch builds: a block made small by
+// cancellation (here a row a million times smaller than the others) keeps
+// rounding at the tensor's scale, which the bound allows; a lie on the
+// tensor is still far outside it.
+TEST(OutputCheckTest, ASmallBlockIsBoundedAtTheTensorsScale) {
+  auto message = [](const torch::Tensor& t) {
+    LinkMessage m;
+    EXPECT_TRUE(EncodeTensor(t.contiguous(), m.header.add_tensors(), &m.payload, WireEncoding())
+                    .ok());
+    return m;
+  };
+  torch::manual_seed(5);
+  torch::Tensor recomputed = torch::randn({16, 64});
+  recomputed[3] *= 1e-6;  // a confident sample's row
+  torch::Tensor rounded = recomputed.clone();
+  rounded[3] += 1e-6 * torch::randn({64});  // the other build's rounding there
+  absl::StatusOr<OutputComparison> honest =
+      CompareOutputs(message(rounded), message(recomputed), OutputTolerance());
+  ASSERT_TRUE(honest.ok()) << honest.status();
+  EXPECT_TRUE(honest->passed) << honest->Summary();
+  for (const torch::Tensor& lie : {recomputed * 1.05, recomputed + 0.01 * torch::randn({16, 64})}) {
+    absl::StatusOr<OutputComparison> caught =
+        CompareOutputs(message(lie), message(recomputed), OutputTolerance());
+    ASSERT_TRUE(caught.ok());
+    EXPECT_FALSE(caught->passed) << caught->Summary();
+  }
+}
+
 // A stage that skipped its updates computes with older weights than the
 // ones it commits to; one that skipped a layer computes something else.
 TEST_F(StageVerifierTest, StaleWeightsAndASkippedLayerFail) {
