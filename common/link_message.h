@@ -29,6 +29,14 @@ struct LinkMessage {
   std::string payload;  // tensors' payloads, concatenated in header order
 };
 
+// The version of the weights the stage that sent `header` computed it
+// with: its entry of weight_versions, else weight_version.
+inline int64_t SenderWeightVersion(const v1::LinkHeader& header) {
+  const int stage = header.from_stage();
+  if (stage >= 0 && stage < header.weight_versions_size()) return header.weight_versions(stage);
+  return header.weight_version();
+}
+
 // Bytes of one element of `dtype`, 0 for unknown dtypes.
 size_t DTypeSize(v1::DType dtype);
 

@@ -15,6 +15,7 @@ const char* PartName(v1::EvidenceRequest::Part part) {
     case v1::EvidenceRequest::SENT_INPUT: return "input";
     case v1::EvidenceRequest::CLAIM: return "claim";
     case v1::EvidenceRequest::RECEIPT: return "receipt";
+    case v1::EvidenceRequest::SENT_GRADIENT: return "downstream gradients";
     default: return "?";
   }
 }
@@ -26,6 +27,57 @@ std::string Short(const std::string& commitment) {
 
 uint64_t EvidenceBytes(const v1::AuditEvidence& evidence) {
   return evidence.ByteSizeLong();
+}
+
+// How an audit names itself in events.
+std::string What(const Audit& audit) {
+  return audit.update ? absl::StrCat("the update after step ", audit.step)
+                      : absl::StrCat("microbatch ", audit.microbatch);
+}
+
+// What is wrong with `evidence` for update audit `audit`: empty when it is
+// the part asked for, of the microbatches asked for.
+std::string UpdateEvidenceProblem(const Audit& audit, const v1::AuditEvidence& evidence) {
+  const int count = static_cast<int>(audit.microbatches.size());
+  auto each_is = [&](v1::MessageKind kind) -> std::string {
+    if (evidence.messages_size() != count) {
+      return absl::StrCat("carries ", evidence.messages_size(), " messages, not ", count);
+    }
+    for (int i = 0; i < count; ++i) {
+      const v1::LinkHeader& header = evidence.messages(i).header();
+      if (header.kind() != kind || header.microbatch() != audit.microbatches[i]) {
+        return absl::StrCat("message ", i, " is not microbatch ", audit.microbatches[i], "'s");
+      }
+    }
+    return "";
+  };
+  auto is = [](const v1::LoggedLinkMessage& message, v1::MessageKind kind, uint64_t microbatch) {
+    return message.header().kind() == kind && message.header().microbatch() == microbatch;
+  };
+  switch (evidence.part()) {
+    case v1::EvidenceRequest::SENT_INPUT: return each_is(v1::MESSAGE_KIND_ACTIVATION);
+    case v1::EvidenceRequest::SENT_GRADIENT: return each_is(v1::MESSAGE_KIND_GRADIENT);
+    case v1::EvidenceRequest::CLAIM:
+      if (!is(evidence.message(), audit.kind, audit.microbatch) ||
+          !is(evidence.next_message(), audit.kind, audit.next_microbatch)) {
+        return absl::StrCat("is not the outputs of microbatches ", audit.microbatch, " and ",
+                            audit.next_microbatch);
+      }
+      if (evidence.weights().empty() || evidence.weights_after().empty()) {
+        return "misses the weights before or after the update";
+      }
+      if (evidence.received_commitments_size() != (audit.upstream.empty() ? 0 : count) ||
+          evidence.received_gradient_commitments_size() !=
+              (audit.downstream.empty() ? 0 : count)) {
+        return "does not carry one received commitment per microbatch";
+      }
+      return "";
+    default:
+      if (evidence.received_commitment().empty() || evidence.next_received_commitment().empty()) {
+        return "misses a received commitment";
+      }
+      return "";
+  }
 }
 
 // Drawing a step costs a draw per (pipeline, stage, microbatch): after a
@@ -54,6 +106,11 @@ void AuditCoordinator::AskLocked(const std::string& worker, const Pending& pendi
   request.set_gradient(pending.audit.kind == v1::MESSAGE_KIND_GRADIENT);
   request.set_microbatch(pending.audit.microbatch);
   request.set_stage(pending.audit.stage);
+  if (pending.audit.update) {
+    request.set_update(true);
+    for (uint64_t m : pending.audit.microbatches) request.add_microbatches(m);
+    request.set_next_microbatch(pending.audit.next_microbatch);
+  }
   evidence_asks_[worker].push_back(std::move(request));
 }
 
@@ -69,11 +126,13 @@ void AuditCoordinator::OnCommitted(const v1::Plan& plan, int committed_step, int
     drawn_through_ = std::min(drawn_through_, committed_step);
     // Its workers new to a stage are trusted up to where it starts; those
     // that left it are forgotten.
-    std::map<std::string, int> trusted;
+    std::map<std::string, Trust> trusted;
     for (const v1::StageAssignment& stage : plan.stages()) {
       for (const StageWorker& w : WorkersOf(stage)) {
         auto known = trusted_.find(w.id);
-        trusted[w.id] = known != trusted_.end() ? known->second : plan.start_step();
+        trusted[w.id] = known != trusted_.end()
+                            ? known->second
+                            : Trust{plan.start_step(), plan.start_step()};
       }
     }
     trusted_ = std::move(trusted);
@@ -106,6 +165,9 @@ void AuditCoordinator::OnCommitted(const v1::Plan& plan, int committed_step, int
         pending.plan = shared_plan;
       } else {
         pending.owed[v1::EvidenceRequest::SENT_INPUT] = audit.upstream;
+      }
+      if (audit.update && !audit.downstream.empty()) {
+        pending.owed[v1::EvidenceRequest::SENT_GRADIENT] = audit.downstream;
       }
       pending.owed[v1::EvidenceRequest::CLAIM] = audit.audited;
       pending.owed[v1::EvidenceRequest::RECEIPT] = receiver;
@@ -149,12 +211,20 @@ absl::Status AuditCoordinator::AcceptEvidence(const std::string& caller,
   if (!evidence.found()) {
     AbandonLocked(id, "audit_evidence_missing", caller,
                   absl::StrCat("audit ", id, ": ", Name(caller), " no longer holds the ",
-                               PartName(evidence.part()), " of microbatch ",
-                               pending.audit.microbatch, " (", evidence.detail().substr(0, 200),
-                               ")"));
+                               PartName(evidence.part()), " of ", What(pending.audit), " (",
+                               evidence.detail().substr(0, 200), ")"));
     return absl::OkStatus();
   }
-  const bool wants_message = evidence.part() != v1::EvidenceRequest::RECEIPT;
+  if (pending.audit.update) {
+    if (const std::string wrong = UpdateEvidenceProblem(pending.audit, evidence); !wrong.empty()) {
+      AbandonLocked(id, "audit_evidence_refused", caller,
+                    absl::StrCat("audit ", id, ": ", Name(caller), "'s ",
+                                 PartName(evidence.part()), " ", wrong));
+      return absl::InvalidArgumentError(absl::StrCat("evidence of another update: ", wrong));
+    }
+  }
+  const bool wants_message = !pending.audit.update &&
+                             evidence.part() != v1::EvidenceRequest::RECEIPT;
   const v1::MessageKind kind = evidence.part() == v1::EvidenceRequest::SENT_INPUT
                                    ? v1::MESSAGE_KIND_ACTIVATION
                                    : pending.audit.kind;
@@ -165,7 +235,7 @@ absl::Status AuditCoordinator::AcceptEvidence(const std::string& caller,
                                " is not microbatch ", pending.audit.microbatch, "'s"));
     return absl::InvalidArgumentError("evidence of another message than asked");
   }
-  if (!wants_message && evidence.received_commitment().empty()) {
+  if (evidence.part() == v1::EvidenceRequest::RECEIPT && evidence.received_commitment().empty()) {
     return absl::InvalidArgumentError("a receipt without a commitment");
   }
   const uint64_t bytes = EvidenceBytes(evidence);
@@ -181,6 +251,7 @@ absl::Status AuditCoordinator::AcceptEvidence(const std::string& caller,
   switch (evidence.part()) {
     case v1::EvidenceRequest::SENT_INPUT: pending.input = evidence; break;
     case v1::EvidenceRequest::CLAIM: pending.claim = evidence; break;
+    case v1::EvidenceRequest::SENT_GRADIENT: pending.gradients = evidence; break;
     default: pending.receipt = evidence; break;
   }
   pending.owed.erase(owed);
@@ -196,10 +267,54 @@ void AuditCoordinator::OnEvidenceCompleteLocked(Pending* pending) {
     disputed_.insert(a);
     disputed_.insert(b);
     AbandonLocked(id, "audit_disputed", audit.audited,
-                  absl::StrCat("audit ", id, " (stage ", audit.stage, ", microbatch ",
-                               audit.microbatch, "): ", what, "; ", Name(a), " and ", Name(b),
+                  absl::StrCat("audit ", id, " (stage ", audit.stage, ", ", What(audit), "): ",
+                               what, "; ", Name(a), " and ", Name(b),
                                " are audited at the suspect's rate from now on"));
   };
+  if (audit.update) {
+    // Every microbatch's input and downstream gradient as their senders
+    // logged them, against what the audited stage logged receiving.
+    const v1::AuditEvidence& claim = *pending->claim;
+    for (int i = 0; i < static_cast<int>(audit.microbatches.size()); ++i) {
+      if (pending->input.has_value()) {
+        const std::string& sent = pending->input->messages(i).header().commitment();
+        if (sent != claim.received_commitments(i)) {
+          dispute(audit.upstream, audit.audited,
+                  absl::StrCat(Name(audit.upstream), " logged sending microbatch ",
+                               audit.microbatches[i], "'s input committed as ", Short(sent), ", ",
+                               Name(audit.audited), " logged receiving ",
+                               Short(claim.received_commitments(i))));
+          return;
+        }
+      }
+      if (pending->gradients.has_value()) {
+        const std::string& sent = pending->gradients->messages(i).header().commitment();
+        if (sent != claim.received_gradient_commitments(i)) {
+          dispute(audit.downstream, audit.audited,
+                  absl::StrCat(Name(audit.downstream), " logged sending microbatch ",
+                               audit.microbatches[i], "'s gradient committed as ", Short(sent),
+                               ", ", Name(audit.audited), " logged receiving ",
+                               Short(claim.received_gradient_commitments(i))));
+          return;
+        }
+      }
+    }
+    const std::string& receiver = pending->receipt->worker_id();
+    for (const auto& [sent, received] :
+         {std::make_pair(&claim.message(), &pending->receipt->received_commitment()),
+          std::make_pair(&claim.next_message(), &pending->receipt->next_received_commitment())}) {
+      if (sent->header().commitment() != *received) {
+        dispute(audit.audited, receiver,
+                absl::StrCat(Name(audit.audited), " logged sending an output committed as ",
+                             Short(sent->header().commitment()), ", ", Name(receiver),
+                             " logged receiving ", Short(*received)));
+        return;
+      }
+    }
+    pending->asked_verifier_ms = options_.clock->NowMs();
+    verify_asks_[audit.verifiers.back()].push_back(id);
+    return;
+  }
   const std::string input_commitment =
       pending->input.has_value() ? pending->input->message().header().commitment() : "";
   if (pending->input.has_value() && input_commitment != pending->claim->received_commitment()) {
@@ -249,6 +364,22 @@ absl::StatusOr<v1::AuditBundle> AuditCoordinator::Fetch(const std::string& calle
   *bundle.mutable_claim() = pending.claim->message();
   bundle.set_audited_device(pending.claim->device());
   bundle.set_weights_digest(pending.claim->weights_digest());
+  if (pending.audit.update) {
+    bundle.set_update(true);
+    bundle.set_step(pending.audit.step);
+    for (uint64_t m : pending.audit.microbatches) bundle.add_microbatches(m);
+    if (pending.input.has_value()) *bundle.mutable_inputs() = pending.input->messages();
+    if (pending.gradients.has_value()) {
+      *bundle.mutable_output_gradients() = pending.gradients->messages();
+    }
+    *bundle.mutable_next_claim() = pending.claim->next_message();
+    *bundle.mutable_weights_after() = pending.claim->weights_after();
+    // The driver's position at that update is the step's microbatches
+    // finished, over the run's (PipelineDriver::AfterBackward).
+    bundle.set_progress(options_.total_steps > 0 ? static_cast<double>(pending.audit.step) /
+                                                       options_.total_steps
+                                                 : 0.0);
+  }
   fetched_bytes_total_ += bundle.ByteSizeLong();
   return bundle;
 }
@@ -286,9 +417,12 @@ absl::Status AuditCoordinator::AcceptVerdict(const std::string& caller,
     const Audit& audit = decision->audit;
     const std::string what = absl::StrCat(
         "audit ", id, " of ", Name(audit.audited), " (stage ", audit.stage, ", step ", audit.step,
-        ", microbatch ", audit.microbatch, ", claim ",
-        Short(pending.claim->message().header().commitment()), ")");
-    options_.events->Add(verdict.passed() ? "audit_passed" : "audit_failed", Name(caller),
+        ", ", What(audit), ", claim ", Short(pending.claim->message().header().commitment()),
+        ")");
+    options_.events->Add(verdict.passed()        ? "audit_passed"
+                         : !verdict.verifiable() ? "audit_unverifiable"
+                                                 : "audit_failed",
+                         Name(caller),
                          absl::StrCat(what, ": ", verdict.summary().substr(0, 300)));
     if (decision->ask.has_value()) {
       pending.asked_verifier_ms = options_.clock->NowMs();
@@ -297,7 +431,12 @@ absl::Status AuditCoordinator::AcceptVerdict(const std::string& caller,
     }
     if (audit.state == Audit::State::kPassed) {
       if (auto trusted = trusted_.find(audit.audited); trusted != trusted_.end()) {
-        trusted->second = std::max(trusted->second, audit.step);
+        Trust& trust = trusted->second;
+        trust.outputs = std::max(trust.outputs, audit.step);
+        // Without update audits, outputs are all there is to go by.
+        if (audit.update || !options_.audits.audit_updates) {
+          trust.weights = std::max(trust.weights, audit.step);
+        }
       }
     }
     for (const std::string& worker : decision->evict) {
@@ -309,9 +448,13 @@ absl::Status AuditCoordinator::AcceptVerdict(const std::string& caller,
         // Not of the plan any more (it left as it was caught): nobody
         // past the floor is trusted. A pass of a later step (a worker that
         // lies on some microbatches) does not vouch for the one caught.
-        trusted_step = std::max(
-            0, std::min(trusted != trusted_.end() ? trusted->second : TrustedFloorLocked(),
-                        audit.step - 1));
+        // Caught in an update, its weights are wrong from then on: an
+        // output audit that passed since vouched only for its outputs from
+        // the weights it held.
+        const int trusted_to = trusted == trusted_.end() ? TrustedFloorLocked()
+                               : audit.update        ? trusted->second.weights
+                                                     : trusted->second.outputs;
+        trusted_step = std::max(0, std::min(trusted_to, audit.step - 1));
       }
       evictions.push_back({worker, absl::StrCat(what, ": ", decision->reason), trusted_step});
     }
@@ -350,13 +493,19 @@ int AuditCoordinator::TrustedFloor() const {
 
 int AuditCoordinator::TrustedFloorLocked() const {
   int floor = -1;
-  for (const auto& [worker, step] : trusted_) floor = floor < 0 ? step : std::min(floor, step);
+  for (const auto& [worker, trust] : trusted_) {
+    const int step = std::min(trust.outputs, trust.weights);
+    floor = floor < 0 ? step : std::min(floor, step);
+  }
   return floor;
 }
 
 void AuditCoordinator::RolledBack(int step) {
   absl::MutexLock lock(&mu_);
-  for (auto& [worker, trusted] : trusted_) trusted = std::min(trusted, step);
+  for (auto& [worker, trust] : trusted_) {
+    trust.outputs = std::min(trust.outputs, step);
+    trust.weights = std::min(trust.weights, step);
+  }
 }
 
 void AuditCoordinator::AbandonLocked(uint64_t id, const std::string& kind,

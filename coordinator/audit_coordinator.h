@@ -26,11 +26,20 @@
 // evicted once; its other open audits, and those waiting on its verdict,
 // close undecided with it.
 //
+// Update audits (AuditManager) go the same way with more parts: every
+// microbatch of the step from the neighbours (SENT_INPUT, SENT_GRADIENT),
+// the stage's outputs of the step and of the next one with the weights and
+// optimizer state before the update and the weights after it (CLAIM), and
+// the receipts of both outputs (RECEIPT).
+//
 // 5. It keeps the step up to which each worker of the plan is trusted:
 //    the plan's start step when it first holds a stage (it had computed
 //    nothing yet), raised by each audit of its computations that passes.
-//    An eviction for a confirmed wrong computation carries the evicted
-//    worker's (at most the step before the one caught), for the job to
+//    A stage that skips its updates computes true outputs from wrong
+//    weights, so a worker caught in an update is trusted only up to its
+//    last passed update audit. An eviction for a confirmed wrong
+//    computation carries the evicted worker's (at most the step before the
+//    one caught), for the job to
 //    roll back to (docs/verification.md,
 //    "Rollback"); the lowest over the plan's workers is what the
 //    checkpoint store must keep a checkpoint at or before (TrustedFloor).
@@ -80,6 +89,9 @@ struct AuditCoordinatorOptions {
   int64_t evidence_timeout_ms = 30000;
   int64_t verdict_timeout_ms = 60000;
   uint64_t max_evidence_bytes = uint64_t{256} << 20;
+  // The job's steps: an update's learning-rate position is its step over
+  // these (update audits).
+  int total_steps = 0;
 };
 
 // The audit figures of status (ClusterStatus.audits).
@@ -144,7 +156,8 @@ class AuditCoordinator {
     int64_t asked_verifier_ms = 0;  // 0: evidence still owed
     // Who owes which part.
     std::map<v1::EvidenceRequest::Part, std::string> owed;
-    std::optional<v1::AuditEvidence> input, claim, receipt;
+    // An update audit also needs the downstream gradients (gradients).
+    std::optional<v1::AuditEvidence> input, claim, receipt, gradients;
     // Stage 0: the plan the verifier derives the audited worker's data
     // from.
     std::shared_ptr<const v1::Plan> plan;
@@ -172,8 +185,14 @@ class AuditCoordinator {
   std::map<std::string, std::vector<uint64_t>> verify_asks_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> disputed_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> evicted_ ABSL_GUARDED_BY(mu_);
-  // Worker -> the step up to which its computations are trusted (see 5).
-  std::map<std::string, int> trusted_ ABSL_GUARDED_BY(mu_);
+  // Worker -> the steps up to which it is trusted (see 5): its outputs,
+  // raised by any audit that passes, and its weights, raised only by
+  // update audits that pass (by any audit in a job without them).
+  struct Trust {
+    int outputs = 0;
+    int weights = 0;
+  };
+  std::map<std::string, Trust> trusted_ ABSL_GUARDED_BY(mu_);
   uint64_t evidence_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t disputes_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t expired_ ABSL_GUARDED_BY(mu_) = 0;

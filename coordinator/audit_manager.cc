@@ -12,6 +12,9 @@ namespace {
 // The key of pipeline r's stage-k computation in the draw: pipelines
 // compute the same microbatch ids, and each is drawn on its own.
 int DrawKey(int stage, int pipeline) { return stage + pipeline * 65536; }
+// An update's key: the step stands where a microbatch id stands, and the
+// key lies above every stage's (stages are never 32,000 deep).
+int UpdateDrawKey(int stage, int pipeline) { return DrawKey(stage + 32768, pipeline); }
 // The verifier choices' randomness: keys below any computation's of the
 // pipeline (stages are never 65,000 deep).
 int ChoiceKey(size_t attempt, int pipeline) {
@@ -126,6 +129,35 @@ std::vector<Audit> AuditManager::OnStepCommitted(
       const double rate = std::min(
           1.0, options_.fraction * (is_suspect && is_suspect(base.audited) ? options_.suspect_boost
                                                                           : 1.0));
+      const int updated = step - 1;  // the step whose update `step` computed with
+      const bool tied = options_.tied_ends && (k == 0 || k + 1 == stages);
+      if (options_.audit_updates && !tied && updated > plan.start_step() && updated >= 1 &&
+          draw_.Draw(base.epoch, static_cast<uint64_t>(updated),
+                     UpdateDrawKey(base.stage, r)) < rate) {
+        ++counts_.drawn;
+        if (open_.size() >= options_.max_open_audits) {
+          ++counts_.dropped;
+        } else {
+          Audit audit = base;
+          audit.id = next_id_++;
+          audit.update = true;
+          audit.step = updated;
+          for (int j = 0; j < microbatches; ++j) {
+            audit.microbatches.push_back(static_cast<uint64_t>(updated - 1) * microbatches + j);
+          }
+          audit.microbatch = audit.microbatches.front();
+          audit.next_microbatch = static_cast<uint64_t>(updated) * microbatches;
+          std::optional<std::string> verifier = ChooseVerifierLocked(audit, plan, standbys);
+          if (!verifier.has_value()) {
+            audit.state = Audit::State::kUndecided;
+            CloseLocked(std::move(audit));
+          } else {
+            audit.verifiers.push_back(*verifier);
+            open_[audit.id] = audit;
+            opened.push_back(std::move(audit));
+          }
+        }
+      }
       for (int j = 0; j < microbatches; ++j) {
         const uint64_t microbatch = static_cast<uint64_t>(step - 1) * microbatches + j;
         if (draw_.Draw(base.epoch, microbatch, DrawKey(base.stage, r)) >= rate) continue;
@@ -193,9 +225,13 @@ absl::StatusOr<AuditDecision> AuditManager::OnVerdict(uint64_t id, const std::st
         if (audit.passed[i]) decision.evict.push_back(audit.verifiers[i]);
       }
       decision.reason = absl::StrCat(
-          audit.audited, "'s ", audit.kind == v1::MESSAGE_KIND_ACTIVATION ? "activation" : "gradient",
-          " of microbatch ", audit.microbatch, " (epoch ", audit.epoch, ", stage ", audit.stage,
-          ") failed ", fails, " verifiers: ", absl::StrJoin(audit.summaries, " | "));
+          audit.audited, "'s ",
+          audit.update ? absl::StrCat("update after step ", audit.step)
+                       : absl::StrCat(audit.kind == v1::MESSAGE_KIND_ACTIVATION ? "activation"
+                                                                                : "gradient",
+                                      " of microbatch ", audit.microbatch),
+          " (epoch ", audit.epoch, ", stage ", audit.stage, ") failed ", fails,
+          " verifiers: ", absl::StrJoin(audit.summaries, " | "));
     } else if (fails >= 1) {
       audit.state = Audit::State::kVerifierLied;
       for (size_t i = 0; i < audit.passed.size(); ++i) {

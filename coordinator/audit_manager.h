@@ -59,6 +59,14 @@ struct AuditOptions {
   // no neighbour's log holds; the live spot checks start at stage 1
   // (AuditCoordinator).
   int first_audited_stage = 0;
+  // Update audits (docs/verification.md, "Update audits"): each stage of
+  // each pipeline has the update after step s audited at the same rate, by
+  // a draw of its own. Only where a step is one update of every stage (the
+  // SYNC schedule); `tied_ends`: stage 0 and the last hold the two ends of
+  // a tied embedding, whose updates need each other's gradients, and are
+  // not drawn.
+  bool audit_updates = false;
+  bool tied_ends = false;
 };
 
 // One audited computation.
@@ -78,6 +86,13 @@ struct Audit {
   int step = 0;
   uint64_t microbatch = 0;
   v1::MessageKind kind = v1::MESSAGE_KIND_UNSPECIFIED;
+  // An update audit: the update after step `step`. `microbatches` are the
+  // step's (`microbatch` is the first), `next_microbatch` the next step's
+  // first; `kind` is the kind of the stage's outputs, whose digests fix
+  // the weights before and after.
+  bool update = false;
+  std::vector<uint64_t> microbatches;
+  uint64_t next_microbatch = 0;
   std::string audited;
   std::string upstream;    // sent the input (empty on stage 0)
   std::string downstream;  // received the output
@@ -118,7 +133,9 @@ class AuditManager {
   // are closed as undecided at once and not returned).
   // `step` counts steps finished (from 1); pipeline r's microbatch ids of
   // it are (step - 1) * M_r + j, j < M_r, with M_r its
-  // PipelineInfo.microbatches or else `job_microbatches`.
+  // PipelineInfo.microbatches or else `job_microbatches`. With update
+  // audits, the update after step `step - 1` is drawn too (its result is
+  // what step `step` computed with), when both steps are of `plan`.
   std::vector<Audit> OnStepCommitted(const v1::Plan& plan, int step, int job_microbatches,
                                      const std::vector<std::string>& standbys,
                                      const std::function<bool(const std::string&)>& is_suspect);

@@ -84,6 +84,12 @@ absl::StatusOr<std::unique_ptr<JobController>> JobController::Create(
     // Each open audit holds at most a few MiB of evidence (bounded apart,
     // max_evidence_bytes); fast steps draw many.
     audits.audits.max_open_audits = 256;
+    // Updates are audited where each step is one update of each stage.
+    const v1::JobSpec& job = self->options_.job;
+    audits.audits.audit_updates = job.schedule() == v1::SCHEDULE_SYNC ||
+                                  job.schedule() == v1::SCHEDULE_UNSPECIFIED;
+    audits.audits.tied_ends = job.has_llama() && job.llama().tie_embeddings();
+    audits.total_steps = job.steps();
     audits.clock = self->options_.clock;
     audits.events = &self->events_;
     audits.name_of = [self](const std::string& id) { return self->membership_.NameOf(id); };

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "common/status_macros.h"
 #include "common/rpc_options.h"
 #include "worker/served_plan.h"
 #include "worker/stage_verifier.h"
@@ -27,14 +28,6 @@ LinkMessage FromProto(const v1::LoggedLinkMessage& message) {
   out.header = message.header();
   out.payload = message.payload();
   return out;
-}
-
-// The version of the weights `message` was computed with by the stage
-// that sent it.
-int64_t VersionOf(const v1::LinkHeader& header) {
-  const int stage = header.from_stage();
-  if (stage >= 0 && stage < header.weight_versions_size()) return header.weight_versions(stage);
-  return header.weight_version();
 }
 
 }  // namespace
@@ -101,43 +94,53 @@ v1::AuditEvidence AuditResponder::Gather(const v1::EvidenceRequest& request) con
   };
   using Direction = CommitmentLog::Direction;
   const CommitmentLog& log = *options_.log;
-  if (request.part() == v1::EvidenceRequest::RECEIPT) {
-    std::optional<LoggedMessage> received =
-        log.FindNewest(Direction::kReceived, output_kind, request.microbatch());
-    if (!received.has_value()) return missing("no longer in the received log");
-    evidence.set_found(true);
-    evidence.set_received_commitment(received->commitment);
-    return evidence;
-  }
-  const v1::MessageKind sent_kind =
-      request.part() == v1::EvidenceRequest::SENT_INPUT ? v1::MESSAGE_KIND_ACTIVATION : output_kind;
-  std::optional<LoggedMessage> sent = log.FindNewest(Direction::kSent, sent_kind, request.microbatch());
-  if (!sent.has_value()) return missing("no longer in the sent log");
-  if (sent->message == nullptr) return missing("its bytes are no longer kept");
-  *evidence.mutable_message() = ToProto(*sent->message);
-  if (request.part() == v1::EvidenceRequest::CLAIM) {
-    const int64_t version = VersionOf(sent->message->header);
-    // The version the output committed to (a version number recurs after
-    // a rollback).
-    std::optional<KeptWeights> weights =
-        options_.weights->Find(version, sent->message->header.weights_digest());
-    if (!weights.has_value()) {
-      return missing(absl::StrCat("weight version ", version, " is no longer kept"));
+  if (request.update()) {
+    if (std::optional<std::string> why = GatherUpdate(request, &evidence); why.has_value()) {
+      evidence.Clear();
+      evidence.set_worker_id(options_.calls.worker_id ? options_.calls.worker_id() : "");
+      evidence.set_audit_id(request.audit_id());
+      evidence.set_part(request.part());
+      return missing(*why);
     }
-    absl::StatusOr<std::vector<v1::LayerCheckpoint>> layers = weights->export_layers();
-    if (!layers.ok()) {
-      return missing(absl::StrCat("weight version ", version, " could not be exported: ",
-                                  layers.status().message()));
+  } else {
+    if (request.part() == v1::EvidenceRequest::RECEIPT) {
+      std::optional<LoggedMessage> received =
+          log.FindNewest(Direction::kReceived, output_kind, request.microbatch());
+      if (!received.has_value()) return missing("no longer in the received log");
+      evidence.set_found(true);
+      evidence.set_received_commitment(received->commitment);
+      return evidence;
     }
-    for (v1::LayerCheckpoint& layer : *layers) *evidence.add_weights() = std::move(layer);
-    evidence.set_weights_digest(weights->digest);
-    evidence.set_device(options_.device);
-    // What this stage received to compute it (stage 0: data, no message).
-    if (request.stage() > 0) {
-      std::optional<LoggedMessage> input =
-          log.FindNewest(Direction::kReceived, v1::MESSAGE_KIND_ACTIVATION, request.microbatch());
-      if (!input.has_value()) return missing("its input is no longer in the received log");
-      evidence.set_received_commitment(input->commitment);
+    const v1::MessageKind sent_kind =
+        request.part() == v1::EvidenceRequest::SENT_INPUT ? v1::MESSAGE_KIND_ACTIVATION : output_kind;
+    std::optional<LoggedMessage> sent = log.FindNewest(Direction::kSent, sent_kind, request.microbatch());
+    if (!sent.has_value()) return missing("no longer in the sent log");
+    if (sent->message == nullptr) return missing("its bytes are no longer kept");
+    *evidence.mutable_message() = ToProto(*sent->message);
+    if (request.part() == v1::EvidenceRequest::CLAIM) {
+      const int64_t version = SenderWeightVersion(sent->message->header);
+      // The version the output committed to (a version number recurs after
+      // a rollback).
+      std::optional<KeptWeights> weights =
+          options_.weights->Find(version, sent->message->header.weights_digest());
+      if (!weights.has_value()) {
+        return missing(absl::StrCat("weight version ", version, " is no longer kept"));
+      }
+      absl::StatusOr<std::vector<v1::LayerCheckpoint>> layers = weights->export_layers();
+      if (!layers.ok()) {
+        return missing(absl::StrCat("weight version ", version, " could not be exported: ",
+                                    layers.status().message()));
+      }
+      for (v1::LayerCheckpoint& layer : *layers) *evidence.add_weights() = std::move(layer);
+      evidence.set_weights_digest(weights->digest);
+      evidence.set_device(options_.device);
+      // What this stage received to compute it (stage 0: data, no message).
+      if (request.stage() > 0) {
+        std::optional<LoggedMessage> input =
+            log.FindNewest(Direction::kReceived, v1::MESSAGE_KIND_ACTIVATION, request.microbatch());
+        if (!input.has_value()) return missing("its input is no longer in the received log");
+        evidence.set_received_commitment(input->commitment);
+      }
     }
   }
   const uint64_t limit = options_.max_evidence_bytes > 0
@@ -156,6 +159,136 @@ v1::AuditEvidence AuditResponder::Gather(const v1::EvidenceRequest& request) con
   return evidence;
 }
 
+absl::StatusOr<StageVerifier*> AuditResponder::VerifierFor(const v1::AuditBundle& bundle,
+                                                           const v1::JobSpec& job) {
+  StagePlacement placement;
+  placement.stage = bundle.stage();
+  placement.num_stages = bundle.num_stages();
+  placement.layer_begin = bundle.layer_begin();
+  placement.layer_end = bundle.layer_end();
+  // Audits load their weights into the verifier each time, so one made
+  // for the same stage of the same job serves again.
+  const std::string key = absl::StrCat(placement.stage, "/", placement.num_stages, "/",
+                                       placement.layer_begin, "/", placement.layer_end);
+  if (verifier_ == nullptr || verifier_key_ != key || verifier_job_.get() != &job) {
+    verifier_.reset();
+    StageVerifierOptions verifier_options;
+    verifier_options.device = options_.device;
+    ASSIGN_OR_RETURN(verifier_, StageVerifier::Create(job, placement, verifier_options));
+    verifier_key_ = key;
+  }
+  return verifier_.get();
+}
+
+absl::StatusOr<LinkMessage> AuditResponder::FirstStageInput(const v1::AuditBundle& bundle,
+                                                            const v1::JobSpec& job,
+                                                            StageVerifier* verifier, int step,
+                                                            uint64_t microbatch) {
+  absl::StatusOr<ServedPlan> served = ServedPlan::For(bundle.plan(), job, bundle.audited_worker());
+  if (!served.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the audited worker's data: ", served.status().message()));
+  }
+  DataShard shard;
+  shard.pipelines = served->data_stride();
+  shard.pipeline = served->data_lane();
+  shard.start_step = served->start_step();
+  shard.base = served->data_base();
+  shard.microbatches = served->microbatches();
+  shard.block = served->data_block();
+  return verifier->LoadFirstStageInput(shard, step, microbatch);
+}
+
+std::optional<std::string> AuditResponder::GatherUpdate(const v1::EvidenceRequest& request,
+                                                        v1::AuditEvidence* evidence) const {
+  using Direction = CommitmentLog::Direction;
+  const CommitmentLog& log = *options_.log;
+  const v1::MessageKind output_kind =
+      request.gradient() ? v1::MESSAGE_KIND_GRADIENT : v1::MESSAGE_KIND_ACTIVATION;
+  switch (request.part()) {
+    case v1::EvidenceRequest::SENT_INPUT:
+    case v1::EvidenceRequest::SENT_GRADIENT: {
+      const v1::MessageKind kind = request.part() == v1::EvidenceRequest::SENT_INPUT
+                                       ? v1::MESSAGE_KIND_ACTIVATION
+                                       : v1::MESSAGE_KIND_GRADIENT;
+      for (uint64_t m : request.microbatches()) {
+        std::optional<LoggedMessage> sent = log.FindNewest(Direction::kSent, kind, m);
+        if (!sent.has_value()) return absl::StrCat("microbatch ", m, " is no longer in the sent log");
+        if (sent->message == nullptr) {
+          return absl::StrCat("microbatch ", m, "'s bytes are no longer kept");
+        }
+        *evidence->add_messages() = ToProto(*sent->message);
+      }
+      return std::nullopt;
+    }
+    case v1::EvidenceRequest::RECEIPT: {
+      std::optional<LoggedMessage> received =
+          log.FindNewest(Direction::kReceived, output_kind, request.microbatch());
+      std::optional<LoggedMessage> next =
+          log.FindNewest(Direction::kReceived, output_kind, request.next_microbatch());
+      if (!received.has_value() || !next.has_value()) return "no longer in the received log";
+      evidence->set_received_commitment(received->commitment);
+      evidence->set_next_received_commitment(next->commitment);
+      return std::nullopt;
+    }
+    case v1::EvidenceRequest::CLAIM: break;
+    default: return "not a part of an update audit";
+  }
+  // The stage's outputs of the step and of the next one fix the weights
+  // before and after the update (their committed digests).
+  std::optional<LoggedMessage> before =
+      log.FindNewest(Direction::kSent, output_kind, request.microbatch());
+  std::optional<LoggedMessage> after =
+      log.FindNewest(Direction::kSent, output_kind, request.next_microbatch());
+  if (!before.has_value() || !after.has_value() || before->message == nullptr ||
+      after->message == nullptr) {
+    return "its outputs are no longer in the sent log";
+  }
+  *evidence->mutable_message() = ToProto(*before->message);
+  *evidence->mutable_next_message() = ToProto(*after->message);
+  const v1::LinkHeader& before_header = before->message->header;
+  const v1::LinkHeader& after_header = after->message->header;
+  std::optional<KeptWeights> weights_before =
+      options_.weights->Find(SenderWeightVersion(before_header), before_header.weights_digest());
+  std::optional<KeptWeights> weights_after =
+      options_.weights->Find(SenderWeightVersion(after_header), after_header.weights_digest());
+  if (!weights_before.has_value() || !weights_after.has_value() ||
+      !weights_before->export_with_state) {
+    return absl::StrCat("weight versions ", SenderWeightVersion(before_header), " and ",
+                        SenderWeightVersion(after_header), " are no longer kept");
+  }
+  absl::StatusOr<std::vector<v1::LayerCheckpoint>> layers = weights_before->export_with_state();
+  absl::StatusOr<std::vector<v1::LayerCheckpoint>> layers_after = weights_after->export_layers();
+  if (!layers.ok() || !layers_after.ok()) {
+    return absl::StrCat("the kept weights could not be exported: ",
+                        (layers.ok() ? layers_after.status() : layers.status()).message());
+  }
+  for (v1::LayerCheckpoint& layer : *layers) *evidence->add_weights() = std::move(layer);
+  for (v1::LayerCheckpoint& layer : *layers_after) {
+    *evidence->add_weights_after() = std::move(layer);
+  }
+  evidence->set_weights_digest(weights_before->digest);
+  evidence->set_device(options_.device);
+  // What the stage received to compute the update.
+  for (uint64_t m : request.microbatches()) {
+    if (request.stage() > 0) {
+      std::optional<LoggedMessage> input =
+          log.FindNewest(Direction::kReceived, v1::MESSAGE_KIND_ACTIVATION, m);
+      if (!input.has_value()) return absl::StrCat("microbatch ", m, "'s input is no longer logged");
+      evidence->add_received_commitments(input->commitment);
+    }
+    if (!request.gradient()) {  // below the last stage: a gradient came back
+      std::optional<LoggedMessage> gradient =
+          log.FindNewest(Direction::kReceived, v1::MESSAGE_KIND_GRADIENT, m);
+      if (!gradient.has_value()) {
+        return absl::StrCat("microbatch ", m, "'s gradient is no longer logged");
+      }
+      evidence->add_received_gradient_commitments(gradient->commitment);
+    }
+  }
+  return std::nullopt;
+}
+
 v1::AuditVerdict AuditResponder::VerifyBundle(const v1::AuditBundle& bundle) {
   v1::AuditVerdict verdict;
   verdict.set_worker_id(options_.calls.worker_id ? options_.calls.worker_id() : "");
@@ -171,43 +304,23 @@ v1::AuditVerdict AuditResponder::VerifyBundle(const v1::AuditBundle& bundle) {
     return verdict;
   };
   if (job == nullptr) return not_run("this worker has no job yet");
-  StagePlacement placement;
-  placement.stage = bundle.stage();
-  placement.num_stages = bundle.num_stages();
-  placement.layer_begin = bundle.layer_begin();
-  placement.layer_end = bundle.layer_end();
-  // Output audits load their weights into the verifier each time, so one
-  // made for the same stage of the same job serves again.
-  const std::string key = absl::StrCat(placement.stage, "/", placement.num_stages, "/",
-                                       placement.layer_begin, "/", placement.layer_end);
-  if (verifier_ == nullptr || verifier_key_ != key || verifier_job_ != job) {
-    verifier_.reset();
-    StageVerifierOptions verifier_options;
-    verifier_options.device = options_.device;
-    absl::StatusOr<std::unique_ptr<StageVerifier>> made =
-        StageVerifier::Create(*job, placement, verifier_options);
-    if (!made.ok()) return not_run(std::string(made.status().message()));
-    verifier_ = *std::move(made);
-    verifier_key_ = key;
-    verifier_job_ = job;
+  absl::StatusOr<StageVerifier*> verifier = VerifierFor(bundle, *job);
+  if (!verifier.ok()) return not_run(std::string(verifier.status().message()));
+  verifier_job_ = job;  // held: its address is the verifier's key
+  if (bundle.update()) {
+    v1::AuditVerdict update = VerifyUpdateBundle(bundle, *job, *verifier);
+    update.set_worker_id(verdict.worker_id());
+    update.set_audit_id(verdict.audit_id());
+    return update;
   }
   AuditedComputation audit;
   audit.weights.assign(bundle.weights().begin(), bundle.weights().end());
   audit.claim = FromProto(bundle.claim());
   if (bundle.stage() == 0) {
     // The audited worker's microbatch, loaded from its share of the data.
-    absl::StatusOr<ServedPlan> served = ServedPlan::For(bundle.plan(), *job, bundle.audited_worker());
-    if (!served.ok()) return not_run(absl::StrCat("the audited worker's data: ",
-                                                  served.status().message()));
-    DataShard shard;
-    shard.pipelines = served->data_stride();
-    shard.pipeline = served->data_lane();
-    shard.start_step = served->start_step();
-    shard.base = served->data_base();
-    shard.microbatches = served->microbatches();
-    shard.block = served->data_block();
-    absl::StatusOr<LinkMessage> input = verifier_->LoadFirstStageInput(
-        shard, audit.claim.header.step(), audit.claim.header.microbatch());
+    absl::StatusOr<LinkMessage> input =
+        FirstStageInput(bundle, *job, *verifier, audit.claim.header.step(),
+                        audit.claim.header.microbatch());
     if (!input.ok()) return not_run(std::string(input.status().message()));
     audit.input = *std::move(input);
     audit.input.header.set_epoch(audit.claim.header.epoch());  // data has none of its own
@@ -215,12 +328,58 @@ v1::AuditVerdict AuditResponder::VerifyBundle(const v1::AuditBundle& bundle) {
     audit.input = FromProto(bundle.input());
   }
   audit.audited_device = bundle.audited_device().empty() ? "cpu" : bundle.audited_device();
-  absl::StatusOr<OutputComparison> comparison = verifier_->Verify(audit);
+  absl::StatusOr<OutputComparison> comparison = (*verifier)->Verify(audit);
   if (!comparison.ok()) return not_run(std::string(comparison.status().message()));
   verdict.set_ran(true);
   verdict.set_passed(comparison->passed);
   verdict.set_verifiable(comparison->verifiable);
   verdict.set_summary(comparison->Summary());
+  return verdict;
+}
+
+v1::AuditVerdict AuditResponder::VerifyUpdateBundle(const v1::AuditBundle& bundle,
+                                                    const v1::JobSpec& job,
+                                                    StageVerifier* verifier) {
+  v1::AuditVerdict verdict;
+  auto not_run = [&](const std::string& why) {
+    verdict.set_ran(false);
+    verdict.set_summary(why);
+    return verdict;
+  };
+  const bool first = bundle.stage() == 0;
+  const bool last = bundle.stage() + 1 == bundle.num_stages();
+  const int count = bundle.microbatches_size();
+  if (count == 0 || (!first && bundle.inputs_size() != count) ||
+      (!last && bundle.output_gradients_size() != count)) {
+    return not_run("the update's evidence does not hold one message per microbatch");
+  }
+  AuditedUpdate update;
+  update.before.assign(bundle.weights().begin(), bundle.weights().end());
+  update.after.assign(bundle.weights_after().begin(), bundle.weights_after().end());
+  update.before_claim = FromProto(bundle.claim());
+  update.after_claim = FromProto(bundle.next_claim());
+  update.progress = bundle.progress();
+  update.audited_device = bundle.audited_device().empty() ? "cpu" : bundle.audited_device();
+  for (int i = 0; i < count; ++i) {
+    AuditedUpdate::Microbatch& m = update.microbatches.emplace_back();
+    if (first) {
+      absl::StatusOr<LinkMessage> input =
+          FirstStageInput(bundle, job, verifier, update.before_claim->header.step(),
+                          bundle.microbatches(i));
+      if (!input.ok()) return not_run(std::string(input.status().message()));
+      m.input = *std::move(input);
+      m.input.header.set_epoch(update.before_claim->header.epoch());
+    } else {
+      m.input = FromProto(bundle.inputs(i));
+    }
+    if (!last) m.output_gradient = FromProto(bundle.output_gradients(i));
+  }
+  absl::StatusOr<OutputComparison> comparison = verifier->VerifyUpdate(update);
+  if (!comparison.ok()) return not_run(std::string(comparison.status().message()));
+  verdict.set_ran(true);
+  verdict.set_passed(comparison->passed);
+  verdict.set_verifiable(comparison->verifiable);
+  verdict.set_summary(absl::StrCat("update: ", comparison->Summary()));
   return verdict;
 }
 
@@ -245,7 +404,10 @@ void AuditResponder::Do(const Work& work) {
   if (options_.tamper_verdict) options_.tamper_verdict(&verdict);
   GT_LOG(Info) << "audit " << work.verify << " of stage " << bundle->stage() << ", microbatch "
                << bundle->claim().header().microbatch() << ": "
-               << (verdict.ran() ? (verdict.passed() ? "passed" : "FAILED") : "not run") << " ("
+               << (!verdict.ran()          ? "not run"
+                   : verdict.passed()     ? "passed"
+                   : verdict.verifiable() ? "FAILED"
+                                          : "unverifiable") << " ("
                << verdict.summary() << ")";
   const absl::Status reported = options_.calls.report(verdict);
   if (!reported.ok()) {

@@ -16,6 +16,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -23,6 +24,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/link_message.h"
 #include "geotrain/v1/audit.pb.h"
 #include "geotrain/v1/coordinator.pb.h"
 #include "geotrain/v1/job.pb.h"
@@ -85,6 +87,22 @@ class AuditResponder {
   };
   void Loop();
   void Do(const Work& work);
+  // Gather() for an update audit (EvidenceRequest.update): fills
+  // `evidence`, or returns why this worker no longer holds its part.
+  std::optional<std::string> GatherUpdate(const v1::EvidenceRequest& request,
+                                          v1::AuditEvidence* evidence) const;
+  // The verifier of `bundle`'s stage (made anew for another stage or job),
+  // or why none could be made.
+  absl::StatusOr<StageVerifier*> VerifierFor(const v1::AuditBundle& bundle,
+                                             const v1::JobSpec& job);
+  // VerifyBundle() for an update audit.
+  v1::AuditVerdict VerifyUpdateBundle(const v1::AuditBundle& bundle, const v1::JobSpec& job,
+                                      StageVerifier* verifier);
+  // Stage 0's input of `microbatch` (labelled `step`) as the audited
+  // worker of `bundle.plan` loaded it.
+  absl::StatusOr<LinkMessage> FirstStageInput(const v1::AuditBundle& bundle,
+                                              const v1::JobSpec& job, StageVerifier* verifier,
+                                              int step, uint64_t microbatch);
 
   const AuditResponderOptions options_;
   mutable absl::Mutex mu_;

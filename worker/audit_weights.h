@@ -1,9 +1,10 @@
 // A stage's recent weight versions, kept for spot checks
 // (docs/verification.md): an audit names the version an output was
 // computed with after the step is committed, when the stage has moved on.
-// The driver keeps each version once, before its first forward (weights
-// only, no optimizer state, held without a copy); the audit responder
-// exports the few it is asked for on its own thread. Bounded by bytes: the
+// The driver keeps each version once, before its first forward, with the
+// optimizer state it was made with, both held without a copy (an update
+// audit needs the state before the update); the audit responder exports
+// the few it is asked for on its own thread. Bounded by bytes: the
 // oldest versions go first. Thread-safe.
 #ifndef GEOTRAIN_WORKER_AUDIT_WEIGHTS_H_
 #define GEOTRAIN_WORKER_AUDIT_WEIGHTS_H_
@@ -29,6 +30,9 @@ struct KeptWeights {
   std::string digest;   // StageRuntime::WeightsDigest of them
   // Exports them (StageRuntime::ExportWeightsLater), on any thread.
   std::function<absl::StatusOr<std::vector<v1::LayerCheckpoint>>()> export_layers;
+  // The same with the optimizer's state (StageRuntime::ExportWeightsLater
+  // with it): the state the update from this version starts from.
+  std::function<absl::StatusOr<std::vector<v1::LayerCheckpoint>>()> export_with_state;
   uint64_t bytes = 0;   // what holding them keeps alive
 };
 

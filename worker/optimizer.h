@@ -1,6 +1,9 @@
 // Out-of-place optimizers: Step() returns new parameter tensors and leaves
 // the given ones untouched, so stashed versions stay valid. State (moments)
-// belongs to the optimizer and advances once per Step(). Not thread-safe.
+// belongs to the optimizer and advances once per Step(), into new tensors
+// too: the tensors State() returns never change afterwards, so a spot
+// check's update audit holds a version's state without copying it. Not
+// thread-safe.
 #ifndef GEOTRAIN_WORKER_OPTIMIZER_H_
 #define GEOTRAIN_WORKER_OPTIMIZER_H_
 

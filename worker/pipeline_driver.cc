@@ -646,7 +646,8 @@ void PipelineDriver::KeepWeightsForAudit() {
   weights.version = version;
   weights.digest = audit_kept_digest_;
   weights.export_layers = runtime_->ExportWeightsLater();
-  weights.bytes = runtime_->WeightBytes();
+  weights.export_with_state = runtime_->ExportWeightsLater(/*with_optimizer_state=*/true);
+  weights.bytes = runtime_->WeightBytes() + runtime_->OptimizerStateBytes();
   kept->Keep(std::move(weights));
 }
 

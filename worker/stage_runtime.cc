@@ -114,6 +114,7 @@ struct StageRuntime::Impl {
   std::vector<torch::Tensor> eval_params;
   int64_t eval_params_round = -1;
   int64_t forwards_run = 0;  // RunLayers calls (RuntimeOptions::tamper_*)
+  int64_t updates_run = 0;   // ApplyUpdate calls with gradients (the same)
 
   torch::Tensor RunLayers(torch::Tensor x, const std::vector<torch::Tensor>& params) {
     const bool skip = options.tamper_skip_layer >= 0 &&
@@ -576,6 +577,22 @@ absl::Status StageRuntime::ApplyUpdate(double progress,
                                        const TiedGradientExchangeFn& exchange_tied) {
   Impl& s = *impl_;
   if (s.gradient_count == 0) return absl::OkStatus();
+  if (s.options.tamper_skip_updates_after >= 0 &&
+      s.updates_run++ >= s.options.tamper_skip_updates_after) {
+    if (s.updates_run == s.options.tamper_skip_updates_after + 1) {
+      GT_LOG(Warning) << "tampering: skipping every update from now on";
+    }
+    s.gradient_sum.clear();
+    s.gradient_count = 0;
+    return GuardTorch("a skipped update", [&]() -> absl::Status {
+      std::vector<torch::Tensor> stale;
+      for (const torch::Tensor& p : s.stash->Get(s.stash->current_version())) {
+        stale.push_back(p.detach().clone());
+      }
+      s.stash->Publish(std::move(stale));
+      return absl::OkStatus();
+    });
+  }
   if (s.tied_embedding.has_value() || s.tied_head.has_value()) {
     // Embedding + head, summed here or traded with the other end: the same
     // float32 sum on both (addition commutes), before the mean.
@@ -718,12 +735,16 @@ absl::StatusOr<std::vector<v1::LayerCheckpoint>> StageRuntime::ExportCheckpoint(
   });
 }
 
-StageRuntime::WeightsExport StageRuntime::ExportWeightsLater() const {
+StageRuntime::WeightsExport StageRuntime::ExportWeightsLater(bool with_optimizer_state) const {
   const Impl& s = *impl_;
   std::vector<torch::Tensor> params = s.stash->Get(s.stash->current_version());
+  // The optimizer makes new state tensors at each step (worker/optimizer.h):
+  // these stay as they are now.
+  std::vector<std::vector<torch::Tensor>> state;
+  if (with_optimizer_state) state = s.optimizer->State();
   std::vector<std::pair<size_t, size_t>> ranges;
   for (size_t i = 0; i < s.layers.size(); ++i) ranges.push_back(s.LayerParams(i, params.size()));
-  return [params = std::move(params), ranges = std::move(ranges),
+  return [params = std::move(params), state = std::move(state), ranges = std::move(ranges),
           layer_begin = s.placement.layer_begin, optimizer_steps = s.optimizer->steps()]()
              -> absl::StatusOr<std::vector<v1::LayerCheckpoint>> {
     return GuardTorch("exporting kept weights",
@@ -733,13 +754,34 @@ StageRuntime::WeightsExport StageRuntime::ExportWeightsLater() const {
         v1::LayerCheckpoint& layer = out.emplace_back();
         layer.set_layer(layer_begin + static_cast<int>(i));
         layer.set_optimizer_steps(optimizer_steps);
+        layer.set_state_per_param(state.empty() ? 0 : static_cast<int>(state[0].size()));
         for (size_t p = ranges[i].first; p < ranges[i].second; ++p) {
           RETURN_IF_ERROR(EncodeTensor(params[p], layer.add_params(), layer.mutable_payload()));
+        }
+        for (size_t p = ranges[i].first; p < ranges[i].second && !state.empty(); ++p) {
+          for (const torch::Tensor& t : state[p]) {
+            RETURN_IF_ERROR(
+                EncodeTensor(t, layer.add_optimizer_state(), layer.mutable_payload()));
+          }
         }
       }
       return out;
     });
   };
+}
+
+absl::Status StageRuntime::ResetOptimizer() {
+  return impl_->optimizer->Restore({}, 0);
+}
+
+uint64_t StageRuntime::OptimizerStateBytes() const {
+  uint64_t bytes = 0;
+  for (const std::vector<torch::Tensor>& per_param : impl_->optimizer->State()) {
+    for (const torch::Tensor& t : per_param) {
+      bytes += static_cast<uint64_t>(t.numel()) * t.element_size();
+    }
+  }
+  return bytes;
 }
 
 uint64_t StageRuntime::WeightBytes() const {

@@ -52,6 +52,11 @@ struct RuntimeOptions {
   // recomputation runs every layer. -1: never.
   int tamper_skip_layer = -1;
   int64_t tamper_after_forwards = 0;
+  // For tests only, as above: after this many updates, each update drops
+  // its gradients and publishes the weights unchanged as the next version
+  // (a stage that skips its updates and trains on stale weights; its
+  // optimizer state stays where it was). -1: never.
+  int64_t tamper_skip_updates_after = -1;
 };
 
 // Weight stashing figures of one stage.
@@ -171,11 +176,14 @@ class StageRuntime {
   // exported only when called, on any thread. Nothing is copied now: it
   // holds the version's tensors, which the stash never changes once
   // published (each update publishes new ones). What audits keep for every
-  // version and export for the few they draw.
+  // version and export for the few they draw. `with_optimizer_state`: the
+  // optimizer's state now too (what an update audit restores before it
+  // replays the update), held the same way.
   using WeightsExport = std::function<absl::StatusOr<std::vector<v1::LayerCheckpoint>>()>;
-  WeightsExport ExportWeightsLater() const;
-  // Bytes of the current version's weights.
+  WeightsExport ExportWeightsLater(bool with_optimizer_state = false) const;
+  // Bytes of the current version's weights, and of the optimizer's state.
   uint64_t WeightBytes() const;
+  uint64_t OptimizerStateBytes() const;
   // The same layers as LayerStateChunks (common/layer_state.h) read
   // straight from the live tensors, a chunk at a time: no copy of the stage
   // is made, so the stage must not change meanwhile (call it from the
@@ -190,6 +198,10 @@ class StageRuntime {
   // publishes them as a new weight version. REQUIRES: nothing in flight
   // (DropInFlight()). INVALID_ARGUMENT when a tensor does not fit the model.
   absl::Status RestoreCheckpoint(const std::vector<v1::LayerCheckpoint>& layers);
+  // Forgets the optimizer's state and step count, so that the next
+  // RestoreCheckpoint sets them exactly (it keeps the larger step count):
+  // a verifier replays one update from the state a checkpoint holds.
+  absl::Status ResetOptimizer();
   // Replicas: this stage's current weights, one entry per layer, encoded
   // with `encoding` (for ReplicaAverager).
   absl::StatusOr<std::vector<v1::LayerWeights>> ExportWeights(const WireEncoding& encoding) const;

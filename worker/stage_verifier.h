@@ -62,6 +62,14 @@ struct AuditedUpdate {
   // The weights and optimizer state before the update, and their digest.
   std::vector<v1::LayerCheckpoint> before;
   std::string before_digest;
+  // During a job: the stage's committed outputs of the step and of the
+  // next one. Their commitments are checked, and their weights digests
+  // (LinkHeader.weights_digest) are the digests before and after; the
+  // weight versions they name must be one update apart (the same version:
+  // no update was made, a failed verdict; more than one apart: another
+  // version came between, an outer step or replica averaging, and the
+  // update cannot be recomputed alone: unverifiable).
+  std::optional<LinkMessage> before_claim, after_claim;
   // Every microbatch the update summed, in the order the stage computed
   // them: the logged input and, below the last stage, the downstream
   // neighbour's logged gradient.
@@ -113,8 +121,10 @@ class StageVerifier {
                                                   uint64_t microbatch);
 
   // Recomputes the update from `before` on the microbatches' gradients and
-  // compares the result with `after` (CompareUpdates). FAILED_PRECONDITION
-  // when a digest or a logged message's commitment does not hold;
+  // compares the result with `after` (CompareUpdates). Weights that do not
+  // hash to their digests fail the audit (the audited worker alone supplied
+  // them). FAILED_PRECONDITION when a logged message's commitment does not
+  // hold;
   // UNIMPLEMENTED for a stage that holds one end of a tied embedding (its
   // update needs the other end's gradient).
   absl::StatusOr<OutputComparison> VerifyUpdate(const AuditedUpdate& audit);
@@ -127,9 +137,8 @@ class StageVerifier {
         runtime_options_(std::move(runtime_options)),
         options_(std::move(options)) {}
 
-  // A fresh copy of the stage: restoring keeps the larger optimizer step
-  // count (StageRuntime::RestoreCheckpoint), so an update is recomputed on
-  // a runtime that has taken none.
+  // Makes the copy of the stage (once: an update audit resets only its
+  // optimizer, StageRuntime::ResetOptimizer).
   absl::Status Reset();
 
   absl::StatusOr<LinkMessage> Recompute(const AuditedComputation& audit);

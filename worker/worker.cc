@@ -33,7 +33,9 @@ namespace {
 constexpr double kOuterUplinkShare = 0.2;
 // Spot checks: what a worker keeps for audits, and each audit call's deadline.
 constexpr uint64_t kAuditSentBytes = uint64_t{64} << 20;
-constexpr uint64_t kAuditWeightBytes = uint64_t{64} << 20;
+// Weight versions with the optimizer state they were made with (AdamW: three
+// times the weights), for output and update audits.
+constexpr uint64_t kAuditWeightBytes = uint64_t{192} << 20;
 constexpr absl::Duration kAuditRpcTimeout = absl::Seconds(30);
 
 // Splits "host:port" / "[v6]:port" at the last colon.

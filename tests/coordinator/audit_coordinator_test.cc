@@ -19,7 +19,8 @@ class AuditCoordinatorTest : public ::testing::Test {
  protected:
   void SetUp() override { Make(1.0); }
 
-  void Make(double fraction, uint64_t max_evidence_bytes = uint64_t{1} << 30) {
+  void Make(double fraction, uint64_t max_evidence_bytes = uint64_t{1} << 30,
+            bool audit_updates = false) {
     EventLogOptions events;
     events.clock = &clock_;
     events.keep = 10000;
@@ -38,6 +39,8 @@ class AuditCoordinatorTest : public ::testing::Test {
       trusted_at_eviction_[worker] = trusted_step;
     };
     options.max_evidence_bytes = max_evidence_bytes;
+    options.audits.audit_updates = audit_updates;
+    options.total_steps = 100;
     audits_ = std::make_unique<AuditCoordinator>(*draw, options);
   }
 
@@ -263,7 +266,9 @@ TEST_F(AuditCoordinatorTest, AWorkerCaughtIsEvictedWithTheStepItWasTrustedUpTo) 
   }
   for (int r = 0; r < 3; ++r) {
     const std::string w = PipelineWorker(r, 1);
-    for (uint64_t id : Work(w).verify_audits()) {
+    // Held: a range-for over a temporary's member would read freed memory.
+    const v1::HeartbeatResponse work = Work(w);
+    for (uint64_t id : work.verify_audits()) {
       const absl::Status s = audits_->AcceptVerdict(w, Verdict(w, id, false), plan_, {});
       EXPECT_TRUE(s.ok() || s.code() == absl::StatusCode::kPermissionDenied) << s;
     }
@@ -447,6 +452,91 @@ TEST_F(AuditCoordinatorTest, StageZeroAuditsCarryThePlanInsteadOfAnInput) {
     }
   }
   EXPECT_TRUE(fetched);
+}
+
+// An update audit of stage 1 (the last; two microbatches a step): its
+// upstream owes every microbatch's input and the receipts of its two
+// outputs, it owes the outputs of the step and of the next one with the
+// weights before and after; the verifier's bundle holds them all, with the
+// update's learning-rate position from the coordinator. A received input
+// that is not what upstream logged sending is a dispute, not an eviction.
+TEST_F(AuditCoordinatorTest, AnUpdateAuditGathersTheWholeStep) {
+  for (const bool honest : {true, false}) {
+    Make(1.0, uint64_t{1} << 30, /*audit_updates=*/true);
+    audits_->OnCommitted(plan_, 2, 2, {});  // draws step 2's outputs and step 1's update
+    std::map<std::string, v1::HeartbeatResponse> work;
+    for (int r = 0; r < 3; ++r) {
+      for (int k = 0; k < 2; ++k) work[PipelineWorker(r, k)] = Work(PipelineWorker(r, k));
+    }
+    int updates = 0;
+    for (const auto& [w, response] : work) {
+      for (const v1::EvidenceRequest& q : response.evidence_requests()) {
+        if (!q.update()) continue;
+        ++updates;
+        EXPECT_EQ(q.stage(), 1);
+        EXPECT_TRUE(q.gradient());
+        ASSERT_EQ(q.microbatches_size(), 2);
+        EXPECT_EQ(q.microbatches(0), 0u);
+        EXPECT_EQ(q.microbatches(1), 1u);
+        EXPECT_EQ(q.next_microbatch(), 2u);
+        v1::AuditEvidence e;
+        e.set_worker_id(w);
+        e.set_audit_id(q.audit_id());
+        e.set_part(q.part());
+        e.set_found(true);
+        switch (q.part()) {
+          case v1::EvidenceRequest::SENT_INPUT:
+            EXPECT_EQ(w.substr(2), "s0");
+            for (uint64_t m : q.microbatches()) {
+              *e.add_messages() = Message(v1::MESSAGE_KIND_ACTIVATION, m, "in" + std::to_string(m));
+            }
+            break;
+          case v1::EvidenceRequest::CLAIM:
+            EXPECT_EQ(w.substr(2), "s1");
+            *e.mutable_message() = Message(v1::MESSAGE_KIND_GRADIENT, 0, "out0");
+            *e.mutable_next_message() = Message(v1::MESSAGE_KIND_GRADIENT, 2, "out2");
+            e.add_weights()->set_layer(1);
+            e.add_weights_after()->set_layer(1);
+            e.add_received_commitments("in0");
+            e.add_received_commitments(honest || w != "p1s1" ? "in1" : "forged");
+            break;
+          case v1::EvidenceRequest::RECEIPT:
+            EXPECT_EQ(w.substr(2), "s0");
+            e.set_received_commitment("out0");
+            e.set_next_received_commitment("out2");
+            break;
+          default:
+            ADD_FAILURE() << "stage 1 is the last: no downstream gradients to owe";
+        }
+        ASSERT_TRUE(audits_->AcceptEvidence(w, e).ok());
+      }
+    }
+    EXPECT_EQ(updates, 3 * 3);  // three parts of one update audit in each pipeline
+    int bundles = 0;
+    for (int r = 0; r < 3; ++r) {
+      const std::string verifier = PipelineWorker(r, 1);
+      const v1::HeartbeatResponse response = Work(verifier);
+      for (uint64_t id : response.verify_audits()) {
+        absl::StatusOr<v1::AuditBundle> bundle = audits_->Fetch(verifier, id);
+        ASSERT_TRUE(bundle.ok()) << bundle.status();
+        if (!bundle->update()) continue;
+        ++bundles;
+        EXPECT_EQ(bundle->step(), 1);
+        EXPECT_EQ(bundle->microbatches_size(), 2);
+        ASSERT_EQ(bundle->inputs_size(), 2);
+        EXPECT_EQ(bundle->inputs(1).header().commitment(), "in1");
+        EXPECT_EQ(bundle->output_gradients_size(), 0);
+        EXPECT_EQ(bundle->claim().header().microbatch(), 0u);
+        EXPECT_EQ(bundle->next_claim().header().microbatch(), 2u);
+        EXPECT_EQ(bundle->weights_size(), 1);
+        EXPECT_EQ(bundle->weights_after_size(), 1);
+        EXPECT_DOUBLE_EQ(bundle->progress(), 0.01);  // step 1 of 100
+      }
+    }
+    EXPECT_EQ(bundles, honest ? 3 : 2);
+    EXPECT_EQ(EventsOf("audit_disputed"), honest ? 0 : 1);
+    EXPECT_TRUE(evicted_.empty());
+  }
 }
 
 // Steps are drawn once, a new plan's from where the old one's stopped.

@@ -56,6 +56,68 @@ TEST(AuditManagerTest, DrawsAboutTheFractionWithAVerifierFromAnotherPipeline) {
   EXPECT_EQ(audits->counts().drawn, opened);
 }
 
+// Update audits: the update after step s of each stage in each pipeline is
+// drawn at f by a draw of its own, with the step's microbatches and the
+// next step's first (whose output commits to the updated weights); only
+// steps within the plan, none without the option, none of a tied
+// embedding's two ends.
+TEST(AuditManagerTest, UpdatesAreDrawnPerStageAndStepWithTheStepsMicrobatches) {
+  auto draw = SpotCheckDraw::Create(Key(), 0.05);
+  ASSERT_TRUE(draw.ok());
+  AuditOptions options;
+  options.fraction = 0.05;
+  options.max_open_audits = 100000;
+  options.audit_updates = true;
+  AuditManager audits(*draw, options);
+  v1::Plan plan = PipelinesPlan(3);
+  plan.set_start_step(10);
+  int updates = 0, outputs = 0;
+  std::set<std::string> audited;
+  for (int step = 1; step <= 410; ++step) {
+    for (const Audit& a : audits.OnStepCommitted(plan, step, 4, {}, kNobodySuspect)) {
+      if (!a.update) {
+        ++outputs;
+        continue;
+      }
+      ++updates;
+      audited.insert(a.audited);
+      EXPECT_EQ(a.step, step - 1);
+      EXPECT_GT(a.step, 10);  // the update and the step after it are the plan's
+      ASSERT_EQ(a.microbatches.size(), 4u);
+      for (int j = 0; j < 4; ++j) {
+        EXPECT_EQ(a.microbatches[j], static_cast<uint64_t>(a.step - 1) * 4 + j);
+      }
+      EXPECT_EQ(a.microbatch, a.microbatches[0]);
+      EXPECT_EQ(a.next_microbatch, static_cast<uint64_t>(a.step) * 4);
+      EXPECT_EQ(a.kind, a.stage < 2 ? v1::MESSAGE_KIND_ACTIVATION : v1::MESSAGE_KIND_GRADIENT);
+      ASSERT_EQ(a.verifiers.size(), 1u);
+      EXPECT_EQ(a.verifiers[0].substr(2), "s" + std::to_string(a.stage));
+      EXPECT_NE(a.verifiers[0], a.audited);
+    }
+  }
+  // Steps 11-409 x 3 stages x 3 pipelines x 5%: about 180.
+  EXPECT_NEAR(updates, 180, 4 * 13.1);
+  EXPECT_EQ(audited.size(), 9u);
+  EXPECT_GT(outputs, 0);
+
+  options.tied_ends = true;
+  AuditManager tied(*draw, options);
+  std::set<int> stages;
+  for (int step = 1; step <= 200; ++step) {
+    for (const Audit& a : tied.OnStepCommitted(plan, step, 4, {}, kNobodySuspect)) {
+      if (a.update) stages.insert(a.stage);
+    }
+  }
+  EXPECT_EQ(stages, std::set<int>{1});
+
+  std::unique_ptr<AuditManager> without = Manager(0.05);
+  for (int step = 1; step <= 200; ++step) {
+    for (const Audit& a : without->OnStepCommitted(plan, step, 4, {}, kNobodySuspect)) {
+      EXPECT_FALSE(a.update);
+    }
+  }
+}
+
 // A suspect is audited about `suspect_boost` times as often.
 TEST(AuditManagerTest, ASuspectIsAuditedMoreOften) {
   std::unique_ptr<AuditManager> audits = Manager(0.01);

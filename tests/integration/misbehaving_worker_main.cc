@@ -31,6 +31,10 @@
 //                                 stage's layer --layer (0: its first; it must
 //                                 keep the shapes) from every pass; its
 //                                 messages and log are true to what it ran
+//   --misbehave=skip_updates      after --after updates, skips every update:
+//                                 drops its gradients and publishes its
+//                                 weights unchanged as the next version (stale
+//                                 weights; its outputs are true to them)
 //   --misbehave=lie_as_verifier   trains honestly; fails every spot check it
 //                                 is asked to verify (a forged accusation)
 // With --lie_every=N (N > 1) the tampering ones lie only on microbatches
@@ -105,6 +109,7 @@ enum class Misbehaviour {
   kFlipGradients,
   kScaleGradients,
   kSkipLayer,
+  kSkipUpdates,
   kLieAsVerifier
 };
 
@@ -452,12 +457,15 @@ int Main(int argc, char** argv) {
     how = Misbehaviour::kScaleGradients;
   } else if (kind == "skip_layer") {
     how = Misbehaviour::kSkipLayer;
+  } else if (kind == "skip_updates") {
+    how = Misbehaviour::kSkipUpdates;
   } else if (kind == "lie_as_verifier") {
     how = Misbehaviour::kLieAsVerifier;
   } else {
     std::fprintf(stderr, "--misbehave: one of fake_done, fake_final_step, hijack_link, "
                          "drop_links, stall, poison_checkpoint, scale_outputs, noise, "
-                         "flip_gradients, scale_gradients, skip_layer, lie_as_verifier\n");
+                         "flip_gradients, scale_gradients, skip_layer, skip_updates, "
+                         "lie_as_verifier\n");
     return 2;
   }
   if (absl::GetFlag(FLAGS_state_dir).empty()) {
@@ -488,6 +496,10 @@ int Main(int argc, char** argv) {
       o->tamper_skip_layer = layer;
       o->tamper_after_forwards = after;
     };
+  }
+  if (how == Misbehaviour::kSkipUpdates) {
+    // --after counts updates here: the ones it makes before it stops.
+    options.tamper_runtime = [after](RuntimeOptions* o) { o->tamper_skip_updates_after = after; };
   }
   if (how == Misbehaviour::kLieAsVerifier) {
     options.tamper_verdict = [](v1::AuditVerdict* verdict) {

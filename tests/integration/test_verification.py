@@ -100,7 +100,7 @@ HONEST_STEPS = 400
 
 class SpotCheckTest(unittest.TestCase):
     def run_adversary(self, misbehave, extra=(), workers=6, position=5, stage=1, plan_at=None,
-                      lies_always=True, tamper_mark="hostile: scaling"):
+                      lies_always=True, tamper_mark="hostile: scaling", caught_by="microbatch"):
         """The hostile worker joins `position`-th of `workers` and must
         hold `stage` (join order places it). The first plan is made when
         `plan_at` workers (all, by default) have joined: with a standby,
@@ -172,6 +172,9 @@ class SpotCheckTest(unittest.TestCase):
                   f"{len(failed)}, disputed {kinds.count('audit_disputed')}, expired "
                   f"{kinds.count('audit_expired')}: {eviction['detail'][:400]}", flush=True)
             self.assertEqual(eviction["worker"], "hostile", eviction)
+            # Which kind of audit caught it: an output's ("microbatch M") or
+            # an update's ("the update after step S").
+            self.assertIn(f", {caught_by}", eviction["detail"])
             self.assertEqual([e["worker"] for e in log if e["kind"] == "audit_evicted"],
                              ["hostile"])
             # Two verifiers failed it; every failure was of the hostile one.
@@ -252,6 +255,18 @@ class SpotCheckTest(unittest.TestCase):
         every layer of the weights it committed to, finds it out."""
         self.run_adversary("skip_layer", ["--layer=0"],
                            tamper_mark="tampering: leaving out layer 1")
+
+    def test_skipped_updates_are_caught_by_an_update_audit(self):
+        """From its 21st update on, stage 1 drops its gradients and
+        publishes its weights unchanged as each next version. Its outputs
+        stay true to the weights it holds and commits to, so output audits
+        pass them; an update audit replays a step from the neighbours'
+        logged messages on the weights and optimizer state before it and
+        finds the weights after it are not what the update makes. The job
+        rolls back to before its last passed update audit, not its last
+        passed output audit."""
+        self.run_adversary("skip_updates", tamper_mark="tampering: skipping every update",
+                           caught_by="the update after step")
 
     def test_a_liar_on_a_quarter_of_its_microbatches_is_caught(self):
         """It lies (x1.05) only on the microbatches it guesses go unchecked,

@@ -54,6 +54,33 @@ TEST(OptimizerTest, SgdWithMomentumMatchesLibTorch) {
   }
 }
 
+// The state a Step() leaves is new tensors too: what State() returned
+// before it is unchanged, so a spot check holds a version's optimizer state
+// by reference (StageRuntime::ExportWeightsLater).
+TEST(OptimizerTest, StateHeldFromBeforeAStepIsUnchangedByIt) {
+  for (const v1::Optimizer::Kind kind : {v1::Optimizer::KIND_ADAMW, v1::Optimizer::KIND_SGD}) {
+    v1::Optimizer spec;
+    spec.set_kind(kind);
+    spec.set_lr(0.01);
+    spec.set_beta1(0.9);
+    spec.set_beta2(0.999);
+    spec.set_momentum(0.9);
+    torch::manual_seed(2);
+    std::vector<torch::Tensor> params = {torch::randn({4, 3})};
+    auto optimizer = MakeOptimizer(spec);
+    params = optimizer->Step(params, {torch::randn({4, 3})});
+    const std::vector<std::vector<torch::Tensor>> held = optimizer->State();
+    ASSERT_FALSE(held.empty());
+    std::vector<torch::Tensor> copies;
+    for (const torch::Tensor& t : held[0]) copies.push_back(t.clone());
+    params = optimizer->Step(params, {torch::randn({4, 3})});
+    for (size_t k = 0; k < copies.size(); ++k) {
+      EXPECT_TRUE(torch::equal(held[0][k], copies[k])) << "kind " << kind << ", state " << k;
+      EXPECT_FALSE(torch::equal(optimizer->State()[0][k], copies[k])) << "the state moved on";
+    }
+  }
+}
+
 TEST(LearningRateScaleTest, WarmupThenCosine) {
   v1::Optimizer spec;
   EXPECT_DOUBLE_EQ(LearningRateScale(spec, 0.3), 1.0) << "constant by default";

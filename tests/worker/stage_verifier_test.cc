@@ -400,11 +400,14 @@ TEST_F(StageVerifierTest, UpdateAuditsCatchASkippedUpdate) {
   EXPECT_FALSE(result->passed) << result->Summary();
   std::cout << "stage 1 half the gradients: " << result->Summary() << "\n";
 
-  // Claimed weights that are not the committed ones are refused.
+  // Claimed weights that are not the committed ones fail the audit: the
+  // audited worker alone supplied them.
   audit = UpdateAudit(1);
   audit.after_digest = digest_[1];
-  EXPECT_EQ((*verifier)->VerifyUpdate(audit).status().code(),
-            absl::StatusCode::kFailedPrecondition);
+  auto wrong = (*verifier)->VerifyUpdate(audit);
+  ASSERT_TRUE(wrong.ok()) << wrong.status();
+  EXPECT_FALSE(wrong->passed);
+  EXPECT_NE(wrong->failure.find("hash to"), std::string::npos) << wrong->Summary();
 }
 
 // topk with error feedback adds the sender's residual, which no
