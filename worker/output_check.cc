@@ -125,10 +125,12 @@ std::string OutputComparison::Summary() const {
   if (!verifiable) return absl::StrCat("unverifiable: ", unverifiable_reason);
   if (!failure.empty()) return absl::StrCat("FAILED: ", failure);
   if (!mismatch.empty()) return absl::StrCat("FAILED: the ", mismatch, " differs");
-  return absl::StrFormat("%s: %d of %d elements outside the bound, worst %.3g x bound, "
+  std::string rows_part;
+  if (rows > 0 && violations > 0) rows_part = absl::StrFormat(" (in %d of %d rows)", rows_outside, rows);
+  return absl::StrFormat("%s: %d of %d elements outside the bound%s, worst %.3g x bound, "
                          "relative distance %.3g",
-                         passed ? "passed" : "FAILED", violations, elements, worst_ratio,
-                         relative_distance);
+                         passed ? "passed" : "FAILED", violations, elements, rows_part,
+                         worst_ratio, relative_distance);
 }
 
 absl::StatusOr<OutputComparison> CompareOutputs(const LinkMessage& claimed,
@@ -190,6 +192,15 @@ absl::StatusOr<OutputComparison> CompareOutputs(const LinkMessage& claimed,
       const torch::Tensor bound = codec->to(torch::kFloat64) + tolerance.device * scale +
                                   1e-30;  // an all-zero tensor allows exactly zero
       Accumulate(c, r, bound, &result, &difference_squared, &reference_squared);
+      if (claim.shape_size() >= 2 && claim.shape(0) > 0 && r.numel() > 0) {
+        // Where the elements outside fall, by the leading dimension (the
+        // microbatch's samples): for telling one sample's difference from
+        // a lie spread over all.
+        const torch::Tensor outside =
+            (c - r).abs().gt(bound).reshape({claim.shape(0), -1}).any(1);
+        result.rows += claim.shape(0);
+        result.rows_outside += outside.sum().item<int64_t>();
+      }
     }
   } catch (const c10::Error& e) {
     return absl::InternalError(absl::StrCat("comparing outputs: ", e.what()));

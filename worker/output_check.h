@@ -59,6 +59,10 @@ struct OutputComparison {
   std::string failure;
   int64_t elements = 0;
   int64_t violations = 0;
+  // Float tensors of two dimensions or more, by their leading dimension
+  // (a microbatch's samples): rows, and rows with an element outside.
+  int64_t rows = 0;
+  int64_t rows_outside = 0;
   // ||claimed - recomputed|| / ||recomputed|| over the float tensors.
   double relative_distance = 0;
   // The largest |claimed_i - recomputed_i| / bound_i (1 is the bound).

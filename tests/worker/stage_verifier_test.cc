@@ -255,6 +255,33 @@ TEST(OutputCheckTest, ASmallBlockIsBoundedAtTheTensorsScale) {
   }
 }
 
+// The summary says in how many of a microbatch's rows (samples) the
+// elements outside fall: one sample's difference (a ReLU unit one build
+// rounds to zero and the other does not) reads otherwise than a lie spread
+// over all of them.
+TEST(OutputCheckTest, TheSummaryCountsTheRowsOutside) {
+  auto message = [](const torch::Tensor& t) {
+    LinkMessage m;
+    EXPECT_TRUE(EncodeTensor(t.contiguous(), m.header.add_tensors(), &m.payload, WireEncoding())
+                    .ok());
+    return m;
+  };
+  torch::manual_seed(6);
+  const torch::Tensor recomputed = torch::randn({16, 64});
+  torch::Tensor one_row = recomputed.clone();
+  one_row[5] += 0.5;
+  absl::StatusOr<OutputComparison> result =
+      CompareOutputs(message(one_row), message(recomputed), OutputTolerance());
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_FALSE(result->passed);
+  EXPECT_EQ(result->rows, 16);
+  EXPECT_EQ(result->rows_outside, 1);
+  EXPECT_NE(result->Summary().find("(in 1 of 16 rows)"), std::string::npos) << result->Summary();
+  result = CompareOutputs(message(recomputed * 1.05), message(recomputed), OutputTolerance());
+  ASSERT_TRUE(result.ok());
+  EXPECT_EQ(result->rows_outside, 16) << result->Summary();
+}
+
 // A stage that skipped its updates computes with older weights than the
 // ones it commits to; one that skipped a layer computes something else.
 TEST_F(StageVerifierTest, StaleWeightsAndASkippedLayerFail) {
