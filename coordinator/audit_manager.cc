@@ -55,6 +55,17 @@ const char* AuditStateName(Audit::State state) {
 AuditManager::AuditManager(SpotCheckDraw draw, AuditOptions options)
     : draw_(std::move(draw)), options_(options) {}
 
+bool AuditManager::UpdateFits(const v1::StageAssignment& stage) const {
+  if (options_.layer_parameters.empty() || options_.max_update_state_bytes == 0) return true;
+  uint64_t parameters = 0;
+  for (int layer = std::max(0, stage.layer_begin());
+       layer < stage.layer_end() && layer < static_cast<int>(options_.layer_parameters.size());
+       ++layer) {
+    parameters += options_.layer_parameters[layer];
+  }
+  return parameters * options_.bytes_per_parameter <= options_.max_update_state_bytes;
+}
+
 std::optional<std::string> AuditManager::ChooseVerifierLocked(
     const Audit& audit, const v1::Plan& plan, const std::vector<std::string>& standbys) const {
   auto usable = [&](const std::string& id) {
@@ -131,7 +142,8 @@ std::vector<Audit> AuditManager::OnStepCommitted(
                                                                           : 1.0));
       const int updated = step - 1;  // the step whose update `step` computed with
       const bool tied = options_.tied_ends && (k == 0 || k + 1 == stages);
-      if (options_.audit_updates && !tied && updated > plan.start_step() && updated >= 1 &&
+      if (options_.audit_updates && !tied && UpdateFits(stage) &&
+          updated > plan.start_step() && updated >= 1 &&
           draw_.Draw(base.epoch, static_cast<uint64_t>(updated),
                      UpdateDrawKey(base.stage, r)) < rate) {
         ++counts_.drawn;

@@ -67,6 +67,14 @@ struct AuditOptions {
   // not drawn.
   bool audit_updates = false;
   bool tied_ends = false;
+  // Each layer's parameters (ProfileLayers): a stage whose weights and
+  // optimizer state before an update, and weights after it, exceed
+  // `max_update_state_bytes` cannot upload them in one call (streamed
+  // evidence is still to come), and its updates are not drawn. Empty: all
+  // are.
+  std::vector<uint64_t> layer_parameters;
+  uint64_t bytes_per_parameter = 16;  // AdamW: weights, two moments, weights after
+  uint64_t max_update_state_bytes = 0;
 };
 
 // One audited computation.
@@ -164,6 +172,8 @@ class AuditManager {
                                                   const std::vector<std::string>& standbys) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void CloseLocked(Audit audit) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether an update audit of `stage` can be uploaded (AuditOptions).
+  bool UpdateFits(const v1::StageAssignment& stage) const;
 
   const SpotCheckDraw draw_;
   const AuditOptions options_;

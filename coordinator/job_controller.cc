@@ -6,7 +6,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/logging.h"
+#include "common/model_profile.h"
 #include "common/plan_util.h"
+#include "common/rpc_options.h"
 #include "coordinator/plan_builder.h"
 #include "coordinator/state_store.h"
 
@@ -89,6 +91,14 @@ absl::StatusOr<std::unique_ptr<JobController>> JobController::Create(
     audits.audits.audit_updates = job.schedule() == v1::SCHEDULE_SYNC ||
                                   job.schedule() == v1::SCHEDULE_UNSPECIFIED;
     audits.audits.tied_ends = job.has_llama() && job.llama().tie_embeddings();
+    for (const LayerProfile& layer : ProfileLayers(job)) {
+      audits.audits.layer_parameters.push_back(layer.parameter_count);
+    }
+    audits.audits.bytes_per_parameter =
+        job.optimizer().kind() == v1::Optimizer::KIND_SGD ? 12 : 16;
+    // What one evidence upload may carry, less room for the step's
+    // messages.
+    audits.audits.max_update_state_bytes = (kCoordinatorMaxReceiveBytes * 3) / 4;
     audits.total_steps = job.steps();
     audits.clock = self->options_.clock;
     audits.events = &self->events_;

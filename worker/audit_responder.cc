@@ -143,9 +143,7 @@ v1::AuditEvidence AuditResponder::Gather(const v1::EvidenceRequest& request) con
       }
     }
   }
-  const uint64_t limit = options_.max_evidence_bytes > 0
-                             ? options_.max_evidence_bytes
-                             : static_cast<uint64_t>(kCoordinatorMaxReceiveBytes) - kEnvelopeBytes;
+  const uint64_t limit = EvidenceLimit();
   if (evidence.ByteSizeLong() > limit) {
     const uint64_t bytes = evidence.ByteSizeLong();
     evidence.Clear();
@@ -256,6 +254,14 @@ std::optional<std::string> AuditResponder::GatherUpdate(const v1::EvidenceReques
       !weights_before->export_with_state) {
     return absl::StrCat("weight versions ", SenderWeightVersion(before_header), " and ",
                         SenderWeightVersion(after_header), " are no longer kept");
+  }
+  // Too large for one upload: said before anything is exported (a large
+  // stage's update audits would otherwise copy megabytes to drop them).
+  const uint64_t weights_bytes = weights_before->bytes + weights_after->weight_bytes;
+  if (weights_bytes > EvidenceLimit()) {
+    return absl::StrCat("the weights and optimizer state come to ", weights_bytes,
+                        " bytes, over the ", EvidenceLimit(),
+                        " one upload may carry (streamed evidence is still to come)");
   }
   absl::StatusOr<std::vector<v1::LayerCheckpoint>> layers = weights_before->export_with_state();
   absl::StatusOr<std::vector<v1::LayerCheckpoint>> layers_after = weights_after->export_layers();
@@ -417,6 +423,12 @@ void AuditResponder::Do(const Work& work) {
   absl::MutexLock lock(&mu_);
   ++counts_.verified;
   if (verdict.ran() && !verdict.passed()) ++counts_.failed;
+}
+
+uint64_t AuditResponder::EvidenceLimit() const {
+  return options_.max_evidence_bytes > 0
+             ? options_.max_evidence_bytes
+             : static_cast<uint64_t>(kCoordinatorMaxReceiveBytes) - kEnvelopeBytes;
 }
 
 AuditResponder::Counts AuditResponder::counts() const {

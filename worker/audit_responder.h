@@ -87,6 +87,8 @@ class AuditResponder {
   };
   void Loop();
   void Do(const Work& work);
+  // What one upload may carry.
+  uint64_t EvidenceLimit() const;
   // Gather() for an update audit (EvidenceRequest.update): fills
   // `evidence`, or returns why this worker no longer holds its part.
   std::optional<std::string> GatherUpdate(const v1::EvidenceRequest& request,

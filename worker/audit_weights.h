@@ -33,7 +33,8 @@ struct KeptWeights {
   // The same with the optimizer's state (StageRuntime::ExportWeightsLater
   // with it): the state the update from this version starts from.
   std::function<absl::StatusOr<std::vector<v1::LayerCheckpoint>>()> export_with_state;
-  uint64_t bytes = 0;   // what holding them keeps alive
+  uint64_t bytes = 0;   // what holding them keeps alive (with the state)
+  uint64_t weight_bytes = 0;  // the weights alone
 };
 
 class AuditWeights {

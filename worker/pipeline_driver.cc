@@ -647,7 +647,8 @@ void PipelineDriver::KeepWeightsForAudit() {
   weights.digest = audit_kept_digest_;
   weights.export_layers = runtime_->ExportWeightsLater();
   weights.export_with_state = runtime_->ExportWeightsLater(/*with_optimizer_state=*/true);
-  weights.bytes = runtime_->WeightBytes() + runtime_->OptimizerStateBytes();
+  weights.weight_bytes = runtime_->WeightBytes();
+  weights.bytes = weights.weight_bytes + runtime_->OptimizerStateBytes();
   kept->Keep(std::move(weights));
 }
 

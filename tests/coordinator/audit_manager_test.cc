@@ -110,6 +110,24 @@ TEST(AuditManagerTest, UpdatesAreDrawnPerStageAndStepWithTheStepsMicrobatches) {
   }
   EXPECT_EQ(stages, std::set<int>{1});
 
+  // A stage whose state cannot be uploaded in one call is not drawn.
+  options.tied_ends = false;
+  options.layer_parameters = {1000, 200000, 1000};
+  options.max_update_state_bytes = 1 << 20;  // 16 bytes a parameter: layer 1 is 3.2 MB
+  AuditManager sized(*draw, options);
+  v1::Plan layered = plan;
+  for (int k = 0; k < layered.stages_size(); ++k) {
+    layered.mutable_stages(k)->set_layer_begin(k);
+    layered.mutable_stages(k)->set_layer_end(k + 1);
+  }
+  stages.clear();
+  for (int step = 1; step <= 200; ++step) {
+    for (const Audit& a : sized.OnStepCommitted(layered, step, 4, {}, kNobodySuspect)) {
+      if (a.update) stages.insert(a.stage);
+    }
+  }
+  EXPECT_EQ(stages, (std::set<int>{0, 2}));
+
   std::unique_ptr<AuditManager> without = Manager(0.05);
   for (int step = 1; step <= 200; ++step) {
     for (const Audit& a : without->OnStepCommitted(plan, step, 4, {}, kNobodySuspect)) {
