@@ -8,7 +8,7 @@
 #include "common/logging.h"
 #include "common/model_profile.h"
 #include "common/plan_util.h"
-#include "common/rpc_options.h"
+#include "common/update_audit_size.h"
 #include "coordinator/plan_builder.h"
 #include "coordinator/state_store.h"
 
@@ -94,11 +94,8 @@ absl::StatusOr<std::unique_ptr<JobController>> JobController::Create(
     for (const LayerProfile& layer : ProfileLayers(job)) {
       audits.audits.layer_parameters.push_back(layer.parameter_count);
     }
-    audits.audits.bytes_per_parameter =
-        job.optimizer().kind() == v1::Optimizer::KIND_SGD ? 12 : 16;
-    // What one evidence upload may carry, less room for the step's
-    // messages.
-    audits.audits.max_update_state_bytes = (kCoordinatorMaxReceiveBytes * 3) / 4;
+    audits.audits.bytes_per_parameter = UpdateAuditBytesPerParameter(job.optimizer());
+    audits.audits.max_update_state_bytes = kMaxUpdateAuditStateBytes;
     audits.total_steps = job.steps();
     audits.clock = self->options_.clock;
     audits.events = &self->events_;

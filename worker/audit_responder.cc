@@ -250,8 +250,10 @@ std::optional<std::string> AuditResponder::GatherUpdate(const v1::EvidenceReques
       options_.weights->Find(SenderWeightVersion(before_header), before_header.weights_digest());
   std::optional<KeptWeights> weights_after =
       options_.weights->Find(SenderWeightVersion(after_header), after_header.weights_digest());
-  if (!weights_before.has_value() || !weights_after.has_value() ||
-      !weights_before->export_with_state) {
+  if (weights_before.has_value() && !weights_before->export_with_state) {
+    return "this stage's optimizer state is not kept: its update audits are too large to upload";
+  }
+  if (!weights_before.has_value() || !weights_after.has_value()) {
     return absl::StrCat("weight versions ", SenderWeightVersion(before_header), " and ",
                         SenderWeightVersion(after_header), " are no longer kept");
   }

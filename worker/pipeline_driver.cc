@@ -10,6 +10,7 @@
 #include "common/logging.h"
 #include "common/process_stats.h"
 #include "common/status_macros.h"
+#include "common/update_audit_size.h"
 #include "worker/outer_links.h"
 
 namespace geotrain {
@@ -646,9 +647,13 @@ void PipelineDriver::KeepWeightsForAudit() {
   weights.version = version;
   weights.digest = audit_kept_digest_;
   weights.export_layers = runtime_->ExportWeightsLater();
-  weights.export_with_state = runtime_->ExportWeightsLater(/*with_optimizer_state=*/true);
   weights.weight_bytes = runtime_->WeightBytes();
-  weights.bytes = weights.weight_bytes + runtime_->OptimizerStateBytes();
+  weights.bytes = weights.weight_bytes;
+  // The optimizer state too where the stage's updates can be audited.
+  if (UpdateAuditFits(weights.weight_bytes / sizeof(float), job_.optimizer())) {
+    weights.export_with_state = runtime_->ExportWeightsLater(/*with_optimizer_state=*/true);
+    weights.bytes += runtime_->OptimizerStateBytes();
+  }
   kept->Keep(std::move(weights));
 }
 
