@@ -111,9 +111,11 @@ v1::AuditEvidence AuditResponder::Gather(const v1::EvidenceRequest& request) con
       evidence.set_received_commitment(received->commitment);
       return evidence;
     }
-    const v1::MessageKind sent_kind =
-        request.part() == v1::EvidenceRequest::SENT_INPUT ? v1::MESSAGE_KIND_ACTIVATION : output_kind;
-    std::optional<LoggedMessage> sent = log.FindNewest(Direction::kSent, sent_kind, request.microbatch());
+    const v1::MessageKind sent_kind = request.part() == v1::EvidenceRequest::SENT_INPUT
+                                          ? v1::MESSAGE_KIND_ACTIVATION
+                                          : output_kind;
+    std::optional<LoggedMessage> sent =
+        log.FindNewest(Direction::kSent, sent_kind, request.microbatch());
     if (!sent.has_value()) return missing("no longer in the sent log");
     if (sent->message == nullptr) return missing("its bytes are no longer kept");
     *evidence.mutable_message() = ToProto(*sent->message);
@@ -211,7 +213,9 @@ std::optional<std::string> AuditResponder::GatherUpdate(const v1::EvidenceReques
                                        : v1::MESSAGE_KIND_GRADIENT;
       for (uint64_t m : request.microbatches()) {
         std::optional<LoggedMessage> sent = log.FindNewest(Direction::kSent, kind, m);
-        if (!sent.has_value()) return absl::StrCat("microbatch ", m, " is no longer in the sent log");
+        if (!sent.has_value()) {
+          return absl::StrCat("microbatch ", m, " is no longer in the sent log");
+        }
         if (sent->message == nullptr) {
           return absl::StrCat("microbatch ", m, "'s bytes are no longer kept");
         }

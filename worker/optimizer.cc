@@ -27,10 +27,19 @@ class AdamW : public OutOfPlaceOptimizer {
     std::vector<torch::Tensor> next;
     next.reserve(params.size());
     for (size_t i = 0; i < params.size(); ++i) {
-      // New state tensors each step, as for the weights: a version's state
-      // can be held without a copy (State()).
-      m_[i] = m_[i].lerp(grads[i], 1 - b1);
-      v_[i] = v_[i].mul(b2).addcmul_(grads[i], grads[i], 1 - b2);
+      // Tensors State() handed out and someone still holds (a spot check's
+      // kept version) are left as they are: the step writes new ones.
+      // Unshared, it updates in place, without the allocations.
+      if (m_[i].use_count() > 1) {
+        m_[i] = m_[i].lerp(grads[i], 1 - b1);
+      } else {
+        m_[i].lerp_(grads[i], 1 - b1);
+      }
+      if (v_[i].use_count() > 1) {
+        v_[i] = v_[i].mul(b2).addcmul_(grads[i], grads[i], 1 - b2);
+      } else {
+        v_[i].mul_(b2).addcmul_(grads[i], grads[i], 1 - b2);
+      }
       // sqrt(v / c2) + eps = (sqrt(v) + eps * sqrt(c2)) / sqrt(c2).
       torch::Tensor denom = v_[i].sqrt().add_(kEps * std::sqrt(correction2));
       torch::Tensor p = params[i].detach().mul(1 - lr * spec_.weight_decay());
@@ -84,7 +93,11 @@ class Sgd : public OutOfPlaceOptimizer {
         if (buffers_.size() <= i) {
           buffers_.push_back(g.clone());
         } else {
-          buffers_[i] = buffers_[i].mul(spec_.momentum()).add_(g);
+          if (buffers_[i].use_count() > 1) {  // held (see AdamW)
+            buffers_[i] = buffers_[i].mul(spec_.momentum()).add_(g);
+          } else {
+            buffers_[i].mul_(spec_.momentum()).add_(g);
+          }
         }
         g = buffers_[i];
       }

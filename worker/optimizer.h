@@ -1,7 +1,8 @@
 // Out-of-place optimizers: Step() returns new parameter tensors and leaves
 // the given ones untouched, so stashed versions stay valid. State (moments)
-// belongs to the optimizer and advances once per Step(), into new tensors
-// too: the tensors State() returns never change afterwards, so a spot
+// belongs to the optimizer and advances once per Step(); the tensors
+// State() returns never change afterwards while anyone holds them (a step
+// writes new ones then, and updates unshared ones in place), so a spot
 // check's update audit holds a version's state without copying it. Not
 // thread-safe.
 #ifndef GEOTRAIN_WORKER_OPTIMIZER_H_

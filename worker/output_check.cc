@@ -126,7 +126,9 @@ std::string OutputComparison::Summary() const {
   if (!failure.empty()) return absl::StrCat("FAILED: ", failure);
   if (!mismatch.empty()) return absl::StrCat("FAILED: the ", mismatch, " differs");
   std::string rows_part;
-  if (rows > 0 && violations > 0) rows_part = absl::StrFormat(" (in %d of %d rows)", rows_outside, rows);
+  if (rows > 0 && violations > 0) {
+    rows_part = absl::StrFormat(" (in %d of %d rows)", rows_outside, rows);
+  }
   return absl::StrFormat("%s: %d of %d elements outside the bound%s, worst %.3g x bound, "
                          "relative distance %.3g",
                          passed ? "passed" : "FAILED", violations, elements, rows_part,

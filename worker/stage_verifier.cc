@@ -1,5 +1,6 @@
 #include "worker/stage_verifier.h"
 
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/escaping.h"
@@ -210,23 +211,17 @@ absl::StatusOr<OutputComparison> StageVerifier::VerifyUpdate(const AuditedUpdate
       return WrongWeights("an output commits to no weights");
     }
   }
-  // The weights supplied are the committed ones. (A fresh optimizer each
-  // time: restoring keeps the larger step count, and one step off moves
-  // AdamW's update by 6.5% here. Not a fresh stage: stage 0's opens its
-  // dataset, seconds a time.)
-  RETURN_IF_ERROR(runtime_->ResetOptimizer());
-  if (absl::Status loaded = Load(audit.after, after_digest, "the weights claimed after the update");
-      absl::IsFailedPrecondition(loaded)) {
-    return WrongWeights(std::string(loaded.message()));
-  } else if (!loaded.ok()) {
-    return loaded;
-  }
-  RETURN_IF_ERROR(runtime_->ResetOptimizer());
-  if (absl::Status loaded = Load(audit.before, before_digest, "the weights before the update");
-      absl::IsFailedPrecondition(loaded)) {
-    return WrongWeights(std::string(loaded.message()));
-  } else if (!loaded.ok()) {
-    return loaded;
+  // The weights supplied are the committed ones; those that are not fail
+  // the audit. (A fresh optimizer each time: restoring keeps the larger
+  // step count, and one step off moves AdamW's update by 6.5% here. Not a
+  // fresh stage: stage 0's opens its dataset, seconds a time.)
+  for (const auto& [weights, digest, what] :
+       {std::make_tuple(&audit.after, &after_digest, "the weights claimed after the update"),
+        std::make_tuple(&audit.before, &before_digest, "the weights before the update")}) {
+    RETURN_IF_ERROR(runtime_->ResetOptimizer());
+    const absl::Status loaded = Load(*weights, *digest, what);
+    if (absl::IsFailedPrecondition(loaded)) return WrongWeights(std::string(loaded.message()));
+    RETURN_IF_ERROR(loaded);
   }
   absl::Status computed = absl::OkStatus();
   for (const AuditedUpdate::Microbatch& m : audit.microbatches) {

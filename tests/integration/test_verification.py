@@ -289,13 +289,18 @@ class SpotCheckTest(unittest.TestCase):
         verifier passes it and the third (the standby, or the remaining
         pipeline) settles it: the liar is evicted, the worker it accused
         is not, and no honest worker is recorded as failing."""
-        with PipelinesCluster(100000, 8, streaming=False, secure=True, workers=7) as c:
+        # The plan is made at the sixth join, the hostile worker's, so that
+        # it holds a stage; the seventh is the standby. (A plan of all
+        # seven leaves the slowest out, and the hostile worker may measure
+        # slowest: a standby is asked to verify only when no pipeline can,
+        # and never failed anything.)
+        with PipelinesCluster(100000, 8, streaming=False, secure=True, workers=6) as c:
             with open(c.job, "a") as f:
                 f.write(f"verification {{ fraction: {SPOT_CHECK_FRACTION} }}\n")
             c.start_coordinator()
             token = c.create_token("--uses=7", "--name=volunteers")
             for i in range(7):
-                if i == 6:
+                if i == 5:
                     hostile_worker(c, token, "--misbehave=lie_as_verifier")
                 else:
                     c.start_worker(f"w{i}", extra=[f"--token={token}"])
@@ -370,8 +375,17 @@ class AdversaryToTheEndTest(unittest.TestCase):
             token = c.create_token("--uses=5", "--name=volunteers")
             for i in range(5):
                 if hostile and i == 3:
+                    # It lies from its first message. Honest first, it
+                    # passed audits and the job trusted it to them; when the
+                    # fifth join remade the plan late (a loaded machine),
+                    # its count of honest messages began again, it passed
+                    # audits past the first checkpoints, and the job rolled
+                    # back to one of those. Restoring at a step other than
+                    # the seed gives pipeline 1 pipeline 0's optimizer state,
+                    # and that run ended 5.2% off the clean one
+                    # (docs/verification.md, "Rollback").
                     hostile_worker(c, token, "--misbehave=flip_gradients", "--consistent_log",
-                                   f"--after={HONEST_MESSAGES}")
+                                   "--after=0")
                 else:
                     c.start_worker(f"w{i}", extra=[f"--token={token}"])
                 wait_for(lambda: len(c.status()["workers"]) == i + 1, 60, f"worker {i} to join")

@@ -231,25 +231,27 @@ TEST_F(StageVerifierTest, ChangedOutputsFail) {
 // cancellation (here a row a million times smaller than the others) keeps
 // rounding at the tensor's scale, which the bound allows; a lie on the
 // tensor is still far outside it.
+// `t` as an unencoded message.
+LinkMessage MessageOf(const torch::Tensor& t) {
+  LinkMessage m;
+  EXPECT_TRUE(EncodeTensor(t.contiguous(), m.header.add_tensors(), &m.payload, WireEncoding())
+                  .ok());
+  return m;
+}
+
 TEST(OutputCheckTest, ASmallBlockIsBoundedAtTheTensorsScale) {
-  auto message = [](const torch::Tensor& t) {
-    LinkMessage m;
-    EXPECT_TRUE(EncodeTensor(t.contiguous(), m.header.add_tensors(), &m.payload, WireEncoding())
-                    .ok());
-    return m;
-  };
   torch::manual_seed(5);
   torch::Tensor recomputed = torch::randn({16, 64});
   recomputed[3] *= 1e-6;  // a confident sample's row
   torch::Tensor rounded = recomputed.clone();
   rounded[3] += 1e-6 * torch::randn({64});  // the other build's rounding there
   absl::StatusOr<OutputComparison> honest =
-      CompareOutputs(message(rounded), message(recomputed), OutputTolerance());
+      CompareOutputs(MessageOf(rounded), MessageOf(recomputed), OutputTolerance());
   ASSERT_TRUE(honest.ok()) << honest.status();
   EXPECT_TRUE(honest->passed) << honest->Summary();
   for (const torch::Tensor& lie : {recomputed * 1.05, recomputed + 0.01 * torch::randn({16, 64})}) {
     absl::StatusOr<OutputComparison> caught =
-        CompareOutputs(message(lie), message(recomputed), OutputTolerance());
+        CompareOutputs(MessageOf(lie), MessageOf(recomputed), OutputTolerance());
     ASSERT_TRUE(caught.ok());
     EXPECT_FALSE(caught->passed) << caught->Summary();
   }
@@ -260,24 +262,18 @@ TEST(OutputCheckTest, ASmallBlockIsBoundedAtTheTensorsScale) {
 // rounds to zero and the other does not) reads otherwise than a lie spread
 // over all of them.
 TEST(OutputCheckTest, TheSummaryCountsTheRowsOutside) {
-  auto message = [](const torch::Tensor& t) {
-    LinkMessage m;
-    EXPECT_TRUE(EncodeTensor(t.contiguous(), m.header.add_tensors(), &m.payload, WireEncoding())
-                    .ok());
-    return m;
-  };
   torch::manual_seed(6);
   const torch::Tensor recomputed = torch::randn({16, 64});
   torch::Tensor one_row = recomputed.clone();
   one_row[5] += 0.5;
   absl::StatusOr<OutputComparison> result =
-      CompareOutputs(message(one_row), message(recomputed), OutputTolerance());
+      CompareOutputs(MessageOf(one_row), MessageOf(recomputed), OutputTolerance());
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_FALSE(result->passed);
   EXPECT_EQ(result->rows, 16);
   EXPECT_EQ(result->rows_outside, 1);
   EXPECT_NE(result->Summary().find("(in 1 of 16 rows)"), std::string::npos) << result->Summary();
-  result = CompareOutputs(message(recomputed * 1.05), message(recomputed), OutputTolerance());
+  result = CompareOutputs(MessageOf(recomputed * 1.05), MessageOf(recomputed), OutputTolerance());
   ASSERT_TRUE(result.ok());
   EXPECT_EQ(result->rows_outside, 16) << result->Summary();
 }
