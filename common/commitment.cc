@@ -13,7 +13,7 @@ namespace {
 
 // Domain separation: a commitment is never the hash of anything else
 // geotrain hashes.
-constexpr absl::string_view kDomain = "geotrain.link-commitment.v2";
+constexpr absl::string_view kDomain = "geotrain.link-commitment.v3";
 
 // Appends fixed-width little-endian integers.
 class Layout {
@@ -55,6 +55,8 @@ std::string IdentityOf(const v1::LinkHeader& header) {
     out.U64(t.encoded_bytes());
   }
   out.Bytes(header.weights_digest());
+  out.Bytes(header.state_digest());
+  out.I64(header.weight_syncs());
   return out.bytes();
 }
 

@@ -5,13 +5,14 @@
 // layout of this file's own, so any build of geotrain computes the same
 // bytes for the same message whatever its protobuf library:
 //
-//   SHA-256("geotrain.link-commitment.v2" || u64 len(identity) ||
+//   SHA-256("geotrain.link-commitment.v3" || u64 len(identity) ||
 //           u64 len(payload) || identity || payload)
 //   identity = kind, epoch, microbatch, step, weight_version, from_stage,
 //              count of weight_versions, each; count of tensors, and per
 //              tensor: count of dims, each dim, dtype, codec,
 //              payload_bytes, block_size, zstd (0/1), encoded_bytes;
-//              len(weights_digest), weights_digest
+//              len(weights_digest), weights_digest,
+//              len(state_digest), state_digest, weight_syncs
 //
 // every number a 64-bit little-endian integer (enums by their value), the
 // digest its bytes.

@@ -15,10 +15,10 @@
 namespace geotrain {
 
 // Bytes an update audit carries per parameter: the weights and optimizer
-// state before (AdamW: two moments; SGD: at most one buffer) and the
-// weights after, float32.
+// state before (AdamW: two moments; SGD: at most one buffer) and the same
+// after (the state after is held to its commitment too), float32.
 inline uint64_t UpdateAuditBytesPerParameter(const v1::Optimizer& optimizer) {
-  return optimizer.kind() == v1::Optimizer::KIND_SGD ? 12 : 16;
+  return optimizer.kind() == v1::Optimizer::KIND_SGD ? 16 : 24;
 }
 
 // What those may come to: three quarters of one call, leaving room for the

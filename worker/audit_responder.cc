@@ -263,14 +263,18 @@ std::optional<std::string> AuditResponder::GatherUpdate(const v1::EvidenceReques
   }
   // Too large for one upload: said before anything is exported (a large
   // stage's update audits would otherwise copy megabytes to drop them).
-  const uint64_t weights_bytes = weights_before->bytes + weights_after->weight_bytes;
+  const uint64_t weights_bytes = weights_before->bytes + weights_after->bytes;
   if (weights_bytes > EvidenceLimit()) {
     return absl::StrCat("the weights and optimizer state come to ", weights_bytes,
                         " bytes, over the ", EvidenceLimit(),
                         " one upload may carry (streamed evidence is still to come)");
   }
   absl::StatusOr<std::vector<v1::LayerCheckpoint>> layers = weights_before->export_with_state();
-  absl::StatusOr<std::vector<v1::LayerCheckpoint>> layers_after = weights_after->export_layers();
+  // The state after too: the verifier holds it to the next output's
+  // commitment and to its own replay.
+  absl::StatusOr<std::vector<v1::LayerCheckpoint>> layers_after =
+      weights_after->export_with_state ? weights_after->export_with_state()
+                                       : weights_after->export_layers();
   if (!layers.ok() || !layers_after.ok()) {
     return absl::StrCat("the kept weights could not be exported: ",
                         (layers.ok() ? layers_after.status() : layers.status()).message());

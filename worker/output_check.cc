@@ -102,15 +102,23 @@ void Finish(double difference_squared, double reference_squared, double max_viol
       result->violations <= static_cast<int64_t>(max_violation_fraction * result->elements);
 }
 
-// A layer's parameters, flat float64, from the front of its payload.
-absl::StatusOr<std::vector<torch::Tensor>> ParamsOf(const v1::LayerCheckpoint& layer) {
+// A layer's parameters, flat float64, from the front of its payload; with
+// `with_state`, its optimizer state after them instead (per parameter in
+// order, state_per_param each: the payload's order).
+absl::StatusOr<std::vector<torch::Tensor>> ParamsOf(const v1::LayerCheckpoint& layer,
+                                                    bool with_state = false) {
   std::vector<torch::Tensor> params;
   size_t offset = 0;
-  for (const v1::TensorHeader& header : layer.params()) {
+  auto decode = [&](const v1::TensorHeader& header) -> absl::Status {
     ASSIGN_OR_RETURN(torch::Tensor t, DecodeTensor(header, layer.payload(), offset));
     offset += header.payload_bytes();
     params.push_back(t.reshape({-1}).to(torch::kFloat64));
-  }
+    return absl::OkStatus();
+  };
+  for (const v1::TensorHeader& header : layer.params()) RETURN_IF_ERROR(decode(header));
+  if (!with_state) return params;
+  params.clear();
+  for (const v1::TensorHeader& header : layer.optimizer_state()) RETURN_IF_ERROR(decode(header));
   return params;
 }
 
@@ -247,6 +255,40 @@ absl::StatusOr<OutputComparison> CompareUpdates(
         const torch::Tensor bound = tolerance.update_fraction * BlockAbsMax(update, kDeviceBlock) +
                                     tolerance.device * BlockAbsMax(mine[p], kDeviceBlock) + 1e-30;
         Accumulate(claimed[p] - w0[p], update, bound, &result, &difference_squared,
+                   &reference_squared);
+      }
+      // The optimizer state after the update, by the same rule: its change
+      // against the recomputed change (the state before the first update
+      // is zero). Moments made up to cancel an update miss by far more.
+      const v1::LayerCheckpoint& claimed_layer = claimed_after[l];
+      const v1::LayerCheckpoint& my_layer = recomputed_after[l];
+      if (my_layer.optimizer_state_size() == 0) continue;
+      if (claimed_layer.optimizer_state_size() != my_layer.optimizer_state_size()) {
+        return Mismatch(absl::StrCat("optimizer state tensor count (",
+                                     claimed_layer.optimizer_state_size(), " against ",
+                                     my_layer.optimizer_state_size(), ")"));
+      }
+      if (claimed_layer.optimizer_steps() != my_layer.optimizer_steps()) {
+        return Mismatch(absl::StrCat("optimizer step count (", claimed_layer.optimizer_steps(),
+                                     " against ", my_layer.optimizer_steps(), ")"));
+      }
+      ASSIGN_OR_RETURN(std::vector<torch::Tensor> s0, ParamsOf(before[l], true));
+      ASSIGN_OR_RETURN(std::vector<torch::Tensor> claimed_state, ParamsOf(claimed_layer, true));
+      ASSIGN_OR_RETURN(std::vector<torch::Tensor> my_state, ParamsOf(my_layer, true));
+      if (!s0.empty() && s0.size() != my_state.size()) {
+        return absl::InvalidArgumentError("the optimizer state before has another layout");
+      }
+      for (size_t k = 0; k < my_state.size(); ++k) {
+        if (claimed_state[k].numel() != my_state[k].numel() ||
+            (!s0.empty() && s0[k].numel() != my_state[k].numel())) {
+          return Mismatch("optimizer state shape");
+        }
+        const torch::Tensor start = s0.empty() ? torch::zeros_like(my_state[k]) : s0[k];
+        const torch::Tensor change = my_state[k] - start;
+        const torch::Tensor bound = tolerance.update_fraction * BlockAbsMax(change, kDeviceBlock) +
+                                    tolerance.device * BlockAbsMax(my_state[k], kDeviceBlock) +
+                                    1e-30;
+        Accumulate(claimed_state[k] - start, change, bound, &result, &difference_squared,
                    &reference_squared);
       }
     }

@@ -87,7 +87,9 @@ absl::StatusOr<OutputComparison> CompareOutputs(const LinkMessage& claimed,
 // before it, on the same gradients. Each element of the update
 // (after - before) may differ from the recomputed one by
 // `update_fraction` of its block's largest recomputed update, plus the
-// device term of the weights' block. A stage that skipped its update
+// device term of the weights' block. Where the recomputation has
+// optimizer state, the claimed state after is held to it by the same rule
+// (its change since the state before). A stage that skipped its update
 // (stale weights) misses by the whole update.
 struct UpdateTolerance {
   double update_fraction = 0.1;

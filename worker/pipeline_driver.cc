@@ -649,10 +649,14 @@ void PipelineDriver::KeepWeightsForAudit() {
   weights.export_layers = runtime_->ExportWeightsLater();
   weights.weight_bytes = runtime_->WeightBytes();
   weights.bytes = weights.weight_bytes;
-  // The optimizer state too where the stage's updates can be audited.
+  // The optimizer state too where the stage's updates can be audited; the
+  // outputs commit to it and to the syncs so far (StampWeightsDigest).
+  audit_kept_state_digest_.clear();
+  audit_kept_weight_syncs_ = runtime_->weight_syncs();
   if (UpdateAuditFits(weights.weight_bytes / sizeof(float), job_.optimizer())) {
     weights.export_with_state = runtime_->ExportWeightsLater(/*with_optimizer_state=*/true);
     weights.bytes += runtime_->OptimizerStateBytes();
+    audit_kept_state_digest_ = runtime_->OptimizerStateDigest();
   }
   kept->Keep(std::move(weights));
 }
@@ -663,6 +667,8 @@ void PipelineDriver::StampWeightsDigest(LinkMessage* message) const {
     return;
   }
   message->header.set_weights_digest(audit_kept_digest_);
+  message->header.set_state_digest(audit_kept_state_digest_);
+  message->header.set_weight_syncs(audit_kept_weight_syncs_);
 }
 
 absl::Status PipelineDriver::RunLaterStage() {

@@ -344,7 +344,9 @@ class PipelineDriver {
   // next microbatch. Its microbatches count in the window until the last
   // stage acknowledges them (EVAL_ACK).
   int64_t audit_kept_version_ = -1;     // the version KeepWeightsForAudit kept last
-  std::string audit_kept_digest_;       // and its digest
+  std::string audit_kept_digest_;       // and its digest,
+  std::string audit_kept_state_digest_;  // its optimizer state's (update-audited stages)
+  int64_t audit_kept_weight_syncs_ = 0;  // and the stage's weight syncs then
   int eval_pass_ = 0;
   int eval_next_ = 0;
   double step_loss_sum_ = 0;            // last stage: losses of this step

@@ -36,6 +36,14 @@ struct StageRuntime::Impl {
   }
   std::unique_ptr<WeightStash> stash;
   std::unique_ptr<OutOfPlaceOptimizer> optimizer;
+  // Weight versions published by anything but an optimizer update (a
+  // restore, replica averaging, an outer step): LinkHeader.weight_syncs.
+  int64_t weight_syncs = 0;
+  // Publishes `weights` as a version that is not an update of this stage.
+  void PublishSync(std::vector<torch::Tensor> weights) {
+    stash->Publish(std::move(weights));
+    ++weight_syncs;
+  }
   // With pipelines: the outer step, its encoder, and the weights the last
   // pseudo-gradient was taken from.
   std::unique_ptr<OuterOptimizer> outer;
@@ -957,7 +965,7 @@ absl::Status StageRuntime::RestoreCheckpoint(const std::vector<v1::LayerCheckpoi
     }
     std::vector<torch::Tensor> copies;
     for (const torch::Tensor& p : params) copies.push_back(p.detach().clone());
-    s.stash->Publish(std::move(copies));
+    s.PublishSync(std::move(copies));
     if (outer.has_value()) {
       // Layers restored without an outer state take their weights as outer
       // weights; momentum is kept only if every layer had one.
@@ -1039,7 +1047,7 @@ absl::Status StageRuntime::AverageWeights(const std::vector<v1::LayerWeights>& p
         next.push_back((mine + sums[p]) / (1.0 + counts[p]));
       }
     }
-    s.stash->Publish(std::move(next));
+    s.PublishSync(std::move(next));
     return absl::OkStatus();
   });
 }
@@ -1144,7 +1152,7 @@ absl::Status StageRuntime::AdoptOuterState(const std::vector<v1::LayerWeights>& 
       next.push_back(weights[p].to(current[p].device(), current[p].scalar_type()) + local);
     }
     s.outer_sent_from.clear();
-    s.stash->Publish(std::move(next));
+    s.PublishSync(std::move(next));
     return absl::OkStatus();
   });
 }
@@ -1224,7 +1232,7 @@ absl::Status StageRuntime::PublishOuterWeights(const std::vector<torch::Tensor>&
     next.push_back(std::move(w));
   }
   s.outer_sent_from.clear();
-  s.stash->Publish(std::move(next));
+  s.PublishSync(std::move(next));
   return absl::OkStatus();
 }
 
@@ -1305,6 +1313,24 @@ std::string StageRuntime::WeightsDigest() const {
 std::string StageRuntime::OuterWeightsDigest() const {
   return impl_->outer == nullptr ? "" : DigestOf(impl_->outer->outer_weights());
 }
+
+std::string StageRuntime::OptimizerStateDigest() const {
+  const Impl& s = *impl_;
+  std::vector<torch::Tensor> tensors;
+  for (const std::vector<torch::Tensor>& per_param : s.optimizer->State()) {
+    tensors.insert(tensors.end(), per_param.begin(), per_param.end());
+  }
+  // The step count last, little-endian (AdamW's bias correction uses it).
+  const int64_t steps = s.optimizer->steps();
+  torch::Tensor count = torch::empty({8}, torch::kUInt8);
+  for (int i = 0; i < 8; ++i) {
+    count[i] = static_cast<uint8_t>((static_cast<uint64_t>(steps) >> (8 * i)) & 0xff);
+  }
+  tensors.push_back(count);
+  return DigestOf(tensors);
+}
+
+int64_t StageRuntime::weight_syncs() const { return impl_->weight_syncs; }
 
 void StageRuntime::SetMaxWeightVersions(int versions) {
   impl_->options.max_weight_versions = versions;

@@ -271,6 +271,14 @@ class StageRuntime {
   std::string WeightsDigest() const;
   // The same of the outer weights ("" before StartOuter).
   std::string OuterWeightsDigest() const;
+  // SHA-256 (hex) of the optimizer's state now (State()'s tensors' bytes,
+  // per parameter in order) and its step count as a 64-bit little-endian
+  // integer: equal digests mean the same next update from the same
+  // gradients. What an update audit holds a stage's state to.
+  std::string OptimizerStateDigest() const;
+  // How many weight versions came from something other than this stage's
+  // optimizer updates (RestoreCheckpoint, AverageWeights, an outer step).
+  int64_t weight_syncs() const;
 
   // Forgets every training microbatch in flight (their graphs and stashed
   // weight references are freed), the gradients accumulated since the last

@@ -180,6 +180,7 @@ absl::StatusOr<OutputComparison> StageVerifier::VerifyUpdate(const AuditedUpdate
     }
   }
   std::string before_digest = audit.before_digest, after_digest = audit.after_digest;
+  std::string before_state_digest, after_state_digest;  // during a job: committed
   if (audit.before_claim.has_value() || audit.after_claim.has_value()) {
     if (!audit.before_claim.has_value() || !audit.after_claim.has_value()) {
       return absl::FailedPreconditionError("an update audit needs both outputs");
@@ -197,12 +198,36 @@ absl::StatusOr<OutputComparison> StageVerifier::VerifyUpdate(const AuditedUpdate
                                        "weight version ",
                                        before, " too"));
     }
-    if (after > before + 1) {
+    // Versions that are not updates (an outer step, replica averaging, a
+    // restore) are counted in the outputs' weight_syncs: two outputs an
+    // update apart differ by one version more than by syncs. A jump that
+    // the syncs do not explain is a worker publishing versions of its own.
+    const int64_t syncs_before = audit.before_claim->header.weight_syncs();
+    const int64_t syncs_after = audit.after_claim->header.weight_syncs();
+    if (syncs_after < syncs_before) {
+      return WrongWeights(absl::StrCat("the next step's output counts ", syncs_after,
+                                       " weight syncs, fewer than ", syncs_before));
+    }
+    if (after != before + 1 + (syncs_after - syncs_before)) {
+      return WrongWeights(absl::StrCat("weight versions ", before, " and ", after, " with ",
+                                       syncs_after - syncs_before,
+                                       " weight syncs between are not one update apart"));
+    }
+    // Only a job with replicas or pipelines syncs weights within a plan; a
+    // re-plan restores them (a new epoch).
+    const bool same_epoch =
+        audit.before_claim->header.epoch() == audit.after_claim->header.epoch();
+    if (syncs_after > syncs_before && same_epoch && !job_.has_outer() && job_.replicas() <= 1) {
+      return WrongWeights(absl::StrCat(syncs_after - syncs_before,
+                                       " weight sync(s) claimed between two steps of one plan in "
+                                       "a job without replicas or pipelines"));
+    }
+    if (syncs_after > syncs_before) {
       OutputComparison unverifiable;
       unverifiable.verifiable = false;
-      unverifiable.unverifiable_reason =
-          absl::StrCat("weight versions ", before, " and ", after,
-                       " are more than one update apart (an outer step or averaging came between)");
+      unverifiable.unverifiable_reason = absl::StrCat(
+          "weight versions ", before, " and ", after, " have ", syncs_after - syncs_before,
+          " weight sync(s) between (an outer step or averaging): the update is not alone");
       return unverifiable;
     }
     before_digest = audit.before_claim->header.weights_digest();
@@ -210,18 +235,33 @@ absl::StatusOr<OutputComparison> StageVerifier::VerifyUpdate(const AuditedUpdate
     if (before_digest.empty() || after_digest.empty()) {
       return WrongWeights("an output commits to no weights");
     }
+    before_state_digest = audit.before_claim->header.state_digest();
+    after_state_digest = audit.after_claim->header.state_digest();
+    if (before_state_digest.empty() || after_state_digest.empty()) {
+      return WrongWeights("an output commits to no optimizer state");
+    }
   }
   // The weights supplied are the committed ones; those that are not fail
   // the audit. (A fresh optimizer each time: restoring keeps the larger
   // step count, and one step off moves AdamW's update by 6.5% here. Not a
   // fresh stage: stage 0's opens its dataset, seconds a time.)
-  for (const auto& [weights, digest, what] :
-       {std::make_tuple(&audit.after, &after_digest, "the weights claimed after the update"),
-        std::make_tuple(&audit.before, &before_digest, "the weights before the update")}) {
+  // So is the optimizer state, where the outputs committed to one.
+  for (const auto& [weights, digest, state_digest, what] :
+       {std::make_tuple(&audit.after, &after_digest, &after_state_digest,
+                        "the weights claimed after the update"),
+        std::make_tuple(&audit.before, &before_digest, &before_state_digest,
+                        "the weights before the update")}) {
     RETURN_IF_ERROR(runtime_->ResetOptimizer());
     const absl::Status loaded = Load(*weights, *digest, what);
     if (absl::IsFailedPrecondition(loaded)) return WrongWeights(std::string(loaded.message()));
     RETURN_IF_ERROR(loaded);
+    if (state_digest->empty()) continue;
+    const std::string state = runtime_->OptimizerStateDigest();
+    if (state != *state_digest) {
+      return WrongWeights(absl::StrCat("the optimizer state with ", what, " hashes to ",
+                                       state.substr(0, 16), "..., not the committed ",
+                                       state_digest->substr(0, 16), "..."));
+    }
   }
   absl::Status computed = absl::OkStatus();
   for (const AuditedUpdate::Microbatch& m : audit.microbatches) {

@@ -64,11 +64,13 @@ struct AuditedUpdate {
   std::string before_digest;
   // During a job: the stage's committed outputs of the step and of the
   // next one. Their commitments are checked, and their weights digests
-  // (LinkHeader.weights_digest) are the digests before and after; the
-  // weight versions they name must be one update apart (the same version:
-  // no update was made, a failed verdict; more than one apart: another
-  // version came between, an outer step or replica averaging, and the
-  // update cannot be recomputed alone: unverifiable).
+  // (LinkHeader.weights_digest) are the digests before and after, and
+  // their state digests those of the optimizer state before and after;
+  // the weight versions they name must be one update apart, apart from the
+  // weight syncs they count (the same version: no update was made, a
+  // failed verdict; a jump the syncs do not explain: failed; syncs
+  // between, an outer step or replica averaging: the update cannot be
+  // recomputed alone, unverifiable).
   std::optional<LinkMessage> before_claim, after_claim;
   // Every microbatch the update summed, in the order the stage computed
   // them: the logged input and, below the last stage, the downstream

@@ -112,12 +112,20 @@ TEST(LinkValidatorTest, ACommitmentIsStableAcrossBuilds) {
   m.header.set_step(2);
   AddTensor(&m, {2, 4, 8}, v1::DTYPE_FLOAT32);
   EXPECT_EQ(CommitmentHex(CommitmentOf(m.header, m.payload)),
-            "fe0446d77a070101e95e546f1c5f0c1fad95a37cb9b52b4c0885ad05afcb7259");
+            "7dbe7b9965061b12d25e110493b9e66e166cefef87c06b3fff12908b54aa8240");
   std::string digest;
   for (char c = 0; c < 32; ++c) digest.push_back(c);
   m.header.set_weights_digest(digest);
   EXPECT_EQ(CommitmentHex(CommitmentOf(m.header, m.payload)),
-            "f0ca00fec4012944e6d327cf4c1f52864e3e5c8ae33b31f71fda2d473039cf65");
+            "7b086435e9b09926083f50b2537a081eabcdb8bb0f71dda644663f2ee6d21881");
+  // A stage whose updates are audited also commits to its optimizer state
+  // and its count of weight syncs.
+  std::string state_digest;
+  for (char c = 32; c < 64; ++c) state_digest.push_back(c);
+  m.header.set_state_digest(state_digest);
+  m.header.set_weight_syncs(3);
+  EXPECT_EQ(CommitmentHex(CommitmentOf(m.header, m.payload)),
+            "3c69df73397ba1eea715f89bdad9764d7bfc814434a298e4505ab334d86e3174");
 }
 
 TEST(LinkValidatorTest, AcceptsWhatThePlanImplies) {

@@ -106,6 +106,8 @@ class StageVerifierTest : public testing::Test {
             ASSERT_TRUE(weights.ok()) << weights.status();
             weights_[k] = *weights;
             digest_[k] = stages_[k]->WeightsDigest();
+            state_digest_[k] = stages_[k]->OptimizerStateDigest();
+            version_[k] = stages_[k]->current_weight_version();
           }
           data_ = *data;
           activation_[0] = CommittedBy(*a0, digest_[0]);
@@ -121,6 +123,7 @@ class StageVerifierTest : public testing::Test {
       ASSERT_TRUE(after.ok()) << after.status();
       after_[k] = *after;
       after_digest_[k] = stages_[k]->WeightsDigest();
+      after_state_digest_[k] = stages_[k]->OptimizerStateDigest();
     }
   }
 
@@ -172,7 +175,48 @@ class StageVerifierTest : public testing::Test {
   std::vector<AuditedUpdate::Microbatch> step_evidence_[3];  // step 2's
   std::vector<v1::LayerCheckpoint> after_[3];  // after step 2's update
   std::string after_digest_[3];
+  std::string state_digest_[3], after_state_digest_[3];  // the optimizer's
+  int64_t version_[3] = {};  // the weight version step 2 used
 };
+
+// Stage 1's output as a stage sends it in a job whose updates are audited:
+// committed to weight version `version`, its weights, its optimizer state
+// and its weight syncs.
+LinkMessage OutputOf(LinkMessage message, int64_t version, const std::string& weights_digest,
+                     const std::string& state_digest, int64_t weight_syncs) {
+  message.header.set_weight_versions(1, version);
+  message.header.set_weights_digest(weights_digest);
+  message.header.set_state_digest(state_digest);
+  message.header.set_weight_syncs(weight_syncs);
+  return Committed(std::move(message));
+}
+
+// `layers` with their optimizer state multiplied by `factor`.
+std::vector<v1::LayerCheckpoint> WithStateScaled(const std::vector<v1::LayerCheckpoint>& layers,
+                                                 double factor) {
+  std::vector<v1::LayerCheckpoint> out;
+  for (const v1::LayerCheckpoint& layer : layers) {
+    v1::LayerCheckpoint& scaled = out.emplace_back(layer);
+    scaled.clear_params();
+    scaled.clear_optimizer_state();
+    scaled.clear_payload();
+    size_t offset = 0;
+    for (const v1::TensorHeader& h : layer.params()) {
+      auto t = DecodeTensor(h, layer.payload(), offset);
+      EXPECT_TRUE(t.ok()) << t.status();
+      offset += h.payload_bytes();
+      EXPECT_TRUE(EncodeTensor(*t, scaled.add_params(), scaled.mutable_payload()).ok());
+    }
+    for (const v1::TensorHeader& h : layer.optimizer_state()) {
+      auto t = DecodeTensor(h, layer.payload(), offset);
+      EXPECT_TRUE(t.ok()) << t.status();
+      offset += h.payload_bytes();
+      EXPECT_TRUE(
+          EncodeTensor(*t * factor, scaled.add_optimizer_state(), scaled.mutable_payload()).ok());
+    }
+  }
+  return out;
+}
 
 // Every honest computation passes, under every codec a recomputation can
 // bound: activations of stages 0 and 1, gradients of stages 1 and 2.
@@ -378,9 +422,9 @@ TEST_F(StageVerifierTest, EvidenceThatDoesNotHoldIsRefused) {
 }
 
 // An update audit recomputes a step's update: the honest one passes at
-// every stage; a stage that skipped it (its weights stale, its outputs true
-// to them) misses by the whole update, and one that applied half the
-// microbatches' gradients misses too.
+// every stage; a stage that skipped it (its weights and optimizer state
+// stale, its outputs true to them) fails, and one that applied half the
+// microbatches' gradients misses by far more than the bound.
 TEST_F(StageVerifierTest, UpdateAuditsCatchASkippedUpdate) {
   RunPipeline(v1::CODEC_INT8);
   for (int stage = 0; stage < 3; ++stage) {
@@ -431,6 +475,81 @@ TEST_F(StageVerifierTest, UpdateAuditsCatchASkippedUpdate) {
   ASSERT_TRUE(wrong.ok()) << wrong.status();
   EXPECT_FALSE(wrong->passed);
   EXPECT_NE(wrong->failure.find("hash to"), std::string::npos) << wrong->Summary();
+}
+
+// During a job the two outputs' commitments fix the weights and the
+// optimizer state before and after the update, and their versions and
+// weight syncs say whether one update alone came between. Moments made up
+// to shrink the update, state that is not the committed one, and versions
+// the syncs do not explain all fail; syncs in a job with pipelines make the
+// update unverifiable, never failed.
+TEST_F(StageVerifierTest, InJobUpdateAuditsHoldTheStateAndTheVersionsToTheirCommitments) {
+  RunPipeline(v1::CODEC_NONE);
+  const int64_t v = version_[1];
+  auto in_job = [&](int64_t after_version, int64_t syncs_after) {
+    AuditedUpdate audit = UpdateAudit(1);
+    audit.before_claim = OutputOf(activation_[1], v, digest_[1], state_digest_[1], 4);
+    audit.after_claim = OutputOf(activation_[1], after_version, after_digest_[1],
+                                 after_state_digest_[1], syncs_after);
+    return audit;
+  };
+  auto verify = [&](const AuditedUpdate& audit, const v1::JobSpec& job) {
+    auto verifier = StageVerifier::Create(job, {1, 3, kBegin[1], kEnd[1]});
+    EXPECT_TRUE(verifier.ok()) << verifier.status();
+    auto result = (*verifier)->VerifyUpdate(audit);
+    EXPECT_TRUE(result.ok()) << result.status();
+    return result.ok() ? *result : OutputComparison{};
+  };
+  OutputComparison honest = verify(in_job(v + 1, 4), job_);
+  EXPECT_TRUE(honest.passed) << honest.Summary();
+  int64_t parameters = 0;
+  for (const v1::LayerCheckpoint& layer : after_[1]) {
+    for (const v1::TensorHeader& h : layer.params()) parameters += h.payload_bytes() / 4;
+  }
+  EXPECT_EQ(honest.elements, 3 * parameters) << "the weights and AdamW's two moments";
+
+  // Moments made up after the update (a huge second moment makes every
+  // later update vanish), committed as the state after: the replay's
+  // moments are not those.
+  auto forged_after = WithStateScaled(after_[1], 1e6);
+  auto loader = Make(1, kBegin[1], kEnd[1], v1::CODEC_NONE);
+  ASSERT_TRUE(loader->ResetOptimizer().ok());
+  ASSERT_TRUE(loader->RestoreCheckpoint(forged_after).ok());
+  AuditedUpdate forged = in_job(v + 1, 4);
+  forged.after = forged_after;
+  forged.after_claim =
+      OutputOf(activation_[1], v + 1, after_digest_[1], loader->OptimizerStateDigest(), 4);
+  OutputComparison caught = verify(forged, job_);
+  EXPECT_FALSE(caught.passed) << caught.Summary();
+  std::cout << "moments made up after an update: " << caught.Summary() << "\n";
+
+  // State supplied that is not the state committed to.
+  AuditedUpdate other_state = in_job(v + 1, 4);
+  other_state.before = WithStateScaled(weights_[1], 2);
+  OutputComparison wrong = verify(other_state, job_);
+  EXPECT_FALSE(wrong.passed);
+  EXPECT_NE(wrong.failure.find("optimizer state"), std::string::npos) << wrong.Summary();
+
+  // An output that commits to no state.
+  AuditedUpdate no_state = in_job(v + 1, 4);
+  no_state.after_claim = OutputOf(activation_[1], v + 1, after_digest_[1], "", 4);
+  EXPECT_FALSE(verify(no_state, job_).passed);
+
+  // Two versions a step with no sync to explain the second.
+  OutputComparison jump = verify(in_job(v + 2, 4), job_);
+  EXPECT_FALSE(jump.passed);
+  EXPECT_NE(jump.failure.find("not one update apart"), std::string::npos) << jump.Summary();
+  // ... or a sync claimed in a job that has none.
+  OutputComparison claimed = verify(in_job(v + 2, 5), job_);
+  EXPECT_FALSE(claimed.passed);
+  EXPECT_NE(claimed.failure.find("without replicas or pipelines"), std::string::npos)
+      << claimed.Summary();
+  // With pipelines an outer step may come between: unverifiable.
+  v1::JobSpec pipelines = job_;
+  pipelines.mutable_outer()->set_inner_steps(10);
+  OutputComparison outer = verify(in_job(v + 2, 5), pipelines);
+  EXPECT_FALSE(outer.verifiable) << outer.Summary();
+  EXPECT_TRUE(verify(in_job(v + 1, 4), pipelines).passed);
 }
 
 // topk with error feedback adds the sender's residual, which no
