@@ -68,6 +68,10 @@ struct OutputComparison {
   // The largest |claimed_i - recomputed_i| / bound_i (1 is the bound).
   double worst_ratio = 0;
   bool passed = false;
+  // The bound was widened by the recomputation's own change at nearby
+  // inputs (CompareOutputs' `nearby`): the input is a rounding-sensitive
+  // point.
+  bool widened = false;
 
   // One line for events and logs.
   std::string Summary() const;
@@ -78,9 +82,18 @@ struct OutputComparison {
 // `recomputed` is not raw float32 or either message is malformed; a
 // difference in tensor count, shape or dtype is a failed comparison, not an
 // error.
+//
+// `nearby`: the verifier's recomputations from inputs a little off the
+// logged one (StageVerifier: the input +- 1e-5 of its RMS). Each float
+// element's bound grows by twice what each moves it. Where the result is
+// smooth that is about 2e-5 of its scale, far within the device term; at a
+// rounding-sensitive point, a ReLU unit whose preactivation is within
+// rounding of zero, one of them flips the unit as another build's rounding
+// may have, and the bound covers that sample's whole change.
 absl::StatusOr<OutputComparison> CompareOutputs(const LinkMessage& claimed,
                                                 const LinkMessage& recomputed,
-                                                const OutputTolerance& tolerance);
+                                                const OutputTolerance& tolerance,
+                                                const std::vector<LinkMessage>& nearby = {});
 
 // An update audit: the weights a stage claims after one optimizer update,
 // against a verifier's own update from the same weights and optimizer state

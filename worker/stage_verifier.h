@@ -144,6 +144,10 @@ class StageVerifier {
   absl::Status Reset();
 
   absl::StatusOr<LinkMessage> Recompute(const AuditedComputation& audit);
+  // The recomputation from the audit's input moved by +- kNearbyInput of
+  // its RMS (a fixed pattern of signs), for CompareOutputs' `nearby`; none
+  // when the input is not float32 (stage 0's tokens or pixels are exact).
+  absl::StatusOr<std::vector<LinkMessage>> RecomputeNearby(const AuditedComputation& audit);
   // A failed comparison for weights that are not the committed ones.
   static OutputComparison WrongWeights(const std::string& why);
   // Restores `weights` and checks they hash to `digest`.

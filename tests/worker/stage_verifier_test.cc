@@ -552,6 +552,121 @@ TEST_F(StageVerifierTest, InJobUpdateAuditsHoldTheStateAndTheVersionsToTheirComm
   EXPECT_TRUE(verify(in_job(v + 1, 4), pipelines).passed);
 }
 
+// The last stage of a small MLP, Linear(16, 16) + ReLU then Linear(16, 10),
+// and its input: a [8, 16] activation and the labels.
+struct KinkCase {
+  v1::JobSpec job;
+  StagePlacement placement{1, 2, 1, 3};
+  std::unique_ptr<StageRuntime> stage;
+  torch::Tensor weight, bias;  // layer 1's
+
+  LinkMessage Input(const torch::Tensor& x) const {
+    LinkMessage m;
+    m.header.set_kind(v1::MESSAGE_KIND_ACTIVATION);
+    m.header.set_epoch(1);
+    m.header.set_microbatch(5);
+    m.header.set_from_stage(0);
+    m.header.add_weight_versions(0);
+    EXPECT_TRUE(EncodeTensor(x.contiguous(), m.header.add_tensors(), &m.payload).ok());
+    EXPECT_TRUE(EncodeTensor(torch::arange(8, torch::kInt64).remainder(10),
+                             m.header.add_tensors(), &m.payload)
+                    .ok());
+    return Committed(std::move(m));
+  }
+};
+
+KinkCase MakeKinkCase() {
+  KinkCase k;
+  k.job.set_name("kink");
+  k.job.mutable_mlp()->add_hidden(16);
+  k.job.mutable_mlp()->add_hidden(16);
+  k.job.mutable_fashion_mnist()->set_dir("/nonexistent");
+  k.job.set_microbatch_size(8);
+  k.job.set_microbatches(1);
+  k.job.set_seed(3);
+  auto stage = StageRuntime::Create(k.job, k.placement, {});
+  EXPECT_TRUE(stage.ok()) << stage.status();
+  k.stage = std::move(*stage);
+  auto layers = k.stage->ExportCheckpoint(0, /*weights_only=*/true);
+  EXPECT_TRUE(layers.ok()) << layers.status();
+  const v1::LayerCheckpoint& first = layers->at(0);
+  auto weight = DecodeTensor(first.params(0), first.payload(), 0);
+  auto bias = DecodeTensor(first.params(1), first.payload(), first.params(0).payload_bytes());
+  EXPECT_TRUE(weight.ok() && bias.ok());
+  k.weight = weight->to(torch::kFloat64);
+  k.bias = bias->to(torch::kFloat64);
+  return k;
+}
+
+// Two builds round a preactivation that lies within rounding of a ReLU's
+// kink differently: one keeps the unit, the other drops it, and that
+// sample's whole gradient row moves by the unit's contribution, far past
+// the device term (what a 30-minute run across the wheel's and Debian's
+// LibTorch failed on, 37 times). The verifier, before failing anyone,
+// recomputes from its input +- 1e-5 of its RMS; at such a point one of the
+// two flips the unit, and the bound covers the row. A lie at the same
+// point still fails.
+TEST(RoundingSensitiveInputTest, AUnitAtItsKinkIsNoLieButALieThereStillFails) {
+  torch::manual_seed(11);
+  KinkCase k = MakeKinkCase();
+  torch::Tensor x = torch::randn({8, 16}, torch::kFloat64).abs();
+  // Sample 0's preactivation of unit 3 at -1e-6 as the verifier computes
+  // it, and at +1e-6 as the audited build rounded it.
+  const int unit = 3;
+  const torch::Tensor w = k.weight[unit];
+  auto at_preactivation = [&](double z) {
+    torch::Tensor moved = x.clone();
+    const double now = (w.dot(x[0]) + k.bias[unit]).item<double>();
+    moved[0] += (z - now) / w.dot(w).item<double>() * w;
+    return moved.to(torch::kFloat32);
+  };
+  const LinkMessage logged = k.Input(at_preactivation(-1e-6));
+  auto claimed = k.stage->ForwardLoss(k.Input(at_preactivation(1e-6)));
+  ASSERT_TRUE(claimed.ok() && claimed->gradient.has_value()) << claimed.status();
+  const std::string digest = k.stage->WeightsDigest();
+  LinkMessage claim = *claimed->gradient;
+  claim.header.set_microbatch(5);
+  claim = CommittedBy(claim, digest);
+
+  auto weights = k.stage->ExportCheckpoint(0, /*weights_only=*/true);
+  ASSERT_TRUE(weights.ok());
+  AuditedComputation audit;
+  audit.weights = *weights;
+  audit.input = logged;
+  audit.claim = claim;
+  auto verifier = StageVerifier::Create(k.job, k.placement);
+  ASSERT_TRUE(verifier.ok()) << verifier.status();
+
+  // The flip matters: the comparison alone fails that one row.
+  auto mine = k.stage->ForwardLoss(logged);
+  ASSERT_TRUE(mine.ok() && mine->gradient.has_value());
+  auto plain = CompareOutputs(claim, *mine->gradient, OutputTolerance{});
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_FALSE(plain->passed) << plain->Summary();
+  EXPECT_EQ(plain->rows_outside, 1) << plain->Summary();
+  std::cout << "a unit at its kink, compared plainly: " << plain->Summary() << "\n";
+
+  auto result = (*verifier)->Verify(audit);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_TRUE(result->passed) << result->Summary();
+  EXPECT_TRUE(result->widened) << result->Summary();
+  std::cout << "the same, by the verifier: " << result->Summary() << "\n";
+
+  // Lies at the same point: the gradient x1.05, or 1% noise.
+  for (const auto& [what, change] :
+       std::vector<std::pair<std::string, std::function<torch::Tensor(const torch::Tensor&)>>>{
+           {"x1.05", [](const torch::Tensor& t) { return t * 1.05; }},
+           {"1% noise", [](const torch::Tensor& t) {
+              return t + 0.01 * t.abs().mean() * torch::randn_like(t);
+            }}}) {
+    audit.claim = CommittedBy(Tampered(claim, change), digest);
+    auto lie = (*verifier)->Verify(audit);
+    ASSERT_TRUE(lie.ok()) << lie.status();
+    EXPECT_FALSE(lie->passed) << what << ": " << lie->Summary();
+    std::cout << what << " at the kink: " << lie->Summary() << "\n";
+  }
+}
+
 // topk with error feedback adds the sender's residual, which no
 // recomputation has: such a claim is unverifiable, never failed.
 TEST_F(StageVerifierTest, TopkIsUnverifiable) {
