@@ -5,6 +5,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/plan_util.h"
 
 namespace geotrain {
@@ -437,6 +438,34 @@ absl::Status AuditCoordinator::AcceptVerdict(const std::string& caller,
         if (audit.update || !options_.audits.audit_updates) {
           trust.weights = std::max(trust.weights, audit.step);
         }
+      }
+    }
+    // Weight syncs claimed between more of its updates than its job makes:
+    // a worker that skips updates and claims a sync at each, so that their
+    // audits cannot be recomputed.
+    if (audit.update && (audit.state == Audit::State::kPassed ||
+                         audit.state == Audit::State::kConfirmed ||
+                         audit.state == Audit::State::kUnverifiable)) {
+      UpdateAudits& updates = update_audits_[audit.audited];
+      ++updates.closed;
+      if (audit.state == Audit::State::kUnverifiable) ++updates.unverifiable;
+      if (audit.state == Audit::State::kUnverifiable &&
+          UnverifiableUpdatesUnexplained(updates.closed, updates.unverifiable,
+                                         options_.audits.update_sync_rate) &&
+          !evicted_.count(audit.audited)) {
+        evicted_.insert(audit.audited);
+        auto trusted = trusted_.find(audit.audited);
+        const int trusted_to =
+            trusted == trusted_.end() ? TrustedFloorLocked() : trusted->second.weights;
+        evictions.push_back(
+            {audit.audited,
+             absl::StrCat(what, ": ", updates.unverifiable, " of its ", updates.closed,
+                          " update audits had weight syncs between, far more than its job's "
+                          "syncs explain (about ",
+                          absl::StrFormat("%.1f", options_.audits.update_sync_rate *
+                                                      static_cast<double>(updates.closed)),
+                          ")"),
+             std::max(0, std::min(trusted_to, audit.step - 1))});
       }
     }
     for (const std::string& worker : decision->evict) {

@@ -1,6 +1,7 @@
 #include "coordinator/audit_manager.h"
 
 #include <algorithm>
+#include <cmath>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -206,35 +207,84 @@ absl::StatusOr<AuditDecision> AuditManager::OnVerdict(uint64_t id, const std::st
   if (it == open_.end()) return absl::NotFoundError(absl::StrCat("no open audit ", id));
   Audit& audit = it->second;
   // Only the verifier asked last answers, once.
-  if (audit.verifiers.size() != audit.passed.size() + 1 || audit.verifiers.back() != verifier) {
+  if (audit.verifiers.size() != audit.passed.size() + audit.unverifiable_by.size() + 1 ||
+      audit.verifiers.back() != verifier) {
     return absl::PermissionDeniedError(
         absl::StrCat(verifier, " was not asked for audit ", id, "'s next verdict"));
   }
   AuditDecision decision;
-  if (!verifiable) {
-    audit.state = Audit::State::kUnverifiable;
-    audit.summaries.push_back(summary);
-    decision.reason = absl::StrCat("unverifiable: ", summary);
+  audit.summaries.push_back(summary);
+  if (verifiable) {
+    audit.passed.push_back(passed);
+    audit.passed_by.push_back(verifier);
+  } else {
+    audit.unverifiable_by.push_back(verifier);
+  }
+  auto close = [&](Audit::State state) {
+    audit.state = state;
     decision.audit = audit;
     CloseLocked(std::move(audit));
     return decision;
+  };
+  auto ask_next = [&]() -> std::optional<std::string> {
+    if (static_cast<int>(audit.verifiers.size()) >= options_.max_verifiers) return std::nullopt;
+    return ChooseVerifierLocked(audit, plan, standbys);
+  };
+  // Can the bundle be recomputed? Every honest verifier answers the same
+  // from the same evidence; where they disagree, the majority decides and
+  // the minority lied.
+  const size_t unverifiable = audit.unverifiable_by.size();
+  const size_t verifiable_votes = audit.passed.size();
+  if (unverifiable > 0) {
+    if (unverifiable > verifiable_votes && (unverifiable >= 2 || verifiable_votes == 0)) {
+      const bool settled = unverifiable >= 2;
+      std::optional<std::string> next = settled ? std::nullopt : ask_next();
+      if (next.has_value()) {
+        audit.verifiers.push_back(*next);
+        decision.ask = *next;
+        decision.audit = audit;
+        return decision;
+      }
+      decision.evict = audit.passed_by;  // it was not theirs to pass or fail
+      decision.reason =
+          decision.evict.empty()
+              ? absl::StrCat("unverifiable: ", summary)
+              : absl::StrCat("outvoted on audit ", id, " of ", audit.audited, ": ", unverifiable,
+                             " verifiers found it unverifiable, ",
+                             absl::StrJoin(decision.evict, ", "), " gave a verdict");
+      return close(decision.evict.empty() ? Audit::State::kUnverifiable
+                                          : Audit::State::kVerifierLied);
+    }
+    if (unverifiable == verifiable_votes) {  // one each: a third decides
+      std::optional<std::string> next = ask_next();
+      if (!next.has_value()) {
+        decision.reason = absl::StrCat("audit ", id, " of ", audit.audited,
+                                       " is undecided (verifiers disagree whether it can be "
+                                       "recomputed, no verifier left)");
+        return close(Audit::State::kUndecided);
+      }
+      audit.verifiers.push_back(*next);
+      decision.ask = *next;
+      decision.audit = audit;
+      return decision;
+    }
+    // More verdicts than unverifiable: those who said unverifiable lied;
+    // the verdicts go on as if they alone had been given.
+    decision.evict = audit.unverifiable_by;
   }
-  audit.passed.push_back(passed);
-  audit.summaries.push_back(summary);
   const int fails = static_cast<int>(std::count(audit.passed.begin(), audit.passed.end(), false));
   const int passes = static_cast<int>(audit.passed.size()) - fails;
   // Settled: the first verdict passes, or two verdicts agree on a mismatch,
-  // or a majority has formed after a disagreement.
-  const bool settled = (audit.passed.size() == 1 && passed) || fails >= 2 ||
-                       (passes >= 2 && fails >= 1);
+  // or a majority has formed after a disagreement (or, after a verifier who
+  // called it unverifiable was outvoted, the two verdicts both pass).
+  const bool settled = (audit.passed.size() == 1 && passed) || fails >= 2 || passes >= 2;
   if (settled) {
-    const bool mismatch = fails >= 2;
-    if (mismatch) {
-      audit.state = Audit::State::kConfirmed;
+    const std::vector<std::string> outvoted = decision.evict;
+    if (fails >= 2) {
       decision.evict.push_back(audit.audited);
       // A verifier that passed what the majority found wrong lied too.
       for (size_t i = 0; i < audit.passed.size(); ++i) {
-        if (audit.passed[i]) decision.evict.push_back(audit.verifiers[i]);
+        if (audit.passed[i]) decision.evict.push_back(audit.passed_by[i]);
       }
       decision.reason = absl::StrCat(
           audit.audited, "'s ",
@@ -244,38 +294,51 @@ absl::StatusOr<AuditDecision> AuditManager::OnVerdict(uint64_t id, const std::st
                                       " of microbatch ", audit.microbatch),
           " (epoch ", audit.epoch, ", stage ", audit.stage, ") failed ", fails,
           " verifiers: ", absl::StrJoin(audit.summaries, " | "));
-    } else if (fails >= 1) {
-      audit.state = Audit::State::kVerifierLied;
-      for (size_t i = 0; i < audit.passed.size(); ++i) {
-        if (!audit.passed[i]) decision.evict.push_back(audit.verifiers[i]);
-      }
-      decision.reason = absl::StrCat("outvoted on audit ", id, " of ", audit.audited, ": ",
-                                     passes, " verifiers passed what ",
-                                     absl::StrJoin(decision.evict, ", "), " failed");
-    } else {
-      audit.state = Audit::State::kPassed;
+      return close(Audit::State::kConfirmed);
     }
-    decision.audit = audit;
-    CloseLocked(std::move(audit));
-    return decision;
+    std::vector<std::string> minority = outvoted;
+    for (size_t i = 0; i < audit.passed.size(); ++i) {
+      if (!audit.passed[i]) minority.push_back(audit.passed_by[i]);
+    }
+    if (minority.empty()) return close(Audit::State::kPassed);
+    decision.evict = minority;
+    decision.reason = absl::StrCat("outvoted on audit ", id, " of ", audit.audited, ": ", passes,
+                                   " verifiers passed it, ", absl::StrJoin(minority, ", "),
+                                   " did not");
+    return close(Audit::State::kVerifierLied);
   }
-  // Not settled: another verifier, if one is left.
-  std::optional<std::string> next;
-  if (static_cast<int>(audit.verifiers.size()) < options_.max_verifiers) {
-    next = ChooseVerifierLocked(audit, plan, standbys);
-  }
+  // Not settled: another verifier, if one is left. (Verifiers already
+  // outvoted on whether it can be recomputed are evicted only once it is
+  // settled.)
+  decision.evict.clear();
+  std::optional<std::string> next = ask_next();
   if (!next.has_value()) {
-    audit.state = Audit::State::kUndecided;
     decision.reason = absl::StrCat("audit ", id, " of ", audit.audited, " is undecided (",
                                    passes, " passed, ", fails, " failed, no verifier left)");
-    decision.audit = audit;
-    CloseLocked(std::move(audit));
-    return decision;
+    return close(Audit::State::kUndecided);
   }
   audit.verifiers.push_back(*next);
   decision.ask = *next;
   decision.audit = audit;
   return decision;
+}
+
+double UpdateSyncRate(const v1::JobSpec& job) {
+  double rate = 0;
+  if (job.has_outer()) {
+    rate += 1.0 / (job.outer().inner_steps() > 0 ? job.outer().inner_steps() : 50);
+  }
+  if (job.replicas() > 1) {
+    rate += 1.0 / (job.replica_sync_every() > 0 ? job.replica_sync_every() : 5);
+  }
+  return std::min(1.0, std::max(0.05, 1.5 * rate));
+}
+
+bool UnverifiableUpdatesUnexplained(int64_t audits, int64_t unverifiable, double rate) {
+  if (audits < 8) return false;
+  const double n = static_cast<double>(audits);
+  const double p = std::clamp(rate, 0.0, 1.0);
+  return static_cast<double>(unverifiable) > p * n + 4 * std::sqrt(n * p * (1 - p)) + 4;
 }
 
 bool AuditManager::Abandon(uint64_t id) {

@@ -23,7 +23,15 @@
 //   a check and is to be evicted itself; a forged accusation never evicts
 //   an honest worker on one verifier's word.
 // - No verifier left to ask: the audit is undecided and nobody is evicted.
-// - Unverifiable (topk with error feedback): recorded, nobody evicted.
+// - Unverifiable (topk with error feedback; an update with weight syncs
+//   between): whether a bundle can be recomputed follows from its
+//   evidence alone, so every honest verifier says the same. A second
+//   verifier is asked; two that say unverifiable close the audit so, nobody
+//   evicted (nor, with no verifier left, after one). Where verifiers
+//   disagree about it, the majority decides whether the audit is
+//   verifiable, and those in the minority lied and are to be evicted: a
+//   verifier cannot shield a colluder by calling its computations
+//   unverifiable.
 // A first verdict that passes is not checked again: a verifier that
 // passes a wrong computation lets it through this once. Evidence that does
 // not hold together (a commitment that does not match) is for the caller
@@ -45,6 +53,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/spot_check_draw.h"
 #include "geotrain/v1/coordinator.pb.h"
+#include "geotrain/v1/job.pb.h"
 #include "geotrain/v1/stage.pb.h"
 
 namespace geotrain {
@@ -73,9 +82,29 @@ struct AuditOptions {
   // evidence is still to come), and its updates are not drawn. Empty: all
   // are.
   std::vector<uint64_t> layer_parameters;
-  uint64_t bytes_per_parameter = 16;  // AdamW: weights, two moments, weights after
+  uint64_t bytes_per_parameter = 24;  // AdamW: weights and two moments, before and after
   uint64_t max_update_state_bytes = 0;
+  // The most weight syncs (outer steps, replica averaging) an honest
+  // stage makes between two steps, per step, on average: an update audit
+  // with one between is unverifiable, and its worker's count of such
+  // audits is held to this (UnverifiableUpdatesUnexplained). 0: a job with
+  // neither.
+  double update_sync_rate = 0;
 };
+
+// The weight-sync rate of `job` for update_sync_rate: half as much again
+// as one outer step every inner_steps (with pipelines) and one averaging
+// every replica_sync_every steps (with replicas), and at least 0.05 for
+// re-plans and replicas catching up.
+double UpdateSyncRate(const v1::JobSpec& job);
+
+// Whether `unverifiable` of a worker's `audits` update audits closed
+// unverifiable (weight syncs between) is more than a stage syncing at
+// `rate` could make: more than rate * n + 4 standard deviations + 4, from
+// at least 8 audits. A worker that claims a sync at each update it skips,
+// to make its update audits unverifiable, exceeds it; an honest one does
+// so with a probability below 1e-5.
+bool UnverifiableUpdatesUnexplained(int64_t audits, int64_t unverifiable, double rate);
 
 // One audited computation.
 struct Audit {
@@ -105,7 +134,9 @@ struct Audit {
   std::string upstream;    // sent the input (empty on stage 0)
   std::string downstream;  // received the output
   std::vector<std::string> verifiers;  // asked, in order
-  std::vector<bool> passed;            // their verdicts so far, in order
+  std::vector<bool> passed;            // their verifiable verdicts so far, in order
+  std::vector<std::string> passed_by;  // who gave each of those
+  std::vector<std::string> unverifiable_by;  // who said it cannot be recomputed
   std::vector<std::string> summaries;
   State state = State::kOpen;
 };

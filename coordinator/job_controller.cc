@@ -96,6 +96,7 @@ absl::StatusOr<std::unique_ptr<JobController>> JobController::Create(
     }
     audits.audits.bytes_per_parameter = UpdateAuditBytesPerParameter(job.optimizer());
     audits.audits.max_update_state_bytes = kMaxUpdateAuditStateBytes;
+    audits.audits.update_sync_rate = UpdateSyncRate(job);
     audits.total_steps = job.steps();
     audits.clock = self->options_.clock;
     audits.events = &self->events_;

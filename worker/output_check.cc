@@ -83,14 +83,18 @@ OutputComparison Mismatch(std::string what) {
 
 // Adds one float tensor's comparison to `result`: `c` claimed, `r`
 // recomputed, `bound` per element (all float64, flat, same size).
-void Accumulate(const torch::Tensor& c, const torch::Tensor& r, const torch::Tensor& bound,
-                OutputComparison* result, double* difference_squared, double* reference_squared) {
+// Returns which elements are outside the bound.
+torch::Tensor Accumulate(const torch::Tensor& c, const torch::Tensor& r,
+                         const torch::Tensor& bound, OutputComparison* result,
+                         double* difference_squared, double* reference_squared) {
   const torch::Tensor error = (c - r).abs();
+  const torch::Tensor outside = error.gt(bound);
   result->elements += r.numel();
-  result->violations += error.gt(bound).sum().item<int64_t>();
+  result->violations += outside.sum().item<int64_t>();
   result->worst_ratio = std::max(result->worst_ratio, (error / bound).max().item<double>());
   *difference_squared += error.pow(2).sum().item<double>();
   *reference_squared += r.pow(2).sum().item<double>();
+  return outside;
 }
 
 void Finish(double difference_squared, double reference_squared, double max_violation_fraction,
@@ -141,13 +145,13 @@ std::string OutputComparison::Summary() const {
                          "relative distance %.3g%s",
                          passed ? "passed" : "FAILED", violations, elements, rows_part,
                          worst_ratio, relative_distance,
-                         widened ? " (bound widened at a rounding-sensitive input)" : "");
+                         widened ? " (bound widened for rounding)" : "");
 }
 
 absl::StatusOr<OutputComparison> CompareOutputs(const LinkMessage& claimed,
                                                 const LinkMessage& recomputed,
                                                 const OutputTolerance& tolerance,
-                                                const std::vector<LinkMessage>& nearby) {
+                                                const RoundingAllowance& allowance) {
   const int count = recomputed.header.tensors_size();
   for (int i = 0; i < count; ++i) {
     const v1::TensorHeader& h = recomputed.header.tensors(i);
@@ -203,7 +207,7 @@ absl::StatusOr<OutputComparison> CompareOutputs(const LinkMessage& claimed,
           torch::maximum(BlockAbsMax(r, kDeviceBlock), r.square().mean().sqrt());
       torch::Tensor bound = codec->to(torch::kFloat64) + tolerance.device * scale +
                             1e-30;  // an all-zero tensor allows exactly zero
-      for (const LinkMessage& other : nearby) {
+      for (const LinkMessage& other : allowance.nearby) {
         if (other.header.tensors_size() != count ||
             other.header.tensors(i).dtype() != v1::DTYPE_FLOAT32) {
           return absl::InvalidArgumentError("a nearby recomputation has another form");
@@ -218,15 +222,22 @@ absl::StatusOr<OutputComparison> CompareOutputs(const LinkMessage& claimed,
         bound = bound + 2 * (moved.to(torch::kFloat64) - r).abs();
         result.widened = true;
       }
-      Accumulate(c, r, bound, &result, &difference_squared, &reference_squared);
+      if (i == 0 && allowance.floor.has_value()) {
+        ASSIGN_OR_RETURN(torch::Tensor floor, Decoded(*allowance.floor, 0));
+        if (floor.numel() != r.numel()) {
+          return absl::InvalidArgumentError("the rounding floor has another shape");
+        }
+        bound = bound + floor.to(torch::kFloat64);
+        result.widened = true;
+      }
+      const torch::Tensor outside =
+          Accumulate(c, r, bound, &result, &difference_squared, &reference_squared);
       if (claim.shape_size() >= 2 && claim.shape(0) > 0 && r.numel() > 0) {
         // Where the elements outside fall, by the leading dimension (the
         // microbatch's samples): for telling one sample's difference from
         // a lie spread over all.
-        const torch::Tensor outside =
-            (c - r).abs().gt(bound).reshape({claim.shape(0), -1}).any(1);
         result.rows += claim.shape(0);
-        result.rows_outside += outside.sum().item<int64_t>();
+        result.rows_outside += outside.reshape({claim.shape(0), -1}).any(1).sum().item<int64_t>();
       }
     }
   } catch (const c10::Error& e) {

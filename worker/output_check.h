@@ -23,6 +23,7 @@
 #define GEOTRAIN_WORKER_OUTPUT_CHECK_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -68,32 +69,38 @@ struct OutputComparison {
   // The largest |claimed_i - recomputed_i| / bound_i (1 is the bound).
   double worst_ratio = 0;
   bool passed = false;
-  // The bound was widened by the recomputation's own change at nearby
-  // inputs (CompareOutputs' `nearby`): the input is a rounding-sensitive
-  // point.
+  // The bound was widened by a RoundingAllowance (CompareOutputs).
   bool widened = false;
 
   // One line for events and logs.
   std::string Summary() const;
 };
 
+// What a verifier adds to the bound before it fails a claim, where its
+// own float32 rounding is not the audited build's:
+// - `nearby`: its recomputations from inputs a little off the logged one
+//   (StageVerifier: the input +- 1e-5 of its RMS). Each float element's
+//   bound grows by twice what each moves it. Where the result is smooth
+//   that is about 2e-5 of its scale, far within the device term; at a
+//   rounding-sensitive point, a ReLU unit whose preactivation is within
+//   rounding of zero, one of them flips the unit as another build's
+//   rounding may have, and the bound covers that sample's whole change.
+// - `floor`: per element of the first tensor, added as is: the last
+//   stage's loss rounding (StageRuntime::LossRoundingFloor).
+struct RoundingAllowance {
+  std::vector<LinkMessage> nearby;
+  std::optional<LinkMessage> floor;
+};
+
 // Compares `claimed` (as committed; any codec) with `recomputed` (the
-// verifier's result, float32 tensors unencoded). INVALID_ARGUMENT when
-// `recomputed` is not raw float32 or either message is malformed; a
-// difference in tensor count, shape or dtype is a failed comparison, not an
-// error.
-//
-// `nearby`: the verifier's recomputations from inputs a little off the
-// logged one (StageVerifier: the input +- 1e-5 of its RMS). Each float
-// element's bound grows by twice what each moves it. Where the result is
-// smooth that is about 2e-5 of its scale, far within the device term; at a
-// rounding-sensitive point, a ReLU unit whose preactivation is within
-// rounding of zero, one of them flips the unit as another build's rounding
-// may have, and the bound covers that sample's whole change.
+// verifier's result, float32 tensors unencoded), with `allowance` added to
+// the bound. INVALID_ARGUMENT when `recomputed` is not raw float32 or
+// either message is malformed; a difference in tensor count, shape or
+// dtype is a failed comparison, not an error.
 absl::StatusOr<OutputComparison> CompareOutputs(const LinkMessage& claimed,
                                                 const LinkMessage& recomputed,
                                                 const OutputTolerance& tolerance,
-                                                const std::vector<LinkMessage>& nearby = {});
+                                                const RoundingAllowance& allowance = {});
 
 // An update audit: the weights a stage claims after one optimizer update,
 // against a verifier's own update from the same weights and optimizer state

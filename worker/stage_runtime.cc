@@ -526,6 +526,30 @@ absl::StatusOr<LastStageResult> StageRuntime::ForwardLoss(const LinkMessage& inp
   });
 }
 
+absl::StatusOr<LinkMessage> StageRuntime::LossRoundingFloor(const LinkMessage& input,
+                                                             double ulps) {
+  Impl& s = *impl_;
+  if (!s.is_last() || s.is_first()) {
+    return absl::FailedPreconditionError("only a last stage below stage 0 has a loss gradient");
+  }
+  return GuardTorch("the loss's rounding floor", [&]() -> absl::StatusOr<LinkMessage> {
+    ASSIGN_OR_RETURN(torch::Tensor x, s.Decode(input, 0));
+    ASSIGN_OR_RETURN(torch::Tensor targets, s.TargetsForLoss(input));
+    x.requires_grad_(true);
+    const torch::Tensor logits = s.RunLayers(x, s.stash->Get(s.stash->current_version()));
+    const torch::Tensor flat = logits.reshape({-1, logits.size(-1)});
+    const torch::Tensor picked = targets.reshape({-1, 1}).to(flat.device());
+    // The loss is a mean over its rows: so is the true class's share of it.
+    const torch::Tensor root = flat.gather(1, picked).sum() / static_cast<double>(flat.size(0));
+    std::vector<torch::Tensor> grads = torch::autograd::grad({root}, {x});
+    const torch::Tensor floor = grads[0].detach().abs() * (ulps * std::ldexp(1.0, -24));
+    v1::LinkHeader header = input.header;
+    header.clear_tensors();
+    header.clear_commitment();
+    return s.MakeMessage(header, v1::MESSAGE_KIND_GRADIENT, {floor.to(torch::kFloat32)});
+  });
+}
+
 absl::Status StageRuntime::EvalForward(const LinkMessage& input) {
   Impl& s = *impl_;
   return GuardTorch("eval", [&]() -> absl::Status {
@@ -596,6 +620,13 @@ absl::Status StageRuntime::ApplyUpdate(double progress,
       std::vector<torch::Tensor> stale;
       for (const torch::Tensor& p : s.stash->Get(s.stash->current_version())) {
         stale.push_back(p.detach().clone());
+      }
+      if (s.options.tamper_claim_syncs) {
+        std::vector<torch::Tensor> again;
+        for (const torch::Tensor& p : stale) again.push_back(p.clone());
+        s.stash->Publish(std::move(stale));
+        s.PublishSync(std::move(again));
+        return absl::OkStatus();
       }
       s.stash->Publish(std::move(stale));
       return absl::OkStatus();

@@ -55,8 +55,12 @@ struct RuntimeOptions {
   // For tests only, as above: after this many updates, each update drops
   // its gradients and publishes the weights unchanged as the next version
   // (a stage that skips its updates and trains on stale weights; its
-  // optimizer state stays where it was). -1: never.
+  // optimizer state stays where it was). -1: never. With
+  // `tamper_claim_syncs` each skipped update publishes the weights twice and
+  // counts the second as a weight sync (weight_syncs()), as if an outer step
+  // came between: a skipper dodging its update audits.
   int64_t tamper_skip_updates_after = -1;
+  bool tamper_claim_syncs = false;
 };
 
 // Weight stashing figures of one stage.
@@ -137,6 +141,16 @@ class StageRuntime {
 
   // Last stage, training: forward, loss, backward (gradients accumulate).
   absl::StatusOr<LastStageResult> ForwardLoss(const LinkMessage& input);
+  // Last stage, for a verifier: how far the rounding of the loss's softmax
+  // alone may move the gradient ForwardLoss sends for `input`. For a
+  // confidently classified sample p - 1 at the true class is a difference
+  // of numbers near 1, so its absolute error is a few units in the last
+  // place of 1.0 whatever the sample, and two builds (another exp) round it
+  // differently. Returns, per element of the input, |d(mean of the true
+  // classes' logits)/d(input)| times `ulps` units of 2^-24, as a GRADIENT
+  // message of one raw float32 tensor. Nothing accumulates; no weight
+  // version is held.
+  absl::StatusOr<LinkMessage> LossRoundingFloor(const LinkMessage& input, double ulps);
   // Last stage, evaluation: accumulates loss (and accuracy) of `input`
   // into the pass of its header's step (passes may overlap when one is held
   // up on a paused replica).

@@ -66,6 +66,11 @@ absl::Status StageVerifier::Reset() {
 // (StageVerifierTest's lies are caught on as many elements as without).
 constexpr double kNearbyInput = 1e-5;
 
+// Units of 2^-24 the rounding of a softmax near 1 may differ by between two
+// builds: exp, the sum and the log each round, a unit or two each; four
+// times that for margin.
+constexpr double kLossUlps = 16;
+
 // `input` with its first tensor (float32) moved by `sign` * kNearbyInput of
 // its RMS times a fixed pattern of +-1, re-encoded raw; nullopt when that
 // tensor is not float32.
@@ -180,9 +185,17 @@ absl::StatusOr<OutputComparison> StageVerifier::Verify(const AuditedComputation&
   // Before failing anyone: is the input a rounding-sensitive point, where
   // another build's rounding alone may have flipped a unit? (Two more
   // recomputations, for failing comparisons only.)
-  ASSIGN_OR_RETURN(std::vector<LinkMessage> nearby, RecomputeNearby(audit));
-  if (nearby.empty()) return result;
-  return CompareOutputs(audit.claim, *recomputed, tolerance, nearby);
+  RoundingAllowance allowance;
+  ASSIGN_OR_RETURN(allowance.nearby, RecomputeNearby(audit));
+  // The last stage's gradient: the loss's own rounding.
+  if (runtime_->is_last() && !runtime_->is_first()) {
+    absl::StatusOr<LinkMessage> floor = runtime_->LossRoundingFloor(audit.input, kLossUlps);
+    runtime_->DropInFlight();
+    RETURN_IF_ERROR(floor.status());
+    allowance.floor = *std::move(floor);
+  }
+  if (allowance.nearby.empty() && !allowance.floor.has_value()) return result;
+  return CompareOutputs(audit.claim, *recomputed, tolerance, allowance);
 }
 
 absl::StatusOr<std::vector<LinkMessage>> StageVerifier::RecomputeNearby(

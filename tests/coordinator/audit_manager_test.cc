@@ -4,6 +4,7 @@
 
 #include <map>
 #include <memory>
+#include <random>
 #include <set>
 #include <string>
 
@@ -250,18 +251,113 @@ TEST(AuditManagerTest, StandbysVerifyOnePipeline) {
   EXPECT_EQ(alone->counts().undecided, 3);
 }
 
-// Only the verifier asked answers; unverifiable claims evict nobody.
+// Only the verifier asked answers; unverifiable claims evict nobody. A
+// second verifier is asked first: two that agree close it so.
 TEST(AuditManagerTest, OnlyTheVerifierAskedAnswers) {
   const v1::Plan plan = PipelinesPlan(3);
   Audit audit;
   std::unique_ptr<AuditManager> audits = WithOneAudit(plan, &audit);
   EXPECT_EQ(audits->OnVerdict(audit.id, "p0s1", true, true, "", plan, {}).status().code(),
             absl::StatusCode::kPermissionDenied);
-  auto decision = audits->OnVerdict(audit.id, audit.verifiers[0], false, false,
-                                   "unverifiable: topk", plan, {});
-  ASSERT_TRUE(decision.ok());
-  EXPECT_EQ(decision->audit.state, Audit::State::kUnverifiable);
-  EXPECT_TRUE(decision->evict.empty());
+  auto first = audits->OnVerdict(audit.id, audit.verifiers[0], false, false,
+                                 "unverifiable: topk", plan, {});
+  ASSERT_TRUE(first.ok());
+  ASSERT_TRUE(first->ask.has_value());
+  EXPECT_TRUE(first->evict.empty());
+  auto second = audits->OnVerdict(audit.id, *first->ask, false, false, "unverifiable: topk",
+                                  plan, {});
+  ASSERT_TRUE(second.ok());
+  EXPECT_EQ(second->audit.state, Audit::State::kUnverifiable);
+  EXPECT_TRUE(second->evict.empty());
+  EXPECT_EQ(audits->counts().unverifiable, 1);
+
+  // With no second verifier, one unverifiable verdict closes it.
+  const v1::Plan two = PipelinesPlan(2);
+  std::unique_ptr<AuditManager> alone = WithOneAudit(two, &audit);
+  auto only = alone->OnVerdict(audit.id, audit.verifiers[0], false, false, "unverifiable: topk",
+                               two, {});
+  ASSERT_TRUE(only.ok());
+  EXPECT_EQ(only->audit.state, Audit::State::kUnverifiable);
+  EXPECT_TRUE(only->evict.empty());
+}
+
+// Whether a bundle can be recomputed follows from its evidence, so honest
+// verifiers agree on it. A verifier that calls a colluder's computation
+// unverifiable to shield it is outvoted by two verdicts and evicted, and
+// the verdicts go on: here they confirm the mismatch. One that gives a
+// verdict on what two others find unverifiable is evicted the same way.
+TEST(AuditManagerTest, AVerifierOutvotedOnWhetherItCanBeRecomputedIsEvicted) {
+  const v1::Plan plan = PipelinesPlan(4);  // three verifiers to ask
+  Audit audit;
+  std::unique_ptr<AuditManager> audits = WithOneAudit(plan, &audit);
+  const std::string shield = audit.verifiers[0];
+  auto first = audits->OnVerdict(audit.id, shield, false, false, "unverifiable (forged)", plan,
+                                 {});
+  ASSERT_TRUE(first.ok() && first->ask.has_value());
+  auto second = audits->OnVerdict(audit.id, *first->ask, false, true, "FAILED", plan, {});
+  ASSERT_TRUE(second.ok() && second->ask.has_value()) << "one each: a third decides";
+  EXPECT_TRUE(second->evict.empty());
+  auto third = audits->OnVerdict(audit.id, *second->ask, false, true, "FAILED", plan, {});
+  ASSERT_TRUE(third.ok());
+  EXPECT_EQ(third->audit.state, Audit::State::kConfirmed);
+  EXPECT_EQ(third->evict, (std::vector<std::string>{shield, "p0s1"}));
+
+  // The other way round: two find it unverifiable, one passed it.
+  std::unique_ptr<AuditManager> again = WithOneAudit(plan, &audit);
+  const std::string liar = audit.verifiers[0];
+  first = again->OnVerdict(audit.id, liar, true, true, "passed (forged)", plan, {});
+  ASSERT_TRUE(first.ok());
+  EXPECT_EQ(first->audit.state, Audit::State::kPassed) << "a first verdict that passes is final";
+
+  std::unique_ptr<AuditManager> third_way = WithOneAudit(plan, &audit);
+  first = third_way->OnVerdict(audit.id, audit.verifiers[0], false, false, "unverifiable", plan,
+                               {});
+  ASSERT_TRUE(first.ok() && first->ask.has_value());
+  const std::string gave_verdict = *first->ask;
+  second = third_way->OnVerdict(audit.id, gave_verdict, false, true, "FAILED (forged)", plan, {});
+  ASSERT_TRUE(second.ok() && second->ask.has_value());
+  third = third_way->OnVerdict(audit.id, *second->ask, false, false, "unverifiable", plan, {});
+  ASSERT_TRUE(third.ok());
+  EXPECT_EQ(third->audit.state, Audit::State::kVerifierLied);
+  EXPECT_EQ(third->evict, std::vector<std::string>{gave_verdict});
+  EXPECT_EQ(third_way->PerWorker()["p0s1"].second, 0);
+}
+
+// An honest stage's update audits are unverifiable about once per outer
+// step; a worker that claims a sync at every update it skips is
+// unverifiable every time, and the rule tells them apart.
+TEST(AuditManagerTest, UnverifiableUpdatesAreHeldToTheJobsSyncRate) {
+  v1::JobSpec job;
+  EXPECT_DOUBLE_EQ(UpdateSyncRate(job), 0.05) << "no syncs: the floor for re-plans";
+  job.mutable_outer()->set_inner_steps(8);
+  EXPECT_DOUBLE_EQ(UpdateSyncRate(job), 1.5 / 8);
+  job.set_replicas(2);
+  job.set_replica_sync_every(5);
+  EXPECT_DOUBLE_EQ(UpdateSyncRate(job), 1.5 * (1.0 / 8 + 1.0 / 5));
+
+  const double rate = 1.5 / 8;
+  EXPECT_FALSE(UnverifiableUpdatesUnexplained(7, 7, rate)) << "too few to tell";
+  EXPECT_TRUE(UnverifiableUpdatesUnexplained(12, 12, rate));
+  EXPECT_FALSE(UnverifiableUpdatesUnexplained(12, 2, rate));
+  // An honest stage (one sync in 8 steps) over 10,000 runs of 200 audits:
+  // never over the rule.
+  std::mt19937_64 random(5);
+  std::bernoulli_distribution sync(1.0 / 8);
+  int flagged = 0;
+  for (int run = 0; run < 10000; ++run) {
+    int64_t unverifiable = 0;
+    for (int64_t n = 1; n <= 200; ++n) {
+      unverifiable += sync(random) ? 1 : 0;
+      if (UnverifiableUpdatesUnexplained(n, unverifiable, rate)) {
+        ++flagged;
+        break;
+      }
+    }
+  }
+  EXPECT_EQ(flagged, 0);
+  // One that dodges half its updates (about 56% of its audits
+  // unverifiable) is found within 60 of them.
+  EXPECT_TRUE(UnverifiableUpdatesUnexplained(60, 34, rate));
 }
 
 }  // namespace

@@ -35,6 +35,9 @@
 //                                 drops its gradients and publishes its
 //                                 weights unchanged as the next version (stale
 //                                 weights; its outputs are true to them)
+//   --misbehave=dodge_updates     as skip_updates, and counts a weight sync (as
+//                                 if an outer step came between) at each, so
+//                                 that its update audits are unverifiable
 //   --misbehave=lie_as_verifier   trains honestly; fails every spot check it
 //                                 is asked to verify (a forged accusation)
 // With --lie_every=N (N > 1) the tampering ones lie only on microbatches
@@ -110,6 +113,7 @@ enum class Misbehaviour {
   kScaleGradients,
   kSkipLayer,
   kSkipUpdates,
+  kDodgeUpdates,
   kLieAsVerifier
 };
 
@@ -459,13 +463,15 @@ int Main(int argc, char** argv) {
     how = Misbehaviour::kSkipLayer;
   } else if (kind == "skip_updates") {
     how = Misbehaviour::kSkipUpdates;
+  } else if (kind == "dodge_updates") {
+    how = Misbehaviour::kDodgeUpdates;
   } else if (kind == "lie_as_verifier") {
     how = Misbehaviour::kLieAsVerifier;
   } else {
     std::fprintf(stderr, "--misbehave: one of fake_done, fake_final_step, hijack_link, "
                          "drop_links, stall, poison_checkpoint, scale_outputs, noise, "
                          "flip_gradients, scale_gradients, skip_layer, skip_updates, "
-                         "lie_as_verifier\n");
+                         "dodge_updates, lie_as_verifier\n");
     return 2;
   }
   if (absl::GetFlag(FLAGS_state_dir).empty()) {
@@ -497,9 +503,13 @@ int Main(int argc, char** argv) {
       o->tamper_after_forwards = after;
     };
   }
-  if (how == Misbehaviour::kSkipUpdates) {
+  if (how == Misbehaviour::kSkipUpdates || how == Misbehaviour::kDodgeUpdates) {
     // --after counts updates here: the ones it makes before it stops.
-    options.tamper_runtime = [after](RuntimeOptions* o) { o->tamper_skip_updates_after = after; };
+    const bool claim_syncs = how == Misbehaviour::kDodgeUpdates;
+    options.tamper_runtime = [after, claim_syncs](RuntimeOptions* o) {
+      o->tamper_skip_updates_after = after;
+      o->tamper_claim_syncs = claim_syncs;
+    };
   }
   if (how == Misbehaviour::kLieAsVerifier) {
     options.tamper_verdict = [](v1::AuditVerdict* verdict) {

@@ -559,8 +559,16 @@ struct KinkCase {
   StagePlacement placement{1, 2, 1, 3};
   std::unique_ptr<StageRuntime> stage;
   torch::Tensor weight, bias;  // layer 1's
+  torch::Tensor head_weight, head_bias;  // layer 2's
 
-  LinkMessage Input(const torch::Tensor& x) const {
+  // The logits the stage computes from `x` (float64).
+  torch::Tensor Logits(const torch::Tensor& x) const {
+    return torch::linear(torch::relu(torch::linear(x.to(torch::kFloat64), weight, bias)),
+                         head_weight, head_bias);
+  }
+
+  LinkMessage Input(const torch::Tensor& x,
+                    torch::Tensor labels = torch::arange(8, torch::kInt64).remainder(10)) const {
     LinkMessage m;
     m.header.set_kind(v1::MESSAGE_KIND_ACTIVATION);
     m.header.set_epoch(1);
@@ -568,9 +576,7 @@ struct KinkCase {
     m.header.set_from_stage(0);
     m.header.add_weight_versions(0);
     EXPECT_TRUE(EncodeTensor(x.contiguous(), m.header.add_tensors(), &m.payload).ok());
-    EXPECT_TRUE(EncodeTensor(torch::arange(8, torch::kInt64).remainder(10),
-                             m.header.add_tensors(), &m.payload)
-                    .ok());
+    EXPECT_TRUE(EncodeTensor(labels.contiguous(), m.header.add_tensors(), &m.payload).ok());
     return Committed(std::move(m));
   }
 };
@@ -595,6 +601,12 @@ KinkCase MakeKinkCase() {
   EXPECT_TRUE(weight.ok() && bias.ok());
   k.weight = weight->to(torch::kFloat64);
   k.bias = bias->to(torch::kFloat64);
+  const v1::LayerCheckpoint& head = layers->at(1);
+  auto head_weight = DecodeTensor(head.params(0), head.payload(), 0);
+  auto head_bias = DecodeTensor(head.params(1), head.payload(), head.params(0).payload_bytes());
+  EXPECT_TRUE(head_weight.ok() && head_bias.ok());
+  k.head_weight = head_weight->to(torch::kFloat64);
+  k.head_bias = head_bias->to(torch::kFloat64);
   return k;
 }
 
@@ -665,6 +677,75 @@ TEST(RoundingSensitiveInputTest, AUnitAtItsKinkIsNoLieButALieThereStillFails) {
     EXPECT_FALSE(lie->passed) << what << ": " << lie->Summary();
     std::cout << what << " at the kink: " << lie->Summary() << "\n";
   }
+}
+
+// Every sample confidently classified: p - 1 at the true class is a
+// difference of numbers near 1, rounded to a few units of 2^-24 whatever
+// the sample, and another build's exp rounds it otherwise. The whole
+// gradient is then tiny, and that rounding is far past the device term (a
+// 30-minute run across the two LibTorch builds failed first verdicts so).
+// The verifier adds the loss's rounding floor (16 units of 2^-24 through
+// the backward of the true classes' logits): a claim off by 3 units there
+// passes; a lie on samples that are less confident still fails.
+TEST(RoundingSensitiveInputTest, AConfidentSamplesLossRoundingIsNoLie) {
+  torch::manual_seed(13);
+  KinkCase k = MakeKinkCase();
+  const torch::Tensor x = (torch::randn({8, 16}, torch::kFloat64) * 1000).abs();
+  const torch::Tensor labels = k.Logits(x).argmax(1);
+  const torch::Tensor p = torch::softmax(k.Logits(x), 1);
+  ASSERT_GT(std::get<0>(p.max(1)).min().item<double>(), 0.99) << "every sample confident";
+  const LinkMessage input = k.Input(x.to(torch::kFloat32), labels);
+  auto honest = k.stage->ForwardLoss(input);
+  ASSERT_TRUE(honest.ok() && honest->gradient.has_value()) << honest.status();
+  // Another build: p - 1 at sample 0's true class 3 units of 2^-24 off.
+  torch::Tensor xg = x.to(torch::kFloat32).clone().requires_grad_(true);
+  torch::Tensor logits = torch::linear(
+      torch::relu(torch::linear(xg, k.weight.to(torch::kFloat32), k.bias.to(torch::kFloat32))),
+      k.head_weight.to(torch::kFloat32), k.head_bias.to(torch::kFloat32));
+  torch::Tensor shift = torch::zeros_like(logits);
+  shift.index_put_({0, labels[0].item<int64_t>()}, 3 * std::ldexp(1.0, -24) / 8);
+  torch::Tensor moved = torch::autograd::grad({logits}, {xg}, {shift})[0];
+  auto original = DecodeTensor(honest->gradient->header.tensors(0), honest->gradient->payload, 0);
+  ASSERT_TRUE(original.ok());
+  const std::string digest = k.stage->WeightsDigest();
+  LinkMessage claim =
+      Tampered(*honest->gradient, [&](const torch::Tensor& t) { return t + moved; });
+  claim.header.set_microbatch(5);
+  claim = CommittedBy(claim, digest);
+
+  auto weights = k.stage->ExportCheckpoint(0, /*weights_only=*/true);
+  ASSERT_TRUE(weights.ok());
+  AuditedComputation audit;
+  audit.weights = *weights;
+  audit.input = input;
+  audit.claim = claim;
+  auto plain = CompareOutputs(claim, *honest->gradient, OutputTolerance{});
+  ASSERT_TRUE(plain.ok());
+  EXPECT_FALSE(plain->passed) << "the rounding matters: " << plain->Summary();
+  std::cout << "a confident sample's loss rounding, compared plainly: " << plain->Summary()
+            << "\n";
+  auto verifier = StageVerifier::Create(k.job, k.placement);
+  ASSERT_TRUE(verifier.ok());
+  auto result = (*verifier)->Verify(audit);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_TRUE(result->passed) << result->Summary();
+  std::cout << "the same, by the verifier: " << result->Summary() << "\n";
+
+  // Where the gradient is rounding alone (p is 1 in float32), any claim
+  // within the floor is as good as another; where samples are less
+  // confident the floor is a sliver of their gradient, and a lie fails.
+  torch::Tensor mixed = x.clone();
+  mixed.slice(0, 4, 8).mul_(1e-3);
+  const LinkMessage mixed_input = k.Input(mixed.to(torch::kFloat32), k.Logits(mixed).argmax(1));
+  auto mixed_honest = k.stage->ForwardLoss(mixed_input);
+  ASSERT_TRUE(mixed_honest.ok() && mixed_honest->gradient.has_value());
+  audit.input = mixed_input;
+  audit.claim = CommittedBy(
+      Tampered(*mixed_honest->gradient, [](const torch::Tensor& t) { return t * 1.05; }), digest);
+  auto lie = (*verifier)->Verify(audit);
+  ASSERT_TRUE(lie.ok()) << lie.status();
+  EXPECT_FALSE(lie->passed) << lie->Summary();
+  std::cout << "x1.05 with half the samples less confident: " << lie->Summary() << "\n";
 }
 
 // topk with error feedback adds the sender's residual, which no
