@@ -313,9 +313,10 @@ absl::StatusOr<OutputComparison> CompareUpdates(
         }
         const torch::Tensor start = s0.empty() ? torch::zeros_like(my_state[k]) : s0[k];
         const torch::Tensor change = my_state[k] - start;
-        const torch::Tensor bound = tolerance.update_fraction * BlockAbsMax(change, kDeviceBlock) +
-                                    tolerance.device * BlockAbsMax(my_state[k], kDeviceBlock) +
-                                    1e-30;
+        const torch::Tensor bound =
+            tolerance.update_fraction * BlockAbsMax(change, kDeviceBlock) +
+            std::max(tolerance.device, tolerance.state) * BlockAbsMax(my_state[k], kDeviceBlock) +
+            1e-30;
         Accumulate(claimed_state[k] - start, change, bound, &result, &difference_squared,
                    &reference_squared);
       }
