@@ -442,15 +442,18 @@ absl::Status AuditCoordinator::AcceptVerdict(const std::string& caller,
     }
     // Weight syncs claimed between more of its updates than its job makes:
     // a worker that skips updates and claims a sync at each, so that their
-    // audits cannot be recomputed.
-    if (audit.update && (audit.state == Audit::State::kPassed ||
-                         audit.state == Audit::State::kConfirmed ||
-                         audit.state == Audit::State::kUnverifiable)) {
+    // audits cannot be recomputed. Read from its own two outputs, as
+    // committed and confirmed by their receiver, not from any verifier's
+    // word: a verifier that calls an honest worker's audits unverifiable
+    // cannot get it evicted by this.
+    if (audit.update && audit.state != Audit::State::kOpen && pending.claim.has_value()) {
       UpdateAudits& updates = update_audits_[audit.audited];
       ++updates.closed;
-      if (audit.state == Audit::State::kUnverifiable) ++updates.unverifiable;
-      if (audit.state == Audit::State::kUnverifiable &&
-          UnverifiableUpdatesUnexplained(updates.closed, updates.unverifiable,
+      const bool syncs_between = pending.claim->next_message().header().weight_syncs() >
+                                 pending.claim->message().header().weight_syncs();
+      if (syncs_between) ++updates.with_syncs;
+      if (syncs_between &&
+          UnverifiableUpdatesUnexplained(updates.closed, updates.with_syncs,
                                          options_.audits.update_sync_rate) &&
           !evicted_.count(audit.audited)) {
         evicted_.insert(audit.audited);
@@ -459,7 +462,7 @@ absl::Status AuditCoordinator::AcceptVerdict(const std::string& caller,
             trusted == trusted_.end() ? TrustedFloorLocked() : trusted->second.weights;
         evictions.push_back(
             {audit.audited,
-             absl::StrCat(what, ": ", updates.unverifiable, " of its ", updates.closed,
+             absl::StrCat(what, ": ", updates.with_syncs, " of its ", updates.closed,
                           " update audits had weight syncs between, far more than its job's "
                           "syncs explain (about ",
                           absl::StrFormat("%.1f", options_.audits.update_sync_rate *

@@ -193,12 +193,12 @@ class AuditCoordinator {
     int weights = 0;
   };
   std::map<std::string, Trust> trusted_ ABSL_GUARDED_BY(mu_);
-  // Worker -> its update audits closed (passed, confirmed or
-  // unverifiable), and how many of them were unverifiable: held to the
-  // job's sync rate (UnverifiableUpdatesUnexplained).
+  // Worker -> its update audits closed, and how many of them its own two
+  // outputs claimed weight syncs between: held to the job's sync rate
+  // (UnverifiableUpdatesUnexplained).
   struct UpdateAudits {
     int64_t closed = 0;
-    int64_t unverifiable = 0;
+    int64_t with_syncs = 0;
   };
   std::map<std::string, UpdateAudits> update_audits_ ABSL_GUARDED_BY(mu_);
   uint64_t evidence_bytes_ ABSL_GUARDED_BY(mu_) = 0;

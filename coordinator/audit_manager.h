@@ -98,8 +98,8 @@ struct AuditOptions {
 // re-plans and replicas catching up.
 double UpdateSyncRate(const v1::JobSpec& job);
 
-// Whether `unverifiable` of a worker's `audits` update audits closed
-// unverifiable (weight syncs between) is more than a stage syncing at
+// Whether `unverifiable` of a worker's `audits` update audits had weight
+// syncs between (by its own committed outputs) is more than a stage syncing at
 // `rate` could make: more than rate * n + 4 standard deviations + 4, from
 // at least 8 audits. A worker that claims a sync at each update it skips,
 // to make its update audits unverifiable, exceeds it; an honest one does

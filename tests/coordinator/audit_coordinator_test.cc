@@ -539,6 +539,94 @@ TEST_F(AuditCoordinatorTest, AnUpdateAuditGathersTheWholeStep) {
   }
 }
 
+// A worker is held to the weight syncs its own two outputs claim, not to a
+// verifier's word: p1s1 skips its updates and claims a sync between each
+// (every verifier then rightly calls its update audits unverifiable) and
+// is evicted once those pass what its job's syncs explain; p0s1 and p2s1,
+// whose update audits the verifiers also call unverifiable (lying), claim
+// none and stay.
+TEST_F(AuditCoordinatorTest, AWorkerIsHeldToTheSyncsItsOwnOutputsClaim) {
+  Make(1.0, uint64_t{1} << 30, /*audit_updates=*/true);
+  int update_audits_of_dodger = 0;
+  for (int step = 2; step <= 16 && evicted_.empty(); ++step) {
+    audits_->OnCommitted(plan_, step, 2, {});
+    std::map<std::string, v1::HeartbeatResponse> work;
+    for (int r = 0; r < 3; ++r) {
+      for (int k = 0; k < 2; ++k) work[PipelineWorker(r, k)] = Work(PipelineWorker(r, k));
+    }
+    for (const auto& [w, response] : work) {
+      for (const v1::EvidenceRequest& q : response.evidence_requests()) {
+        if (!q.update()) {
+          ASSERT_TRUE(audits_->AcceptEvidence(w, Part(w, q)).ok());
+          continue;
+        }
+        v1::AuditEvidence e;
+        e.set_worker_id(w);
+        e.set_audit_id(q.audit_id());
+        e.set_part(q.part());
+        e.set_found(true);
+        const std::string first = std::to_string(q.microbatches(0));
+        const std::string next = std::to_string(q.next_microbatch());
+        switch (q.part()) {
+          case v1::EvidenceRequest::SENT_INPUT:
+            for (uint64_t m : q.microbatches()) {
+              *e.add_messages() =
+                  Message(v1::MESSAGE_KIND_ACTIVATION, m, "in" + std::to_string(m));
+            }
+            break;
+          case v1::EvidenceRequest::CLAIM: {
+            if (w == "p1s1") ++update_audits_of_dodger;
+            *e.mutable_message() = Message(v1::MESSAGE_KIND_GRADIENT, q.microbatches(0),
+                                           "out" + first);
+            *e.mutable_next_message() =
+                Message(v1::MESSAGE_KIND_GRADIENT, q.next_microbatch(), "out" + next);
+            e.mutable_message()->mutable_header()->set_weight_syncs(step);
+            e.mutable_next_message()->mutable_header()->set_weight_syncs(
+                w == "p1s1" ? step + 1 : step);
+            e.add_weights()->set_layer(1);
+            e.add_weights_after()->set_layer(1);
+            for (uint64_t m : q.microbatches()) {
+              e.add_received_commitments("in" + std::to_string(m));
+            }
+            break;
+          }
+          case v1::EvidenceRequest::RECEIPT:
+            e.set_received_commitment("out" + first);
+            e.set_next_received_commitment("out" + next);
+            break;
+          default:
+            ADD_FAILURE() << "stage 1 is the last: no downstream gradients to owe";
+        }
+        ASSERT_TRUE(audits_->AcceptEvidence(w, e).ok());
+      }
+    }
+    // Every verifier asked, first or second: outputs pass, updates are
+    // "unverifiable".
+    for (int round = 0; round < 3; ++round) {
+      for (int r = 0; r < 3; ++r) {
+        const std::string verifier = PipelineWorker(r, 1);
+        const v1::HeartbeatResponse asked = Work(verifier);
+        for (uint64_t id : asked.verify_audits()) {
+          absl::StatusOr<v1::AuditBundle> bundle = audits_->Fetch(verifier, id);
+          ASSERT_TRUE(bundle.ok()) << bundle.status();
+          v1::AuditVerdict verdict = Verdict(verifier, id, /*passed=*/true);
+          if (bundle->update()) {
+            verdict.set_passed(false);
+            verdict.set_verifiable(false);
+            verdict.set_summary("unverifiable: weight syncs between");
+          }
+          ASSERT_TRUE(audits_->AcceptVerdict(verifier, verdict, plan_, {}).ok());
+        }
+      }
+    }
+  }
+  EXPECT_EQ(evicted_, std::vector<std::string>{"p1s1"});
+  // Rate 0 (the fixture's job has no syncs): more than 4 from 8 audits.
+  EXPECT_GE(update_audits_of_dodger, 8);
+  EXPECT_LE(update_audits_of_dodger, 9);
+  EXPECT_GT(EventsOf("audit_unverifiable"), 0);
+}
+
 // Steps are drawn once, a new plan's from where the old one's stopped.
 TEST_F(AuditCoordinatorTest, EachCommittedStepIsDrawnOnce) {
   Make(1.0);

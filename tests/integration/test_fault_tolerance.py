@@ -166,36 +166,41 @@ class ChaosTest(unittest.TestCase):
 
     def run_job(self, chaos):
         rng = random.Random(7)
-        # Join order: the witness below must stay in the pipeline from the
-        # first failure to the end. The network planner may re-plan a
+        # Join order: the witnesses below should stay in the pipeline from
+        # the first failure to the end. The network planner may re-plan a
         # healthy worker out to a standby (one CI run's witness ended as a
-        # standby, LEFT), which is its right but not what this measures.
+        # standby, LEFT), which is its right but not what this measures;
+        # so may this planner, more rarely (another's did).
         with FaultCluster(steps=self.STEPS, coordinator_flags=["--planner=join-order"]) as c:
             c.start_coordinator()
             for _ in range(5):  # 3 stages and 2 standbys
                 c.add_worker()
             stopped = None
             rss_early = {}
+            witness = None
             if chaos:
                 for fraction in (0.15, 0.35, 0.55):
                     c.wait_step(int(self.STEPS * fraction), 120)
                     status = c.status()
                     if not rss_early:
-                        # A witness, spared by the chaos: stage 0's worker
-                        # before any failure. Its pipeline is torn down
-                        # and rebuilt at every re-plan.
+                        # Witnesses: the stage workers before any failure
+                        # (standbys then hold no stage: their memory grows
+                        # when they take one). Stage 0's is spared by the
+                        # chaos; its pipeline is torn down and rebuilt at
+                        # every re-plan.
+                        staged = set(c.stage_workers(status).values())
                         witness = c.stage_workers(status)[0]
                         rss_early = {w["name"]: int(w["rss_bytes"])
-                                     for w in status["workers"] if w["name"] == witness}
+                                     for w in status["workers"] if w["name"] in staged}
                     victim = rng.choice(sorted(set(c.stage_workers(status).values()) -
-                                               set(rss_early)))
+                                               {witness}))
                     c.kill(victim)
                     print(f"step {status['step']}: kill -9 {victim}", flush=True)
                     c.add_worker()
                 c.wait_step(int(self.STEPS * 0.7), 120)
                 status = c.status()
                 stopped = rng.choice(sorted(set(c.stage_workers(status).values()) -
-                                            set(rss_early)))
+                                            {witness}))
                 print(f"step {status['step']}: SIGSTOP {stopped} for 10 s", flush=True)
                 c.by_name[stopped].popen.send_signal(signal.SIGSTOP)
                 time.sleep(10)  # the disruption itself lasts 10 s
@@ -207,7 +212,9 @@ class ChaosTest(unittest.TestCase):
                 if name in c.killed:
                     continue
                 self.assertIn(p.popen.poll(), (None, 0), f"{name} crashed:\n{p.log()[-2000:]}")
-            return steps, status, rss_early
+            spared = {name: rss for name, rss in rss_early.items()
+                      if name not in c.killed and name != stopped}
+            return steps, status, spared
 
     def test_training_survives_kills_and_a_stop(self):
         start = time.monotonic()
@@ -224,12 +231,20 @@ class ChaosTest(unittest.TestCase):
         self.assertLessEqual(abs(chaos / calm - 1), 0.10)
         kinds = [e["kind"] for e in status["events"]]
         self.assertGreaterEqual(kinds.count("replanned"), 4)
-        # The witness's memory did not grow across the failures.
-        (witness,) = rss_early
-        (final,) = [w for w in status["workers"] if w["name"] == witness]
-        self.assertEqual(final["state"], "WORKER_STATE_DONE")
+        # The memory of a worker that trained from before the first failure
+        # did not grow. Which ones stay in the pipeline to the end is the
+        # re-plans' choice (a CI run's stage-0 worker ended as a standby,
+        # LEFT, even with the join-order planner): one of those spared by
+        # the chaos that finished the job if any did, else one spared that
+        # trained through the failures and was planned out later (its last
+        # heartbeat's figure).
+        spared = [w for w in status["workers"] if w["name"] in rss_early]
+        self.assertTrue(spared, (rss_early, status["workers"]))
+        final = next((w for w in spared if w["state"] == "WORKER_STATE_DONE"), spared[0])
+        witness = final["name"]
         growth = int(final["rss_bytes"]) / rss_early[witness] - 1
-        print(f"{witness}: RSS {growth:+.1%} from the first failure to the end")
+        print(f"{witness} ({final['state']}): RSS {growth:+.1%} from the first failure to the "
+              "end")
         self.assertLess(growth, 0.25)
         self.assertGreater(int(status["dropped_microbatches"]), 0)
 
