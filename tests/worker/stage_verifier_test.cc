@@ -567,6 +567,19 @@ struct KinkCase {
                          head_weight, head_bias);
   }
 
+  // An audit of `claim` (a gradient of microbatch 5, committed here to the
+  // stage's weights) from `input`, with the stage's weights.
+  AuditedComputation Audit(const LinkMessage& input, LinkMessage claim) const {
+    claim.header.set_microbatch(5);
+    AuditedComputation audit;
+    audit.input = input;
+    audit.claim = CommittedBy(std::move(claim), stage->WeightsDigest());
+    auto weights = stage->ExportCheckpoint(0, /*weights_only=*/true);
+    EXPECT_TRUE(weights.ok()) << weights.status();
+    if (weights.ok()) audit.weights = *weights;
+    return audit;
+  }
+
   LinkMessage Input(const torch::Tensor& x,
                     torch::Tensor labels = torch::arange(8, torch::kInt64).remainder(10)) const {
     LinkMessage m;
@@ -635,17 +648,8 @@ TEST(RoundingSensitiveInputTest, AUnitAtItsKinkIsNoLieButALieThereStillFails) {
   const LinkMessage logged = k.Input(at_preactivation(-1e-6));
   auto claimed = k.stage->ForwardLoss(k.Input(at_preactivation(1e-6)));
   ASSERT_TRUE(claimed.ok() && claimed->gradient.has_value()) << claimed.status();
-  const std::string digest = k.stage->WeightsDigest();
-  LinkMessage claim = *claimed->gradient;
-  claim.header.set_microbatch(5);
-  claim = CommittedBy(claim, digest);
-
-  auto weights = k.stage->ExportCheckpoint(0, /*weights_only=*/true);
-  ASSERT_TRUE(weights.ok());
-  AuditedComputation audit;
-  audit.weights = *weights;
-  audit.input = logged;
-  audit.claim = claim;
+  AuditedComputation audit = k.Audit(logged, *claimed->gradient);
+  const LinkMessage claim = audit.claim;
   auto verifier = StageVerifier::Create(k.job, k.placement);
   ASSERT_TRUE(verifier.ok()) << verifier.status();
 
@@ -671,7 +675,7 @@ TEST(RoundingSensitiveInputTest, AUnitAtItsKinkIsNoLieButALieThereStillFails) {
            {"1% noise", [](const torch::Tensor& t) {
               return t + 0.01 * t.abs().mean() * torch::randn_like(t);
             }}}) {
-    audit.claim = CommittedBy(Tampered(claim, change), digest);
+    audit.claim = CommittedBy(Tampered(claim, change), k.stage->WeightsDigest());
     auto lie = (*verifier)->Verify(audit);
     ASSERT_TRUE(lie.ok()) << lie.status();
     EXPECT_FALSE(lie->passed) << what << ": " << lie->Summary();
@@ -705,20 +709,9 @@ TEST(RoundingSensitiveInputTest, AConfidentSamplesLossRoundingIsNoLie) {
   torch::Tensor shift = torch::zeros_like(logits);
   shift.index_put_({0, labels[0].item<int64_t>()}, 3 * std::ldexp(1.0, -24) / 8);
   torch::Tensor moved = torch::autograd::grad({logits}, {xg}, {shift})[0];
-  auto original = DecodeTensor(honest->gradient->header.tensors(0), honest->gradient->payload, 0);
-  ASSERT_TRUE(original.ok());
-  const std::string digest = k.stage->WeightsDigest();
-  LinkMessage claim =
-      Tampered(*honest->gradient, [&](const torch::Tensor& t) { return t + moved; });
-  claim.header.set_microbatch(5);
-  claim = CommittedBy(claim, digest);
-
-  auto weights = k.stage->ExportCheckpoint(0, /*weights_only=*/true);
-  ASSERT_TRUE(weights.ok());
-  AuditedComputation audit;
-  audit.weights = *weights;
-  audit.input = input;
-  audit.claim = claim;
+  AuditedComputation audit = k.Audit(
+      input, Tampered(*honest->gradient, [&](const torch::Tensor& t) { return t + moved; }));
+  const LinkMessage claim = audit.claim;
   auto plain = CompareOutputs(claim, *honest->gradient, OutputTolerance{});
   ASSERT_TRUE(plain.ok());
   EXPECT_FALSE(plain->passed) << "the rounding matters: " << plain->Summary();
@@ -739,9 +732,8 @@ TEST(RoundingSensitiveInputTest, AConfidentSamplesLossRoundingIsNoLie) {
   const LinkMessage mixed_input = k.Input(mixed.to(torch::kFloat32), k.Logits(mixed).argmax(1));
   auto mixed_honest = k.stage->ForwardLoss(mixed_input);
   ASSERT_TRUE(mixed_honest.ok() && mixed_honest->gradient.has_value());
-  audit.input = mixed_input;
-  audit.claim = CommittedBy(
-      Tampered(*mixed_honest->gradient, [](const torch::Tensor& t) { return t * 1.05; }), digest);
+  audit = k.Audit(mixed_input, Tampered(*mixed_honest->gradient,
+                                         [](const torch::Tensor& t) { return t * 1.05; }));
   auto lie = (*verifier)->Verify(audit);
   ASSERT_TRUE(lie.ok()) << lie.status();
   EXPECT_FALSE(lie->passed) << lie->Summary();
